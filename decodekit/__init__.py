@@ -1,0 +1,18 @@
+"""decodekit: a plugin framework for custom decoding methods on causal language models."""
+
+from .core.cache import DynamicCache, StaticCache
+from .core.config import GenerationConfig
+from .core.outputs import GenerateOutput
+from .core.processors import LogitsProcessorList
+from .core.stopping import StoppingCriteriaList
+from .core.streamers import TextIteratorStreamer, TextStreamer
+from .models import AutoModelForCausalLM, AutoTokenizer
+from .registry import hookimpl, register, unregister
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "GenerateOutput", "DynamicCache", "StaticCache",
+    "LogitsProcessorList", "StoppingCriteriaList", "TextStreamer", "TextIteratorStreamer",
+    "hookimpl", "register", "unregister",
+]

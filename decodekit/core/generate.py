@@ -1,0 +1,215 @@
+"""generate(): input preparation, pipeline assembly through the hook points, and the decode loop."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+from .config import DEFAULTS, GenerationConfig
+from .outputs import GenerateOutput
+from .pipeline import GenerationContext, Pipeline, build_pipeline
+
+logger = logging.getLogger("decodekit")
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "past_key_values")
+
+
+def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict[str, Any]):
+    """A copy of the config with generate()'s keyword arguments applied; returns (config, model_kwargs).
+
+    A keyword that is neither a config field (built-in or declared by a plugin) nor a model input is
+    an error, so a typo never passes silently.
+    """
+    from ..registry.manager import config_fields
+
+    base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if base is not None and not isinstance(base, GenerationConfig):
+        raise TypeError(f"generation_config must be a decodekit GenerationConfig, got {type(base).__name__}.")
+    gc = base.copy() if base is not None else GenerationConfig()
+    plugin_fields = config_fields()
+    for name, default in plugin_fields.items():
+        if not hasattr(gc, name):
+            setattr(gc, name, default)
+    model_kwargs = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
+    known = set(DEFAULTS) | set(plugin_fields)
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        raise ValueError(
+            f"generate() got unknown arguments {unknown}. It accepts the model inputs {list(MODEL_INPUTS)}, the "
+            f"generation config fields {sorted(known)}, and generation_config, logits_processor, stopping_criteria, "
+            "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
+        )
+    if "max_new_tokens" not in kwargs and "max_length" in kwargs:
+        kwargs["max_new_tokens"] = None  # an explicit max_length wins over the config's max_new_tokens
+    gc.update(**kwargs)
+    return gc, model_kwargs
+
+
+def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
+    """Validates input_ids and attention_mask, fills defaults, expands for num_return_sequences."""
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, return_tensors='pt').")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int, torch.int32):
+        raise ValueError(f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
+                         + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else "") + ".")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}; "
+                         "for a single prompt use input_ids[None].")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); the prompt needs at least one token, "
+                         "e.g. the BOS token.")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(f"input_ids contains token ids outside the vocabulary [0, {vocab}).")
+    input_ids = input_ids.long().to(model.device)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, got {shape}.")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (token).")
+        attention_mask = attention_mask.long().to(model.device)
+    elif gc.pad_token_id is not None and gc.pad_token_id not in gc.eos_token_ids and bool((input_ids == gc.pad_token_id).any()):
+        attention_mask = (input_ids != gc.pad_token_id).long()  # infer the mask from pad tokens, as transformers does
+    if attention_mask is not None:
+        if bool((attention_mask.sum(-1) == 0).any()):
+            raise ValueError("attention_mask has a row with no tokens; every prompt needs at least one.")
+        if input_ids.shape[0] > 1 and bool((attention_mask[:, -1] == 0).any()):
+            logger.warning("A prompt is right-padded; decoder-only models need left padding (tokenizer padding_side='left').")
+        if bool(attention_mask.all()):
+            attention_mask = None  # no padding: the model's fastest path
+    n = gc.num_return_sequences
+    if n > 1:
+        input_ids = input_ids.repeat_interleave(n, dim=0)
+        attention_mask = attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else None
+    return input_ids, attention_mask
+
+
+def _forward_accepts(model, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+class GenerationMixin:
+    """Adds generate() to any model with the forward contract
+    `model(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True)`."""
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        stopping_criteria=None,
+        streamer=None,
+        tokenizer=None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        custom_generate=None,
+        trust_remote_code: bool | None = None,
+        **kwargs,
+    ):
+        """Generate continuations of `inputs` (or input_ids=). Keyword arguments are generation config fields.
+
+        Returns the sequences [B * num_return_sequences, T], prompt included, or a GenerateOutput when
+        return_dict_in_generate=True.
+        """
+        if custom_generate is not None:
+            raise NotImplementedError(
+                "custom_generate is not available yet in this version of decodekit; register hook "
+                "implementations with decodekit.registry.register() instead."
+            )
+        if inputs is not None:
+            if "input_ids" in kwargs:
+                raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
+            kwargs["input_ids"] = inputs
+        gc, model_kwargs = merge_config(self, generation_config, kwargs)
+        gc.validate(getattr(getattr(self, "config", None), "vocab_size", None))
+        if gc.pad_token_id is None and gc.eos_token_ids:
+            gc.pad_token_id = gc.eos_token_ids[0]
+        input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
+        prompt_length = input_ids.shape[1]
+        max_length = gc.max_length_for(prompt_length)
+        if max_length <= prompt_length:
+            raise ValueError(
+                f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
+                "Set max_new_tokens (tokens to generate after the prompt)."
+            )
+        if generator is None and seed is not None:
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise ValueError(f"seed={seed!r} is invalid; expected an integer.")
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        from ..registry.manager import get_plugin_manager
+
+        context = GenerationContext(
+            model=self, batch_size=input_ids.shape[0], prompt_length=prompt_length, max_length=max_length,
+            device=input_ids.device, tokenizer=tokenizer, generator=generator,
+        )
+        pipeline = build_pipeline(
+            get_plugin_manager(), gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values")
+        )
+        return decode(self, input_ids, attention_mask, pipeline, gc, streamer)
+
+
+def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationConfig, streamer=None):
+    """The decode loop: forward, processors, selector, stopping, until every row is done."""
+    B = input_ids.shape[0]
+    cache = pipeline.cache
+    use_cache = cache is not None
+    extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+    scores_out: list[torch.Tensor] | None = [] if gc.output_scores else None
+    logits_out: list[torch.Tensor] | None = [] if gc.output_logits else None
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=input_ids.device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    # Positions follow the real tokens of each row; without padding the model derives them from the cache.
+    positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
+    cached = cache.get_seq_length() if use_cache else 0
+    step_ids, step_positions = input_ids[:, cached:], None
+    if positions is not None and cached:
+        step_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+    while True:
+        out = model(
+            step_ids, attention_mask=attention_mask, position_ids=step_positions,
+            past_key_values=cache, use_cache=use_cache, **extra,
+        )
+        raw = out.logits[:, -1, :]
+        scores = raw.float() if raw.dtype != torch.float32 else raw
+        if logits_out is not None:
+            logits_out.append(scores.clone())
+        scores = pipeline.processors(input_ids, scores)
+        if scores_out is not None:
+            scores_out.append(scores.clone())
+        next_tokens = torch.where(unfinished, pipeline.selector(input_ids, scores), pad)
+        input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        unfinished = unfinished & ~pipeline.stopping(input_ids, scores)
+        if not bool(unfinished.any()):
+            break
+        if attention_mask is not None:
+            attention_mask = torch.cat((attention_mask, attention_mask.new_ones(B, 1)), dim=-1)
+            positions = positions + 1
+        if use_cache:
+            step_ids, step_positions = next_tokens[:, None], positions
+        else:
+            step_ids = input_ids
+            step_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if attention_mask is not None else None
+    if streamer is not None:
+        streamer.end()
+    if not gc.return_dict_in_generate:
+        return input_ids
+    return GenerateOutput(
+        sequences=input_ids,
+        scores=tuple(scores_out) if scores_out is not None else None,
+        logits=tuple(logits_out) if logits_out is not None else None,
+        past_key_values=cache,
+    )

@@ -1,0 +1,255 @@
+"""Logits processors: the logits hook point.
+
+One protocol: a processor is a callable `(input_ids [B, T], scores [B, V]) -> scores [B, V]`. It may
+modify `scores` in place and return it. Removed tokens get -inf. Each class below does one thing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+NEG_INF = -math.inf
+
+
+@runtime_checkable
+class LogitsProcessor(Protocol):
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor: ...
+
+
+class LogitsProcessorList(list):
+    """Applies its processors in order."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+def _check(name: str, value, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid; {accepted}.")
+
+
+class TemperatureLogitsWarper:
+    """Divides scores by `temperature` (> 0). Below 1 sharpens the distribution, above 1 flattens it."""
+
+    def __init__(self, temperature: float):
+        _check("temperature", temperature, isinstance(temperature, (int, float)) and temperature > 0, "expected a number > 0")
+        self.temperature = float(temperature)
+
+    def __call__(self, input_ids, scores):
+        return scores / self.temperature
+
+
+class TopKLogitsWarper:
+    """Keeps the `top_k` (>= 1) highest scores; ties at the boundary are all kept."""
+
+    def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
+        _check("top_k", top_k, isinstance(top_k, int) and top_k >= 1, "expected an integer >= 1")
+        self.top_k = max(top_k, min_tokens_to_keep)
+
+    def __call__(self, input_ids, scores):
+        k = min(self.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        return scores.masked_fill(scores < kth, NEG_INF)
+
+
+class TopPLogitsWarper:
+    """Nucleus sampling: keeps the smallest set of top tokens whose probability sums to at least `top_p` (0, 1]."""
+
+    def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
+        _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "expected a number in (0, 1]")
+        self.top_p = float(top_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Ascending order: drop the low tail whose mass is at most 1 - top_p.
+        remove = cumulative <= (1 - self.top_p)
+        remove[..., -self.min_tokens_to_keep :] = False
+        return scores.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
+
+
+class MinPLogitsWarper:
+    """Keeps tokens whose probability is at least `min_p` [0, 1] times the most likely token's."""
+
+    def __init__(self, min_p: float, min_tokens_to_keep: int = 1):
+        _check("min_p", min_p, isinstance(min_p, (int, float)) and 0 <= min_p <= 1, "expected a number in [0, 1]")
+        self.min_p = float(min_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        probs = scores.softmax(dim=-1)
+        threshold = self.min_p * probs.amax(dim=-1, keepdim=True)
+        remove = probs < threshold
+        if self.min_tokens_to_keep > 1:
+            top = torch.topk(probs, self.min_tokens_to_keep, dim=-1).indices
+            remove.scatter_(-1, top, False)
+        return scores.masked_fill(remove, NEG_INF)
+
+
+class TypicalLogitsWarper:
+    """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy, up to mass `typical_p` (0, 1]."""
+
+    def __init__(self, typical_p: float, min_tokens_to_keep: int = 1):
+        _check("typical_p", typical_p, isinstance(typical_p, (int, float)) and 0 < typical_p <= 1, "expected a number in (0, 1]")
+        self.mass = float(typical_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        logp = scores.log_softmax(dim=-1)
+        entropy = -(logp.exp() * logp).nansum(dim=-1, keepdim=True)
+        distance = (-logp - entropy).abs()
+        sorted_distance, order = torch.sort(distance, dim=-1)
+        cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+        last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+        remove = sorted_distance > sorted_distance.gather(-1, last)
+        remove[..., : self.min_tokens_to_keep] = False
+        return scores.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
+
+
+class RepetitionPenaltyLogitsProcessor:
+    """Penalises every token already in the sequence (prompt included): positive scores are divided by
+    `penalty` (> 0), negative ones multiplied, so a penalty above 1 always makes a repeat less likely."""
+
+    def __init__(self, penalty: float):
+        _check("repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0, "expected a number > 0")
+        self.penalty = float(penalty)
+
+    def __call__(self, input_ids, scores):
+        seen = scores.gather(-1, input_ids)
+        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        return scores.scatter(-1, input_ids, seen)
+
+
+def _ngram_continuations(tokens: list[int], n: int) -> dict[tuple[int, ...], set[int]]:
+    table: dict[tuple[int, ...], set[int]] = {}
+    for i in range(len(tokens) - n + 1):
+        table.setdefault(tuple(tokens[i : i + n - 1]), set()).add(tokens[i + n - 1])
+    return table
+
+
+class NoRepeatNGramLogitsProcessor:
+    """Bans any token that would complete an n-gram of size `ngram_size` (>= 1) already in the sequence."""
+
+    def __init__(self, ngram_size: int):
+        _check("no_repeat_ngram_size", ngram_size, isinstance(ngram_size, int) and ngram_size >= 1, "expected an integer >= 1")
+        self.n = ngram_size
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] + 1 < self.n:
+            return scores
+        for row, tokens in enumerate(input_ids.tolist()):
+            prefix = tuple(tokens[len(tokens) - self.n + 1 :]) if self.n > 1 else ()
+            banned = _ngram_continuations(tokens, self.n).get(prefix, ())
+            if banned:
+                scores[row, list(banned)] = NEG_INF
+        return scores
+
+
+def _ends_with(input_ids: torch.LongTensor, prefix: Sequence[int]) -> torch.BoolTensor:
+    """Per row: does the sequence end with `prefix`? (An empty prefix always matches.)"""
+    if not prefix:
+        return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    if len(prefix) > input_ids.shape[1]:
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tail = input_ids[:, -len(prefix) :]
+    return (tail == torch.tensor(prefix, device=input_ids.device)).all(dim=-1)
+
+
+class SequenceBiasLogitsProcessor:
+    """Adds a bias to the last token of each given sequence when the text so far ends with the rest of it.
+
+    `sequence_bias`: {(token, ...): bias} or [[[token, ...], bias], ...]. A one-token sequence is always biased.
+    """
+
+    def __init__(self, sequence_bias):
+        items = sequence_bias.items() if isinstance(sequence_bias, dict) else sequence_bias
+        self.biases = [(tuple(int(t) for t in seq), float(b)) for seq, b in items]
+        _check("sequence_bias", sequence_bias, all(len(s) > 0 for s, _ in self.biases), "sequences must be non-empty")
+
+    def __call__(self, input_ids, scores):
+        bias = torch.zeros_like(scores)
+        for seq, b in self.biases:
+            match = _ends_with(input_ids, seq[:-1])
+            bias[:, seq[-1]] += match.to(scores.dtype) * b
+        return scores + bias
+
+
+class NoBadWordsLogitsProcessor:
+    """Never generates any of `bad_words_ids` (a list of token-id lists): a sequence's last token is banned
+    when the text ends with the rest of it. EOS ids are never banned, as the reference does."""
+
+    def __init__(self, bad_words_ids: Iterable[Sequence[int]], eos_token_id: int | Sequence[int] | None = None):
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        self.words = [tuple(w) for w in bad_words_ids if not (len(w) == 1 and w[0] in eos)]
+        _check("bad_words_ids", bad_words_ids, all(len(w) > 0 for w in self.words), "token lists must be non-empty")
+
+    def __call__(self, input_ids, scores):
+        for word in self.words:
+            match = _ends_with(input_ids, word[:-1])
+            scores[:, word[-1]] = torch.where(match, NEG_INF, scores[:, word[-1]])
+        return scores
+
+
+class SuppressTokensLogitsProcessor:
+    """Sets the scores of `suppress_tokens` to -inf at every step."""
+
+    def __init__(self, suppress_tokens: Sequence[int]):
+        self.tokens = torch.tensor(list(suppress_tokens), dtype=torch.long)
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(-1, self.tokens.to(scores.device), NEG_INF)
+
+
+class MinLengthLogitsProcessor:
+    """Forbids EOS until the sequence (prompt included) is `min_length` tokens long."""
+
+    def __init__(self, min_length: int, eos_token_id: int | Sequence[int]):
+        _check("min_length", min_length, isinstance(min_length, int) and min_length >= 0, "expected an integer >= 0")
+        self.min_length = min_length
+        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] < self.min_length:
+            scores[:, self.eos] = NEG_INF
+        return scores
+
+
+class MinNewTokensLengthLogitsProcessor(MinLengthLogitsProcessor):
+    """Forbids EOS until `min_new_tokens` tokens have been generated after a prompt of `prompt_length`."""
+
+    def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_id: int | Sequence[int]):
+        _check("min_new_tokens", min_new_tokens, isinstance(min_new_tokens, int) and min_new_tokens >= 0, "expected an integer >= 0")
+        super().__init__(prompt_length + min_new_tokens, eos_token_id)
+
+
+def _force(scores: torch.FloatTensor, token_ids: Sequence[int]) -> torch.FloatTensor:
+    forced = torch.full_like(scores, NEG_INF)
+    forced[:, list(token_ids)] = 0
+    return forced
+
+
+class ForcedBOSTokenLogitsProcessor:
+    """Makes `bos_token_id` the first generated token (after a prompt of `prompt_length` tokens)."""
+
+    def __init__(self, bos_token_id: int, prompt_length: int):
+        self.bos, self.at = bos_token_id, prompt_length
+
+    def __call__(self, input_ids, scores):
+        return _force(scores, [self.bos]) if input_ids.shape[1] == self.at else scores
+
+
+class ForcedEOSTokenLogitsProcessor:
+    """Forces an EOS token as the last token when the sequence reaches `max_length`."""
+
+    def __init__(self, max_length: int, eos_token_id: int | Sequence[int]):
+        self.max_length = max_length
+        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+    def __call__(self, input_ids, scores):
+        return _force(scores, self.eos) if input_ids.shape[1] == self.max_length - 1 else scores

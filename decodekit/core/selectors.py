@@ -1,0 +1,40 @@
+"""Token selectors: the selection hook point.
+
+One protocol: a selector is a callable `(input_ids [B, T], scores [B, V]) -> next_tokens [B]`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class TokenSelector(Protocol):
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor: ...
+
+
+class GreedySelector:
+    """The highest-scoring token."""
+
+    def __call__(self, input_ids, scores):
+        return scores.argmax(dim=-1)
+
+
+class SamplingSelector:
+    """A token drawn from softmax(scores).
+
+    Uses the exponential race: argmax(p / E) with E ~ Exponential(1) picks token i with probability
+    p_i, like torch.multinomial, but without its host synchronisation on CUDA, so it can live inside
+    a compiled step. `generator` makes the draw reproducible.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, input_ids, scores):
+        probs = scores.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        # exponential_ may return an exact 0 (probability ~1e-38 per element); keep 0/0 out of argmax.
+        return (probs / race.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)

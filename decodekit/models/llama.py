@@ -1,0 +1,211 @@
+"""The Llama family in plain PyTorch: Llama 2/3, SmolLM, Mistral, Qwen2/2.5 and Qwen3.
+
+One module covers them all; config fields select the differences (q/k/v bias, q/k RMSNorm, sliding
+windows, tied embeddings, rope scaling). For speed at batch 1, where decoding is bound by how fast
+weights stream from memory, q/k/v are one matmul, gate/up are one matmul, and attention reads only
+the filled part of the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.cache import DynamicCache
+from ..core.generate import GenerationMixin
+from ..core.outputs import CausalLMOutput
+from .config import ModelConfig
+from .rope import RotaryTable, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, as the reference implementation does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window_for_layer(layer_idx)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, cache, masks):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        mask = masks.get(self.window, masks.get(None))
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
+        self.down = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, masks):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def build_masks(attention_mask, past: int, T: int, windows: set, device) -> dict:
+    """Boolean attention masks [B or 1, 1, T, past+T], one per distinct sliding window (None: full).
+
+    An empty dict means plain causal attention needs no mask (the common batch-1 case), which lets
+    SDPA take its fastest path.
+    """
+    kv = past + T
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    windowed = any(w is not None and kv > w for w in windows)
+    if not padded and not windowed and (T == 1 or past == 0):
+        return {}
+    q_pos = torch.arange(past, kv, device=device)[:, None]
+    k_pos = torch.arange(kv, device=device)[None, :]
+    masks = {}
+    for w in windows:
+        allowed = k_pos <= q_pos
+        if w is not None:
+            allowed = allowed & (k_pos > q_pos - w)
+        allowed = allowed[None, None]
+        if padded:
+            allowed = allowed & attention_mask[:, None, None, :].bool()
+            # A left-pad query sees no key at all; let it see everything rather than produce NaN.
+            # Its output is never read: real tokens never attend to pad keys.
+            allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+        masks[w] = allowed
+    return masks
+
+
+class LlamaForCausalLM(GenerationMixin, nn.Module):
+    """A decoder-only Llama-family model with the transformers forward contract."""
+
+    def __init__(self, config: ModelConfig, generation_config=None):
+        super().__init__()
+        from ..core.config import GenerationConfig
+
+        self.config = config
+        self.generation_config = generation_config or GenerationConfig.from_model_config(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = RotaryTable(config.head_dim, config.rope(), min(config.max_position_embeddings, 4096))
+        self.windows = {layer.attn.window for layer in self.layers}
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool = True,
+        output_hidden_states: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool = True,
+        **ignored,
+    ) -> CausalLMOutput:
+        unknown = set(ignored) - {"output_attentions", "cache_position"}
+        if unknown or ignored.get("output_attentions"):
+            raise TypeError(
+                f"forward() got unsupported arguments {sorted(unknown or ['output_attentions=True'])}; it accepts "
+                "input_ids, attention_mask, position_ids, past_key_values, use_cache, output_hidden_states, "
+                "inputs_embeds, logits_to_keep."
+            )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward() needs exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}.")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(
+                f"attention_mask must have shape [batch, past + new] = {(B, past + T)}, got {tuple(attention_mask.shape)}."
+            )
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
+        cos, sin = self.rotary.lookup(position_ids, x.dtype)
+        masks = build_masks(attention_mask, past, T, self.windows, x.device)
+
+        hidden_states = [x] if output_hidden_states else None
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, masks)
+            if hidden_states is not None:
+                hidden_states.append(x)
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states[-1] = x  # the last entry is after the final norm, as in transformers
+        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return CausalLMOutput(
+            logits=logits,
+            past_key_values=cache if use_cache else None,
+            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
+        )

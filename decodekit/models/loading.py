@@ -1,0 +1,179 @@
+"""Finding and loading weights: a local directory, a Hub repository (through huggingface_hub) or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+
+logger = logging.getLogger("decodekit")
+
+# What a model load needs from a Hub repository; custom_generate/ is fetched separately, and only on request.
+MODEL_FILE_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype, config_dtype: str | None = None) -> torch.dtype:
+    """None means float32; "auto" means the dtype config.json records."""
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        dtype = config_dtype or "float32"
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}, 'auto', or the torch dtypes.")
+
+
+def resolve_model_dir(
+    name_or_path: str | os.PathLike,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    allow_patterns: list[str] | None = None,
+) -> Path:
+    """A local directory as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"{name!r} is not a model directory, and not a Hub repo id of the form 'org/name'.")
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            repo_id=name,
+            revision=revision,
+            allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
+            local_files_only=local_files_only,
+            token=token,
+        )
+    )
+
+
+def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors weights in {model_dir}.")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter names -> this package's, fusing q/k/v and gate/up into single matrices."""
+    s = {k.removeprefix("model."): v for k, v in hf_state.items()}
+    out = {"embed.weight": s.pop("embed_tokens.weight"), "norm.weight": s.pop("norm.weight")}
+    lm_head = s.pop("lm_head.weight", None)
+    out["lm_head.weight"] = out["embed.weight"] if config.tie_word_embeddings or lm_head is None else lm_head
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[p + "attn.qkv.weight"] = torch.cat([s.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
+        if config.qkv_bias:
+            out[p + "attn.qkv.bias"] = torch.cat([s.pop(f"{attn}{n}_proj.bias") for n in "qkv"])
+        out[p + "attn.o.weight"] = s.pop(attn + "o_proj.weight")
+        if config.o_bias:
+            out[p + "attn.o.bias"] = s.pop(attn + "o_proj.bias")
+        if config.qk_norm:
+            out[p + "attn.q_norm.weight"] = s.pop(attn + "q_norm.weight")
+            out[p + "attn.k_norm.weight"] = s.pop(attn + "k_norm.weight")
+        out[p + "mlp.gate_up.weight"] = torch.cat([s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")])
+        out[p + "mlp.down.weight"] = s.pop(mlp + "down_proj.weight")
+        if config.mlp_bias:
+            out[p + "mlp.gate_up.bias"] = torch.cat([s.pop(mlp + "gate_proj.bias"), s.pop(mlp + "up_proj.bias")])
+            out[p + "mlp.down.bias"] = s.pop(mlp + "down_proj.bias")
+        out[p + "attn_norm.weight"] = s.pop(p + "input_layernorm.weight")
+        out[p + "mlp_norm.weight"] = s.pop(p + "post_attention_layernorm.weight")
+    leftover = [k for k in s if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"Unexpected weights for a {config.model_type} model: {leftover[:5]}")
+    return out
+
+
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device, generation_config=None):
+    from .llama import LlamaForCausalLM
+
+    try:
+        native = to_native(hf_state, config)
+    except KeyError as e:
+        raise ValueError(f"Weights are missing tensor {e.args[0]!r} that a {config.model_type} config requires.") from None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, generation_config)
+    model.load_state_dict(native, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(dtype=dtype, device=device).eval()
+
+
+class AutoModelForCausalLM:
+    """Loads a Llama-family model the way transformers' class of the same name does."""
+
+    @staticmethod
+    def from_pretrained(
+        name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        dtype=None,
+        device=None,
+        gguf_file: str | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ):
+        from ..core.config import GenerationConfig
+        from .gguf_file import open_gguf
+
+        device = torch.device(device or "cpu")
+        path = Path(name_or_path).expanduser()
+        if gguf_file is None and path.is_file() and path.suffix == ".gguf":
+            path, gguf_file = path.parent, path.name
+            name_or_path = path
+        if gguf_file is not None:
+            model_dir = resolve_model_dir(
+                name_or_path, revision, local_files_only, token, allow_patterns=[gguf_file, "generation_config.json"]
+            )
+            gguf = open_gguf(model_dir / gguf_file)
+            config = ModelConfig(**gguf.config())
+            state = gguf.state_dict()
+        else:
+            model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
+            if not (model_dir / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{model_dir} has no config.json; a model directory needs config.json and *.safetensors "
+                    "(or pass gguf_file=...)."
+                )
+            config = ModelConfig.from_file(model_dir / "config.json")
+            state = load_safetensors(model_dir)
+        gen_path = model_dir / "generation_config.json"
+        generation_config = (
+            GenerationConfig.from_file(gen_path, config) if gen_path.is_file() else GenerationConfig.from_model_config(config)
+        )
+        model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), device, generation_config)
+        model.name_or_path = str(name_or_path)
+        logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
+        return model

@@ -1,0 +1,1 @@
+"""Built-in strategies: each module is a pluggy plugin registered like any outside one."""

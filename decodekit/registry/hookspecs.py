@@ -1,0 +1,58 @@
+"""The hook specifications: everything a decoding plugin can contribute.
+
+Built-in strategies, installed packages, Hub repos and local directories all implement these. pluggy
+calls them once per generate() call to assemble the pipeline, never per token. Every hook gets the
+GenerationConfig and a GenerationContext (model, batch size, prompt length, max length, device,
+tokenizer, random generator); an implementation may take only the arguments it needs.
+
+Order: pluggy calls the most recently registered plugin first. For the list hooks, the built-ins are
+marked `tryfirst`, so processors and criteria from outside plugins run after the built-in ones.
+For the firstresult hooks (selector, cache), the most recently registered plugin that returns
+something other than None wins, so an outside plugin overrides a built-in by returning a value.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "decodekit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def decodekit_config_fields():
+    """Generation config fields this plugin reads, as {name: default}.
+
+    generate() accepts them as keyword arguments and rejects names no plugin declares.
+    """
+
+
+@hookspec
+def decodekit_validate_config(generation_config, context):
+    """Raise ValueError (naming the field, the value, what is accepted) if the config is invalid for this plugin."""
+
+
+@hookspec
+def decodekit_logits_processors(generation_config, context):
+    """The logits hook point: a list of processors `(input_ids, scores) -> scores`, applied in order."""
+
+
+@hookspec(firstresult=True)
+def decodekit_token_selector(generation_config, context):
+    """The selection hook point: a selector `(input_ids, scores) -> next_tokens [B]`, or None to pass."""
+
+
+@hookspec
+def decodekit_stopping_criteria(generation_config, context):
+    """The stopping hook point: a list of criteria `(input_ids, scores) -> done [B]`."""
+
+
+@hookspec
+def decodekit_cache_implementations():
+    """Names this plugin accepts for `cache_implementation`."""
+
+
+@hookspec(firstresult=True)
+def decodekit_cache(generation_config, context):
+    """The cache hook point: a KV cache for this call (update, get_seq_length, crop, reorder), or None to pass."""

@@ -1,0 +1,106 @@
+"""Bad input gets a ValueError that names the argument, the value and what is accepted."""
+
+import pytest
+import torch
+
+from decodekit import AutoModelForCausalLM, GenerationConfig
+
+from helpers import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path_factory.mktemp("m")))
+
+
+PROMPT = torch.tensor([[5, 6, 7]])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": -1}, r"max_new_tokens=-1 is invalid; expected an integer >= 1"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0"),
+        ({"max_length": 0}, r"max_length=0"),
+        ({"min_new_tokens": -2}, r"min_new_tokens=-2"),
+        ({"top_p": 0.0, "do_sample": True}, r"top_p=0.0 is invalid; expected a number in \(0, 1\]"),
+        ({"top_p": 1.5, "do_sample": True}, r"top_p=1.5"),
+        ({"top_k": -1}, r"top_k=-1"),
+        ({"min_p": 2.0}, r"min_p=2.0"),
+        ({"typical_p": 0}, r"typical_p=0"),
+        ({"temperature": 0.0, "do_sample": True}, r"temperature=0.0 is invalid; sampling needs temperature > 0"),
+        ({"temperature": -1.0}, r"temperature=-1.0"),
+        ({"repetition_penalty": 0}, r"repetition_penalty=0"),
+        ({"no_repeat_ngram_size": -1}, r"no_repeat_ngram_size=-1"),
+        ({"do_sample": "yes"}, r"do_sample='yes'"),
+        ({"num_return_sequences": 0}, r"num_return_sequences=0"),
+        ({"num_return_sequences": 2}, r"num_return_sequences=2 is invalid; greedy decoding"),
+        ({"eos_token_id": -3}, r"eos_token_id=-3"),
+        ({"eos_token_id": 5000}, r"eos_token_id contains token id 5000, outside the vocabulary \[0, 96\)"),
+        ({"bad_words_ids": [3]}, r"bad_words_ids=\[3\]"),
+        ({"suppress_tokens": "a"}, r"suppress_tokens='a'"),
+        ({"sequence_bias": {"a": 1}}, r"sequence_bias="),
+        ({"stop_strings": ""}, r"stop_strings=''"),
+        ({"max_time": 0}, r"max_time=0"),
+        ({"cache_implementation": "paged"}, r"cache_implementation='paged' is invalid; expected one of \['static', 'dynamic'\]"),
+        ({"output_scores": 1}, r"output_scores=1"),
+        ({"max_new_tokenz": 5}, r"unknown arguments \['max_new_tokenz'\]"),
+    ],
+)
+def test_invalid_config_fields(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(PROMPT, **kwargs)
+
+
+def test_invalid_inputs(model):
+    with pytest.raises(ValueError, match=r"input_ids is empty"):
+        model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids must be 2-D \[batch, seq\], got shape \(3,\)"):
+        model.generate(torch.tensor([5, 6, 7]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the same shape as input_ids \(1, 3\), got \(1, 2\)"):
+        model.generate(PROMPT, attention_mask=torch.ones(1, 2, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"only 0 \(padding\) and 1"):
+        model.generate(PROMPT, attention_mask=torch.full((1, 3), 2), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 96\)"):
+        model.generate(torch.tensor([[5, 500]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"integer torch.Tensor"):
+        model.generate(torch.tensor([[0.5, 1.0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"nothing to generate"):
+        model.generate(PROMPT, max_length=3)
+    with pytest.raises(ValueError, match=r"seed='x'"):
+        model.generate(PROMPT, max_new_tokens=2, do_sample=True, seed="x")
+
+
+def test_invalid_call_leaves_the_models_config_untouched(model):
+    before = model.generation_config.to_dict()
+    with pytest.raises(ValueError):
+        model.generate(PROMPT, top_p=7.0, do_sample=True, max_new_tokens=3)
+    model.generate(PROMPT, max_new_tokens=3, temperature=0.5, do_sample=True, seed=0)
+    assert model.generation_config.to_dict() == before
+
+
+def test_generation_config_object_and_kwargs_override(model):
+    gc = GenerationConfig(max_new_tokens=4, eos_token_id=None)
+    assert model.generate(PROMPT, generation_config=gc).shape == (1, 7)
+    assert model.generate(PROMPT, generation_config=gc, max_new_tokens=2).shape == (1, 5)
+    assert gc.max_new_tokens == 4
+
+
+def test_model_loading_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    bad = write_tiny_model(tmp_path / "gpt2like", model_type="llama")
+    cfg = (bad / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
+    (bad / "config.json").write_text(cfg)
+    with pytest.raises(ValueError, match=r"Unsupported model_type 'gpt_neox'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+        AutoModelForCausalLM.from_pretrained(bad)
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "nope" / "deeper" / "path")
+    with pytest.raises(ValueError, match=r"dtype='float8'"):
+        AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "ok"), dtype="float8")
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    one = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "one", seed=3))
+    three = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "three", seed=3, shards=3))
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))

@@ -1,0 +1,140 @@
+"""Each logits processor against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from decodekit.core import processors as P
+
+INF = math.inf
+
+
+def s(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def ids(*rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def test_temperature_divides():
+    out = P.TemperatureLogitsWarper(0.5)(ids([0]), s([1.0, -2.0, 4.0]))
+    assert out.tolist() == [[2.0, -4.0, 8.0]]
+
+
+def test_top_k_keeps_k_highest_and_ties():
+    out = P.TopKLogitsWarper(2)(ids([0]), s([1.0, 3.0, 2.0, 0.0]))
+    assert out.tolist() == [[-INF, 3.0, 2.0, -INF]]
+    tied = P.TopKLogitsWarper(1)(ids([0]), s([3.0, 3.0, 1.0]))
+    assert tied.tolist() == [[3.0, 3.0, -INF]]
+    assert P.TopKLogitsWarper(10)(ids([0]), s([1.0, 2.0])).tolist() == [[1.0, 2.0]]
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = P.TopPLogitsWarper(0.75)(ids([0]), probs.log())
+    # 0.5 + 0.3 = 0.8 >= 0.75: two tokens kept.
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    out = P.TopPLogitsWarper(0.5)(ids([0]), probs.log())
+    assert torch.isfinite(out).tolist() == [[True, False, False, False]]
+    out = P.TopPLogitsWarper(1.0)(ids([0]), probs.log())
+    assert torch.isfinite(out).all()
+
+
+def test_min_p_scales_with_top_probability():
+    probs = torch.tensor([[0.6, 0.25, 0.1, 0.05]])
+    out = P.MinPLogitsWarper(0.2)(ids([0]), probs.log())  # threshold 0.12
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+
+
+def test_typical_p_keeps_tokens_nearest_the_entropy():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logp = probs.log()
+    entropy = -(probs * logp).sum()
+    distance = (-logp - entropy).abs()[0]
+    order = distance.argsort()
+    # Hand computation: take tokens by closeness to the entropy until their mass reaches 0.5.
+    kept, mass = set(), 0.0
+    for i in order.tolist():
+        kept.add(i)
+        mass += probs[0, i].item()
+        if mass >= 0.5:
+            break
+    out = P.TypicalLogitsWarper(0.5)(ids([0]), logp.clone())
+    assert {i for i in range(4) if math.isfinite(out[0, i].item())} == kept
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    out = P.RepetitionPenaltyLogitsProcessor(2.0)(ids([0, 1]), s([4.0, -1.0, 3.0]))
+    assert out.tolist() == [[2.0, -2.0, 3.0]]
+
+
+def test_no_repeat_ngram_bans_completions():
+    # Sequence 5 6 7 5 6: the bigram (6, 7) and (5, 6) exist; after "6" token 7 is banned (n=2).
+    out = P.NoRepeatNGramLogitsProcessor(2)(ids([5, 6, 7, 5, 6]), torch.zeros(1, 9))
+    assert [i for i in range(9) if out[0, i] == -INF] == [7]
+    out = P.NoRepeatNGramLogitsProcessor(3)(ids([5, 6, 7, 5, 6]), torch.zeros(1, 9))
+    assert [i for i in range(9) if out[0, i] == -INF] == [7]
+    out = P.NoRepeatNGramLogitsProcessor(3)(ids([5, 6, 7, 6, 5]), torch.zeros(1, 9))
+    assert not (out == -INF).any()
+
+
+def test_bad_words_single_and_multi_token():
+    proc = P.NoBadWordsLogitsProcessor([[3], [4, 5], [2]], eos_token_id=2)
+    out = proc(ids([1, 4], [1, 1]), torch.zeros(2, 6))
+    assert out[0].tolist() == [0, 0, 0, -INF, 0, -INF]  # row ends with 4: 5 banned
+    assert out[1].tolist() == [0, 0, 0, -INF, 0, 0]  # EOS (2) is never banned
+
+
+def test_suppress_tokens():
+    out = P.SuppressTokensLogitsProcessor([0, 2])(ids([1]), torch.ones(1, 4))
+    assert out.tolist() == [[-INF, 1.0, -INF, 1.0]]
+
+
+def test_sequence_bias_single_and_conditional():
+    proc = P.SequenceBiasLogitsProcessor({(3,): -1.0, (1, 2): 5.0})
+    out = proc(ids([0, 1], [0, 0]), torch.zeros(2, 4))
+    assert out.tolist() == [[0.0, 0.0, 5.0, -1.0], [0.0, 0.0, 0.0, -1.0]]
+    as_list = P.SequenceBiasLogitsProcessor([[[1, 2], 5.0]])
+    assert as_list(ids([0, 1]), torch.zeros(1, 4)).tolist() == [[0.0, 0.0, 5.0, 0.0]]
+
+
+def test_min_length_and_min_new_tokens_block_eos():
+    proc = P.MinLengthLogitsProcessor(3, eos_token_id=[1, 2])
+    assert proc(ids([0, 0]), torch.zeros(1, 4)).tolist() == [[0, -INF, -INF, 0]]
+    assert proc(ids([0, 0, 0]), torch.zeros(1, 4)).tolist() == [[0, 0, 0, 0]]
+    new = P.MinNewTokensLengthLogitsProcessor(prompt_length=2, min_new_tokens=1, eos_token_id=2)
+    assert new(ids([0, 0]), torch.zeros(1, 4))[0, 2] == -INF
+    assert new(ids([0, 0, 3]), torch.zeros(1, 4))[0, 2] == 0
+
+
+def test_forced_bos_and_eos():
+    bos = P.ForcedBOSTokenLogitsProcessor(1, prompt_length=2)
+    assert bos(ids([0, 0]), torch.zeros(1, 3)).tolist() == [[-INF, 0, -INF]]
+    assert bos(ids([0, 0, 1]), torch.zeros(1, 3)).tolist() == [[0, 0, 0]]
+    eos = P.ForcedEOSTokenLogitsProcessor(max_length=4, eos_token_id=2)
+    assert eos(ids([0, 0, 0]), torch.zeros(1, 3)).tolist() == [[-INF, -INF, 0]]
+    assert eos(ids([0, 0]), torch.zeros(1, 3)).tolist() == [[0, 0, 0]]
+
+
+def test_processor_list_applies_in_order():
+    procs = P.LogitsProcessorList([P.TemperatureLogitsWarper(2.0), P.TopKLogitsWarper(1)])
+    assert procs(ids([0]), s([2.0, 4.0])).tolist() == [[-INF, 2.0]]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: P.TemperatureLogitsWarper(0), "temperature=0"),
+        (lambda: P.TopKLogitsWarper(0), "top_k=0"),
+        (lambda: P.TopPLogitsWarper(1.5), "top_p=1.5"),
+        (lambda: P.MinPLogitsWarper(-0.1), "min_p=-0.1"),
+        (lambda: P.TypicalLogitsWarper(0), "typical_p=0"),
+        (lambda: P.RepetitionPenaltyLogitsProcessor(0), "repetition_penalty=0"),
+        (lambda: P.NoRepeatNGramLogitsProcessor(0), "no_repeat_ngram_size=0"),
+    ],
+)
+def test_processors_reject_bad_values(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

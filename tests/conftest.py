@@ -16,3 +16,23 @@ def default_model():
     from decodekit import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A local Hub (see hub_server.py) with an empty cache; HF_ENDPOINT points at it."""
+    import huggingface_hub.constants as hf_constants
+
+    from hub_server import HubServer
+
+    server = HubServer().start()
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    yield server
+    server.stop()

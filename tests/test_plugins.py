@@ -1,0 +1,159 @@
+"""Strategies are pluggy plugins: built-ins are registered like outside ones, and an outside plugin
+can add a processor, replace the selector, add a stopping rule, supply a cache and declare config fields."""
+
+import pytest
+import torch
+
+import decodekit
+from decodekit import DynamicCache, hookimpl
+from decodekit.core.selectors import GreedySelector
+from decodekit.registry import get_plugin_manager
+
+from helpers import TableModel
+
+V = 8
+
+
+def model():
+    table = torch.zeros(V, V)
+    table[:, 5] = 3.0  # token 5 always wins greedily
+    table[:, 6] = 2.0
+    return TableModel(table)
+
+
+def test_builtins_are_registered_plugins():
+    names = {name for name, _ in get_plugin_manager().list_name_plugin()}
+    assert {"processors", "stopping", "caches", "greedy", "sampling"} <= names
+
+
+class BanFive:
+    """An outside plugin: a processor that bans token 5 unless told otherwise, and a config field."""
+
+    @hookimpl
+    def decodekit_config_fields(self):
+        return {"ban_five": True}
+
+    @hookimpl
+    def decodekit_validate_config(self, generation_config):
+        if not isinstance(generation_config.ban_five, bool):
+            raise ValueError(f"ban_five={generation_config.ban_five!r} is invalid; expected True or False.")
+
+    @hookimpl
+    def decodekit_logits_processors(self, generation_config):
+        if not generation_config.ban_five:
+            return []
+
+        def ban(input_ids, scores):
+            scores[:, 5] = -float("inf")
+            return scores
+
+        return [ban]
+
+
+class LowestSelector:
+    @hookimpl
+    def decodekit_token_selector(self, generation_config):
+        return (lambda input_ids, scores: scores.argmin(dim=-1)) if getattr(generation_config, "pick_lowest", False) else None
+
+    @hookimpl
+    def decodekit_config_fields(self):
+        return {"pick_lowest": False}
+
+
+class StopAfterSix:
+    @hookimpl
+    def decodekit_stopping_criteria(self):
+        return [lambda input_ids, scores: input_ids[:, -1] == 6]
+
+
+class CountingCache:
+    made = 0
+
+    @hookimpl
+    def decodekit_cache(self, context):
+        CountingCache.made += 1
+        assert context.batch_size == 1 and context.max_length == 5
+        return DynamicCache()
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def add(plugin, name):
+        decodekit.register(plugin, name=name)
+        names.append(name)
+
+    yield add
+    for name in names:
+        decodekit.unregister(name)
+
+
+def test_processor_and_config_field(registered):
+    m = model()
+    prompt = torch.tensor([[1]])
+    assert m.generate(prompt, max_new_tokens=2).tolist() == [[1, 5, 5]]
+    registered(BanFive(), "ban-five")
+    assert m.generate(prompt, max_new_tokens=2).tolist() == [[1, 6, 6]]
+    assert m.generate(prompt, max_new_tokens=2, ban_five=False).tolist() == [[1, 5, 5]]
+    with pytest.raises(ValueError, match="ban_five='no'"):
+        m.generate(prompt, max_new_tokens=2, ban_five="no")
+
+
+def test_selector_override_only_when_asked(registered):
+    registered(LowestSelector(), "lowest")
+    m = model()
+    assert m.generate(torch.tensor([[1]]), max_new_tokens=1).tolist() == [[1, 5]]
+    assert m.generate(torch.tensor([[1]]), max_new_tokens=1, pick_lowest=True).tolist() == [[1, 0]]
+
+
+def test_stopping_rule_and_cache(registered):
+    registered(BanFive(), "ban-five")
+    registered(StopAfterSix(), "stop-six")
+    registered(CountingCache(), "counting-cache")
+    out = model().generate(torch.tensor([[1]]), max_new_tokens=4, return_dict_in_generate=True)
+    assert out.sequences.tolist() == [[1, 6]]
+    assert CountingCache.made == 1 and isinstance(out.past_key_values, DynamicCache)
+
+
+def test_hooks_called_once_per_generate_not_per_token(registered):
+    calls = []
+
+    class Spy:
+        @hookimpl
+        def decodekit_logits_processors(self):
+            calls.append(1)
+            return []
+
+    registered(Spy(), "spy")
+    model().generate(torch.tensor([[1]]), max_new_tokens=6)
+    assert calls == [1]
+
+
+def test_user_lists_and_dict_output():
+    m = model()
+    out = m.generate(
+        torch.tensor([[1]]), max_new_tokens=3, return_dict_in_generate=True, output_scores=True, output_logits=True,
+        logits_processor=[lambda ids, s: s.index_fill(-1, torch.tensor([5]), -float("inf"))],
+        stopping_criteria=[lambda ids, s: torch.full((ids.shape[0],), ids.shape[1] >= 3)],
+    )
+    assert out.sequences.tolist() == [[1, 6, 6]]
+    assert len(out.scores) == len(out.logits) == 2
+    assert out.logits[0][0, 5] == 3.0 and out.scores[0][0, 5] == -float("inf")
+    assert out["sequences"] is out.sequences and "scores" in out.keys()
+
+
+def test_unregister_unknown_name():
+    with pytest.raises(ValueError, match="No plugin named 'nope'"):
+        decodekit.unregister("nope")
+
+
+def test_no_selector_is_a_clear_error(registered):
+    pm = get_plugin_manager()
+    greedy = pm.unregister(name="greedy")
+    try:
+        with pytest.raises(ValueError, match="No registered plugin selects tokens"):
+            model().generate(torch.tensor([[1]]), max_new_tokens=1)
+    finally:
+        pm.register(greedy, name="greedy")
+    assert isinstance(GreedySelector()(None, torch.tensor([[0.0, 1.0]])), torch.Tensor)

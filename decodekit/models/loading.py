@@ -114,18 +114,7 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     leftover = [k for k in s if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"Unexpected weights for a {config.model_type} model: {leftover[:5]}")
-    # Matmul weights are stored [in, out] (see llama.Linear).
-    native = {}
-    for name, tensor in out.items():
-        if _is_matmul(name):
-            native[name.removesuffix(".weight") + ".weight_t"] = tensor.t().contiguous()
-        else:
-            native[name] = tensor
-    return native
-
-
-def _is_matmul(name: str) -> bool:
-    return name.endswith((".qkv.weight", ".o.weight", ".gate_up.weight", ".down.weight", "lm_head.weight"))
+    return out
 
 
 def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device, generation_config=None):
@@ -138,6 +127,8 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     with torch.device("meta"):
         model = LlamaForCausalLM(config, generation_config)
     model.load_state_dict(native, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
     return model.to(dtype=dtype, device=device).eval()
 
 

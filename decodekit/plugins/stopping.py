@@ -1,7 +1,13 @@
 """Built-in stopping criteria: max length, EOS ids, stop strings, max time."""
 
 from ..core import stopping as S
+from ..core.config import DEFAULTS
 from ..registry import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {name: DEFAULTS[name] for name in ("max_length", "max_new_tokens", "eos_token_id", "stop_strings", "max_time")}
 
 
 @hookimpl(tryfirst=True)

@@ -1,0 +1,51 @@
+"""Importing custom_generate/ as a real package, so relative imports work at any depth.
+
+Each (source, revision, content) gets its own package name, so two methods never collide, and
+the same one is imported once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import re
+import sys
+from types import ModuleType
+
+from .source import MethodSource
+from .trust import content_hash
+
+
+def package_name(source: MethodSource) -> str:
+    key = f"{source.kind}\0{source.label}\0{source.revision}\0{content_hash(list(source.files))}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    slug = re.sub(r"\W+", "_", source.label).strip("_")[-40:] or "method"
+    return f"_decodekit_method_{slug}_{digest}"
+
+
+def import_generate_module(source: MethodSource) -> ModuleType:
+    """custom_generate/generate.py of `source`, imported as `<unique package>.generate`."""
+    pkg = package_name(source)
+    name = f"{pkg}.generate"
+    if name in sys.modules:
+        return sys.modules[name]
+    method_dir = source.method_dir
+    init = method_dir / "__init__.py"
+    if init.is_file():
+        spec = importlib.util.spec_from_file_location(pkg, init, submodule_search_locations=[str(method_dir)])
+    else:
+        spec = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
+        spec.submodule_search_locations = [str(method_dir)]
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[pkg] = package
+    try:
+        if spec.loader is not None:
+            spec.loader.exec_module(package)
+        return importlib.import_module(name)
+    except BaseException:
+        # Leave nothing half-imported behind: a fixed file must import fresh next time.
+        for mod in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
+            del sys.modules[mod]
+        raise

@@ -1,0 +1,128 @@
+"""Loading a custom generation method and running it: the order is resolve, requirements, trust, import."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+from . import source as sources
+from .importer import import_generate_module
+from .requirements import check_requirements
+from .trust import check_trust
+
+logger = logging.getLogger("decodekit")
+
+HOOK_MARKER = "decodekit_impl"  # the attribute pluggy's HookimplMarker("decodekit") sets
+
+
+@dataclass
+class LoadedMethod:
+    source: sources.MethodSource
+    module: ModuleType
+    generate: Callable | None  # replaces the whole loop
+    hooks: bool  # the module implements decodekit hooks instead
+
+    @property
+    def plugin_name(self) -> str:
+        return f"{self.source.kind}:{self.source.label}@{self.source.revision[:12]}"
+
+
+def hook_names(module: Any) -> list[str]:
+    return sorted(n for n in dir(module) if n.startswith("decodekit_") and hasattr(getattr(module, n), HOOK_MARKER))
+
+
+def load(source: sources.MethodSource, trust_remote_code) -> LoadedMethod:
+    check_requirements(source.method_dir, source.label)
+    check_trust(source.label, source.kind, source.revision, list(source.files), trust_remote_code)
+    logger.info("running custom_generate from %s (%s) at revision %s", source.label, source.kind, source.revision)
+    module = import_generate_module(source)
+    generate = getattr(module, "generate", None)
+    if callable(generate):
+        params = list(inspect.signature(generate).parameters)
+        if not params or params[0] != "model":
+            raise TypeError(
+                f"custom_generate/generate.py of `{source.label}`: generate() must take `model` as its first "
+                f"parameter, got ({', '.join(params)})."
+            )
+        return LoadedMethod(source, module, generate, hooks=False)
+    if hook_names(module):
+        return LoadedMethod(source, module, None, hooks=True)
+    raise AttributeError(
+        f"custom_generate/generate.py of `{source.label}` defines neither a generate(model, ...) function nor "
+        "decodekit hook implementations (functions decorated with decodekit.hookimpl)."
+    )
+
+
+def load_method(spec, trust_remote_code=None, revision=None, token=None, local_files_only=False) -> LoadedMethod:
+    return load(sources.resolve(spec, revision=revision, token=token, local_files_only=local_files_only), trust_remote_code)
+
+
+_registration_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def registered_for_call(method: LoadedMethod):
+    """The method's hook implementations, registered for the duration of one generate() call."""
+    from ..registry.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    with _registration_lock:
+        pm.register(method.module, name=method.plugin_name)
+        try:
+            yield
+        finally:
+            pm.unregister(name=method.plugin_name)
+
+
+def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
+    """generate()'s arguments for a method's generate(): those the caller gave, with `inputs` passed as
+    `input_ids` unless the method names `inputs` itself."""
+    args = {k: v for k, v in arguments.items() if v is not None}
+    if "inputs" in args and "inputs" not in inspect.signature(fn).parameters:
+        args["input_ids"] = args.pop("inputs")
+    return args
+
+
+_inside = threading.local()
+
+
+def bind_to_model(model, method: LoadedMethod) -> None:
+    """Makes the method the model's generate(), with its own signature (minus `model`) visible to inspect.
+    A hook-only method instead has its hooks registered around each call of the built-in generate().
+
+    Inside the method, model.generate() is the built-in one again, so a method that prepares its own
+    inputs and then calls model.generate(...) does not recurse into itself.
+    """
+    builtin = model.generate
+    if method.generate is None:
+        # A hook-only method: every call of this model's generate() runs with its hooks registered.
+        @functools.wraps(builtin)
+        def generate_with_hooks(*args, **kwargs):
+            with registered_for_call(method):
+                return builtin(*args, **kwargs)
+
+        model.generate = generate_with_hooks
+        model.custom_generate_source = method.source
+        return
+    fn = method.generate
+
+    @functools.wraps(fn)
+    def generate(*args, **kwargs):
+        if getattr(_inside, "active", False) or "custom_generate" in kwargs:
+            return builtin(*args, **kwargs)
+        _inside.active = True
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            _inside.active = False
+
+    signature = inspect.signature(fn)
+    generate.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    model.generate = generate
+    model.custom_generate_source = method.source

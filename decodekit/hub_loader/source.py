@@ -1,0 +1,74 @@
+"""Where a method's code comes from: a Hub repo (downloaded with huggingface_hub) or a local directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .trust import code_files, content_hash
+
+METHOD_DIR = "custom_generate"
+HUB_PATTERNS = [f"{METHOD_DIR}/**", "README.md"]
+
+
+@dataclass(frozen=True)
+class MethodSource:
+    label: str  # the repo id, or the directory as the user gave it
+    kind: str  # "hub" or "local"
+    root: Path  # the folder that holds custom_generate/
+    revision: str  # the Hub commit sha, or a local directory's content hash
+    files: tuple[tuple[str, str], ...]  # (path under custom_generate/, sha256)
+
+    @property
+    def method_dir(self) -> Path:
+        return self.root / METHOD_DIR
+
+
+def _check_layout(root: Path, label: str) -> None:
+    if (root / METHOD_DIR / "generate.py").is_file():
+        return
+    if (root / "generate.py").is_file():
+        hint = "generate.py is at the top level; it must be inside a folder named custom_generate/"
+    elif any(p.is_dir() and p.name.lower() != METHOD_DIR and (p / "generate.py").is_file() for p in root.iterdir()):
+        hint = "the folder holding generate.py must be named exactly custom_generate/"
+    else:
+        hint = "a method needs custom_generate/generate.py (and optionally custom_generate/requirements.txt)"
+    raise FileNotFoundError(f"`{label}` has no {METHOD_DIR}/generate.py: {hint}.")
+
+
+def from_directory(root: Path, label: str, kind: str, revision: str | None = None) -> MethodSource:
+    """A source already on disk; `revision` defaults to the content hash of its custom_generate/ files."""
+    _check_layout(root, label)
+    files = tuple(code_files(root / METHOD_DIR))
+    return MethodSource(label, kind, root, revision or content_hash(list(files)), files)
+
+
+def is_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
+
+
+def resolve(
+    spec: str | os.PathLike,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+) -> MethodSource:
+    """A local directory if `spec` is one, else a Hub repo id, downloading only custom_generate/ and README.md."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return from_directory(path.resolve(), str(spec), "local")
+    text = str(spec)
+    if not is_hub_id(text):
+        raise ValueError(
+            f"custom_generate={text!r} is neither an existing local directory nor a Hub repo id 'org/name'. "
+            "It accepts a directory holding custom_generate/generate.py, a Hub repo id, or a callable."
+        )
+    from huggingface_hub import snapshot_download
+
+    snapshot = Path(
+        snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS, token=token, local_files_only=local_files_only)
+    )
+    # The Hub cache stores each revision under snapshots/<commit sha>/.
+    return from_directory(snapshot, text, "hub", revision=snapshot.name)

@@ -31,9 +31,9 @@ def describe_method_file(path: Path) -> tuple[list[str], dict[str, str], str]:
 
 def cached_hub_methods() -> list[PluginRecord]:
     try:
-        from huggingface_hub import scan_cache_dir
+        from huggingface_hub import constants, scan_cache_dir
 
-        cache = scan_cache_dir()
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)  # the cache downloads go to, read at call time
     except Exception:  # no cache yet, or an unreadable one: nothing to list
         return []
     out = []

@@ -1,0 +1,76 @@
+"""Method repositories (custom_generate/ folders) written by the tests."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+# Written the way a transformers user writes a Hub method: it touches only the public model surface
+# (model(...).logits, model.generation_config, model.config.pad_token_id, model.device).
+TRANSFORMERS_STYLE_GREEDY = '''
+"""Greedy decoding with optional left padding, written for transformers."""
+import torch
+
+
+def generate(model, input_ids, generation_config=None, left_padding=None, **kwargs):
+    generation_config = generation_config or model.generation_config
+    cur_length = input_ids.shape[1]
+    max_length = cur_length + (kwargs.get("max_new_tokens") or generation_config.max_new_tokens or 20)
+    if left_padding is not None:
+        if not isinstance(left_padding, int) or left_padding < 0:
+            raise ValueError(f"left_padding must be an integer larger than 0, but is {left_padding}")
+        pad_token = kwargs.pop("pad_token", None) or generation_config.pad_token_id or model.config.pad_token_id
+        if pad_token is None:
+            raise ValueError("pad_token is not defined")
+        batch_size = input_ids.shape[0]
+        pad_tensor = torch.full(size=(batch_size, left_padding), fill_value=pad_token).to(input_ids.device)
+        input_ids = torch.cat((pad_tensor, input_ids), dim=1)
+        cur_length = input_ids.shape[1]
+        max_length = max_length + left_padding
+    while cur_length < max_length:
+        logits = model(input_ids).logits
+        next_token_logits = logits[:, -1, :]
+        next_tokens = torch.argmax(next_token_logits, dim=-1)
+        input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
+        cur_length += 1
+    return input_ids
+'''
+
+# Contributes to the core loop through decodekit's hooks instead of replacing it.
+HOOK_METHOD = '''
+"""Bans one token through the logits hook point; the core loop does the rest."""
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"banned_token": None}
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    banned = generation_config.banned_token
+    if banned is None:
+        return []
+
+    def ban(input_ids, scores):
+        scores[:, banned] = -float("inf")
+        return scores
+
+    return [ban]
+'''
+
+
+def write_method(root: Path, generate_py: str, requirements: str | None = None, extra: dict[str, str] | None = None,
+                 readme: str = "---\ntags:\n- custom_generate\n---\n# a method\n") -> Path:
+    method = root / "custom_generate"
+    method.mkdir(parents=True, exist_ok=True)
+    (method / "generate.py").write_text(textwrap.dedent(generate_py))
+    if requirements is not None:
+        (method / "requirements.txt").write_text(requirements)
+    for name, text in (extra or {}).items():
+        path = method / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    (root / "README.md").write_text(readme)
+    return root

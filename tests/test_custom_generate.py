@@ -206,3 +206,23 @@ def test_hook_method_in_a_model_repo(tmp_path):
     ref = plain.generate(PROMPT, max_new_tokens=4, eos_token_id=None)
     out = model.generate(PROMPT, max_new_tokens=4, eos_token_id=None, banned_token=int(ref[0, 4]))
     assert out[0, 4] != ref[0, 4]
+
+
+def test_cli_runs_a_method_with_trust_flag_or_trusted_revisions_file(default_model, tmp_path, monkeypatch, capsys):
+    from decodekit.cli import main
+
+    repo = write_method(tmp_path / "cli-method", TRANSFORMERS_STYLE_GREEDY)
+    base = ["generate", "The capital of France is", "--custom-generate", str(repo), "--max-new-tokens", "3", "--no-stream"]
+    monkeypatch.setenv("DECODEKIT_CONFIG_DIR", str(tmp_path / "config"))
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "is a local directory" in err
+    assert main(base + ["--trust-remote-code", "--arg", "left_padding=0"]) == 0
+    assert capsys.readouterr().out.startswith("The capital of France is Paris")
+    content_hash = err.split("trust_remote_code='")[1].split("'")[0]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "trusted_revisions.txt").write_text(f"# reviewed\n{repo} {content_hash}\n")
+    assert main(base) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(base + ["--arg", "left_padding"]) == 2
+    assert "--arg 'left_padding' is invalid; expected KEY=VALUE" in capsys.readouterr().err

@@ -7,12 +7,12 @@ from .core.processors import LogitsProcessorList
 from .core.stopping import StoppingCriteriaList
 from .core.streamers import TextIteratorStreamer, TextStreamer
 from .models import AutoModelForCausalLM, AutoTokenizer
-from .registry import hookimpl, register, unregister
+from .registry import get_plugin_manager, hookimpl, register, unregister
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "GenerateOutput", "DynamicCache", "StaticCache",
     "LogitsProcessorList", "StoppingCriteriaList", "TextStreamer", "TextIteratorStreamer",
-    "hookimpl", "register", "unregister",
+    "get_plugin_manager", "hookimpl", "register", "unregister",
 ]

@@ -63,7 +63,58 @@ def build_parser() -> argparse.ArgumentParser:
                                      "time, and custom_generate methods already in the Hugging Face cache.")
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst.set_defaults(func=cmd_list)
+
+    new = sub.add_parser("new", help="start a decoding method from a template",
+                         description="Render a cookiecutter template: `hub-repo` (a custom_generate repository to push to "
+                                     "the Hub) or `plugin-package` (a pip-installable plugin). Asks for each value unless "
+                                     "--no-input; flags given are used as the answers' defaults.")
+    new.add_argument("template", choices=["hub-repo", "plugin-package"], help="what to create")
+    new.add_argument("--name", help="human-readable name; the folder name is derived from it")
+    new.add_argument("--description", help="one sentence on what the method does")
+    new.add_argument("--author", help="your name")
+    new.add_argument("--hook", dest="hook_point",
+                     help="starting point: 'full loop' (hub-repo only), 'whole strategy' (plugin-package only), "
+                          "'logits processor', 'selector', 'stopping rule' or 'cache'")
+    new.add_argument("-o", "--output-dir", default=".", help="where to create the project folder (default: here)")
+    new.add_argument("--no-input", action="store_true", help="do not ask; use the flags and the template's defaults")
+    new.add_argument("--force", action="store_true", help="write into an existing project folder, overwriting its files")
+    new.set_defaults(func=cmd_new)
+
+    chk = sub.add_parser("check", help="validate a custom_generate repo before sharing it",
+                         description="Check the layout (custom_generate/generate.py), the generate(model, ...) signature "
+                                     "or hook implementations, requirements.txt, the README's custom_generate tag and "
+                                     "relative imports. Prints each problem as FILE:LINE: what to do; exits 1 if any.")
+    chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
+    chk.set_defaults(func=cmd_check)
     return parser
+
+
+def cmd_new(args) -> int:
+    from pathlib import Path
+
+    from .templates import render
+
+    context = {"name": args.name, "description": args.description, "author": args.author, "hook_point": args.hook_point}
+    out = render(args.template, Path(args.output_dir), context, no_input=args.no_input, force=args.force)
+    print(f"Created {out}")
+    nxt = "decodekit check {0} && python -m pytest {0}/tests" if args.template == "hub-repo" else "pip install -e '{0}[test]' && python -m pytest {0}/tests"
+    print("Next: " + nxt.format(out))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from pathlib import Path
+
+    from .hub_loader.check import check_repo
+
+    problems = check_repo(Path(args.directory))
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.directory}", file=sys.stderr)
+        return 1
+    print(f"OK: {args.directory} is a valid custom_generate repository")
+    return 0
 
 
 def parse_method_args(pairs: list[str]) -> dict:
@@ -142,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ImportError, PermissionError, TypeError, AttributeError, DefaultModelMissing) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError, PermissionError, TypeError, AttributeError, DefaultModelMissing) as e:
         print(f"decodekit: error: {e}", file=sys.stderr)
         return 2
 

@@ -9,27 +9,41 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 
+def _parse_line(raw: str) -> Requirement | None:
+    """The requirement on one line, None for a blank or comment line; InvalidRequirement otherwise."""
+    line = "" if raw.lstrip().startswith("#") else raw.split(" #", 1)[0].strip()
+    if not line:
+        return None
+    if line.startswith("-"):
+        raise InvalidRequirement("pip options are not supported")
+    return Requirement(line)
+
+
+def requirement_problems(text: str) -> list[tuple[int, str, str]]:
+    """(line number, line, reason) for every line that is not a PEP 508 requirement."""
+    problems = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        try:
+            _parse_line(raw)
+        except InvalidRequirement as e:
+            problems.append((number, raw.strip(), str(e).splitlines()[0]))
+    return problems
+
+
 def parse_requirements(text: str, source: str = "requirements.txt") -> list[Requirement]:
     """Every requirement line of the file; comments and blank lines skipped.
 
     Only PEP 508 requirements are accepted: pip options (`-r other.txt`, `--index-url`) and bare URLs
     are not, since they would need pip to resolve.
     """
-    requirements = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
-        if not line:
-            continue
-        try:
-            if line.startswith("-"):
-                raise InvalidRequirement("pip options are not supported")
-            requirements.append(Requirement(line))
-        except InvalidRequirement as e:
-            raise ValueError(
-                f"{source}, line {number}: {raw.strip()!r} is not a valid requirement ({e}). Each line must be a "
-                "PEP 508 requirement such as 'numpy>=1.24' or 'foo[extra]==1.0; python_version>=\"3.10\"'."
-            ) from None
-    return requirements
+    problems = requirement_problems(text)
+    if problems:
+        number, line, reason = problems[0]
+        raise ValueError(
+            f"{source}, line {number}: {line!r} is not a valid requirement ({reason}). Each line must be a "
+            "PEP 508 requirement such as 'numpy>=1.24' or 'foo[extra]==1.0; python_version>=\"3.10\"'."
+        )
+    return [req for req in map(_parse_line, text.splitlines()) if req is not None]
 
 
 def installed_version(name: str) -> str | None:

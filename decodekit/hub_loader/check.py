@@ -1,0 +1,122 @@
+"""`decodekit check DIR`: what would stop a custom_generate repo from working once shared.
+
+Everything is read as text and syntax trees; nothing in the repo is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+from .requirements import requirement_problems
+from .source import METHOD_DIR
+
+
+@dataclass
+class Problem:
+    file: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.message}"
+
+
+def check_repo(root: Path) -> list[Problem]:
+    root = Path(root)
+    if not root.is_dir():
+        return [Problem(str(root), None, "not a directory; pass the folder that holds custom_generate/")]
+    problems = _check_layout(root)
+    method = root / METHOD_DIR
+    if method.is_dir() and (method / "generate.py").is_file():
+        problems += _check_generate(method / "generate.py", root)
+        problems += _check_relative_imports(method, root)
+    requirements = method / "requirements.txt"
+    if requirements.is_file():
+        for number, line, reason in requirement_problems(requirements.read_text(encoding="utf-8")):
+            problems.append(Problem(_rel(requirements, root), number,
+                                    f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'"))
+    problems += _check_readme(root)
+    return problems
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _check_layout(root: Path) -> list[Problem]:
+    if (root / METHOD_DIR / "generate.py").is_file():
+        return []
+    for candidate in root.iterdir():
+        if candidate.is_dir() and (candidate / "generate.py").is_file():
+            return [Problem(_rel(candidate, root), None,
+                            f"the method folder must be named exactly {METHOD_DIR}/ (the Hub looks for that path); rename it")]
+    if (root / "generate.py").is_file():
+        return [Problem("generate.py", None, f"move it into a folder named {METHOD_DIR}/")]
+    return [Problem(f"{METHOD_DIR}/generate.py", None, "missing; create it with a generate(model, input_ids, ...) function")]
+
+
+def _check_generate(path: Path, root: Path) -> list[Problem]:
+    name = _rel(path, root)
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=name)
+    except SyntaxError as e:
+        return [Problem(name, e.lineno, f"syntax error: {e.msg}")]
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if "generate" in functions:
+        fn = functions["generate"]
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+        if not params or params[0] != "model":
+            return [Problem(name, fn.lineno, f"generate() must take `model` as its first parameter, got ({', '.join(params)})")]
+        return []
+    if any(n.startswith("decodekit_") for n in functions):
+        return []
+    return [Problem(name, None, "defines no generate(model, input_ids, ...) function and no decodekit hook implementations")]
+
+
+def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
+    problems = []
+    for path in sorted(method.rglob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except SyntaxError:
+            continue  # reported for generate.py; other files fail at import with a clear message anyway
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            where = Problem(_rel(path, root), node.lineno, "")
+            if base != method and method not in base.parents:
+                where.message = f"relative import goes above {METHOD_DIR}/; only files inside it are shared"
+                problems.append(where)
+                continue
+            targets = [node.module.replace(".", "/")] if node.module else [a.name for a in node.names]
+            for target in targets:
+                if not ((base / f"{target}.py").is_file() or (base / target).is_dir()
+                        or (not node.module and (base / "__init__.py").is_file())):
+                    dots = "." * node.level
+                    shown = f"{dots}{node.module}" if node.module else f"{dots}{target}"
+                    problems.append(Problem(_rel(path, root), node.lineno,
+                                            f"relative import {shown!r} does not resolve: no {_rel(base / target, root)}.py"))
+    return problems
+
+
+def _check_readme(root: Path) -> list[Problem]:
+    readme = root / "README.md"
+    fix = "add front matter with `tags:` listing `custom_generate` (---\\ntags:\\n- custom_generate\\n---)"
+    if not readme.is_file():
+        return [Problem("README.md", None, f"missing; create it, document the method's arguments, and {fix}")]
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        meta = metadata_load(readme) or {}
+    except Exception as e:  # malformed YAML front matter
+        return [Problem("README.md", 1, f"front matter is not valid YAML ({e})")]
+    tags = meta.get("tags") or []
+    if "custom_generate" not in (tags if isinstance(tags, list) else [tags]):
+        return [Problem("README.md", 1, f"the `custom_generate` tag is missing: {fix}")]
+    return []

@@ -1,0 +1,2 @@
+"""{{ cookiecutter.description }}"""
+{% include "hooks.py.j2" %}

@@ -1,0 +1,120 @@
+"""Tiny random Llama-family checkpoints for tests: of decodekit itself and of the methods people write.
+
+    from decodekit.testing import tiny_model
+    model = tiny_model(tmp_path)              # a loaded 3-layer model with a 96-token vocabulary
+    path = write_tiny_model(tmp_path / "m", "qwen3")   # just the checkpoint directory
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def tiny_config(model_type: str = "llama", **overrides) -> dict:
+    config = {
+        "model_type": model_type,
+        "architectures": [ARCHITECTURES[model_type]],
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 112,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if model_type == "mistral":
+        config["sliding_window"] = 8
+    if model_type == "qwen3":
+        config["head_dim"] = 24  # deliberately not hidden_size / heads
+        config["attention_bias"] = False
+    config.update(overrides)
+    return config
+
+
+def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face names. Scaled so logits are well spread (no near-ties)."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or h // heads
+    qkv_bias = config["model_type"] == "qwen2" or config.get("attention_bias", False)
+
+    def w(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale if scale is not None else 1.0 / math.sqrt(shape[-1]))
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    sd = {"model.embed_tokens.weight": w(vocab, h, scale=1.0), "model.norm.weight": norm(h)}
+    if not config["tie_word_embeddings"]:
+        sd["lm_head.weight"] = w(vocab, h, scale=2.0 / math.sqrt(h))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, out_dim in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
+            sd[f"{p}self_attn.{name}_proj.weight"] = w(out_dim, h)
+            if qkv_bias:
+                sd[f"{p}self_attn.{name}_proj.bias"] = 0.1 * torch.randn(out_dim, generator=g)
+        sd[f"{p}self_attn.o_proj.weight"] = w(h, heads * hd)
+        if config.get("attention_bias", False):
+            sd[f"{p}self_attn.o_proj.bias"] = 0.1 * torch.randn(h, generator=g)
+        if config["model_type"] == "qwen3":
+            sd[f"{p}self_attn.q_norm.weight"] = norm(hd)
+            sd[f"{p}self_attn.k_norm.weight"] = norm(hd)
+        sd[f"{p}mlp.gate_proj.weight"] = w(inter, h)
+        sd[f"{p}mlp.up_proj.weight"] = w(inter, h)
+        sd[f"{p}mlp.down_proj.weight"] = w(h, inter)
+        sd[f"{p}input_layernorm.weight"] = norm(h)
+        sd[f"{p}post_attention_layernorm.weight"] = norm(h)
+    return sd
+
+
+def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, shards: int = 1, **overrides) -> Path:
+    """A complete checkpoint directory: config.json, generation_config.json, safetensors (optionally sharded)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(model_type, **overrides)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    sd = tiny_state_dict(config, seed)
+    if shards == 1:
+        save_file(sd, str(path / "model.safetensors"))
+        return path
+    names = sorted(sd)
+    weight_map = {}
+    for s in range(shards):
+        shard_name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: sd[n] for n in names[s::shards]}
+        save_file(part, str(path / shard_name))
+        weight_map.update({n: shard_name for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+
+
+def tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides):
+    """A loaded tiny model, its checkpoint written under `directory`."""
+    from .models import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(write_tiny_model(Path(directory) / f"tiny-{model_type}", model_type, seed, **overrides))

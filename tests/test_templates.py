@@ -1,0 +1,153 @@
+"""The authoring workflow: `decodekit new` renders templates whose own tests pass, `decodekit check`
+finds what would break a shared repo, and the results run through generate() and `decodekit list`."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodekit.cli import main
+from decodekit.registry import manager
+from decodekit.templates import render, template_choices
+from decodekit.testing import tiny_model
+
+HUB_FILES = {"README.md", "custom_generate/generate.py", "custom_generate/requirements.txt", "tests/test_generate.py",
+             ".github/workflows/test.yml"}
+
+
+def files_of(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def run_pytest(project: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = None
+    if pythonpath is not None:
+        import os
+
+        env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=project,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("hook", template_choices("hub-repo")["hook_point"])
+def test_hub_repo_renders_and_its_tests_pass(tmp_path, hook):
+    project = render("hub-repo", tmp_path, {"name": "My Method", "hook_point": hook}, no_input=True)
+    assert project.name == "my-method" and files_of(project) == HUB_FILES
+    assert "${{ matrix.python-version }}" in (project / ".github/workflows/test.yml").read_text()
+    assert main(["check", str(project)]) == 0
+    result = run_pytest(project)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout
+
+
+def test_rendered_hub_repo_runs_through_generate(tmp_path):
+    project = render("hub-repo", tmp_path, {"name": "Avoider"}, no_input=True)
+    model = tiny_model(tmp_path)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    out = model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=10,
+                         avoid_last_n=4, eos_token_id=None)
+    new = out[0].tolist()
+    assert all(new[i] not in new[i - 4:i] for i in range(4, len(new)))
+
+
+@pytest.mark.parametrize("hook", template_choices("plugin-package")["hook_point"])
+def test_plugin_package_installs_lists_and_generates(tmp_path, hook, monkeypatch, capsys):
+    project = render("plugin-package", tmp_path / "src", {"name": "Shiny Plugin", "hook_point": hook}, no_input=True)
+    assert files_of(project) == {"README.md", "pyproject.toml", "src/shiny_plugin/__init__.py", "src/shiny_plugin/plugin.py",
+                                 "tests/test_plugin.py", ".github/workflows/test.yml"}
+    target = tmp_path / "target"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(project)], capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr
+    result = run_pytest(project, pythonpath=target)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    monkeypatch.syspath_prepend(str(target))
+    manager.reset()
+    try:
+        assert main(["list"]) == 0
+        listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("shiny_plugin ")]
+        assert listed and "package" in listed[0] and "shiny-plugin==0.1.0" in listed[0]
+        if hook in ("selector", "whole strategy"):
+            model = tiny_model(tmp_path)
+            out = model.generate(torch.tensor([[5, 6]]), max_new_tokens=8, eos_token_id=None,
+                                 shiny_plugin_no_immediate_repeat=True)[0].tolist()
+            assert all(a != b for a, b in zip(out, out[1:]))
+    finally:
+        manager.reset()
+        for name in [m for m in sys.modules if m.startswith("shiny_plugin")]:
+            del sys.modules[name]
+
+
+def test_new_refuses_to_overwrite(tmp_path, capsys):
+    args = ["new", "hub-repo", "--no-input", "--name", "Keep Me", "-o", str(tmp_path)]
+    assert main(args) == 0
+    generate_py = tmp_path / "keep-me" / "custom_generate" / "generate.py"
+    generate_py.write_text("# my edits\n")
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "pass --force to overwrite" in err
+    assert generate_py.read_text() == "# my edits\n"  # nothing lost
+    assert main(args + ["--force"]) == 0
+    assert "def generate(model" in generate_py.read_text()
+    assert main(["new", "hub-repo", "--no-input", "--hook", "whole strategy", "-o", str(tmp_path / "x")]) == 2
+    assert "hook_point='whole strategy' is invalid for hub-repo" in capsys.readouterr().err
+
+
+@pytest.fixture
+def good_repo(tmp_path):
+    return render("hub-repo", tmp_path, {"name": "Good"}, no_input=True)
+
+
+def check_output(repo, capsys):
+    code = main(["check", str(repo)])
+    return code, capsys.readouterr().out
+
+
+def test_check_good_repo(good_repo, capsys):
+    assert check_output(good_repo, capsys) == (0, f"OK: {good_repo} is a valid custom_generate repository\n")
+
+
+def test_check_wrong_folder_name(good_repo, capsys):
+    (good_repo / "custom_generate").rename(good_repo / "custom-generate")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "custom-generate: the method folder must be named exactly custom_generate/" in out
+
+
+def test_check_no_generate(good_repo, capsys):
+    (good_repo / "custom_generate" / "generate.py").write_text("def run(model):\n    pass\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "custom_generate/generate.py: defines no generate(model, input_ids, ...) function" in out
+
+
+def test_check_first_parameter(good_repo, capsys):
+    (good_repo / "custom_generate" / "generate.py").write_text("import torch\n\n\ndef generate(input_ids, model):\n    pass\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "custom_generate/generate.py:4: generate() must take `model` as its first parameter, got (input_ids, model)" in out
+
+
+def test_check_bad_requirements_line(good_repo, capsys):
+    (good_repo / "custom_generate" / "requirements.txt").write_text("torch>=2\n-r other.txt\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "custom_generate/requirements.txt:2: '-r other.txt' is not a PEP 508 requirement" in out
+
+
+def test_check_missing_tag(good_repo, capsys):
+    (good_repo / "README.md").write_text("---\ntags:\n- text-generation\n---\n# x\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "README.md:1: the `custom_generate` tag is missing" in out
+
+
+def test_check_unresolved_relative_import(good_repo, capsys):
+    gen = good_repo / "custom_generate" / "generate.py"
+    gen.write_text("from .helpers import f\nfrom .sub.mod import g\n\n\ndef generate(model, input_ids):\n    pass\n")
+    (good_repo / "custom_generate" / "helpers.py").write_text("def f():\n    pass\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1
+    assert "custom_generate/generate.py:2: relative import '.sub.mod' does not resolve: no custom_generate/sub/mod.py" in out
+    assert "helpers" not in out

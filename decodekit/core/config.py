@@ -50,6 +50,12 @@ DEFAULTS: dict[str, Any] = {
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
+def _is_object(v: Any) -> bool:
+    import torch
+
+    return isinstance(v, (torch.Tensor, torch.nn.Module))
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -85,7 +91,8 @@ class GenerationConfig:
         return cls(**base)
 
     def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
+        # Tensors and models (negative_prompt_ids, assistant_model) are shared, not copied.
+        return {k: v if _is_object(v) else copy.deepcopy(v) for k, v in self.__dict__.items()}
 
     def copy(self) -> "GenerationConfig":
         return GenerationConfig(**self.to_dict())

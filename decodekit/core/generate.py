@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -82,11 +83,14 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
             logger.warning("A prompt is right-padded; decoder-only models need left padding (tokenizer padding_side='left').")
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the model's fastest path
-    n = gc.num_return_sequences
-    if n > 1:
-        input_ids = input_ids.repeat_interleave(n, dim=0)
-        attention_mask = attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else None
     return input_ids, attention_mask
+
+
+def expand_rows(input_ids, attention_mask, n: int):
+    """Each prompt repeated n times in a row (for num_return_sequences, beams)."""
+    if n == 1:
+        return input_ids, attention_mask
+    return input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else None
 
 
 def _forward_accepts(model, name: str) -> bool:
@@ -154,13 +158,18 @@ class GenerationMixin:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         from ..registry.manager import get_plugin_manager
 
+        pm = get_plugin_manager()
         context = GenerationContext(
             model=self, batch_size=input_ids.shape[0], prompt_length=prompt_length, max_length=max_length,
             device=input_ids.device, tokenizer=tokenizer, generator=generator,
         )
-        pipeline = build_pipeline(
-            get_plugin_manager(), gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values")
-        )
+        loop = pm.hook.decodekit_decoding_loop(generation_config=gc, context=context) if custom_generate is None else None
+        rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
+        input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
+        context = dataclasses.replace(context, batch_size=input_ids.shape[0])
+        pipeline = build_pipeline(pm, gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
+        if loop is not None:
+            return loop(self, input_ids, attention_mask, pipeline, gc, streamer, context)
         if custom_generate is not None:
             # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
             if "token_selector" in inspect.signature(custom_generate).parameters:
@@ -171,6 +180,27 @@ class GenerationMixin:
                 past_key_values=pipeline.cache, use_cache=gc.use_cache, **method_extras,
             )
         return decode(self, input_ids, attention_mask, pipeline, gc, streamer)
+
+    @staticmethod
+    def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
+        """The score of each generated token: [rows, generated length], 0 past a sequence's end.
+
+        `scores`: the per-step tuple from return_dict_in_generate=True, output_scores=True (or `logits`).
+        `beam_indices`: from beam search; each step's row in `scores` (-1 past the end). Without it, row r
+        of the output reads row r of every step. `normalize_logits=True` applies log_softmax per step first.
+        For beam search, sum(scores) / generated_length ** length_penalty gives back `sequences_scores`.
+        """
+        steps = torch.stack(tuple(scores))  # [steps, rows, V]
+        if normalize_logits:
+            steps = torch.log_softmax(steps.float(), dim=-1)
+        if beam_indices is None:
+            beam_indices = torch.arange(steps.shape[1], device=steps.device)[:, None].expand(-1, steps.shape[0])
+        valid = beam_indices >= 0
+        length = int(valid.sum(dim=1).max())
+        rows, valid = beam_indices[:, :length].clamp(min=0), valid[:, :length]
+        tokens = sequences[:, sequences.shape[1] - length :]
+        step = torch.arange(length, device=steps.device)[None, :].expand_as(rows)
+        return torch.where(valid, steps[step, rows, tokens], torch.zeros((), dtype=steps.dtype, device=steps.device))
 
 
 # What a custom_generate callable always receives; anything else it declares is taken from generate()'s kwargs.

@@ -56,3 +56,20 @@ class GenerateOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
     past_key_values: Any = None
+
+
+@dataclass
+class GenerateBeamOutput(ModelOutput):
+    """generate() with num_beams > 1 and return_dict_in_generate=True.
+
+    `sequences_scores`: each returned sequence's final score (output_scores=True). `scores`: per step, the
+    processed log-probabilities of every running beam [B * num_beams, V]. `beam_indices`: for each
+    returned sequence and generated position, the row of `scores` it came from (-1 past its end).
+    """
+
+    sequences: torch.Tensor | None = None
+    sequences_scores: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    beam_indices: torch.Tensor | None = None
+    past_key_values: Any = None

@@ -56,3 +56,15 @@ def decodekit_cache_implementations():
 @hookspec(firstresult=True)
 def decodekit_cache(generation_config, context):
     """The cache hook point: a KV cache for this call (update, get_seq_length, crop, reorder), or None to pass."""
+
+
+@hookspec(firstresult=True)
+def decodekit_decoding_loop(generation_config, context):
+    """A decoding loop for strategies whose step is not "one token per row from a selector" (beam search,
+    speculative decoding, contrastive search), or None to use the core loop.
+
+    Returns an object with `rows_per_prompt(generation_config) -> int` (how many rows each prompt is
+    expanded to) and `__call__(model, input_ids, attention_mask, pipeline, generation_config, streamer,
+    context)`, which runs the loop with the pipeline's processors, stopping criteria and cache (the
+    other hook points) and returns generate()'s result.
+    """

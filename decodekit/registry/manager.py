@@ -31,6 +31,7 @@ BUILTIN_PLUGINS = (
     ("caches", "decodekit.plugins.caches"),
     ("greedy", "decodekit.plugins.greedy"),
     ("sampling", "decodekit.plugins.sampling"),
+    ("beam_search", "decodekit.plugins.beam_search"),
 )
 
 

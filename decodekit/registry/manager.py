@@ -32,6 +32,7 @@ BUILTIN_PLUGINS = (
     ("greedy", "decodekit.plugins.greedy"),
     ("sampling", "decodekit.plugins.sampling"),
     ("beam_search", "decodekit.plugins.beam_search"),
+    ("speculative", "decodekit.plugins.speculative"),
 )
 
 

@@ -1,0 +1,216 @@
+"""Speculative decoding: assisted decoding (assistant_model=...) and prompt lookup (prompt_lookup_num_tokens=...).
+
+A cheap source proposes several tokens; the target model scores them all in one forward pass and
+keeps the longest prefix it agrees with, plus one token of its own. The result is the target's:
+- greedy: a candidate is kept only if it is the target's argmax, so the output equals plain greedy;
+- sampling with an assistant: candidate c drawn from the assistant's q is kept with probability
+  min(1, p(c) / q(c)); at the first rejection a token is drawn from normalize(max(0, p - q)). This
+  keeps the target's distribution p exactly (speculative sampling);
+- sampling with prompt lookup (candidates without a distribution): a token is drawn from p at each
+  position and candidates are kept while they equal the draw.
+Rejected tokens leave both caches through the cache hook point's `crop`. One prompt at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.outputs import GenerateOutput
+from ..registry import hookimpl
+
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2}
+
+
+@hookimpl
+def decodekit_validate_config(generation_config, context):
+    gc = generation_config
+    assistant, lookup = gc.assistant_model, gc.prompt_lookup_num_tokens
+
+    def bad(name, accepted):
+        return ValueError(f"generation config: {name}={getattr(gc, name)!r} is invalid; {accepted}.")
+
+    if assistant is None and lookup is None:
+        return
+    if assistant is not None and lookup is not None:
+        raise bad("prompt_lookup_num_tokens", "use either assistant_model or prompt_lookup_num_tokens, not both")
+    if lookup is not None and (not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 1):
+        raise bad("prompt_lookup_num_tokens", "expected an integer >= 1")
+    if not isinstance(gc.max_matching_ngram_size, int) or gc.max_matching_ngram_size < 1:
+        raise bad("max_matching_ngram_size", "expected an integer >= 1")
+    if not isinstance(gc.num_assistant_tokens, int) or gc.num_assistant_tokens < 1:
+        raise bad("num_assistant_tokens", "expected an integer >= 1")
+    if gc.num_assistant_tokens_schedule not in SCHEDULES:
+        raise bad("num_assistant_tokens_schedule", f"expected one of {list(SCHEDULES)}")
+    if getattr(gc, "num_beams", 1) > 1:
+        raise bad("num_beams", "speculative decoding works with greedy decoding or sampling, not beam search")
+    if context.batch_size != 1 or gc.num_return_sequences != 1:
+        raise ValueError(
+            f"speculative decoding (assistant_model / prompt_lookup_num_tokens) generates for one prompt at a time; "
+            f"got batch size {context.batch_size} x num_return_sequences {gc.num_return_sequences}. Call it per prompt."
+        )
+    if assistant is not None:
+        if not callable(assistant) or not hasattr(assistant, "config"):
+            raise bad("assistant_model", "expected a model with the forward contract (e.g. from AutoModelForCausalLM)")
+        ours, theirs = context.model.config.vocab_size, assistant.config.vocab_size
+        if ours != theirs:
+            raise ValueError(
+                f"assistant_model has a vocabulary of {theirs} tokens, the model {ours}: speculative decoding needs "
+                "the same tokenizer and vocabulary size for both."
+            )
+
+
+@hookimpl
+def decodekit_decoding_loop(generation_config):
+    gc = generation_config
+    return Speculative() if gc.assistant_model is not None or gc.prompt_lookup_num_tokens is not None else None
+
+
+def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int, room: int) -> torch.Tensor:
+    """Continues the longest n-gram (n <= max_ngram) at the end of `ids` [T] with what followed its first
+    earlier occurrence: up to min(num_tokens, room) tokens; empty when nothing matches."""
+    T = ids.shape[0]
+    limit = min(num_tokens, room)
+    for n in range(min(max_ngram, T - 1), 0, -1):
+        windows = ids.unfold(0, n, 1)[:-1]  # every n-gram but the final one itself
+        hits = (windows == ids[-n:]).all(dim=1).nonzero().flatten()
+        for start in (hits + n).tolist():
+            if start < T and limit > 0:
+                return ids[start : min(start + limit, T)]
+    return ids[:0]
+
+
+class Speculative:
+    def rows_per_prompt(self, gc) -> int:
+        return 1
+
+    def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        if attention_mask is not None:
+            raise ValueError("speculative decoding needs an unpadded prompt (batch size 1, attention_mask all ones).")
+        from ..core.generate import _forward_accepts
+
+        assistant = gc.assistant_model
+        cache, max_length = pipeline.cache, context.max_length
+        if cache is None:
+            raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
+        a_cache = None
+        if assistant is not None:
+            from ..core.pipeline import GenerationContext
+
+            a_context = GenerationContext(model=assistant, batch_size=1, prompt_length=context.prompt_length,
+                                          max_length=max_length, device=input_ids.device)
+            from ..registry.manager import get_plugin_manager
+
+            a_cache = get_plugin_manager().hook.decodekit_cache(generation_config=gc, context=a_context)
+        keep_all = _forward_accepts(model, "logits_to_keep")
+        n_assist = gc.num_assistant_tokens
+        if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
+            n_assist = getattr(assistant.generation_config, "num_assistant_tokens", n_assist)
+        scores_out = [] if gc.output_scores else None
+        logits_out = [] if gc.output_logits else None
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        # The target's cache holds every token but the last, which the next forward feeds with the candidates.
+        if input_ids.shape[1] > 1:
+            model(input_ids[:, :-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if keep_all else {}))
+        done = False
+        while not done:
+            cur = input_ids.shape[1]
+            room = max_length - cur - 1  # candidates beyond this could never be kept
+            if assistant is not None:
+                candidates, q = self._propose(assistant, a_cache, input_ids, min(n_assist, room), pipeline, gc, context)
+            else:
+                candidates = prompt_lookup_candidates(input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room)
+                q = None
+            K = candidates.shape[0]
+            feed = torch.cat((input_ids[:, -1:], candidates[None]), dim=1)
+            out = model(feed, past_key_values=cache, use_cache=True, **({"logits_to_keep": K + 1} if keep_all else {}))
+            logits = out.logits[0, -(K + 1):].float()
+            accepted = 0
+            new_tokens = []
+            for j in range(K + 1):
+                prefix = torch.cat((input_ids, candidates[None, :j]), dim=1)
+                raw = logits[j : j + 1]
+                scores = pipeline.processors(prefix, raw.clone())
+                token, keep = self._judge(scores, candidates, q, j, K, gc, context.generator)
+                if logits_out is not None:
+                    logits_out.append(raw.clone())
+                if scores_out is not None:
+                    scores_out.append(scores)
+                new_tokens.append(token)
+                sequence = torch.cat((prefix, token.view(1, 1)), dim=1)
+                if bool(pipeline.stopping(sequence, scores).all()):
+                    done = True
+                    break
+                if not keep:
+                    break
+                accepted += 1
+            if assistant is not None and gc.num_assistant_tokens_schedule != "constant":
+                n_assist = n_assist + 2 if accepted == K else max(1, n_assist - 1)
+            step = torch.stack(new_tokens).view(1, -1)
+            input_ids = torch.cat((input_ids, step), dim=1)
+            if streamer is not None:
+                for t in step[0]:
+                    streamer.put(t.view(1).cpu())
+            # Keep what the target saw and agreed with: all but the newest token.
+            cache.crop(input_ids.shape[1] - 1)
+            if a_cache is not None:
+                a_cache.crop(min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
+        if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
+            assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does
+        if streamer is not None:
+            streamer.end()
+        if not gc.return_dict_in_generate:
+            return input_ids
+        return GenerateOutput(sequences=input_ids, scores=tuple(scores_out) if scores_out is not None else None,
+                              logits=tuple(logits_out) if logits_out is not None else None, past_key_values=cache)
+
+    @staticmethod
+    def _judge(scores, candidates, q, j, K, gc, generator):
+        """(the token to append at position j, whether the candidate there was accepted)."""
+        if not gc.do_sample:
+            token = scores.argmax(dim=-1)[0]
+            return token, j < K and bool(token == candidates[j])
+        p = torch.softmax(scores, dim=-1)[0]
+        if j < K and q is not None:
+            c = candidates[j]
+            u = torch.rand((), generator=generator, device=p.device)
+            if bool(u * q[j, c] <= p[c]):  # accept with probability min(1, p(c) / q(c))  # accept with probability min(1, p(c) / q(c))
+                return c, True
+            residual = (p - q[j]).clamp(min=0)
+            total = residual.sum()
+            dist = residual / total if bool(total > 0) else p
+            return _draw(dist, generator), False
+        token = _draw(p, generator)
+        return token, j < K and bool(token == candidates[j])
+
+    @staticmethod
+    def _propose(assistant, a_cache, input_ids, n, pipeline, gc, context):
+        """n tokens from the assistant (greedy or sampled), and for sampling their distributions q [n, V]."""
+        tokens, qs = [], []
+        ids = input_ids
+        for _ in range(max(n, 0)):
+            fresh = ids[:, a_cache.get_seq_length():] if a_cache is not None else ids
+            out = assistant(fresh, past_key_values=a_cache, use_cache=a_cache is not None)
+            scores = pipeline.processors(ids, out.logits[:, -1, :].float())
+            if gc.do_sample:
+                q = torch.softmax(scores, dim=-1)[0]
+                token = _draw(q, context.generator)
+                qs.append(q)
+            else:
+                token = scores.argmax(dim=-1)[0]
+            tokens.append(token)
+            ids = torch.cat((ids, token.view(1, 1)), dim=1)
+        candidates = torch.stack(tokens) if tokens else input_ids[0, :0]
+        return candidates, (torch.stack(qs) if qs else None)
+
+
+def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token from `probs` [V] by the exponential race (see SamplingSelector)."""
+    race = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    return (probs / race).argmax()

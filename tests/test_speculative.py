@@ -1,0 +1,103 @@
+"""Assisted decoding and prompt lookup: greedy output identical to plain greedy, sampling keeps the target's
+distribution, clear errors."""
+
+import pytest
+import torch
+
+from decodekit.plugins.speculative import prompt_lookup_candidates
+from decodekit.testing import tiny_model
+
+from helpers import TableModel, chi_square, chi_square_critical
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    return tiny_model(d / "t", seed=0), tiny_model(d / "a", seed=1)
+
+
+def prompts(n=12):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        ids = torch.randint(3, 96, (1, 7), generator=g)
+        yield torch.cat([ids, ids[:, :4], ids], dim=1)  # repeats, so prompt lookup finds matches
+
+
+@pytest.mark.parametrize("mode", ["other assistant", "assistant is the target", "prompt lookup", "heuristic schedule"])
+def test_greedy_output_is_identical_to_plain_greedy(models, mode):
+    target, other = models
+    extra = {
+        "other assistant": dict(assistant_model=other, num_assistant_tokens=4),
+        "assistant is the target": dict(assistant_model=target, num_assistant_tokens=5),  # every candidate accepted
+        "prompt lookup": dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3),
+        "heuristic schedule": dict(assistant_model=other, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic"),
+    }[mode]
+    for ids in prompts():
+        for eos in (None, 2):
+            plain = target.generate(ids, max_new_tokens=16, eos_token_id=eos)
+            fast = target.generate(ids, max_new_tokens=16, eos_token_id=eos, **extra)
+            assert torch.equal(plain, fast)
+
+
+def test_every_candidate_rejected_still_gives_greedy():
+    V = 8
+    target_table = torch.randn(V, V, generator=torch.Generator().manual_seed(2))
+    target = TableModel(target_table)
+    contrarian = TableModel(-target_table)  # always proposes the target's least likely token
+    ids = torch.tensor([[1, 4, 6]])
+    plain = target.generate(ids, max_new_tokens=12)
+    assert torch.equal(target.generate(ids, max_new_tokens=12, assistant_model=contrarian, num_assistant_tokens=3), plain)
+
+
+def test_prompt_lookup_candidates():
+    ids = torch.tensor([5, 6, 7, 8, 9, 5, 6])
+    assert prompt_lookup_candidates(ids, 2, 3, room=10).tolist() == [7, 8, 9]  # "5 6" seen before: continue it
+    assert prompt_lookup_candidates(ids, 2, 3, room=2).tolist() == [7, 8]
+    assert prompt_lookup_candidates(torch.tensor([1, 2, 3]), 2, 3, room=10).tolist() == []  # nothing to match
+    assert prompt_lookup_candidates(torch.tensor([4, 1, 2, 9, 2]), 3, 2, room=10).tolist() == [9, 2]  # falls back to n=1
+
+
+def first_two_tokens(target, n, **kwargs):
+    g = torch.Generator().manual_seed(42)
+    rows = [target.generate(torch.tensor([[3]]), max_new_tokens=2, do_sample=True, top_k=0, generator=g, **kwargs)[0, 1:]
+            for _ in range(n)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("source", ["assistant", "prompt lookup"])
+def test_speculative_sampling_keeps_the_target_distribution(source):
+    V = 6
+    g = torch.Generator().manual_seed(7)
+    target_table = torch.randn(V, V, generator=g)
+    target = TableModel(target_table)
+    if source == "assistant":
+        kwargs = dict(assistant_model=TableModel(torch.randn(V, V, generator=g) * 2), num_assistant_tokens=2)
+    else:
+        target_table[3] += torch.nn.functional.one_hot(torch.tensor(3), V) * 1.5  # make 3 -> 3 repeats (lookup hits) common
+        kwargs = dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
+    samples = first_two_tokens(target, 2500, **kwargs)
+    first = torch.bincount(samples[:, 0], minlength=V).float()
+    stat, df = chi_square(first, torch.softmax(target_table[3], -1))
+    assert stat < chi_square_critical(df), (stat, df)
+    common = int(samples[:, 0].mode().values)
+    second = torch.bincount(samples[samples[:, 0] == common, 1], minlength=V).float()
+    stat, df = chi_square(second, torch.softmax(target_table[common], -1))
+    assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_bad_arguments(models):
+    target, other = models
+    ids = torch.tensor([[5, 6, 7]])
+    small = TableModel(torch.zeros(10, 10))
+    with pytest.raises(ValueError, match="assistant_model has a vocabulary of 10 tokens, the model 96"):
+        target.generate(ids, assistant_model=small, max_new_tokens=2)
+    with pytest.raises(ValueError, match="one prompt at a time; got batch size 2"):
+        target.generate(ids.repeat(2, 1), assistant_model=other, max_new_tokens=2)
+    with pytest.raises(ValueError, match="not both"):
+        target.generate(ids, assistant_model=other, prompt_lookup_num_tokens=3, max_new_tokens=2)
+    with pytest.raises(ValueError, match="not beam search"):
+        target.generate(ids, assistant_model=other, num_beams=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=0"):
+        target.generate(ids, prompt_lookup_num_tokens=0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule='sometimes'"):
+        target.generate(ids, assistant_model=other, num_assistant_tokens_schedule="sometimes", max_new_tokens=2)

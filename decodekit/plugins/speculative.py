@@ -180,7 +180,7 @@ class Speculative:
         if j < K and q is not None:
             c = candidates[j]
             u = torch.rand((), generator=generator, device=p.device)
-            if bool(u * q[j, c] <= p[c]):  # accept with probability min(1, p(c) / q(c))  # accept with probability min(1, p(c) / q(c))
+            if bool(u * q[j, c] <= p[c]):  # accept with probability min(1, p(c) / q(c))
                 return c, True
             residual = (p - q[j]).clamp(min=0)
             total = residual.sum()

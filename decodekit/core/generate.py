@@ -232,6 +232,8 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     cache = pipeline.cache
     use_cache = cache is not None
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+    if pipeline.next_token_logits.needs_hidden_states:
+        extra["output_hidden_states"] = True
     scores_out: list[torch.Tensor] | None = [] if gc.output_scores else None
     logits_out: list[torch.Tensor] | None = [] if gc.output_logits else None
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
@@ -250,7 +252,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             step_ids, attention_mask=attention_mask, position_ids=step_positions,
             past_key_values=cache, use_cache=use_cache, **extra,
         )
-        raw = out.logits[:, -1, :]
+        raw = pipeline.next_token_logits(out)
         scores = raw.float() if raw.dtype != torch.float32 else raw
         if logits_out is not None:
             logits_out.append(scores.clone())

@@ -24,12 +24,20 @@ class GenerationContext:
     generator: torch.Generator | None = None
 
 
+def last_position_logits(output) -> torch.Tensor:
+    return output.logits[:, -1, :]
+
+
+last_position_logits.needs_hidden_states = False
+
+
 @dataclass
 class Pipeline:
     processors: LogitsProcessorList
     selector: Any
     stopping: StoppingCriteriaList
     cache: Any
+    next_token_logits: Any = last_position_logits
 
 
 def build_pipeline(pm, generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
@@ -51,4 +59,5 @@ def build_pipeline(pm, generation_config, context, logits_processor=None, stoppi
         )
     if cache is None and generation_config.use_cache:
         cache = pm.hook.decodekit_cache(generation_config=generation_config, context=context)
-    return Pipeline(processors, selector, criteria, cache)
+    reader = pm.hook.decodekit_next_token_logits(generation_config=generation_config, context=context)
+    return Pipeline(processors, selector, criteria, cache, reader or last_position_logits)

@@ -68,3 +68,12 @@ def decodekit_decoding_loop(generation_config, context):
     context)`, which runs the loop with the pipeline's processors, stopping criteria and cache (the
     other hook points) and returns generate()'s result.
     """
+
+
+@hookspec(firstresult=True)
+def decodekit_next_token_logits(generation_config, context):
+    """How the core loop reads next-token logits from a model output, or None for `output.logits[:, -1]`.
+
+    Returns a callable `(model_output) -> logits [B, V]` with an attribute `needs_hidden_states` (bool):
+    when True, the loop asks the model for hidden states (DoLa contrasts early-exit layers this way).
+    """

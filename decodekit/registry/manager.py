@@ -27,12 +27,15 @@ ENTRY_POINT_GROUP = "decodekit"
 # Built-in strategies, registered exactly as an outside plugin is: (name, module).
 BUILTIN_PLUGINS = (
     ("processors", "decodekit.plugins.processors"),
+    ("guidance", "decodekit.plugins.guidance"),  # after processors: its tryfirst hook then runs first
     ("stopping", "decodekit.plugins.stopping"),
     ("caches", "decodekit.plugins.caches"),
     ("greedy", "decodekit.plugins.greedy"),
     ("sampling", "decodekit.plugins.sampling"),
     ("beam_search", "decodekit.plugins.beam_search"),
     ("speculative", "decodekit.plugins.speculative"),
+    ("dola", "decodekit.plugins.dola"),
+    ("contrastive", "decodekit.plugins.contrastive"),
 )
 
 

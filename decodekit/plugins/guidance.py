@@ -1,0 +1,84 @@
+"""Classifier-free guidance (guidance_scale > 1): push the next-token distribution away from an
+unconditional (or negative-prompt) run of the same model.
+
+scores = scale * (logp_cond - logp_uncond) + logp_uncond, both log-softmaxed. The unconditional run
+starts from `negative_prompt_ids` (or the prompt's last token) and follows the generated tokens with
+its own cache. It runs first among the processors, as in transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.cache import DynamicCache
+from ..registry import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"guidance_scale": None, "negative_prompt_ids": None, "negative_prompt_attention_mask": None}
+
+
+@hookimpl
+def decodekit_validate_config(generation_config, context):
+    gc = generation_config
+    if gc.guidance_scale is None:
+        if gc.negative_prompt_ids is not None:
+            raise ValueError("negative_prompt_ids only applies with guidance_scale > 1; set guidance_scale.")
+        return
+    if not isinstance(gc.guidance_scale, (int, float)) or isinstance(gc.guidance_scale, bool) or gc.guidance_scale < 0:
+        raise ValueError(f"generation config: guidance_scale={gc.guidance_scale!r} is invalid; expected a number >= 0 "
+                         "(1 means no guidance, larger pushes harder).")
+    neg = gc.negative_prompt_ids
+    if neg is not None:
+        if not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size):
+            raise ValueError(f"negative_prompt_ids must be a LongTensor [batch or 1, seq], got "
+                             f"{tuple(neg.shape) if isinstance(neg, torch.Tensor) else type(neg).__name__}.")
+        mask = gc.negative_prompt_attention_mask
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != neg.shape):
+            raise ValueError("negative_prompt_attention_mask must have the shape of negative_prompt_ids.")
+    if getattr(gc, "num_beams", 1) > 1:
+        raise ValueError("guidance_scale is not supported with beam search (num_beams > 1).")
+
+
+@hookimpl(tryfirst=True)
+def decodekit_logits_processors(generation_config, context):
+    gc = generation_config
+    if gc.guidance_scale is None or gc.guidance_scale == 1:
+        return []
+    return [ClassifierFreeGuidanceLogitsProcessor(gc.guidance_scale, context.model, gc.negative_prompt_ids,
+                                                  gc.negative_prompt_attention_mask)]
+
+
+class ClassifierFreeGuidanceLogitsProcessor:
+    """Classifier-free guidance with a second, unconditional run of `model` (guidance_scale > 0; 1 is a no-op).
+
+    Returns log-probabilities: scale * (log p(x | prompt) - log p(x | negative)) + log p(x | negative).
+    """
+
+    def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, negative_prompt_attention_mask=None):
+        self.scale = float(guidance_scale)
+        self.model = model
+        self.negative = negative_prompt_ids
+        self.negative_mask = negative_prompt_attention_mask
+        self.cache = DynamicCache()
+        self.mask = None
+
+    def _unconditional(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        B = input_ids.shape[0]
+        if self.mask is None:  # first step: the negative prompt, or each row's last token
+            ids = self.negative.expand(B, -1) if self.negative is not None else input_ids[:, -1:]
+            mask = self.negative_mask.expand(B, -1) if self.negative_mask is not None else torch.ones_like(ids)
+            self.mask = mask.to(input_ids.device).long()
+            ids = ids.to(input_ids.device)
+        else:
+            ids = input_ids[:, -1:]
+            self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=-1)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        out = self.model(ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, :].float()
+
+    def __call__(self, input_ids, scores):
+        scores = torch.log_softmax(scores, dim=-1)
+        uncond = torch.log_softmax(self._unconditional(input_ids), dim=-1)
+        return self.scale * (scores - uncond) + uncond

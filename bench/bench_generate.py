@@ -19,6 +19,19 @@ import warnings
 import torch
 
 PROMPT = "The capital of France is"
+# An input-grounded prompt: the answer copies spans of the input, which prompt lookup exploits.
+# Sent through the chat template, since the default model is an instruct model.
+GROUNDED_CODE = (
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError('window must be positive')\n"
+    "    averages = []\n"
+    "    for i in range(len(values) - window + 1):\n"
+    "        chunk = values[i:i + window]\n"
+    "        averages.append(sum(chunk) / window)\n"
+    "    return averages\n"
+)
+GROUNDED_MESSAGE = "Rename the variable `averages` to `result` in this Python function and show the full function:\n\n"
 
 
 def median_time(fn, runs: int) -> float:
@@ -104,11 +117,12 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--only", choices=["core", "strategies"], help="run one group of rows (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
-    from decodekit import AutoModelForCausalLM, AutoTokenizer, StaticCache
+    from decodekit import AutoModelForCausalLM, AutoTokenizer
     from decodekit.models.default import default_model_path
 
     path = default_model_path()
@@ -138,6 +152,36 @@ def main() -> int:
         ref.generation_config.pad_token_id = tok.pad_token_id
         models["transformers"] = ref
         result["transformers_version"] = transformers.__version__
+    ms = {}
+    if args.only in (None, "core"):
+        ms.update(core_rows(args, models, ours, ids, mask, prefill))
+    if args.only in (None, "strategies"):
+        result["strategies"] = strategy_rows(args, models, tok)
+    dk = {name: t for (lib, name), t in ms.items() if lib == "decodekit"}
+    rows = {name: {"decodekit_ms_per_token": round(t, 2)} for name, t in dk.items()}
+    for (lib, name), t in ms.items():
+        if lib == "transformers":
+            rows[name]["transformers_ms_per_token"] = round(t, 2)
+            rows[name]["speedup_vs_transformers"] = round(t / dk[name], 3)
+
+    for name, row in rows.items():
+        row["decodekit_tokens_per_s"] = round(1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1)
+    result["rows"] = rows
+    if dk:
+        fwd = dk["bare_forward_at_128"]
+        result["ratios"] = {
+            "greedy_vs_bare_forward": round(dk["greedy_b1"] / fwd, 3),
+            "sampling_vs_greedy": round(dk["sample_topk50_topp0.9_b1"] / dk["greedy_b1"], 3),
+            "greedy_vs_bandwidth_bound": round(dk["greedy_b1"] / bound_ms, 2),
+        }
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+def core_rows(args, models, ours, ids, mask, prefill) -> dict:
+    from decodekit import StaticCache
+
     # Round-robin within one batch size only: decodekit re-lays its weights out when the batch size
     # crosses 4 rows (about 150 ms, see models/llama.py), a cost a real workload pays once per switch.
     ms = {}
@@ -152,28 +196,48 @@ def main() -> int:
         ours, prefill, lambda: StaticCache.for_model(ours, 1, 256), {"logits_to_keep": 1}, runs=args.runs
     )
     if "transformers" in models:
+        import transformers
+
         ms[("transformers", "bare_forward_at_128")] = bare_forward_ms(
             models["transformers"], prefill, transformers.DynamicCache, {"logits_to_keep": 1}, runs=args.runs
         )
-    dk = {name: t for (lib, name), t in ms.items() if lib == "decodekit"}
-    rows = {name: {"decodekit_ms_per_token": round(t, 2)} for name, t in dk.items()}
-    for (lib, name), t in ms.items():
-        if lib == "transformers":
-            rows[name]["transformers_ms_per_token"] = round(t, 2)
-            rows[name]["speedup_vs_transformers"] = round(t / dk[name], 3)
+    return ms
 
-    for name, row in rows.items():
-        row["decodekit_tokens_per_s"] = round(1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1)
-    result["rows"] = rows
-    fwd = dk["bare_forward_at_128"]
-    result["ratios"] = {
-        "greedy_vs_bare_forward": round(dk["greedy_b1"] / fwd, 3),
-        "sampling_vs_greedy": round(dk["sample_topk50_topp0.9_b1"] / dk["greedy_b1"], 3),
-        "greedy_vs_bandwidth_bound": round(dk["greedy_b1"] / bound_ms, 2),
+
+def strategy_rows(args, models, tok) -> dict:
+    """Beam search (4 beams, 64 new tokens) against transformers, and prompt lookup against plain greedy."""
+    out = {}
+    ids = tok(PROMPT, return_tensors="pt")
+    beam_jobs = {
+        lib: (lambda m=model: m.generate(**ids, num_beams=4, max_new_tokens=64, min_new_tokens=64))
+        for lib, model in models.items()
     }
-    json.dump(result, sys.stdout, indent=2)
-    print()
-    return 0
+    with torch.inference_mode():
+        t = interleaved_medians(beam_jobs, args.runs)
+        same = all(torch.equal(beam_jobs["decodekit"](), f()) for f in beam_jobs.values())
+    out["beam4_64_tokens"] = {f"{lib}_ms_per_token": round(1000 * s / 64, 2) for lib, s in t.items()}
+    if "transformers" in t:
+        out["beam4_64_tokens"]["speedup_vs_transformers"] = round(t["transformers"] / t["decodekit"], 3)
+    out["beam4_64_tokens"]["identical_output"] = same
+
+    ours = models["decodekit"]
+    grounded = {"input_ids": tok.apply_chat_template(
+        [{"role": "user", "content": GROUNDED_MESSAGE + GROUNDED_CODE}], add_generation_prompt=True, return_tensors="pt")}
+    kwargs = dict(max_new_tokens=96, eos_token_id=None)
+    lookup_jobs = {
+        "greedy": lambda: ours.generate(**grounded, **kwargs),
+        "prompt_lookup": lambda: ours.generate(**grounded, prompt_lookup_num_tokens=10, **kwargs),
+    }
+    with torch.inference_mode():
+        t = interleaved_medians(lookup_jobs, args.runs)
+        same = torch.equal(lookup_jobs["greedy"](), lookup_jobs["prompt_lookup"]())
+    out["prompt_lookup_grounded_96_tokens"] = {
+        "greedy_ms_per_token": round(1000 * t["greedy"] / 96, 2),
+        "prompt_lookup_ms_per_token": round(1000 * t["prompt_lookup"] / 96, 2),
+        "speedup_vs_greedy": round(t["greedy"] / t["prompt_lookup"], 3),
+        "identical_output": same,
+    }
+    return out
 
 
 if __name__ == "__main__":

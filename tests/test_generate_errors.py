@@ -137,3 +137,11 @@ def test_generation_config_json_supplies_defaults(tmp_path):
     out = model.generate(PROMPT, seed=0, min_new_tokens=5)
     assert out.shape == (1, 8)  # max_new_tokens=5 came from the file
     assert model.generate(PROMPT, do_sample=False, max_new_tokens=2).shape == (1, 5)
+
+
+def test_mask_is_inferred_from_left_padding_only(model):
+    pad = model.generation_config.pad_token_id
+    padded = torch.tensor([[pad, pad, 5, 6, 7], [9, 5, pad, 6, 7]])
+    explicit = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    out = model.generate(padded, max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(out, model.generate(padded, attention_mask=explicit, max_new_tokens=4, eos_token_id=None))

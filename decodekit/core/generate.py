@@ -74,8 +74,10 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (token).")
         attention_mask = attention_mask.long().to(model.device)
-    elif gc.pad_token_id is not None and gc.pad_token_id not in gc.eos_token_ids and bool((input_ids == gc.pad_token_id).any()):
-        attention_mask = (input_ids != gc.pad_token_id).long()  # infer the mask from pad tokens, as transformers does
+    elif gc.pad_token_id is not None and bool((input_ids[:, 0] == gc.pad_token_id).any()):
+        # Infer the mask from left padding: only a run of pad tokens at the start is padding. A pad id later
+        # on is a real token (it is often EOS too, e.g. <|im_end|> inside a chat prompt).
+        attention_mask = (1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1))
     if attention_mask is not None:
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no tokens; every prompt needs at least one.")

@@ -67,11 +67,13 @@ def memory_bandwidth_gbs(mb: int = 512, runs: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: all but an untied embedding table (one row of it is read)."""
+    """Bytes of the weights one decode step reads: all parameters and buffers but an untied embedding
+    table (one row of it is read); int8 layers count their int8 weights and scales."""
     embed = model.get_input_embeddings().weight
-    tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    head = model.get_output_embeddings()
+    tied = isinstance(getattr(head, "weight", None), torch.Tensor) and embed.data_ptr() == head.weight.data_ptr()
     seen, total = (set() if tied else {embed.data_ptr()}), 0
-    for p in model.parameters():
+    for p in list(model.parameters()) + list(model.buffers()):
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -117,7 +119,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--only", choices=["core", "strategies"], help="run one group of rows (default: all)")
+    parser.add_argument("--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -155,6 +157,8 @@ def main() -> int:
     ms = {}
     if args.only in (None, "core"):
         ms.update(core_rows(args, models, ours, ids, mask, prefill))
+    if args.only in (None, "core", "weights"):
+        result["weight_formats"] = weight_format_rows(args, path, ids, mask, models.get("transformers"), bandwidth)
     if args.only in (None, "strategies"):
         result["strategies"] = strategy_rows(args, models, tok)
     dk = {name: t for (lib, name), t in ms.items() if lib == "decodekit"}
@@ -202,6 +206,32 @@ def core_rows(args, models, ours, ids, mask, prefill) -> dict:
             models["transformers"], prefill, transformers.DynamicCache, {"logits_to_keep": 1}, runs=args.runs
         )
     return ms
+
+
+def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
+    """Greedy batch 1 with fp32, bf16 and int8 weights, each against transformers fp32 in the same round-robin."""
+    from decodekit import AutoModelForCausalLM
+
+    variants = {
+        "fp32": AutoModelForCausalLM.from_pretrained(path),
+        "bf16": AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"),
+        "int8": AutoModelForCausalLM.from_pretrained(path, quantize="int8"),
+    }
+    jobs = {name: generate_job(m, ids, mask, args.new_tokens, 1, {}) for name, m in variants.items()}
+    if reference is not None:
+        jobs["transformers_fp32"] = generate_job(reference, ids, mask, args.new_tokens, 1, {})
+    t = {k: 1000 * v / args.new_tokens for k, v in interleaved_medians(jobs, args.runs).items()}
+    rows = {}
+    for name, model in variants.items():
+        wbytes = weight_bytes(model)
+        bound = wbytes / (bandwidth * 1e9) * 1000
+        rows[name] = {"ms_per_token": round(t[name], 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
+                      "bandwidth_bound_ms": round(bound, 2), "vs_bound": round(t[name] / bound, 2)}
+        if "transformers_fp32" in t:
+            rows[name]["speedup_vs_transformers_fp32"] = round(t["transformers_fp32"] / t[name], 3)
+    if "transformers_fp32" in t:
+        rows["transformers_fp32"] = {"ms_per_token": round(t["transformers_fp32"], 2)}
+    return rows
 
 
 def strategy_rows(args, models, tok) -> dict:

@@ -33,7 +33,7 @@ def set_matmul_layout(model: nn.Module, batch_size: int) -> None:
     parameters), paid only when the batch size crosses SMALL_BATCH.
     """
     in_major = batch_size < SMALL_BATCH
-    if getattr(model, "_in_major", None) == in_major:
+    if getattr(model, "_in_major", None) == in_major or getattr(model, "quantization", None):
         return
     with torch.inference_mode(False), torch.no_grad():
         for module in model.modules():

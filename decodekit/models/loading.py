@@ -146,8 +146,14 @@ class AutoModelForCausalLM:
         local_files_only: bool = False,
         token: str | bool | None = None,
         trust_remote_code=None,
+        quantize: str | None = None,
     ):
-        """`trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate."""
+        """`trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate.
+        `quantize="int8"` stores linear weights as int8 with per-channel scales (weight-only; see models/quantize.py)."""
+        from .quantize import QUANTIZATIONS
+
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
         from ..core.config import GenerationConfig
         from .gguf_file import open_gguf
 
@@ -178,6 +184,10 @@ class AutoModelForCausalLM:
         )
         model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), device, generation_config)
         model.name_or_path = str(name_or_path)
+        if quantize is not None:
+            from .quantize import quantize as quantize_model
+
+            quantize_model(model, quantize)
         if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
             _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
         logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)

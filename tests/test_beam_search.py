@@ -184,3 +184,8 @@ def test_streamer_with_beams_is_refused():
 
     with pytest.raises(ValueError, match="streamer is not supported with beam search"):
         toy().generate(torch.tensor([[1, 2]]), max_new_tokens=2, num_beams=2, streamer=Sink())
+
+
+def test_wrong_type_is_a_validation_error_not_a_crash():
+    with pytest.raises(ValueError, match=r"num_beams='4' is invalid"):
+        toy().generate(torch.tensor([[1, 2]]), max_new_tokens=2, num_beams="4")

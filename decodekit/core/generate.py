@@ -51,7 +51,7 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
 
 
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
-    """Validates input_ids and attention_mask, fills defaults, expands for num_return_sequences."""
+    """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
         raise ValueError("generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, return_tensors='pt').")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int, torch.int32):
@@ -165,6 +165,8 @@ class GenerationMixin:
             model=self, batch_size=input_ids.shape[0], prompt_length=prompt_length, max_length=max_length,
             device=input_ids.device, tokenizer=tokenizer, generator=generator,
         )
+        # Plugins validate their fields before any of them is used to pick a loop.
+        pm.hook.decodekit_validate_config(generation_config=gc, context=context)
         loop = pm.hook.decodekit_decoding_loop(generation_config=gc, context=context) if custom_generate is None else None
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)

@@ -41,8 +41,8 @@ class Pipeline:
 
 
 def build_pipeline(pm, generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
-    """Calls each hook point once. User-supplied processors and criteria run after the plugins' ones."""
-    pm.hook.decodekit_validate_config(generation_config=generation_config, context=context)
+    """Calls each hook point once (the config is already validated). User-supplied processors and criteria
+    run after the plugins' ones."""
     processors = LogitsProcessorList()
     for contributed in pm.hook.decodekit_logits_processors(generation_config=generation_config, context=context):
         processors.extend(contributed or ())

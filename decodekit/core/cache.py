@@ -109,6 +109,13 @@ class StaticCache:
         self.lengths[layer_idx] = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
+    def write(self, key, value, layer_idx, slots: torch.Tensor):
+        """The fixed-shape path of a compiled step: write at the slot indices `slots` [T] (a tensor, so
+        no Python number changes between steps) and return the whole buffers; the caller masks the rest."""
+        self.keys[layer_idx].index_copy_(2, slots, key)
+        self.values[layer_idx].index_copy_(2, slots, value)
+        return self.keys[layer_idx], self.values[layer_idx]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
 

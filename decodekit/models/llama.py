@@ -72,7 +72,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache, masks):
+    def forward(self, x, cos, sin, cache, masks, slots=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -82,7 +82,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if cache is not None:
+        if slots is not None:
+            k, v = cache.write(k, v, self.layer_idx, slots)
+        elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         mask = masks.get(self.window, masks.get(None))
         y = F.scaled_dot_product_attention(
@@ -111,8 +113,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, masks):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks)
+    def forward(self, x, cos, sin, cache, masks, slots=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks, slots)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -141,6 +143,20 @@ def build_masks(attention_mask, past: int, T: int, windows: set, device) -> dict
             # Its output is never read: real tokens never attend to pad keys.
             allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         masks[w] = allowed
+    return masks
+
+
+def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> dict:
+    """Masks [B, 1, T, L] over a whole fixed-size cache: key slot j is visible to the query in slot s if
+    j <= s, the key is not padding (key_mask [B, L]) and, with a window w, j > s - w. Tensors only."""
+    k_pos = torch.arange(key_mask.shape[1], device=key_mask.device)[None, :]
+    q_pos = slots[:, None]
+    masks = {}
+    for w in windows:
+        allowed = k_pos <= q_pos
+        if w is not None:
+            allowed = allowed & (k_pos > q_pos - w)
+        masks[w] = allowed[None, None] & key_mask[:, None, None, :].bool()
     return masks
 
 
@@ -189,7 +205,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         return_dict: bool = True,
         **ignored,
     ) -> CausalLMOutput:
-        unknown = set(ignored) - {"output_attentions", "cache_position"}
+        cache_position = ignored.pop("cache_position", None)
+        unknown = set(ignored) - {"output_attentions"}
         if unknown or ignored.get("output_attentions"):
             raise TypeError(
                 f"forward() got unsupported arguments {sorted(unknown or ['output_attentions=True'])}; it accepts "
@@ -202,6 +219,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}.")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
+        if isinstance(cache_position, torch.Tensor):
+            return self._forward_fixed(x, attention_mask, position_ids, past_key_values, cache_position, logits_to_keep)
         set_matmul_layout(self, B)
 
         cache = past_key_values
@@ -234,3 +253,19 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             past_key_values=cache if use_cache else None,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
+
+    def _forward_fixed(self, x, attention_mask, position_ids, cache, slots, logits_to_keep):
+        """The fixed-shape forward of a compiled decode step: a StaticCache written at tensor slot indices,
+        attention over the whole cache with `attention_mask` [B, max_cache_len] marking the valid slots,
+        explicit position_ids, no host reads. Weights keep whatever layout they have."""
+        from ..core.cache import StaticCache
+
+        if not isinstance(cache, StaticCache) or position_ids is None or attention_mask is None:
+            raise ValueError("cache_position (the fixed-shape path) needs a StaticCache, position_ids and an "
+                             "attention_mask over the whole cache [batch, max_cache_len].")
+        cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=False)
+        masks = static_masks(attention_mask, slots, self.windows)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, masks, slots)
+        x = self.norm(x)
+        return CausalLMOutput(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), past_key_values=cache)

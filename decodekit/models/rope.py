@@ -53,13 +53,20 @@ class RotaryTable:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B, 1, T, head_dim] for position_ids [B, T]."""
-        if self.cos.device != position_ids.device or self.cos.dtype != dtype:
-            self._build(self.cos.shape[0], position_ids.device, dtype)
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if needed > self.cos.shape[0]:
-            self._build(max(needed, 2 * self.cos.shape[0]), position_ids.device, dtype)
+    def ensure(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Build the table for positions < length on device/dtype now (a compiled step cannot grow it)."""
+        if self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < length:
+            self._build(max(length, self.cos.shape[0]), device, dtype)
+
+    def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B, 1, T, head_dim] for position_ids [B, T].
+
+        checked=False skips growing the table (which reads the largest position on the host); the
+        compiled step uses it after ensure().
+        """
+        if checked:
+            needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
+            self.ensure(needed, position_ids.device, dtype)
         return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
 
 

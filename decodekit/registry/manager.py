@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = (
     ("speculative", "decodekit.plugins.speculative"),
     ("dola", "decodekit.plugins.dola"),
     ("contrastive", "decodekit.plugins.contrastive"),
+    ("fused", "decodekit.plugins.fused"),
 )
 
 

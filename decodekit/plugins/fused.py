@@ -1,0 +1,229 @@
+"""The fused decode step (compile=True): model forward, logits processors and token selection as one
+torch.compile'd function over a fixed-shape static cache.
+
+- The step reads no Python number that changes between steps: cache slots, positions and the mask are
+  tensors, so it compiles once per (batch size, cache bucket, processors) and is reused across calls.
+  Cache sizes are rounded up to a bucket of 256 slots, so a new prompt length or max_new_tokens within a
+  bucket does not recompile.
+- No host sync per step: EOS is tracked on the device and the host reads the "all finished" flag every
+  SYNC_EVERY steps; steps generated after that point are trimmed, so the result equals the eager loop's.
+- Sampling draws its uniforms outside the compiled region from the same generator and in the same order
+  as the eager sampler, so a seed gives the same text compiled or not.
+- What cannot be fused (processors that read the whole sequence, stop strings, max_time, beam search,
+  speculative decoding, models other than decodekit's Llama family) runs in the eager loop, and a log
+  line on the `decodekit` logger names the reason.
+`compile_config` = {"mode", "fullgraph", "dynamic", "backend"} is passed to torch.compile; on CUDA,
+mode="reduce-overhead" makes the step a CUDA graph replay (not verified on hardware yet).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..core import processors as P
+from ..core import stopping as S
+from ..core.cache import StaticCache
+from ..core.outputs import GenerateOutput
+from ..core.selectors import GreedySelector, SamplingSelector
+from ..registry import hookimpl
+
+logger = logging.getLogger("decodekit")
+
+BUCKET = 256
+SYNC_EVERY = 8
+# Processors that look only at the scores, never at the sequence: safe inside a fixed-shape step.
+SCORE_ONLY = (P.TemperatureLogitsWarper, P.TopKLogitsWarper, P.TopPLogitsWarper, P.MinPLogitsWarper,
+              P.TypicalLogitsWarper, P.SuppressTokensLogitsProcessor)
+COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"compile": False, "compile_config": None}
+
+
+# Strategies with their own loops and data-dependent shapes: (field, is it active, name).
+UNFUSED_STRATEGIES = (
+    ("num_beams", lambda v: v is not None and v > 1, "beam search"),
+    ("assistant_model", lambda v: v is not None, "assisted decoding"),
+    ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt lookup decoding"),
+    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search"),
+)
+
+
+@hookimpl
+def decodekit_validate_config(generation_config):
+    gc = generation_config
+    if not isinstance(gc.compile, bool):
+        raise ValueError(f"generation config: compile={gc.compile!r} is invalid; expected True or False.")
+    cc = gc.compile_config
+    if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
+        raise ValueError(f"generation config: compile_config={cc!r} is invalid; expected a dict with keys among "
+                         f"{list(COMPILE_OPTIONS)} (passed to torch.compile).")
+    if gc.compile or cc is not None:
+        for name, active, strategy in UNFUSED_STRATEGIES:
+            if active(getattr(gc, name, None)):
+                logger.info("decodekit: compile=True: %s has data-dependent shapes and runs eagerly", strategy)
+
+
+@hookimpl(trylast=True)
+def decodekit_decoding_loop(generation_config):
+    # trylast: a strategy with its own loop (beam search, ...) claims the call first and runs eagerly.
+    gc = generation_config
+    return FusedLoop() if gc.compile or gc.compile_config is not None else None
+
+
+def bucket(length: int) -> int:
+    return -(-length // BUCKET) * BUCKET
+
+
+def unfusable_reason(model, pipeline, gc, streamer) -> str | None:
+    from ..models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not one of decodekit's own models"
+    if getattr(model, "quantization", None):
+        return "int8 weights are not compiled yet"
+    if pipeline.next_token_logits.needs_hidden_states:
+        return "the next-token logits need hidden states"
+    for p in pipeline.processors:
+        if not isinstance(p, SCORE_ONLY + (P.MinLengthLogitsProcessor,)):
+            return f"the logits processor {type(p).__name__} reads the whole sequence"
+    if type(pipeline.selector) not in (GreedySelector, SamplingSelector):
+        return f"the token selector {type(pipeline.selector).__name__} is not a built-in one"
+    for c in pipeline.stopping:
+        if not isinstance(c, (S.MaxLengthCriteria, S.EosTokenCriteria)):
+            return f"the stopping criterion {type(c).__name__} needs the host every step"
+    if gc.output_logits:
+        return "output_logits needs the raw logits every step"
+    if pipeline.cache is not None and not isinstance(pipeline.cache, StaticCache):
+        return "the cache is not a StaticCache"
+    return None
+
+
+def _signature(processors) -> tuple:
+    return tuple((type(p).__name__, tuple(sorted((k, v if not isinstance(v, torch.Tensor) else tuple(v.tolist()))
+                                                 for k, v in vars(p).items()))) for p in processors)
+
+
+class FusedStep:
+    """One compiled step for a (batch, cache length, processors, sampling) combination, with its own cache."""
+
+    def __init__(self, model, batch: int, length: int, processors, sampling: bool, options: dict):
+        self.cache = StaticCache.for_model(model, batch, length)
+        self.processors = list(processors)
+        model.rotary.ensure(length, model.device, model.dtype)
+        cache, procs = self.cache, self.processors
+
+        def step(tokens, positions, slots, mask, eos_block, race, unfinished, pad, eos_ids):
+            logits = model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           cache_position=slots, logits_to_keep=1).logits[:, -1, :].float()
+            scores = logits + eos_block
+            for p in procs:
+                scores = p(tokens, scores)
+            if sampling:
+                nxt = (scores.softmax(dim=-1) / race).argmax(dim=-1)
+            else:
+                nxt = scores.argmax(dim=-1)
+            nxt = torch.where(unfinished, nxt, pad)
+            return nxt, unfinished & ~torch.isin(nxt, eos_ids), scores
+
+        self.step = torch.compile(step, **options)
+
+
+class FusedLoop:
+    def rows_per_prompt(self, gc) -> int:
+        return gc.num_return_sequences
+
+    def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        from ..core.generate import decode
+
+        reason = unfusable_reason(model, pipeline, gc, streamer)
+        if reason is not None:
+            logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
+            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
+        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
+        return self._run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
+
+    @staticmethod
+    def _step_for(model, batch, max_length, pipeline, gc) -> FusedStep:
+        processors = [p for p in pipeline.processors if isinstance(p, SCORE_ONLY)]
+        sampling = isinstance(pipeline.selector, SamplingSelector)
+        options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
+        length = bucket(max_length)
+        key = (batch, length, sampling, _signature(processors), tuple(sorted(options.items())), model.dtype)
+        steps = model.__dict__.setdefault("_fused_steps", {})
+        if key not in steps:
+            why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
+            logger.info("decodekit: compiling the decode step (batch %d, cache %d slots, %s; %s)",
+                        batch, length, "sampling" if sampling else "greedy", why)
+            steps[key] = FusedStep(model, batch, length, processors, sampling, options)
+        return steps[key]
+
+    @staticmethod
+    def _run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context):
+        B, T0 = input_ids.shape
+        dev = input_ids.device
+        cache = fused.cache
+        L = cache.max_cache_len
+        cache.crop(0)
+        max_length = context.max_length
+        mask = torch.zeros(B, L, dtype=torch.long, device=dev)
+        mask[:, :T0] = attention_mask if attention_mask is not None else 1
+        # Prefill runs eagerly into the same cache (its shape changes with every prompt length).
+        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        first = pipeline.processors(input_ids, out.logits[:, -1, :].float())
+        eos = gc.eos_token_ids
+        eos_ids = torch.tensor(eos or [-1], device=dev)
+        pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=dev)
+        unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+        scores_out = [] if gc.output_scores else None
+        sampling = isinstance(pipeline.selector, SamplingSelector)
+        nxt = pipeline.selector(input_ids, first)
+        unfinished = unfinished & ~torch.isin(nxt, eos_ids)
+        if scores_out is not None:
+            scores_out.append(first)
+        min_length = max([p.min_length for p in pipeline.processors if isinstance(p, P.MinLengthLogitsProcessor)] or [0])
+        no_block = torch.zeros(first.shape[-1], device=dev)
+        block = no_block.clone()
+        if eos:
+            block[eos] = -float("inf")
+        generated = [nxt]
+        alive = [unfinished]
+        positions = (attention_mask.sum(-1, keepdim=True) - 1) if attention_mask is not None else torch.full((B, 1), T0 - 1, device=dev)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            streamer.put(nxt.cpu())
+        cur = T0 + 1
+        while cur < max_length:
+            if (cur - T0) % SYNC_EVERY == 0 and not bool(unfinished.any()):
+                break
+            slot = cur - 1
+            mask[:, slot] = 1
+            positions = positions + 1
+            race = None
+            if sampling:  # the same draws, in the same order, as the eager sampler
+                race = torch.empty((B, first.shape[-1]), device=dev).uniform_(generator=pipeline.selector.generator).log_().neg_()
+            slots = torch.tensor([slot], device=dev)
+            nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, block if cur < min_length else no_block,
+                                                 race, unfinished, pad, eos_ids)
+            generated.append(nxt)
+            alive.append(unfinished)
+            if scores_out is not None:
+                scores_out.append(scores.clone())
+            if streamer is not None:
+                streamer.put(nxt.cpu())
+            cur += 1
+        # Keep the steps up to the one after which every row was finished, as the eager loop stops there.
+        done_after = ~torch.stack(alive).any(dim=1)
+        keep = int(done_after.nonzero()[0]) + 1 if bool(done_after.any()) else len(generated)
+        cache.lengths = [T0 + keep - 1] * len(cache.lengths)
+        if streamer is not None:
+            streamer.end()
+        sequences = torch.cat((input_ids, torch.stack(generated[:keep], dim=1)), dim=1)
+        if not gc.return_dict_in_generate:
+            return sequences
+        return GenerateOutput(sequences=sequences, scores=tuple(scores_out[:keep]) if scores_out is not None else None,
+                              past_key_values=cache)

@@ -212,23 +212,40 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
     """Greedy batch 1 with fp32, bf16 and int8 weights, each against transformers fp32 in the same round-robin."""
     from decodekit import AutoModelForCausalLM
 
+    fp32 = AutoModelForCausalLM.from_pretrained(path)
+    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
     variants = {
-        "fp32": AutoModelForCausalLM.from_pretrained(path),
-        "bf16": AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"),
-        "int8": AutoModelForCausalLM.from_pretrained(path, quantize="int8"),
+        "fp32": (fp32, {}),
+        "fp32_compiled": (fp32, {"compile": True}),
+        "fp32_compiled_topk50_topp0.9": (fp32, {"compile": True, "do_sample": True, "top_k": 50, "top_p": 0.9}),
+        "bf16": (bf16, {}),
+        "bf16_compiled": (bf16, {"compile": True}),
+        "int8": (AutoModelForCausalLM.from_pretrained(path, quantize="int8"), {}),
     }
-    jobs = {name: generate_job(m, ids, mask, args.new_tokens, 1, {}) for name, m in variants.items()}
+    compile_s = {}
+    for name, (m, kw) in variants.items():
+        if kw.get("compile"):
+            start = time.perf_counter()
+            generate_job(m, ids, mask, 4, 1, kw)()  # the first compiled call compiles
+            compile_s[name] = round(time.perf_counter() - start, 1)
+    jobs = {name: generate_job(m, ids, mask, args.new_tokens, 1, kw) for name, (m, kw) in variants.items()}
     if reference is not None:
         jobs["transformers_fp32"] = generate_job(reference, ids, mask, args.new_tokens, 1, {})
     t = {k: 1000 * v / args.new_tokens for k, v in interleaved_medians(jobs, args.runs).items()}
     rows = {}
-    for name, model in variants.items():
+    for name, (model, _) in variants.items():
         wbytes = weight_bytes(model)
         bound = wbytes / (bandwidth * 1e9) * 1000
         rows[name] = {"ms_per_token": round(t[name], 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
                       "bandwidth_bound_ms": round(bound, 2), "vs_bound": round(t[name] / bound, 2)}
         if "transformers_fp32" in t:
             rows[name]["speedup_vs_transformers_fp32"] = round(t["transformers_fp32"] / t[name], 3)
+        if name in compile_s:
+            rows[name]["first_call_compile_s"] = compile_s[name]
+    rows["ratios"] = {
+        "fp32_compiled_vs_eager": round(t["fp32"] / t["fp32_compiled"], 3),
+        "compiled_sampling_vs_greedy": round(t["fp32_compiled_topk50_topp0.9"] / t["fp32_compiled"], 3),
+    }
     if "transformers_fp32" in t:
         rows["transformers_fp32"] = {"ms_per_token": round(t["transformers_fp32"], 2)}
     return rows

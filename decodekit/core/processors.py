@@ -2,6 +2,9 @@
 
 One protocol: a processor is a callable `(input_ids [B, T], scores [B, V]) -> scores [B, V]`. It may
 modify `scores` in place and return it. Removed tokens get -inf. Each class below does one thing.
+
+A processor that reads only the scores, never input_ids, may say so with `score_only = True`; the
+compiled decode step (compile=True) then runs it inside the step instead of falling back to eager.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def _check(name: str, value, ok: bool, accepted: str) -> None:
 class TemperatureLogitsWarper:
     """Divides scores by `temperature` (> 0). Below 1 sharpens the distribution, above 1 flattens it."""
 
+    score_only = True
+
     def __init__(self, temperature: float):
         _check("temperature", temperature, isinstance(temperature, (int, float)) and temperature > 0, "expected a number > 0")
         self.temperature = float(temperature)
@@ -46,6 +51,8 @@ class TemperatureLogitsWarper:
 
 class TopKLogitsWarper:
     """Keeps the `top_k` (>= 1) highest scores; ties at the boundary are all kept."""
+
+    score_only = True
 
     def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
         _check("top_k", top_k, isinstance(top_k, int) and top_k >= 1, "expected an integer >= 1")
@@ -59,6 +66,8 @@ class TopKLogitsWarper:
 
 class TopPLogitsWarper:
     """Nucleus sampling: keeps the smallest set of top tokens whose probability sums to at least `top_p` (0, 1]."""
+
+    score_only = True
 
     def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
         _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "expected a number in (0, 1]")
@@ -77,6 +86,8 @@ class TopPLogitsWarper:
 class MinPLogitsWarper:
     """Keeps tokens whose probability is at least `min_p` [0, 1] times the most likely token's."""
 
+    score_only = True
+
     def __init__(self, min_p: float, min_tokens_to_keep: int = 1):
         _check("min_p", min_p, isinstance(min_p, (int, float)) and 0 <= min_p <= 1, "expected a number in [0, 1]")
         self.min_p = float(min_p)
@@ -94,6 +105,8 @@ class MinPLogitsWarper:
 
 class TypicalLogitsWarper:
     """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy, up to mass `typical_p` (0, 1]."""
+
+    score_only = True
 
     def __init__(self, typical_p: float, min_tokens_to_keep: int = 1):
         _check("typical_p", typical_p, isinstance(typical_p, (int, float)) and 0 < typical_p <= 1, "expected a number in (0, 1]")
@@ -198,6 +211,8 @@ class NoBadWordsLogitsProcessor:
 
 class SuppressTokensLogitsProcessor:
     """Sets the scores of `suppress_tokens` to -inf at every step."""
+
+    score_only = True
 
     def __init__(self, suppress_tokens: Sequence[int]):
         self.tokens = torch.tensor(list(suppress_tokens), dtype=torch.long)

@@ -33,9 +33,12 @@ logger = logging.getLogger("decodekit")
 
 BUCKET = 256
 SYNC_EVERY = 8
-# Processors that look only at the scores, never at the sequence: safe inside a fixed-shape step.
-SCORE_ONLY = (P.TemperatureLogitsWarper, P.TopKLogitsWarper, P.TopPLogitsWarper, P.MinPLogitsWarper,
-              P.TypicalLogitsWarper, P.SuppressTokensLogitsProcessor)
+
+
+def score_only(processor) -> bool:
+    """Reads only the scores (the processor says so with `score_only = True`): safe inside a fixed-shape step."""
+    return bool(getattr(processor, "score_only", False))
+
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")
 
 
@@ -89,8 +92,10 @@ def unfusable_reason(model, pipeline, gc, streamer) -> str | None:
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
     for p in pipeline.processors:
-        if not isinstance(p, SCORE_ONLY + (P.MinLengthLogitsProcessor,)):
-            return f"the logits processor {type(p).__name__} reads the whole sequence"
+        if not (score_only(p) or isinstance(p, P.MinLengthLogitsProcessor)):
+            name = getattr(p, "__qualname__", type(p).__name__)
+            return (f"the logits processor {name} may read the whole sequence "
+                    "(one that reads only the scores can declare score_only = True)")
     if type(pipeline.selector) not in (GreedySelector, SamplingSelector):
         return f"the token selector {type(pipeline.selector).__name__} is not a built-in one"
     for c in pipeline.stopping:
@@ -104,8 +109,16 @@ def unfusable_reason(model, pipeline, gc, streamer) -> str | None:
 
 
 def _signature(processors) -> tuple:
-    return tuple((type(p).__name__, tuple(sorted((k, v if not isinstance(v, torch.Tensor) else tuple(v.tolist()))
-                                                 for k, v in vars(p).items()))) for p in processors)
+    """What identifies a set of processors for reuse of a compiled step: class and settings, or for a plain
+    function the function itself (its closure may hold settings, so a new one compiles anew)."""
+    out = []
+    for p in processors:
+        if hasattr(p, "__dict__") and not callable(getattr(p, "__code__", None)):
+            settings = tuple(sorted((k, tuple(v.tolist()) if isinstance(v, torch.Tensor) else v) for k, v in vars(p).items()))
+            out.append((type(p).__qualname__, settings))
+        else:
+            out.append(("function", id(p)))
+    return tuple(out)
 
 
 class FusedStep:
@@ -149,7 +162,7 @@ class FusedLoop:
 
     @staticmethod
     def _step_for(model, batch, max_length, pipeline, gc) -> FusedStep:
-        processors = [p for p in pipeline.processors if isinstance(p, SCORE_ONLY)]
+        processors = [p for p in pipeline.processors if score_only(p)]
         sampling = isinstance(pipeline.selector, SamplingSelector)
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
         length = bucket(max_length)

@@ -1,0 +1,125 @@
+"""The fused, compiled decode step: same output as the eager loop, no recompilation within a cache bucket,
+and an eager fallback that says why."""
+
+import logging
+
+import pytest
+import torch
+
+from decodekit.plugins.fused import bucket
+from decodekit.testing import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("fused"), "mistral")  # sliding window: the mask path is exercised
+
+
+PROMPT = torch.tensor([[5, 9, 14, 3, 7]])
+BATCH = torch.tensor([[5, 9, 14, 3, 7, 8], [0, 0, 0, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+
+
+def test_compiled_greedy_equals_eager(model):
+    for kwargs in (dict(input_ids=PROMPT), dict(input_ids=BATCH, attention_mask=MASK)):
+        eager = model.generate(**kwargs, max_new_tokens=24)
+        compiled = model.generate(**kwargs, max_new_tokens=24, compile=True)
+        assert torch.equal(eager, compiled)
+
+
+def test_compiled_sampling_equals_eager_for_the_same_seed(model):
+    kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=11, eos_token_id=None)
+    assert torch.equal(model.generate(PROMPT, **kwargs), model.generate(PROMPT, compile=True, **kwargs))
+
+
+def test_eos_and_min_new_tokens_match_eager(model):
+    plain = model.generate(BATCH, attention_mask=MASK, max_new_tokens=30, eos_token_id=None)
+    eos = int(plain[0, 8])  # a token row 0 generates early: make it EOS so rows finish at different steps
+    kwargs = dict(attention_mask=MASK, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    eager = model.generate(BATCH, **kwargs)
+    assert eager.shape[1] < BATCH.shape[1] + 30 or (eager == 0).any()
+    assert torch.equal(eager, model.generate(BATCH, compile=True, **kwargs))
+    kwargs["min_new_tokens"] = 10
+    assert torch.equal(model.generate(BATCH, **kwargs), model.generate(BATCH, compile=True, **kwargs))
+
+
+def test_no_recompilation_within_a_bucket(model):
+    from torch._dynamo.utils import counters
+
+    model.generate(PROMPT, max_new_tokens=20, compile=True)  # compiled (or reused) for batch 1, bucket 256
+    before = dict(counters["stats"])
+    for n in (3, 9, 17):
+        prompt = torch.arange(4, 4 + n)[None]
+        model.generate(prompt, max_new_tokens=20 + n, compile=True)
+    assert bucket(17 + 20 + 17) == bucket(5 + 20) == 256
+    assert counters["stats"]["unique_graphs"] == before["unique_graphs"]
+    model.generate(PROMPT, max_new_tokens=300, compile=True)  # the next bucket (512 slots): one new graph
+    assert counters["stats"]["unique_graphs"] == before["unique_graphs"] + 1
+
+
+def test_unfusable_strategies_run_eagerly_and_say_why(model, caplog):
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        eager = model.generate(PROMPT, max_new_tokens=8, no_repeat_ngram_size=2)
+        out = model.generate(PROMPT, max_new_tokens=8, no_repeat_ngram_size=2, compile=True)
+    assert torch.equal(out, eager)
+    assert "falls back to the eager loop: the logits processor NoRepeatNGramLogitsProcessor may read the whole sequence" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        beams = model.generate(PROMPT, max_new_tokens=6, num_beams=3, compile=True)
+    assert torch.equal(beams, model.generate(PROMPT, max_new_tokens=6, num_beams=3))
+    assert "beam search has data-dependent shapes and runs eagerly" in caplog.text
+
+
+def test_bad_compile_config(model):
+    with pytest.raises(ValueError, match=r"compile_config=\{'fast': True\} is invalid"):
+        model.generate(PROMPT, max_new_tokens=2, compile_config={"fast": True})
+    with pytest.raises(ValueError, match=r"compile='yes' is invalid"):
+        model.generate(PROMPT, max_new_tokens=2, compile="yes")
+
+
+def test_real_model_compiled_equals_eager(default_model):
+    model, tok = default_model
+    single = tok("The capital of France is", return_tensors="pt")
+    batch = tok(["The capital of France is", "Hi", "One, two, three,"], return_tensors="pt", padding=True)
+    for enc in (single, batch):
+        eager = model.generate(**enc, max_new_tokens=16)
+        assert torch.equal(eager, model.generate(**enc, max_new_tokens=16, compile=True))
+
+
+def test_a_hub_method_contributing_a_score_only_processor_is_fused(model, tmp_path, caplog):
+    from methods import write_method
+
+    method = """
+        from decodekit import hookimpl
+
+
+        class Ban:
+            score_only = True  # reads only the scores: the compiled step may run it
+
+            def __init__(self, token):
+                self.token = token
+
+            def __call__(self, input_ids, scores):
+                return scores.index_fill(-1, torch.tensor([self.token]), -float("inf"))
+
+
+        import torch
+
+
+        @hookimpl
+        def decodekit_config_fields():
+            return {"ban": None}
+
+
+        @hookimpl
+        def decodekit_logits_processors(generation_config):
+            return [Ban(generation_config.ban)] if generation_config.ban is not None else []
+    """
+    repo = write_method(tmp_path / "ban", method)
+    banned = int(model.generate(PROMPT, max_new_tokens=1, eos_token_id=None)[0, -1])
+    kwargs = dict(custom_generate=str(repo), trust_remote_code=True, max_new_tokens=12, eos_token_id=None, ban=banned)
+    eager = model.generate(PROMPT, **kwargs)
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        compiled = model.generate(PROMPT, compile=True, **kwargs)
+    assert torch.equal(eager, compiled) and banned not in compiled[0, 5:].tolist()
+    assert "falls back" not in caplog.text

@@ -123,3 +123,33 @@ def test_a_hub_method_contributing_a_score_only_processor_is_fused(model, tmp_pa
         compiled = model.generate(PROMPT, compile=True, **kwargs)
     assert torch.equal(eager, compiled) and banned not in compiled[0, 5:].tolist()
     assert "falls back" not in caplog.text
+
+
+def test_two_plain_function_processors_never_share_a_compiled_step(model):
+    def ban(token):
+        def processor(input_ids, scores):
+            return scores.index_fill(-1, torch.tensor([token]), -float("inf"))
+
+        processor.score_only = True
+        return processor
+
+    first = int(model.generate(PROMPT, max_new_tokens=1, eos_token_id=None)[0, -1])
+    second = int(model.generate(PROMPT, max_new_tokens=1, eos_token_id=None, suppress_tokens=[first])[0, -1])
+    for token in (first, second):
+        kwargs = dict(max_new_tokens=6, eos_token_id=None, logits_processor=[ban(token)])
+        out = model.generate(PROMPT, compile=True, **kwargs)
+        assert torch.equal(out, model.generate(PROMPT, **kwargs)) and token not in out[0, 5:].tolist()
+
+
+def test_a_step_that_does_not_compile_falls_back(model, caplog):
+    def host_reading(input_ids, scores):
+        if float(scores.max()) > 1e9:  # a host read: dynamo cannot keep this in one graph
+            return scores * 0
+        return scores
+
+    host_reading.score_only = True  # a wrong claim: the step must still not break generation
+    kwargs = dict(max_new_tokens=5, eos_token_id=None, logits_processor=[host_reading])
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        out = model.generate(PROMPT, compile=True, **kwargs)
+    assert torch.equal(out, model.generate(PROMPT, **kwargs))
+    assert "falls back to the eager loop: the step did not compile" in caplog.text

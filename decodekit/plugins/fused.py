@@ -19,6 +19,7 @@ mode="reduce-overhead" makes the step a CUDA graph replay (not verified on hardw
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("decodekit")
 
 BUCKET = 256
 SYNC_EVERY = 8
+MAX_STEPS = 8  # compiled steps kept per model
 
 
 def score_only(processor) -> bool:
@@ -82,7 +84,7 @@ def bucket(length: int) -> int:
     return -(-length // BUCKET) * BUCKET
 
 
-def unfusable_reason(model, pipeline, gc, streamer) -> str | None:
+def unfusable_reason(model, pipeline, gc) -> str | None:
     from ..models.llama import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM):
@@ -113,18 +115,29 @@ def _signature(processors) -> tuple:
     function the function itself (its closure may hold settings, so a new one compiles anew)."""
     out = []
     for p in processors:
-        if hasattr(p, "__dict__") and not callable(getattr(p, "__code__", None)):
-            settings = tuple(sorted((k, tuple(v.tolist()) if isinstance(v, torch.Tensor) else v) for k, v in vars(p).items()))
-            out.append((type(p).__qualname__, settings))
+        if isinstance(p, types.FunctionType) or not hasattr(p, "__dict__"):
+            out.append(("function", p))
         else:
-            out.append(("function", id(p)))
+            settings = tuple(sorted((k, _hashable(v)) for k, v in vars(p).items()))
+            out.append((type(p).__qualname__, settings))
     return tuple(out)
+
+
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
 
 
 class FusedStep:
     """One compiled step for a (batch, cache length, processors, sampling) combination, with its own cache."""
 
     def __init__(self, model, batch: int, length: int, processors, sampling: bool, options: dict):
+        self.compiled_once = False
         self.cache = StaticCache.for_model(model, batch, length)
         self.processors = list(processors)
         model.rotary.ensure(length, model.device, model.dtype)
@@ -143,7 +156,14 @@ class FusedStep:
             nxt = torch.where(unfinished, nxt, pad)
             return nxt, unfinished & ~torch.isin(nxt, eos_ids), scores
 
-        self.step = torch.compile(step, **options)
+        # Each step gets a code object of its own: dynamo counts recompilations per code object, and
+        # a long-lived process with many processor settings would otherwise hit its limit.
+        FusedStep.made += 1
+        code = step.__code__.replace(co_name=f"decodekit_step_{FusedStep.made}")
+        own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+        self.step = torch.compile(own, **options)
+
+    made = 0
 
 
 class FusedLoop:
@@ -153,15 +173,28 @@ class FusedLoop:
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
         from ..core.generate import decode
 
-        reason = unfusable_reason(model, pipeline, gc, streamer)
+        reason = unfusable_reason(model, pipeline, gc)
         if reason is not None:
             logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
             return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
         fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
-        return self._run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
+        if fused is None:
+            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
+        try:
+            return self._run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if fused.compiled_once:
+                raise
+            # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
+            model._fused_steps[fused.key] = None
+            logger.info("decodekit: compile=True falls back to the eager loop: the step did not compile (%s)",
+                        str(e).splitlines()[0])
+            if streamer is not None:
+                raise
+            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
 
     @staticmethod
-    def _step_for(model, batch, max_length, pipeline, gc) -> FusedStep:
+    def _step_for(model, batch, max_length, pipeline, gc) -> FusedStep | None:
         processors = [p for p in pipeline.processors if score_only(p)]
         sampling = isinstance(pipeline.selector, SamplingSelector)
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
@@ -172,7 +205,12 @@ class FusedLoop:
             why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
             logger.info("decodekit: compiling the decode step (batch %d, cache %d slots, %s; %s)",
                         batch, length, "sampling" if sampling else "greedy", why)
+            while len(steps) >= MAX_STEPS:  # each holds a cache: keep the most recent few
+                steps.pop(next(iter(steps)))
             steps[key] = FusedStep(model, batch, length, processors, sampling, options)
+            steps[key].key = key
+        else:
+            steps[key] = steps.pop(key)  # most recently used last
         return steps[key]
 
     @staticmethod
@@ -222,6 +260,7 @@ class FusedLoop:
             slots = torch.tensor([slot], device=dev)
             nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, block if cur < min_length else no_block,
                                                  race, unfinished, pad, eos_ids)
+            fused.compiled_once = True
             generated.append(nxt)
             alive.append(unfinished)
             if scores_out is not None:

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from .templates import TEMPLATES
+
 GENERATE_EPILOG = """\
 examples:
   decodekit generate "The capital of France is"
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Render a cookiecutter template: `hub-repo` (a custom_generate repository to push to "
                                      "the Hub) or `plugin-package` (a pip-installable plugin). Asks for each value unless "
                                      "--no-input; flags given are used as the answers' defaults.")
-    new.add_argument("template", choices=["hub-repo", "plugin-package"], help="what to create")
+    new.add_argument("template", choices=TEMPLATES, help="what to create")
     new.add_argument("--name", help="human-readable name; the folder name is derived from it")
     new.add_argument("--description", help="one sentence on what the method does")
     new.add_argument("--author", help="your name")

@@ -22,6 +22,12 @@ class GreedySelector:
         return scores.argmax(dim=-1)
 
 
+def race_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exponential(1) noise E = -log(U) for the exponential race argmax(p / E). Every sampler draws through
+    here, so the compiled step, speculative decoding and the plain sampler use the generator identically."""
+    return torch.empty(shape, device=device).uniform_(generator=generator).log_().neg_()
+
+
 class SamplingSelector:
     """A token drawn from softmax(scores).
 
@@ -38,5 +44,4 @@ class SamplingSelector:
 
     def __call__(self, input_ids, scores):
         probs = scores.softmax(dim=-1)
-        race = torch.empty_like(probs).uniform_(generator=self.generator).log_().neg_()
-        return (probs / race).argmax(dim=-1)
+        return (probs / race_noise(probs.shape, probs.device, self.generator)).argmax(dim=-1)

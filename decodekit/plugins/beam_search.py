@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.generate import _forward_accepts
 from ..core.outputs import GenerateBeamOutput
 from ..registry import hookimpl
 
@@ -152,7 +153,7 @@ class BeamSearch:
         search = _Search(input_ids, B * G, gs, max_length, fill, keep)
         flat_rows = torch.arange(rows, device=input_ids.device).view(B * G, gs)
         cache = pipeline.cache
-        extra = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+        extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
         positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
         scores_out = [] if gc.output_scores else None
         logits_out = [] if gc.output_logits else None
@@ -248,8 +249,3 @@ class _Slice:
             t = getattr(self.parent, name)
             t.view(self.B, self.G, *t.shape[1:])[:, self.g] = getattr(self.search, name)
 
-
-def _accepts_logits_to_keep(model) -> bool:
-    from ..core.generate import _forward_accepts
-
-    return _forward_accepts(model, "logits_to_keep")

@@ -27,7 +27,7 @@ from ..core import processors as P
 from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import GenerateOutput
-from ..core.selectors import GreedySelector, SamplingSelector
+from ..core.selectors import GreedySelector, SamplingSelector, race_noise
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -256,7 +256,7 @@ class FusedLoop:
             positions = positions + 1
             race = None
             if sampling:  # the same draws, in the same order, as the eager sampler
-                race = torch.empty((B, first.shape[-1]), device=dev).uniform_(generator=pipeline.selector.generator).log_().neg_()
+                race = race_noise((B, first.shape[-1]), dev, pipeline.selector.generator)
             slots = torch.tensor([slot], device=dev)
             nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, block if cur < min_length else no_block,
                                                  race, unfinished, pad, eos_ids)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core.outputs import GenerateOutput
+from ..core.selectors import race_noise
 from ..registry import hookimpl
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -212,5 +213,4 @@ class Speculative:
 
 def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
     """One token from `probs` [V] by the exponential race (see SamplingSelector)."""
-    race = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
-    return (probs / race).argmax()
+    return (probs / race_noise(probs.shape, probs.device, generator)).argmax()

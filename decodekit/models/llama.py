@@ -2,8 +2,9 @@
 
 One module covers them all; config fields select the differences (q/k/v bias, q/k RMSNorm, sliding
 windows, tied embeddings, rope scaling). For speed at batch 1, where decoding is bound by how fast
-weights stream from memory, q/k/v are one matmul, gate/up are one matmul, and attention reads only
-the filled part of the cache.
+weights stream from memory, q/k/v are one matmul, gate/up are one matmul, linear weights are packed
+for oneDNN on CPU at the first forward without gradients (packed.py), and attention reads only the
+filled part of the cache.
 """
 
 from __future__ import annotations
@@ -16,31 +17,8 @@ from ..core.cache import DynamicCache
 from ..core.generate import GenerationMixin
 from ..core.outputs import CausalLMOutput
 from .config import ModelConfig
+from .packed import pack_linears, unpack_linears
 from .rope import RotaryTable, apply_rotary
-
-
-# Below this decode batch size, matmul weights are stored transposed (see set_matmul_layout).
-SMALL_BATCH = 4
-
-
-def set_matmul_layout(model: nn.Module, batch_size: int) -> None:
-    """Stores every nn.Linear weight in the memory layout that is fastest for this decode batch size.
-
-    The weight keeps its logical shape [out, in]; only its strides change. On CPU a one-row matmul
-    streams [in, out]-major weights about 30% faster than [out, in]-major ones, while from about four
-    rows up the usual layout wins (bench/: 30 against 42 ms per token at batch 1, 64 against 56 ms at
-    batch 8 for the default model). Switching costs one copy of the weights (about 150 ms for 135M
-    parameters), paid only when the batch size crosses SMALL_BATCH.
-    """
-    in_major = batch_size < SMALL_BATCH
-    if getattr(model, "_in_major", None) == in_major or getattr(model, "quantization", None):
-        return
-    with torch.inference_mode(False), torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and (module.weight.stride(0) == 1) != in_major:
-                w = module.weight.data
-                module.weight.data = w.t().contiguous().t() if in_major else w.contiguous()
-    model._in_major = in_major
 
 
 class RMSNorm(nn.Module):
@@ -178,6 +156,12 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         self.rotary = RotaryTable(config.head_dim, config.rope(), min(config.max_position_embeddings, 4096))
         self.windows = {layer.attn.window for layer in self.layers}
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), .cuda() and friends act on plain weights; the next forward packs again where it can.
+        if getattr(self, "_packed_linears", False):
+            unpack_linears(self)
+        return super()._apply(fn, recurse)
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -221,7 +205,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         B, T = x.shape[:2]
         if isinstance(cache_position, torch.Tensor):
             return self._forward_fixed(x, attention_mask, position_ids, past_key_values, cache_position, logits_to_keep)
-        set_matmul_layout(self, B)
+        if not torch.is_grad_enabled():
+            pack_linears(self)
 
         cache = past_key_values
         if cache is None and use_cache:
@@ -257,7 +242,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
     def _forward_fixed(self, x, attention_mask, position_ids, cache, slots, logits_to_keep):
         """The fixed-shape forward of a compiled decode step: a StaticCache written at tensor slot indices,
         attention over the whole cache with `attention_mask` [B, max_cache_len] marking the valid slots,
-        explicit position_ids, no host reads. Weights keep whatever layout they have."""
+        explicit position_ids, no host reads."""
         from ..core.cache import StaticCache
 
         if not isinstance(cache, StaticCache) or position_ids is None or attention_mask is None:

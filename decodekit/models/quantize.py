@@ -43,9 +43,9 @@ def quantize(model: nn.Module, method: str) -> nn.Module:
     """Replaces every nn.Linear of `model` (lm_head included) in place; returns the model."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantize={method!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
-    from .llama import set_matmul_layout
+    from .packed import unpack_linears
 
-    set_matmul_layout(model, 1 << 30)  # the usual [out, in] layout first, whatever the last batch size was
+    unpack_linears(model)  # quantize from plain nn.Linear weights
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

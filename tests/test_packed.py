@@ -1,0 +1,88 @@
+"""oneDNN-packed linear weights: same logits as plain nn.Linear, ties and state_dict kept, undone before
+dtype moves and quantization."""
+
+import pytest
+import torch
+from torch import nn
+
+from decodekit.models.packed import PackedLinear, pack_linears, unpack_linears
+from decodekit.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+
+IDS = torch.tensor([[3, 17, 4, 9, 22, 5], [8, 1, 30, 2, 7, 11]])
+
+
+def linears(model, kind):
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+@pytest.fixture
+def tied(tmp_path):
+    return tiny_model(tmp_path, "llama", tie_word_embeddings=True)
+
+
+def relative_error(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def test_forward_without_gradients_packs_every_linear_and_keeps_the_logits(tied):
+    with torch.enable_grad():
+        plain = tied(IDS, use_cache=False).logits.detach()  # with gradients on, nothing is packed
+    assert linears(tied, PackedLinear) == []
+    packed = logits(tied)
+    assert linears(tied, nn.Linear) == [] and len(linears(tied, PackedLinear)) == 1 + 4 * tied.config.num_hidden_layers  # lm_head; qkv, o, gate_up, down
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tied_lm_head_stays_tied_through_pack_and_unpack(tied):
+    state = {k: v.clone() for k, v in tied.state_dict().items()}
+    pack_linears(tied)
+    assert tied.lm_head.weight is tied.embed.weight
+    packed_state = tied.state_dict()
+    assert packed_state.keys() == state.keys()
+    for key in state:
+        assert torch.equal(packed_state[key], state[key]), key
+    unpack_linears(tied)
+    assert isinstance(tied.lm_head, nn.Linear) and tied.lm_head.weight is tied.embed.weight
+    assert torch.equal(tied.layers[0].mlp.gate_up.weight, state["layers.0.mlp.gate_up.weight"])
+
+
+def test_an_untied_packed_model_keeps_one_copy_and_loads_its_own_state_dict(tmp_path):
+    model = tiny_model(tmp_path, "qwen2")  # q/k/v bias: packed with a bias
+    reference = logits(model)
+    assert model.lm_head.shared_weight is None and model.layers[0].attn.qkv.bias is not None
+    fresh = tiny_model(tmp_path / "again", "qwen2", seed=1)
+    fresh.load_state_dict(model.state_dict())  # the packed model's state_dict loads into a plain one
+    torch.testing.assert_close(logits(fresh), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_moving_to_bfloat16_unpacks_then_packs_again(tied):
+    fp32 = logits(tied)
+    tied.to(torch.bfloat16)
+    assert tied.dtype == torch.bfloat16 and linears(tied, PackedLinear) == []
+    out = logits(tied)
+    assert out.dtype == torch.bfloat16
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert tied.lm_head.packed.dtype == torch.bfloat16
+    assert relative_error(out, fp32) < 0.02  # bf16 rounding only
+    tied.float()
+    back = logits(tied)
+    assert tied.lm_head.packed.dtype == torch.float32
+    assert relative_error(back, fp32) < 0.01  # weights were rounded to bf16 once
+
+
+def test_quantizing_a_packed_model_works_and_skips_packing(tmp_path):
+    from decodekit.models.quantize import Int8Linear, quantize
+
+    model = tiny_model(tmp_path, "llama")
+    reference = logits(model)
+    quantize(model, "int8")
+    assert linears(model, PackedLinear) == [] and linears(model, Int8Linear)
+    assert not pack_linears(model)
+    assert relative_error(logits(model), reference) < 0.02

@@ -31,9 +31,14 @@ def logits(model, ids=IDS):
         return model(ids, use_cache=False).logits
 
 
-def test_forward_without_gradients_packs_every_linear_and_keeps_the_logits(tied):
+def plain_logits(model, ids=IDS):
+    """Logits through plain nn.Linear layers (a forward with gradients on does not pack)."""
     with torch.enable_grad():
-        plain = tied(IDS, use_cache=False).logits.detach()  # with gradients on, nothing is packed
+        return model(ids, use_cache=False).logits.detach()
+
+
+def test_forward_without_gradients_packs_every_linear_and_keeps_the_logits(tied):
+    plain = plain_logits(tied)
     assert linears(tied, PackedLinear) == []
     packed = logits(tied)
     assert linears(tied, nn.Linear) == [] and len(linears(tied, PackedLinear)) == 1 + 4 * tied.config.num_hidden_layers  # lm_head; qkv, o, gate_up, down
@@ -55,7 +60,8 @@ def test_the_tied_lm_head_stays_tied_through_pack_and_unpack(tied):
 
 def test_an_untied_packed_model_keeps_one_copy_and_loads_its_own_state_dict(tmp_path):
     model = tiny_model(tmp_path, "qwen2")  # q/k/v bias: packed with a bias
-    reference = logits(model)
+    reference = plain_logits(model)
+    torch.testing.assert_close(logits(model), reference, atol=1e-5, rtol=1e-5)
     assert model.lm_head.shared_weight is None and model.layers[0].attn.qkv.bias is not None
     fresh = tiny_model(tmp_path / "again", "qwen2", seed=1)
     fresh.load_state_dict(model.state_dict())  # the packed model's state_dict loads into a plain one

@@ -59,24 +59,31 @@ def interleaved_medians(jobs: dict, runs: int) -> dict:
 
 
 def memory_bandwidth_gbs(mb: int = 512, runs: int = 5) -> float:
-    """Read + write bytes per second of a large tensor copy (larger than any cache)."""
+    """Bytes per second read by a sum over a tensor larger than any cache: decoding reads its weights, writes little."""
     src = torch.empty(mb * 2**20 // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    seconds = median_time(lambda: dst.copy_(src), runs)
-    return 2 * src.numel() * 4 / seconds / 1e9
+    seconds = median_time(lambda: src.sum(), runs)
+    return src.numel() * 4 / seconds / 1e9
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: all parameters and buffers but an untied embedding
-    table (one row of it is read); int8 layers count their int8 weights and scales."""
+    """Bytes of the weights one decode step reads: every linear layer's weights as stored (packed, int8 and
+    scales, or plain), norms, and the embedding table only where a plain lm_head reads it (a lookup reads one row)."""
+    from decodekit.models.packed import PackedLinear
+
     embed = model.get_input_embeddings().weight
+    seen, total = {id(embed)}, 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += module.packed.numel() * module.packed.element_size()
+            seen.add(id(module.shared_weight))
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        for t in tensors:
+            if id(t) not in seen and t.layout == torch.strided:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
     head = model.get_output_embeddings()
-    tied = isinstance(getattr(head, "weight", None), torch.Tensor) and embed.data_ptr() == head.weight.data_ptr()
-    seen, total = (set() if tied else {embed.data_ptr()}), 0
-    for p in list(model.parameters()) + list(model.buffers()):
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    if not isinstance(head, PackedLinear) and getattr(head, "weight", None) is embed:
+        total += embed.numel() * embed.element_size()
     return total
 
 
@@ -186,8 +193,7 @@ def main() -> int:
 def core_rows(args, models, ours, ids, mask, prefill) -> dict:
     from decodekit import StaticCache
 
-    # Round-robin within one batch size only: decodekit re-lays its weights out when the batch size
-    # crosses 4 rows (about 150 ms, see models/llama.py), a cost a real workload pays once per switch.
+    # Round-robin within one batch size: the rows of one batch size compete for the same caches.
     ms = {}
     for batch in sorted({b for b, _ in SETTINGS.values()}):
         jobs = {
@@ -230,7 +236,17 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
             compile_s[name] = round(time.perf_counter() - start, 1)
     jobs = {name: generate_job(m, ids, mask, args.new_tokens, 1, kw) for name, (m, kw) in variants.items()}
     if reference is not None:
+        import transformers
+
         jobs["transformers_fp32"] = generate_job(reference, ids, mask, args.new_tokens, 1, {})
+        # transformers compiles its forward only on accelerators unless told to compile on every device.
+        compile_config = transformers.CompileConfig()
+        compile_config._compile_all_devices = True
+        static = {"cache_implementation": "static", "compile_config": compile_config}
+        start = time.perf_counter()
+        generate_job(reference, ids, mask, 4, 1, static)()
+        compile_s["transformers_fp32_static_compiled"] = round(time.perf_counter() - start, 1)
+        jobs["transformers_fp32_static_compiled"] = generate_job(reference, ids, mask, args.new_tokens, 1, static)
     t = {k: 1000 * v / args.new_tokens for k, v in interleaved_medians(jobs, args.runs).items()}
     rows = {}
     for name, (model, _) in variants.items():
@@ -248,6 +264,13 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
     }
     if "transformers_fp32" in t:
         rows["transformers_fp32"] = {"ms_per_token": round(t["transformers_fp32"], 2)}
+        rows["transformers_fp32_static_compiled"] = {
+            "ms_per_token": round(t["transformers_fp32_static_compiled"], 2),
+            "first_call_compile_s": compile_s["transformers_fp32_static_compiled"],
+            "speedup_vs_transformers_fp32": round(t["transformers_fp32"] / t["transformers_fp32_static_compiled"], 3),
+        }
+        rows["ratios"]["fp32_compiled_vs_transformers_static_compiled"] = round(
+            t["transformers_fp32_static_compiled"] / t["fp32_compiled"], 3)
     return rows
 
 

@@ -42,6 +42,28 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.isfinite(out).all()
 
 
+def test_top_p_after_top_k_sorts_fewer_scores_with_the_same_result():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        k = int(torch.randint(1, 30, (1,), generator=gen))
+        scores = torch.randn(3, 500, generator=gen) * (0.5 + trial / 10)
+        ties = trial % 4 == 0
+        if ties:  # up to k more scores tie with the k-th: TopK keeps them all, and the short sort must see them
+            kth = scores.topk(k, dim=-1).values[:, -1:]
+            scores[:, :k] = kth
+        top_k = P.TopKLogitsWarper(k)(None, scores)
+        for p in (0.3, 0.8, 0.95, 1.0):
+            full = P.TopPLogitsWarper(p)(None, top_k)
+            short = P.TopPLogitsWarper(p, after_top_k=k)(None, top_k)
+            if not ties:
+                assert torch.equal(full, short), (trial, k, p)
+            # Which of several tied tokens makes the nucleus is up to the sort; the kept scores are not.
+            for a, b in zip(full, short):
+                assert torch.equal(a[a.isfinite()].sort().values, b[b.isfinite()].sort().values), (trial, k, p)
+    with pytest.raises(ValueError, match="after_top_k"):
+        P.TopPLogitsWarper(0.9, after_top_k=0)
+
+
 def test_min_p_scales_with_top_probability():
     probs = torch.tensor([[0.6, 0.25, 0.1, 0.05]])
     out = P.MinPLogitsWarper(0.2)(ids([0]), probs.log())  # threshold 0.12

@@ -48,7 +48,7 @@ def decodekit_logits_processors(generation_config, context):
         if gc.top_k:
             out.append(P.TopKLogitsWarper(gc.top_k))
         if gc.top_p not in (None, 1.0):
-            out.append(P.TopPLogitsWarper(gc.top_p))
+            out.append(P.TopPLogitsWarper(gc.top_p, after_top_k=gc.top_k or None))
         if gc.min_p:
             out.append(P.MinPLogitsWarper(gc.min_p))
         if gc.typical_p not in (None, 1.0):

@@ -70,6 +70,20 @@ def test_unfusable_strategies_run_eagerly_and_say_why(model, caplog):
     assert "beam search has data-dependent shapes and runs eagerly" in caplog.text
 
 
+def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog):
+    from decodekit import AutoModelForCausalLM
+    from decodekit.testing import write_tiny_model
+
+    int8 = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "m", "qwen2"), quantize="int8")
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        for kwargs in (dict(input_ids=PROMPT), dict(input_ids=BATCH, attention_mask=MASK)):
+            assert torch.equal(int8.generate(**kwargs, max_new_tokens=16),
+                               int8.generate(**kwargs, max_new_tokens=16, compile=True))
+        sample = dict(max_new_tokens=16, do_sample=True, top_k=20, seed=3, eos_token_id=None)
+        assert torch.equal(int8.generate(PROMPT, **sample), int8.generate(PROMPT, compile=True, **sample))
+    assert "compiling the decode step" in caplog.text and "falls back" not in caplog.text
+
+
 def test_bad_compile_config(model):
     with pytest.raises(ValueError, match=r"compile_config=\{'fast': True\} is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile_config={"fast": True})

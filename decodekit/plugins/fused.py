@@ -89,8 +89,6 @@ def unfusable_reason(model, pipeline, gc) -> str | None:
 
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not one of decodekit's own models"
-    if getattr(model, "quantization", None):
-        return "int8 weights are not compiled yet"
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
     for p in pipeline.processors:

@@ -220,13 +220,15 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
 
     fp32 = AutoModelForCausalLM.from_pretrained(path)
     bf16 = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
+    int8 = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     variants = {
         "fp32": (fp32, {}),
         "fp32_compiled": (fp32, {"compile": True}),
         "fp32_compiled_topk50_topp0.9": (fp32, {"compile": True, "do_sample": True, "top_k": 50, "top_p": 0.9}),
         "bf16": (bf16, {}),
         "bf16_compiled": (bf16, {"compile": True}),
-        "int8": (AutoModelForCausalLM.from_pretrained(path, quantize="int8"), {}),
+        "int8": (int8, {}),
+        "int8_compiled": (int8, {"compile": True}),
     }
     compile_s = {}
     for name, (m, kw) in variants.items():

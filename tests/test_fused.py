@@ -84,6 +84,31 @@ def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog):
     assert "compiling the decode step" in caplog.text and "falls back" not in caplog.text
 
 
+def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
+    # The compiled step does not guard the model's weights (fused.argument_guards_only): a changed model
+    # must get a new step, and a repacked one must be read afresh.
+    from decodekit.models.packed import unpack_linears
+    from decodekit.models.quantize import quantize
+
+    m = tiny_model(tmp_path, "llama", tie_word_embeddings=True)
+    kwargs = dict(input_ids=BATCH, attention_mask=MASK, max_new_tokens=12, eos_token_id=[3, 40])
+    reference = m.generate(**kwargs)
+    assert torch.equal(m.generate(**kwargs, compile=True), reference)
+    m.to(torch.bfloat16)
+    assert torch.equal(m.generate(**kwargs, compile=True), m.generate(**kwargs))
+    m.float()
+    unpack_linears(m)
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.mlp.down.weight.mul_(-3.0)  # repacked at the next forward: new objects, new values, same key
+    changed = m.generate(**kwargs)
+    assert not torch.equal(changed, reference)
+    assert torch.equal(m.generate(**kwargs, compile=True), changed)
+    quantize(m, "int8")
+    assert torch.equal(m.generate(**kwargs, compile=True), m.generate(**kwargs))
+    assert len({key[-1] for key in m._fused_steps}) == 3  # fp32 packed, bf16 packed, int8
+
+
 def test_bad_compile_config(model):
     with pytest.raises(ValueError, match=r"compile_config=\{'fast': True\} is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile_config={"fast": True})

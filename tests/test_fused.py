@@ -84,6 +84,14 @@ def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog):
     assert "compiling the decode step" in caplog.text and "falls back" not in caplog.text
 
 
+def test_a_fresh_model_compiles_its_step_once(tmp_path, caplog):
+    fresh = tiny_model(tmp_path, "llama")  # never run eagerly: its weights get packed during the first call
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        outputs = [fresh.generate(PROMPT, max_new_tokens=6, compile=True) for _ in range(3)]
+    assert caplog.text.count("compiling the decode step") == 1 and len(fresh._fused_steps) == 1
+    assert all(torch.equal(out, fresh.generate(PROMPT, max_new_tokens=6)) for out in outputs)
+
+
 def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
     # The compiled step does not guard the model's weights (fused.argument_guards_only): a changed model
     # must get a new step, and a repacked one must be read afresh.

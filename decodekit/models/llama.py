@@ -177,9 +177,11 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         self.windows = {layer.attn.window for layer in self.layers}
 
     def _apply(self, fn, recurse=True):
-        # .to(), .half(), .cuda() and friends act on plain weights; the next forward packs again where it can.
-        if getattr(self, "_packed_linears", False):
+        # .to(), .half(), .cuda() and friends act on plain weights; the next forward decides again whether
+        # the new dtype and device can be packed.
+        if getattr(self, "_packed_linears", None):
             unpack_linears(self)
+        self._packed_linears = None
         return super()._apply(fn, recurse)
 
     @property

@@ -91,7 +91,8 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _linears(model: nn.Module, kind: type):
+def linear_children(model: nn.Module, kind: type = nn.Linear):
+    """(parent, attribute name, module) for every submodule of type `kind`, listed before any is replaced."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, kind):
@@ -99,12 +100,21 @@ def _linears(model: nn.Module, kind: type):
 
 
 def pack_linears(model: nn.Module) -> bool:
-    """Packs every nn.Linear of `model` in place where oneDNN can run it; returns whether the model is packed."""
-    if getattr(model, "_packed_linears", False):
-        return True
+    """Packs every nn.Linear of `model` in place where oneDNN can run it; returns whether the model is packed.
+
+    The answer is kept on the model (`_packed_linears`), so calling this at every forward costs an
+    attribute read; unpack_linears, or a dtype or device move of a decodekit model, clears it.
+    """
+    decided = getattr(model, "_packed_linears", None)
+    if decided is None:
+        decided = model._packed_linears = _pack(model)
+    return decided
+
+
+def _pack(model: nn.Module) -> bool:
     if getattr(model, "quantization", None):
         return False
-    linears = list(_linears(model, nn.Linear))
+    linears = list(linear_children(model))
     if not linears or not all(can_pack(linear.weight) for _, _, linear in linears):
         return False
     others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
@@ -114,12 +124,11 @@ def pack_linears(model: nn.Module) -> bool:
     for parent, name, linear in linears:
         shared = id(linear.weight) in others or counts[id(linear.weight)] > 1
         setattr(parent, name, PackedLinear(linear, keep_weight=shared))
-    model._packed_linears = True
     return True
 
 
 def unpack_linears(model: nn.Module) -> None:
-    """Turns every PackedLinear back into an nn.Linear (before moving the model to another device or dtype)."""
-    for parent, name, packed in _linears(model, PackedLinear):
+    """Turns every PackedLinear back into an nn.Linear; the next pack_linears decides afresh."""
+    for parent, name, packed in linear_children(model, PackedLinear):
         setattr(parent, name, packed.to_linear())
-    model._packed_linears = False
+    model._packed_linears = None

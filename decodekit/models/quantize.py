@@ -43,12 +43,10 @@ def quantize(model: nn.Module, method: str) -> nn.Module:
     """Replaces every nn.Linear of `model` (lm_head included) in place; returns the model."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantize={method!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
-    from .packed import unpack_linears
+    from .packed import linear_children, unpack_linears
 
     unpack_linears(model)  # quantize from plain nn.Linear weights
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+    for parent, name, linear in linear_children(model):
+        setattr(parent, name, Int8Linear(linear))
     model.quantization = method
     return model

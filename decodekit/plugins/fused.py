@@ -215,7 +215,10 @@ class FusedLoop:
         sampling = isinstance(pipeline.selector, SamplingSelector)
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
         length = bucket(max_length)
-        weights = (model.dtype, model.device, getattr(model, "_packed_linears", False), getattr(model, "quantization", None))
+        from ..models.packed import pack_linears
+
+        # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
+        weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
         key = (batch, length, sampling, _signature(processors), tuple(sorted(options.items())), weights)
         steps = model.__dict__.setdefault("_fused_steps", {})
         if key not in steps:

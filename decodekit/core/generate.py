@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .config import DEFAULTS, GenerationConfig
-from .outputs import GenerateOutput
+from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
 
 logger = logging.getLogger("decodekit")
@@ -280,11 +280,4 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             step_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if attention_mask is not None else None
     if streamer is not None:
         streamer.end()
-    if not gc.return_dict_in_generate:
-        return input_ids
-    return GenerateOutput(
-        sequences=input_ids,
-        scores=tuple(scores_out) if scores_out is not None else None,
-        logits=tuple(logits_out) if logits_out is not None else None,
-        past_key_values=cache,
-    )
+    return loop_result(gc, input_ids, cache, scores_out, logits_out)

@@ -58,6 +58,15 @@ class GenerateOutput(ModelOutput):
     past_key_values: Any = None
 
 
+def loop_result(generation_config, sequences, past_key_values, scores=None, logits=None):
+    """What a decoding loop returns: the sequences, or a GenerateOutput with return_dict_in_generate.
+    `scores` and `logits` are the per-step lists the loop gathered, or None where not asked for."""
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateOutput(sequences=sequences, scores=None if scores is None else tuple(scores),
+                          logits=None if logits is None else tuple(logits), past_key_values=past_key_values)
+
+
 @dataclass
 class GenerateBeamOutput(ModelOutput):
     """generate() with num_beams > 1 and return_dict_in_generate=True.

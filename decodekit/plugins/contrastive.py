@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import DynamicCache
-from ..core.outputs import GenerateOutput
+from ..core.outputs import loop_result
 from ..registry import hookimpl
 
 
@@ -104,7 +104,4 @@ class ContrastiveSearch:
                 break
         if streamer is not None:
             streamer.end()
-        if not gc.return_dict_in_generate:
-            return input_ids
-        return GenerateOutput(sequences=input_ids, scores=tuple(scores_out) if scores_out is not None else None,
-                              past_key_values=cache)
+        return loop_result(gc, input_ids, cache, scores_out)

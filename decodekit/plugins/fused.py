@@ -26,7 +26,7 @@ import torch
 from ..core import processors as P
 from ..core import stopping as S
 from ..core.cache import StaticCache
-from ..core.outputs import GenerateOutput
+from ..core.outputs import loop_result
 from ..core.selectors import GreedySelector, SamplingSelector, race_noise
 from ..registry import hookimpl
 
@@ -295,7 +295,4 @@ class FusedLoop:
         if streamer is not None:
             streamer.end()
         sequences = torch.cat((input_ids, torch.stack(generated[:keep], dim=1)), dim=1)
-        if not gc.return_dict_in_generate:
-            return sequences
-        return GenerateOutput(sequences=sequences, scores=tuple(scores_out[:keep]) if scores_out is not None else None,
-                              past_key_values=cache)
+        return loop_result(gc, sequences, cache, scores_out[:keep] if scores_out is not None else None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.outputs import GenerateOutput
+from ..core.outputs import loop_result
 from ..core.selectors import race_noise
 from ..registry import hookimpl
 
@@ -166,10 +166,7 @@ class Speculative:
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does
         if streamer is not None:
             streamer.end()
-        if not gc.return_dict_in_generate:
-            return input_ids
-        return GenerateOutput(sequences=input_ids, scores=tuple(scores_out) if scores_out is not None else None,
-                              logits=tuple(logits_out) if logits_out is not None else None, past_key_values=cache)
+        return loop_result(gc, input_ids, cache, scores_out, logits_out)
 
     @staticmethod
     def _judge(scores, candidates, q, j, K, gc, generator):

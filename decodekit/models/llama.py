@@ -116,6 +116,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether the key at k_pos is visible to the query at q_pos: causal, and within the window if there is one."""
+    allowed = k_pos <= q_pos
+    return allowed if window is None else allowed & (k_pos > q_pos - window)
+
+
 def build_masks(attention_mask, past: int, T: int, windows: set, device) -> dict:
     """Boolean attention masks [B or 1, 1, T, past+T], one per distinct sliding window (None: full).
 
@@ -131,10 +137,7 @@ def build_masks(attention_mask, past: int, T: int, windows: set, device) -> dict
     k_pos = torch.arange(kv, device=device)[None, :]
     masks = {}
     for w in windows:
-        allowed = k_pos <= q_pos
-        if w is not None:
-            allowed = allowed & (k_pos > q_pos - w)
-        allowed = allowed[None, None]
+        allowed = visible(q_pos, k_pos, w)[None, None]
         if padded:
             allowed = allowed & attention_mask[:, None, None, :].bool()
             # A left-pad query sees no key at all; let it see everything rather than produce NaN.
@@ -151,10 +154,7 @@ def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> d
     q_pos = slots[:, None]
     masks = {}
     for w in windows:
-        allowed = k_pos <= q_pos
-        if w is not None:
-            allowed = allowed & (k_pos > q_pos - w)
-        masks[w] = allowed[None, None] & key_mask[:, None, None, :].bool()
+        masks[w] = visible(q_pos, k_pos, w)[None, None] & key_mask[:, None, None, :].bool()
     return masks
 
 

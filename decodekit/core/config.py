@@ -129,11 +129,13 @@ class GenerationConfig:
 
     # --- validation ----------------------------------------------------------------------------------
 
+    def invalid(self, name: str, accepted: str) -> ValueError:
+        """The error for field `name`: its value and what is accepted. Plugins' validate_config hooks use it too."""
+        return ValueError(f"generation config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field, its value and what is accepted."""
-
-        def bad(name: str, accepted: str) -> ValueError:
-            return ValueError(f"generation config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+        bad = self.invalid
 
         def int_at_least(name: str, low: int, optional: bool = False) -> None:
             v = getattr(self, name)

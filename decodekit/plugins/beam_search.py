@@ -33,9 +33,7 @@ def decodekit_config_fields():
 def decodekit_validate_config(generation_config):
     gc = generation_config
     nb, groups = gc.num_beams, gc.num_beam_groups
-
-    def bad(name, accepted):
-        return ValueError(f"generation config: {name}={getattr(gc, name)!r} is invalid; {accepted}.")
+    bad = gc.invalid
 
     if not isinstance(nb, int) or isinstance(nb, bool) or nb < 1:
         raise bad("num_beams", "expected an integer >= 1")

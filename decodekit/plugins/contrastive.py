@@ -28,7 +28,7 @@ def decodekit_validate_config(generation_config):
     if alpha is None:
         return
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
-        raise ValueError(f"generation config: penalty_alpha={alpha!r} is invalid; expected a number in [0, 1].")
+        raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and (gc.top_k is None or gc.top_k <= 1):
         raise ValueError(
             f"generation config: penalty_alpha={alpha} needs top_k > 1 (the number of candidates to compare), "

@@ -54,12 +54,11 @@ def decodekit_validate_config(generation_config, context):
         raise ValueError("dola_layers needs a model with config.num_hidden_layers and hidden states.")
     if isinstance(layers, str):
         if layers not in ("low", "high"):
-            raise ValueError(f"generation config: dola_layers={layers!r} is invalid; expected 'low', 'high' or a list of layer indices.")
+            raise generation_config.invalid("dola_layers", "expected 'low', 'high' or a list of layer indices")
     elif not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(i, int) and 0 <= i < n for i in layers):
-        raise ValueError(
-            f"generation config: dola_layers={layers!r} is invalid; a list of layer indices must be non-empty, "
-            f"each in [0, {n}) for this {n}-layer model (0 is the embedding output)."
-        )
+        raise generation_config.invalid(
+            "dola_layers", f"a list of layer indices must be non-empty, each in [0, {n}) for this {n}-layer model "
+            "(0 is the embedding output)")
     if getattr(generation_config, "num_beams", 1) > 1:
         raise ValueError("dola_layers is not supported with beam search (num_beams > 1).")
     if (generation_config.repetition_penalty or 1.0) < 1.2:

@@ -62,11 +62,10 @@ UNFUSED_STRATEGIES = (
 def decodekit_validate_config(generation_config):
     gc = generation_config
     if not isinstance(gc.compile, bool):
-        raise ValueError(f"generation config: compile={gc.compile!r} is invalid; expected True or False.")
+        raise gc.invalid("compile", "expected True or False")
     cc = gc.compile_config
     if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
-        raise ValueError(f"generation config: compile_config={cc!r} is invalid; expected a dict with keys among "
-                         f"{list(COMPILE_OPTIONS)} (passed to torch.compile).")
+        raise gc.invalid("compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)")
     if gc.compile or cc is not None:
         for name, active, strategy in UNFUSED_STRATEGIES:
             if active(getattr(gc, name, None)):

@@ -27,8 +27,7 @@ def decodekit_validate_config(generation_config, context):
             raise ValueError("negative_prompt_ids only applies with guidance_scale > 1; set guidance_scale.")
         return
     if not isinstance(gc.guidance_scale, (int, float)) or isinstance(gc.guidance_scale, bool) or gc.guidance_scale < 0:
-        raise ValueError(f"generation config: guidance_scale={gc.guidance_scale!r} is invalid; expected a number >= 0 "
-                         "(1 means no guidance, larger pushes harder).")
+        raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
     neg = gc.negative_prompt_ids
     if neg is not None:
         if not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size):

@@ -32,9 +32,7 @@ def decodekit_config_fields():
 def decodekit_validate_config(generation_config, context):
     gc = generation_config
     assistant, lookup = gc.assistant_model, gc.prompt_lookup_num_tokens
-
-    def bad(name, accepted):
-        return ValueError(f"generation config: {name}={getattr(gc, name)!r} is invalid; {accepted}.")
+    bad = gc.invalid
 
     if assistant is None and lookup is None:
         return

@@ -13,6 +13,7 @@ import torch
 from .config import DEFAULTS, GenerationConfig
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
+from .stack import stack_room
 
 logger = logging.getLogger("decodekit")
 
@@ -108,6 +109,7 @@ class GenerationMixin:
     `model(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True)`."""
 
     @torch.inference_mode()
+    @stack_room
     def generate(
         self,
         inputs: torch.LongTensor | None = None,

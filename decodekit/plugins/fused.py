@@ -12,8 +12,9 @@ torch.compile'd function over a fixed-shape static cache.
 - What cannot be fused (processors that read the whole sequence, stop strings, max_time, beam search,
   speculative decoding, models other than decodekit's Llama family) runs in the eager loop, and a log
   line on the `decodekit` logger names the reason.
-`compile_config` = {"mode", "fullgraph", "dynamic", "backend"} is passed to torch.compile; on CUDA,
-mode="reduce-overhead" makes the step a CUDA graph replay (not verified on hardware yet).
+`compile_config` = {"mode", "fullgraph", "dynamic", "backend"} is passed to torch.compile (an inductor
+mode as the options it stands for, see compile_arguments); on CUDA, mode="reduce-overhead" makes the
+step a CUDA graph replay (not verified on hardware yet).
 """
 
 from __future__ import annotations

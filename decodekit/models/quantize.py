@@ -5,7 +5,8 @@ Activations go through the matmul in bfloat16, which is what PyTorch's CPU kerne
 (`torch._weight_int8pack_mm`) takes. The kernel runs with unit scales and the float32 scales are
 applied to its output: on the default model that halves the log-likelihood loss against handing the
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
-text). Embeddings stay as they are (a lookup reads one row per token).
+text). A compiled one-token step does without the kernel: see _one_row. Embeddings stay as they are
+(a lookup reads one row per token).
 """
 
 from __future__ import annotations

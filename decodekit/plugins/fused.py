@@ -67,7 +67,7 @@ def decodekit_validate_config(generation_config):
     cc = gc.compile_config
     if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
         raise gc.invalid("compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)")
-    if cc is not None and cc.get("mode") is not None and cc.get("backend", "inductor") == "inductor":
+    if cc is not None and cc.get("mode") is not None and uses_inductor(cc):
         from torch._inductor import list_mode_options
 
         if cc["mode"] not in list_mode_options():
@@ -162,6 +162,11 @@ def argument_guards_only(entries) -> list[bool]:
 STEP_INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 3}
 
 
+def uses_inductor(compile_config: dict) -> bool:
+    """Whether torch.compile runs inductor for this compile_config (its default backend)."""
+    return compile_config.get("backend", "inductor") == "inductor"
+
+
 def compile_arguments(options: dict) -> dict:
     """torch.compile's keyword arguments for a step from compile_config (plus fullgraph/dynamic defaults).
 
@@ -170,7 +175,7 @@ def compile_arguments(options: dict) -> dict:
     """
     args = dict(options)
     mode = args.pop("mode", None)
-    if args.get("backend", "inductor") == "inductor":
+    if uses_inductor(args):
         from torch._inductor import list_mode_options
 
         inductor = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS}

@@ -1,6 +1,8 @@
 """oneDNN-packed linear weights: same logits as plain nn.Linear, ties and state_dict kept, undone before
 dtype moves and quantization."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -92,3 +94,36 @@ def test_quantizing_a_packed_model_works_and_skips_packing(tmp_path):
     assert linears(model, PackedLinear) == [] and linears(model, Int8Linear)
     assert not pack_linears(model)
     assert relative_error(logits(model), reference) < 0.02
+
+
+def test_a_batch_one_compiled_call_runs_on_plain_weights_and_the_next_eager_call_packs_again(tied, caplog):
+    # The compiled one-row step multiplies plain weights itself (models/linear.py); wider steps and eager
+    # calls use the packed ones. The switch keeps the tie and the tokens.
+    one, two = IDS[:1], IDS
+    eager = tied.generate(one, max_new_tokens=6)
+    assert linears(tied, PackedLinear)
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        compiled = tied.generate(one, max_new_tokens=6, compile=True)
+    assert "unpacked from oneDNN's layout for a compiled one-row step" in caplog.text
+    assert linears(tied, PackedLinear) == [] and tied.lm_head.weight is tied.embed.weight
+    assert torch.equal(compiled, eager)
+    assert torch.equal(tied.generate(one, max_new_tokens=6), eager) and linears(tied, PackedLinear)
+    wide = tied.generate(two, max_new_tokens=6, compile=True)
+    assert linears(tied, PackedLinear) and torch.equal(wide, tied.generate(two, max_new_tokens=6))
+    assert sorted(key[-1][2] for key in tied._fused_steps) == [False, True]  # one step per layout
+
+
+def test_one_row_in_a_compiled_step_goes_through_one_row_and_nothing_else_does(monkeypatch):
+    import decodekit.models.linear as linear_module
+
+    calls = []
+    original = linear_module.one_row
+    monkeypatch.setattr(linear_module, "one_row", lambda row, w: calls.append(tuple(row.shape)) or original(row, w))
+    torch.manual_seed(0)
+    layer = linear_module.Linear(64, 48, bias=True)
+    compiled = torch.compile(layer, fullgraph=True)
+    x1, x3 = torch.randn(1, 1, 64), torch.randn(3, 64)
+    torch.testing.assert_close(compiled(x1), layer(x1), atol=1e-5, rtol=1e-5)
+    assert calls == [(1, 64)]  # traced once, for the one-row call
+    torch.testing.assert_close(compiled(x3), layer(x3), atol=1e-5, rtol=1e-5)
+    assert calls == [(1, 64)]  # neither more rows nor eager calls use it

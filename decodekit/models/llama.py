@@ -17,6 +17,7 @@ from ..core.cache import DynamicCache
 from ..core.generate import GenerationMixin
 from ..core.outputs import CausalLMOutput
 from .config import ModelConfig
+from .linear import Linear
 from .packed import pack_linears, unpack_linears
 from .rope import RotaryTable, apply_rotary
 
@@ -64,8 +65,8 @@ class Attention(nn.Module):
         self.window = config.sliding_window_for_layer(layer_idx)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -100,8 +101,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
-        self.down = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up = Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
+        self.down = Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up(x).split(self.inter, dim=-1)
@@ -175,7 +176,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = RotaryTable(config.head_dim, config.rope(), min(config.max_position_embeddings, 4096))

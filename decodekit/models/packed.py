@@ -10,12 +10,24 @@ and bfloat16 alike (bench/bench_generate.py measures the whole token).
 `pack_linears(model)` replaces each nn.Linear by a PackedLinear holding the packed copy; a weight
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
 Packing is skipped off CPU, for dtypes oneDNN cannot run here, and for quantized models.
+
+A compiled one-token step multiplies plain weights faster itself (linear.one_row), so it holds the model
+unpacked while it runs (`plain_weights`); the next eager call packs again. A model therefore holds one
+layout at a time, and switching costs a copy of the weights (65-380 ms for the default model in float32).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+
 import torch
 from torch import nn
+
+from .linear import Linear
+
+logger = logging.getLogger("decodekit")
 
 # oneDNN picks its blocked layout for an expected row count; 4 is fast for 1 to 16 rows on the bench machine.
 ROWS_HINT = 4
@@ -80,8 +92,8 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
-    def to_linear(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+    def to_linear(self) -> Linear:
+        linear = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = self.shared_weight if self.shared_weight is not None else nn.Parameter(
             self.packed.to_dense(), requires_grad=False)
         linear.bias = self.bias
@@ -132,3 +144,22 @@ def unpack_linears(model: nn.Module) -> None:
     for parent, name, packed in linear_children(model, PackedLinear):
         setattr(parent, name, packed.to_linear())
     model._packed_linears = None
+
+
+@contextlib.contextmanager
+def plain_weights(model: nn.Module):
+    """Holds `model`'s linear layers unpacked for the duration (unpacking them first if they are packed).
+
+    For a compiled one-row step, which multiplies plain weights itself. Afterwards the model decides
+    afresh, so the next eager forward packs again.
+    """
+    if getattr(model, "_packed_linears", None):
+        start = time.perf_counter()
+        unpack_linears(model)
+        logger.info("decodekit: linear weights unpacked from oneDNN's layout for a compiled one-row step "
+                    "(%.0f ms); the next eager call packs them again", 1000 * (time.perf_counter() - start))
+    model._packed_linears = False
+    try:
+        yield
+    finally:
+        model._packed_linears = None

@@ -5,14 +5,17 @@ Activations go through the matmul in bfloat16, which is what PyTorch's CPU kerne
 (`torch._weight_int8pack_mm`) takes. The kernel runs with unit scales and the float32 scales are
 applied to its output: on the default model that halves the log-likelihood loss against handing the
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
-text). A compiled one-token step does without the kernel: see _one_row. Embeddings stay as they are
-(a lookup reads one row per token).
+text). A compiled one-token step does without the kernel: it uses linear.one_row, in float32, so the
+compiled step is the more precise of the two and their tokens part only at a near tie. Embeddings stay
+as they are (a lookup reads one row per token).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .linear import one_row
 
 QUANTIZATIONS = ("int8",)
 
@@ -33,25 +36,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 1 and torch.compiler.is_compiling():
-            y = _one_row(flat, self.weight_int8)
+            y = one_row(flat, self.weight_int8)
         elif flat.device.type == "cpu":
             y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
         else:  # no fused kernel assumed elsewhere: convert, then matmul
             y = flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-
-def _one_row(row: torch.Tensor, weight_int8: torch.Tensor) -> torch.Tensor:
-    """row [1, in] @ weight_int8^T in float32, as a broadcast multiply and a sum for inductor to fuse into one loop.
-
-    A compiled decode step of one token multiplies a single row by every matrix. Written this way,
-    inductor reads each int8 weight row once, converts it in registers and accumulates in float32.
-    Together with the fused one-query attention this took the default model's compiled int8 step from
-    8.3 to 6.9 ms a token (bench machine). The row stays float32 (`torch._weight_int8pack_mm` takes
-    bfloat16), so the compiled step is the more precise of the two; their tokens part only at a near tie.
-    """
-    return (row.float()[:, None, :] * weight_int8.float()).sum(-1)
 
 
 def quantize(model: nn.Module, method: str) -> nn.Module:

@@ -19,6 +19,7 @@ step a CUDA graph replay (not verified on hardware yet).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 
@@ -29,6 +30,7 @@ from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import loop_result
 from ..core.selectors import GreedySelector, SamplingSelector, race_noise
+from ..models.packed import pack_linears, plain_weights
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -159,7 +161,10 @@ def argument_guards_only(entries) -> list[bool]:
 # stored, the attention's too: q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read
 # back, twice a layer. 3 keeps the norms stored and the attention products fused; against 1, paired runs
 # measured 0.88 (int8), 0.95 (fp32) and 0.95 (bf16) of the time a token, and 5 was 1.45x slower than 3.
-STEP_INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 3}
+# A norm has three reads, so it was still recomputed in the inner loop of the product after it: for bf16
+# three conversions to float32 per weight vector instead of one. realize_opcount_threshold 8 (CPU default
+# 50) stores any elementwise result of more than 8 operations, the norms among them.
+STEP_INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 3, "realize_opcount_threshold": 8}
 
 
 def uses_inductor(compile_config: dict) -> bool:
@@ -229,6 +234,14 @@ class FusedLoop:
         if reason is not None:
             logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
             return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
+        one_row = input_ids.shape[0] == 1 and model.device.type == "cpu"
+        # A one-row step multiplies plain weights itself (models/linear.py); wider steps use oneDNN's packed ones.
+        with plain_weights(model) if one_row else contextlib.nullcontext():
+            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+
+    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        from ..core.generate import decode
+
         fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
         if fused is None:
             return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
@@ -251,8 +264,6 @@ class FusedLoop:
         sampling = isinstance(pipeline.selector, SamplingSelector)
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
         length = bucket(max_length)
-        from ..models.packed import pack_linears
-
         # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
         weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
         key = (batch, length, sampling, _signature(processors), tuple(sorted(options.items())), weights)

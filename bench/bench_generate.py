@@ -243,15 +243,17 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
     """Greedy batch 1 with fp32, bf16 and int8 weights, each against transformers fp32 in the same round-robin."""
     from decodekit import AutoModelForCausalLM
 
-    fp32 = AutoModelForCausalLM.from_pretrained(path)
-    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
+    # Eager and compiled rows get models of their own: a compiled one-row step holds a model's weights plain
+    # and an eager call packs them again (models/packed.py), which round-robin calls on one model would repeat.
+    fp32, fp32_step = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
+    bf16, bf16_step = (AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16") for _ in range(2))
     int8 = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     variants = {
         "fp32": (fp32, {}),
-        "fp32_compiled": (fp32, {"compile": True}),
-        "fp32_compiled_topk50_topp0.9": (fp32, {"compile": True, "do_sample": True, "top_k": 50, "top_p": 0.9}),
+        "fp32_compiled": (fp32_step, {"compile": True}),
+        "fp32_compiled_topk50_topp0.9": (fp32_step, {"compile": True, "do_sample": True, "top_k": 50, "top_p": 0.9}),
         "bf16": (bf16, {}),
-        "bf16_compiled": (bf16, {"compile": True}),
+        "bf16_compiled": (bf16_step, {"compile": True}),
         "int8": (int8, {}),
         "int8_compiled": (int8, {"compile": True}),
     }

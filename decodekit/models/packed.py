@@ -13,7 +13,7 @@ Packing is skipped off CPU, for dtypes oneDNN cannot run here, and for quantized
 
 A compiled one-token step multiplies plain weights faster itself (linear.one_row), so it holds the model
 unpacked while it runs (`plain_weights`); the next eager call packs again. A model therefore holds one
-layout at a time, and switching costs a copy of the weights (65-380 ms for the default model in float32).
+layout at a time, and switching costs a copy of the weights (65-440 ms for the default model in float32).
 """
 
 from __future__ import annotations

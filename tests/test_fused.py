@@ -139,6 +139,22 @@ def test_a_compile_mode_keeps_the_step_options_and_guard_filter(model):
     assert torch.equal(out, model.generate(PROMPT, max_new_tokens=8))
 
 
+def test_compile_config_options_reach_inductor_over_the_step_options_and_bad_ones_are_refused(model):
+    from decodekit.plugins.fused import argument_guards_only, compile_arguments
+
+    args = compile_arguments({"mode": "default", "options": {"realize_opcount_threshold": 50, "size_asserts": False}})
+    assert args["options"]["realize_opcount_threshold"] == 50 and args["options"]["size_asserts"] is False
+    assert args["options"]["realize_acc_reads_threshold"] == 3 and args["options"]["guard_filter_fn"] is argument_guards_only
+    out = model.generate(PROMPT, max_new_tokens=8, compile_config={"options": {"size_asserts": False}})
+    assert torch.equal(out, model.generate(PROMPT, max_new_tokens=8))
+    with pytest.raises(ValueError, match=r"options \['not_an_option'\] are not inductor options"):
+        model.generate(PROMPT, max_new_tokens=2, compile_config={"options": {"not_an_option": 1, "size_asserts": True}})
+    with pytest.raises(ValueError, match=r"options must be a dict"):
+        model.generate(PROMPT, max_new_tokens=2, compile_config={"options": ["size_asserts"]})
+    with pytest.raises(ValueError, match=r"mode or options, not both"):
+        model.generate(PROMPT, max_new_tokens=2, compile_config={"backend": "eager", "mode": "x", "options": {"a": 1}})
+
+
 def test_real_model_compiled_equals_eager(default_model):
     model, tok = default_model
     single = tok("The capital of France is", return_tensors="pt")

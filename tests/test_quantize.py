@@ -21,7 +21,7 @@ def test_int8_linear_is_close_to_fp32():
 
 
 def test_compiled_one_row_product_is_float32_and_more_rows_use_the_kernel():
-    # A compiled step computes one-row products itself (quantize._one_row) in float32; the eager path
+    # A compiled step computes one-row products itself (linear.one_row) in float32; the eager path
     # and rows > 1 go through torch._weight_int8pack_mm, which takes the row in bfloat16.
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(576, 96, bias=False))

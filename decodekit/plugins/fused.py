@@ -12,8 +12,8 @@ torch.compile'd function over a fixed-shape static cache.
 - What cannot be fused (processors that read the whole sequence, stop strings, max_time, beam search,
   speculative decoding, models other than decodekit's Llama family) runs in the eager loop, and a log
   line on the `decodekit` logger names the reason.
-`compile_config` = {"mode", "fullgraph", "dynamic", "backend"} is passed to torch.compile (an inductor
-mode as the options it stands for, see compile_arguments); on CUDA, mode="reduce-overhead" makes the
+`compile_config` = {"mode", "fullgraph", "dynamic", "backend", "options"} is passed to torch.compile (an
+inductor mode as the options it stands for, see compile_arguments); on CUDA, mode="reduce-overhead" makes the
 step a CUDA graph replay (not verified on hardware yet).
 """
 
@@ -44,7 +44,7 @@ def score_only(processor) -> bool:
     """Reads only the scores (the processor says so with `score_only = True`): safe inside a fixed-shape step."""
     return bool(getattr(processor, "score_only", False))
 
-COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")
+COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
 
 @hookimpl
@@ -74,10 +74,29 @@ def decodekit_validate_config(generation_config):
 
         if cc["mode"] not in list_mode_options():
             raise gc.invalid("compile_config", f"mode={cc['mode']!r} is not one of {sorted(list_mode_options())}")
+    if cc is not None and cc.get("options") is not None:
+        validate_backend_options(gc, cc)
     if gc.compile or cc is not None:
         for name, active, strategy in UNFUSED_STRATEGIES:
             if active(getattr(gc, name, None)):
                 logger.info("decodekit: compile=True: %s has data-dependent shapes and runs eagerly", strategy)
+
+
+def validate_backend_options(gc, cc: dict) -> None:
+    options = cc["options"]
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise gc.invalid("compile_config", "options must be a dict of option names to values (torch.compile's options)")
+    if not uses_inductor(cc):
+        if cc.get("mode") is not None:
+            raise gc.invalid("compile_config", "torch.compile takes mode or options, not both, for a backend other than inductor")
+        return
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known or k == "guard_filter_fn")
+    if unknown:
+        raise gc.invalid("compile_config", f"options {unknown} are not inductor options (see torch._inductor.config; "
+                         "the step sets guard_filter_fn itself)")
 
 
 @hookimpl(trylast=True)
@@ -129,6 +148,8 @@ def _signature(processors) -> tuple:
 
 
 def _hashable(value):
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
     try:
@@ -155,7 +176,7 @@ def argument_guards_only(entries) -> list[bool]:
 
 
 # Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A
-# one-row matmul written as a broadcast multiply and a sum (quantize._one_row, llama.one_query_attention)
+# one-row matmul written as a broadcast multiply and a sum (linear.one_row, llama.one_query_attention)
 # would then recompute its input once per output row: the int8 default model took 15.7 ms a token with
 # inductor's default (12 reads on CPU) against 6.1 ms with 1. At 1, though, every product of two tensors is
 # stored, the attention's too: q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read
@@ -176,18 +197,20 @@ def compile_arguments(options: dict) -> dict:
     """torch.compile's keyword arguments for a step from compile_config (plus fullgraph/dynamic defaults).
 
     torch.compile takes `mode` or `options`, not both; for inductor a mode is only a set of options, so it
-    is merged with the step's own options and guard filter. Another backend with a mode gets the mode alone.
+    is merged with the step's own options, then compile_config's `options` (which win), and the guard
+    filter. Another backend with a mode gets the mode alone.
     """
     args = dict(options)
     mode = args.pop("mode", None)
+    own = args.pop("options", None) or {}
     if uses_inductor(args):
         from torch._inductor import list_mode_options
 
-        inductor = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS}
+        inductor = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS, **own}
         return {**args, "options": {**inductor, "guard_filter_fn": argument_guards_only}}
     if mode is not None:
         return {**args, "mode": mode}
-    return {**args, "options": {"guard_filter_fn": argument_guards_only}}
+    return {**args, "options": {**own, "guard_filter_fn": argument_guards_only}}
 
 
 class FusedStep:
@@ -266,7 +289,8 @@ class FusedLoop:
         length = bucket(max_length)
         # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
         weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
-        key = (batch, length, sampling, _signature(processors), tuple(sorted(options.items())), weights)
+        settings = tuple(sorted((k, _hashable(v)) for k, v in options.items()))
+        key = (batch, length, sampling, _signature(processors), settings, weights)
         steps = model.__dict__.setdefault("_fused_steps", {})
         if key not in steps:
             why = "first compiled call" if not steps else "new batch size, cache bucket or processors"

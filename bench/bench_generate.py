@@ -75,11 +75,16 @@ def interleaved(jobs: dict, runs: int) -> Timings:
     return Timings(samples)
 
 
-def memory_bandwidth_gbs(mb: int = 512, runs: int = 5) -> float:
-    """Bytes per second read by a sum over a tensor larger than any cache: decoding reads its weights, writes little."""
+def memory_read_job(mb: int = 512):
+    """(job, bytes): a sum over a tensor larger than any cache, since decoding reads its weights and writes little."""
     src = torch.empty(mb * 2**20 // 4, dtype=torch.float32).fill_(1.0)
-    seconds = median_time(lambda: src.sum(), runs)
-    return src.numel() * 4 / seconds / 1e9
+    return (lambda: src.sum()), src.numel() * 4
+
+
+def memory_bandwidth_gbs(runs: int = 5) -> float:
+    """Bytes per second read by memory_read_job, measured now."""
+    job, nbytes = memory_read_job()
+    return nbytes / median_time(job, runs) / 1e9
 
 
 def weight_bytes(model) -> int:
@@ -183,7 +188,7 @@ def main() -> int:
     if args.only in (None, "core"):
         ms, paired = core_rows(args, models, ours, ids, mask, prefill)
     if args.only in (None, "core", "weights"):
-        result["weight_formats"] = weight_format_rows(args, path, ids, mask, models.get("transformers"), bandwidth)
+        result["weight_formats"] = weight_format_rows(args, path, ids, mask, models.get("transformers"))
     if args.only in (None, "strategies"):
         result["strategies"] = strategy_rows(args, models, tok)
     dk = {name: t for (lib, name), t in ms.items() if lib == "decodekit"}
@@ -239,7 +244,7 @@ def core_rows(args, models, ours, ids, mask, prefill) -> tuple[dict, dict]:
     return ms, paired
 
 
-def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
+def weight_format_rows(args, path, ids, mask, reference) -> dict:
     """Greedy batch 1 with fp32, bf16 and int8 weights, each against transformers fp32 in the same round-robin."""
     from decodekit import AutoModelForCausalLM
 
@@ -264,6 +269,10 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
             generate_job(m, ids, mask, 4, 1, kw)()  # the first compiled call compiles
             compile_s[name] = round(time.perf_counter() - start, 1)
     jobs = {name: generate_job(m, ids, mask, args.new_tokens, 1, kw) for name, (m, kw) in variants.items()}
+    # The bound of each row uses the bandwidth measured in the same rounds: on a shared machine the
+    # bandwidth measured once before the rows has been anywhere from 31 to 65 GB/s.
+    read, read_bytes = memory_read_job()
+    jobs["memory_read"] = lambda: [read() for _ in range(5)]
     if reference is not None:
         import transformers
 
@@ -278,7 +287,8 @@ def weight_format_rows(args, path, ids, mask, reference, bandwidth) -> dict:
         jobs["transformers_fp32_static_compiled"] = generate_job(reference, ids, mask, args.new_tokens, 1, static)
     timings = interleaved(jobs, args.runs)
     t = {k: 1000 * timings.median(k) / args.new_tokens for k in jobs}
-    rows = {}
+    bandwidth = 5 * read_bytes / timings.median("memory_read") / 1e9
+    rows = {"memory": {"bandwidth_GBps_in_these_rounds": round(bandwidth, 2)}}
     for name, (model, _) in variants.items():
         wbytes = weight_bytes(model)
         bound = wbytes / (bandwidth * 1e9) * 1000

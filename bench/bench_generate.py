@@ -272,7 +272,8 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
     # The bound of each row uses the bandwidth measured in the same rounds: on a shared machine the
     # bandwidth measured once before the rows has been anywhere from 31 to 65 GB/s.
     read, read_bytes = memory_read_job()
-    jobs["memory_read"] = lambda: [read() for _ in range(5)]
+    reads = 5  # a read is ~10 ms: a few per round so that one timing is not a single sample's noise
+    jobs["memory_read"] = lambda: [read() for _ in range(reads)]
     if reference is not None:
         import transformers
 
@@ -287,7 +288,7 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
         jobs["transformers_fp32_static_compiled"] = generate_job(reference, ids, mask, args.new_tokens, 1, static)
     timings = interleaved(jobs, args.runs)
     t = {k: 1000 * timings.median(k) / args.new_tokens for k in jobs}
-    bandwidth = 5 * read_bytes / timings.median("memory_read") / 1e9
+    bandwidth = reads * read_bytes / timings.median("memory_read") / 1e9
     rows = {"memory": {"bandwidth_GBps_in_these_rounds": round(bandwidth, 2)}}
     for name, (model, _) in variants.items():
         wbytes = weight_bytes(model)

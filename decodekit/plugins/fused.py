@@ -289,8 +289,7 @@ class FusedLoop:
         length = bucket(max_length)
         # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
         weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
-        settings = tuple(sorted((k, _hashable(v)) for k, v in options.items()))
-        key = (batch, length, sampling, _signature(processors), settings, weights)
+        key = (batch, length, sampling, _signature(processors), _hashable(options), weights)
         steps = model.__dict__.setdefault("_fused_steps", {})
         if key not in steps:
             why = "first compiled call" if not steps else "new batch size, cache bucket or processors"

@@ -48,7 +48,7 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.isfinite(out).all()
 
 
-def test_top_p_after_top_k_sorts_fewer_scores_with_the_same_result():
+def test_top_k_top_p_sorts_fewer_scores_with_the_same_result_as_the_two_warpers():
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):
         k = int(torch.randint(1, 30, (1,), generator=gen))
@@ -58,10 +58,14 @@ def test_top_p_after_top_k_sorts_fewer_scores_with_the_same_result():
             scores[:, :k] = kth
         top_k = P.TopKLogitsWarper(k)(None, scores)
         for p in (0.3, 0.8, 0.95, 1.0):
-            full = P.TopPLogitsWarper(p)(None, top_k)
-            assert torch.equal(P.TopPLogitsWarper(p, after_top_k=k)(None, top_k), full), (trial, k, p)
-    with pytest.raises(ValueError, match="after_top_k"):
-        P.TopPLogitsWarper(0.9, after_top_k=0)
+            two = P.TopPLogitsWarper(p)(None, top_k)
+            assert torch.equal(P.TopKTopPLogitsWarper(k, p)(None, scores), two), (trial, k, p)
+    small = torch.randn(2, 7, generator=gen)  # 2k above the vocabulary: the whole row is sorted
+    assert torch.equal(P.TopKTopPLogitsWarper(5, 0.9)(None, small), P.TopPLogitsWarper(0.9)(None, P.TopKLogitsWarper(5)(None, small)))
+    with pytest.raises(ValueError, match="top_k=0"):
+        P.TopKTopPLogitsWarper(0, 0.9)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        P.TopKTopPLogitsWarper(5, 1.5)
 
 
 def test_min_p_scales_with_top_probability():
@@ -160,3 +164,17 @@ def test_processor_list_applies_in_order():
 def test_processors_reject_bad_values(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("vocab", [49152, 50001, 300])
+def test_top_values_are_topk_values_ties_and_padding_included(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        scores = torch.randn(2, vocab, generator=gen) * 3
+        if trial % 3 == 0:
+            scores = scores.round()  # thousands of ties
+        if trial % 3 == 1:
+            scores[:, ::7] = scores.max()  # more ties at the top than m
+        scores[0, :5] = -math.inf
+        for m in (1, 50, 100, 400):
+            assert torch.equal(P.top_values(scores, m), torch.topk(scores, min(m, vocab)).values), (trial, m)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from decodekit.core.selectors import draw_key, race_noise
 from helpers import TableModel, chi_square, chi_square_critical
 
 V = 12
@@ -32,6 +33,7 @@ CASES = {
     "temperature": (dict(top_k=0, temperature=0.6), lambda z: torch.ones(V, dtype=torch.bool), 0.6),
     "top_k": (dict(top_k=4), lambda z: z >= z.sort(descending=True).values[3], 1.0),
     "top_p": (dict(top_k=0, top_p=0.8), None, 1.0),
+    "top_k_top_p": (dict(top_k=8, top_p=0.9), None, 1.0),
     "min_p": (dict(top_k=0, min_p=0.05), lambda z: torch.softmax(z, -1) >= 0.05 * torch.softmax(z, -1).max(), 1.0),
 }
 
@@ -55,7 +57,12 @@ def test_sampled_frequencies_follow_the_distribution(case):
     kwargs, keep_fn, temperature = CASES[case]
     t = table()
     z = t[3]
-    keep = nucleus_keep(z, 0.8) if case == "top_p" else keep_fn(z / temperature if case == "top_k" else z)
+    if case == "top_p":
+        keep = nucleus_keep(z, 0.8)
+    elif case == "top_k_top_p":  # the nucleus of the eight most likely tokens: 5 tokens, where either warper alone keeps 8 or 6
+        keep = nucleus_keep(z.masked_fill(z < z.sort(descending=True).values[7], -math.inf), 0.9)
+    else:
+        keep = keep_fn(z / temperature if case == "top_k" else z)
     probs = expected(z, keep, temperature)
     counts = first_token_counts(TableModel(t), **kwargs)
     stat, df = chi_square(counts, probs)
@@ -94,3 +101,20 @@ def test_seed_reproduces_and_differs():
 def test_chi_square_critical_value_is_sane():
     # Against the tabulated chi-square quantile for df=10 at p=1e-4 (35.56).
     assert math.isclose(chi_square_critical(10), 35.56, rel_tol=0.02)
+
+
+def test_race_noise_is_exponential_pure_and_the_same_compiled():
+    key = draw_key(torch.Generator().manual_seed(0))
+    noise = race_noise(key, 37, 4, 49152)
+    assert torch.equal(noise, race_noise(key, 37, 4, 49152))  # a function of its arguments, no state
+    flat = noise.flatten()
+    assert abs(flat.mean().item() - 1) < 0.01 and abs(flat.var().item() - 1) < 0.03
+    assert abs((flat > 2).float().mean().item() - math.exp(-2)) < 0.004
+    # Rows, positions and keys each give other noise, uncorrelated.
+    others = [noise[1], race_noise(key, 38, 4, 49152)[0], race_noise(key + 1, 37, 4, 49152)[0]]
+    for other in others:
+        assert abs(torch.corrcoef(torch.stack([noise[0], other]))[0, 1].item()) < 0.02
+    for vocab in (101, 49152):  # 101: a vocabulary that leaves a remainder to the vector loop
+        compiled = torch.compile(lambda k, p: race_noise(k, p, 4, vocab), fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(key, torch.tensor([37], dtype=torch.int32)), race_noise(key, 37, 4, vocab),
+                                   rtol=3e-7, atol=0)

@@ -49,6 +49,26 @@ class TemperatureLogitsWarper:
         return scores / self.temperature
 
 
+def top_values(scores: torch.Tensor, m: int, chunk: int = 32) -> torch.Tensor:
+    """The `m` highest scores of each row [B, m], highest first: torch.topk(scores, m).values, exactly.
+
+    A partial sort of a long row runs on one core: for 49152 scores 0.10 ms. Instead, the rows are cut into
+    chunks of `chunk`, and the m chunks with the highest maxima hold the m highest scores (a chunk with a
+    higher maximum than the chunk of the m-th score has a score above it, and there are fewer than m of
+    those), so only m * chunk scores are partially sorted: 0.04 ms, and a cheap step when compiled.
+    """
+    B, V = scores.shape
+    m = min(m, V)
+    if V < 4 * m * chunk:
+        return torch.topk(scores, m, dim=-1).values
+    if V % chunk:
+        scores = torch.nn.functional.pad(scores, (0, -V % chunk), value=NEG_INF)
+    chunks = scores.view(B, -1, chunk)
+    best = torch.topk(chunks.amax(dim=-1), m, dim=-1).indices
+    picked = torch.gather(chunks, 1, best[..., None].expand(B, m, chunk))
+    return torch.topk(picked.reshape(B, -1), m, dim=-1).values
+
+
 class TopKLogitsWarper:
     """Keeps the `top_k` (>= 1) highest scores; ties at the boundary are all kept."""
 
@@ -59,9 +79,17 @@ class TopKLogitsWarper:
         self.top_k = max(top_k, min_tokens_to_keep)
 
     def __call__(self, input_ids, scores):
-        k = min(self.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        kth = top_values(scores, self.top_k)[..., -1:]
         return scores.masked_fill(scores < kth, NEG_INF)
+
+
+def _nucleus_threshold(ascending: torch.Tensor, top_p: float, min_tokens_to_keep: int) -> torch.Tensor:
+    """The lowest score kept by nucleus sampling [B, 1], from scores sorted in ascending order."""
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    # Ascending order: the low tail whose mass is at most 1 - top_p goes.
+    keep = cumulative > (1 - top_p)
+    keep[..., -min_tokens_to_keep:] = True
+    return torch.where(keep, ascending, float("inf")).amin(dim=-1, keepdim=True)
 
 
 class TopPLogitsWarper:
@@ -70,32 +98,42 @@ class TopPLogitsWarper:
     Tokens tied with the smallest score of that set are all kept (a sort would pick among them
     arbitrarily); keeping by a score threshold also spares a scatter over the vocabulary, which
     inductor compiles into a slow kernel (0.4 against 0.1 ms for 49152 scores on the bench CPU).
-    `after_top_k` (an integer >= 1 or None) says that the scores come straight from TopKLogitsWarper(k):
-    at most k are finite, ties at the k-th score aside, so only the top 2k are sorted instead of the
-    whole vocabulary (0.1 against 0.5 ms). The result is the same unless more than k scores tie with
-    the k-th.
     """
 
     score_only = True
 
-    def __init__(self, top_p: float, min_tokens_to_keep: int = 1, after_top_k: int | None = None):
+    def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
         _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "expected a number in (0, 1]")
-        _check("after_top_k", after_top_k, after_top_k is None or (isinstance(after_top_k, int) and after_top_k >= 1),
-               "expected an integer >= 1 or None")
         self.top_p = float(top_p)
         self.min_tokens_to_keep = min_tokens_to_keep
-        self.after_top_k = after_top_k
 
     def __call__(self, input_ids, scores):
-        if self.after_top_k is not None and 2 * self.after_top_k < scores.shape[-1]:
-            ascending = torch.topk(scores, 2 * self.after_top_k, dim=-1).values.flip(-1)
-        else:
-            ascending = torch.sort(scores, dim=-1).values
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        # Ascending order: the low tail whose mass is at most 1 - top_p goes.
-        keep = cumulative > (1 - self.top_p)
-        keep[..., -self.min_tokens_to_keep :] = True
-        threshold = torch.where(keep, ascending, float("inf")).amin(dim=-1, keepdim=True)
+        threshold = _nucleus_threshold(torch.sort(scores, dim=-1).values, self.top_p, self.min_tokens_to_keep)
+        return scores.masked_fill(scores < threshold, NEG_INF)
+
+
+class TopKTopPLogitsWarper:
+    """Top-k, then nucleus sampling over what is left: TopKLogitsWarper(`top_k`) followed by
+    TopPLogitsWarper(`top_p`), with one partial sort of the top 2 * top_k scores instead of a partial sort
+    and a sort of the whole vocabulary.
+
+    The result is the same unless more than `top_k` scores tie with the k-th highest (a tie the top 2k
+    scores cannot all hold).
+    """
+
+    score_only = True
+
+    def __init__(self, top_k: int, top_p: float, min_tokens_to_keep: int = 1):
+        self.top_k = TopKLogitsWarper(top_k, min_tokens_to_keep).top_k
+        self.top_p = TopPLogitsWarper(top_p, min_tokens_to_keep).top_p
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        k = min(self.top_k, scores.shape[-1])
+        top = top_values(scores, 2 * k)
+        # Outside the top k, a score has no mass, so the nucleus threshold is at or above the k-th score.
+        ascending = top.masked_fill(top < top[..., k - 1 : k], NEG_INF).flip(-1)
+        threshold = _nucleus_threshold(ascending, self.top_p, self.min_tokens_to_keep)
         return scores.masked_fill(scores < threshold, NEG_INF)
 
 

@@ -7,8 +7,8 @@ torch.compile'd function over a fixed-shape static cache.
   bucket does not recompile.
 - No host sync per step: EOS is tracked on the device and the host reads the "all finished" flag every
   SYNC_EVERY steps; steps generated after that point are trimmed, so the result equals the eager loop's.
-- Sampling draws its uniforms outside the compiled region from the same generator and in the same order
-  as the eager sampler, so a seed gives the same text compiled or not.
+- Sampling computes its noise inside the step as a hash of (key, position, row, token) (selectors.race_noise),
+  the same function the eager sampler calls, so a seed gives the same text compiled or not.
 - What cannot be fused (processors that read the whole sequence, stop strings, max_time, beam search,
   speculative decoding, models other than decodekit's Llama family) runs in the eager loop, and a log
   line on the `decodekit` logger names the reason.
@@ -29,7 +29,7 @@ from ..core import processors as P
 from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import loop_result
-from ..core.selectors import GreedySelector, SamplingSelector, race_noise
+from ..core.selectors import GreedySelector, SamplingSelector, race
 from ..models.packed import pack_linears, plain_weights
 from ..registry import hookimpl
 
@@ -159,7 +159,7 @@ def _hashable(value):
         return repr(value)
 
 
-STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "race", "unfinished", "pad", "eos_ids")
+STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "noise_key", "unfinished", "pad", "eos_ids")
 
 
 def argument_guards_only(entries) -> list[bool]:
@@ -223,14 +223,14 @@ class FusedStep:
         model.rotary.ensure(length, model.device, model.dtype)
         cache, procs = self.cache, self.processors
 
-        def step(tokens, positions, slots, mask, eos_block, race, unfinished, pad, eos_ids):
+        def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):
             logits = model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
                            cache_position=slots, logits_to_keep=1).logits[:, -1, :].float()
             scores = logits + eos_block
             for p in procs:
                 scores = p(tokens, scores)
             if sampling:
-                nxt = (scores.softmax(dim=-1) / race).argmax(dim=-1)
+                nxt = race(scores, noise_key, slots.int() + 1)  # the sequence is slot + 1 tokens long
             else:
                 nxt = scores.argmax(dim=-1)
             nxt = torch.where(unfinished, nxt, pad)
@@ -322,6 +322,7 @@ class FusedLoop:
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)
         scores_out = [] if gc.output_scores else None
         sampling = isinstance(pipeline.selector, SamplingSelector)
+        noise_key = pipeline.selector.key.to(dev) if sampling else None
         nxt = pipeline.selector(input_ids, first)
         unfinished = unfinished & ~torch.isin(nxt, eos_ids)
         if scores_out is not None:
@@ -344,12 +345,9 @@ class FusedLoop:
             slot = cur - 1
             mask[:, slot] = 1
             positions = positions + 1
-            race = None
-            if sampling:  # the same draws, in the same order, as the eager sampler
-                race = race_noise((B, first.shape[-1]), dev, pipeline.selector.generator)
             slots = torch.tensor([slot], device=dev)
             nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, block if cur < min_length else no_block,
-                                                 race, unfinished, pad, eos_ids)
+                                                 noise_key, unfinished, pad, eos_ids)
             fused.compiled_once = True
             generated.append(nxt)
             alive.append(unfinished)

@@ -45,10 +45,13 @@ def decodekit_logits_processors(generation_config, context):
         # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax.
         if gc.temperature not in (None, 1.0):
             out.append(P.TemperatureLogitsWarper(gc.temperature))
-        if gc.top_k:
+        top_p = gc.top_p not in (None, 1.0)
+        if gc.top_k and top_p:
+            out.append(P.TopKTopPLogitsWarper(gc.top_k, gc.top_p))
+        elif gc.top_k:
             out.append(P.TopKLogitsWarper(gc.top_k))
-        if gc.top_p not in (None, 1.0):
-            out.append(P.TopPLogitsWarper(gc.top_p, after_top_k=gc.top_k or None))
+        elif top_p:
+            out.append(P.TopPLogitsWarper(gc.top_p))
         if gc.min_p:
             out.append(P.MinPLogitsWarper(gc.min_p))
         if gc.typical_p not in (None, 1.0):

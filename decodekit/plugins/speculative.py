@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ..core.outputs import loop_result
-from ..core.selectors import race_noise
 from ..registry import hookimpl
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -207,5 +206,7 @@ class Speculative:
 
 
 def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One token from `probs` [V] by the exponential race (see SamplingSelector)."""
-    return (probs / race_noise(probs.shape, probs.device, generator)).argmax()
+    """One token from `probs` [V] by the exponential race (see SamplingSelector), its noise drawn from
+    `generator` in order: the draft and the check draw a varying number of times a step."""
+    noise = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    return (probs / noise).argmax()

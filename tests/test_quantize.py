@@ -14,6 +14,7 @@ def test_int8_linear_is_close_to_fp32():
     linear = nn.Linear(64, 48, bias=True)
     q = Int8Linear(linear)
     assert q.weight_int8.dtype == torch.int8 and q.weight_int8.shape == (48, 64) and q.scales.shape == (48,)
+    assert (q.dequantized() - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-6  # rounding, columns in order
     x = torch.randn(3, 5, 64)
     ref = linear(x)
     err = (q(x) - ref).norm() / ref.norm()
@@ -27,7 +28,7 @@ def test_compiled_one_row_product_is_float32_and_more_rows_use_the_kernel():
     q = Int8Linear(nn.Linear(576, 96, bias=False))
     compiled = torch.compile(q, fullgraph=True)
     x = torch.randn(1, 576)
-    exact = (x.double() @ q.weight_int8.double().t()) * q.scales.double()
+    exact = x.double() @ q.dequantized().double().t()
     fused, eager = compiled(x), q(x)
     assert ((fused - exact).norm() / exact.norm()) < 1e-6
     assert 1e-4 < ((eager - exact).norm() / exact.norm()) < 1e-2  # bfloat16 row and product
@@ -71,3 +72,19 @@ def test_int8_keeps_the_log_likelihood_within_two_percent(default_model):
         lengths.append(ids.shape[1])
     own, quantized = mean_loglik(fp32, sequences, lengths), mean_loglik(int8, sequences, lengths)
     assert abs(quantized - own) / abs(own) < 0.02, (own, quantized)
+
+
+@pytest.mark.parametrize("width", [66, 68])
+def test_widths_that_are_not_multiples_of_eight(width):
+    # 66: plain columns; 68: interleaved columns. Neither may reach torch._weight_int8pack_mm, which
+    # crashed or summed wrongly for such widths.
+    torch.manual_seed(0)
+    linear = nn.Linear(width, 10, bias=True)
+    q = Int8Linear(linear)
+    assert (q.input_order is None) == (width % 4 != 0)
+    x = torch.randn(1, width)
+    exact = x.double() @ q.dequantized().double().t() + linear.bias.double()
+    compiled = torch.compile(q, fullgraph=True)(x)
+    assert ((compiled - exact).norm() / exact.norm()) < 1e-6
+    x4 = torch.randn(4, width)
+    assert ((q(x4) - linear(x4)).norm() / linear(x4).norm()) < 0.02

@@ -5,9 +5,9 @@ Activations go through the matmul in bfloat16, which is what PyTorch's CPU kerne
 (`torch._weight_int8pack_mm`) takes. The kernel runs with unit scales and the float32 scales are
 applied to its output: on the default model that halves the log-likelihood loss against handing the
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
-text). A compiled one-token step does without the kernel: it uses linear.one_row, in float32, so the
-compiled step is the more precise of the two and their tokens part only at a near tie. Embeddings stay
-as they are (a lookup reads one row per token).
+text). A compiled one-token step does without the kernel: it computes the product itself in float32
+(`one_row_int8`), so the compiled step is the more precise of the two and their tokens part only at a
+near tie. Embeddings stay as they are (a lookup reads one row per token).
 """
 
 from __future__ import annotations
@@ -20,27 +20,68 @@ from .linear import one_row
 QUANTIZATIONS = ("int8",)
 
 
+def interleaved_columns(in_features: int) -> torch.Tensor:
+    """The column order of an interleaved int8 weight: stored column 4c + j holds input column j * in/4 + c."""
+    return torch.arange(in_features).view(4, in_features // 4).t().reshape(-1)
+
+
+def one_row_int8(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row [1, in] @ weight^T for an interleaved int8 weight [out, in] (see Int8Linear), in float32: [1, out].
+
+    Each 32-bit lane of a weight row holds four weights, the j-th of which multiplies the row's j-th
+    quarter, so the loop inductor generates loads 32 weights and four contiguous slices of the row per
+    AVX2 vector. Inductor's loop over plain int8 weights loads 8 at a time through a stack buffer (its
+    AVX2 partial load has no fast path) and ran at 1.4 GB/s, this one at 10-23 GB/s. The weight is
+    viewed as float32 before int32 for the same reason: only the float32 load takes the fast path.
+    """
+    lanes = weight.view(torch.float32).view(torch.int32)
+    quarters = row.float().view(4, -1)
+    acc = None
+    for j in range(4):
+        part = ((lanes << (24 - 8 * j)) >> 24).float() * quarters[j]  # the j-th byte, sign-extended
+        acc = part if acc is None else acc + part
+    return acc.sum(-1)[None]
+
+
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights [out, in] and float32 per-output-channel scales; y = (x @ q^T) * scale + b."""
+    """A linear layer with int8 weights [out, in] and float32 per-output-channel scales; y = (x @ q^T) * scale + b.
+
+    When `in` is a multiple of 4 the weight columns are stored interleaved (interleaved_columns), for the
+    compiled one-row product; the other paths permute their input's columns to match (`input_order`).
+    `dequantized()` gives the weight in the input's order.
+    """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        order = interleaved_columns(self.in_features) if self.in_features % 4 == 0 else None
+        self.register_buffer("weight_int8", (q if order is None else q[:, order]).contiguous())
+        self.register_buffer("input_order", order)
         self.register_buffer("scales", scale)
         self.register_buffer("unit_scales", torch.ones(scale.shape, dtype=torch.bfloat16))
         self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as float32 [out, in], columns in the input's order."""
+        w = self.weight_int8.float() * self.scales[:, None].float()
+        return w if self.input_order is None else w[:, torch.argsort(self.input_order)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 1 and torch.compiler.is_compiling():
-            y = one_row(flat, self.weight_int8)
-        elif flat.device.type == "cpu":
-            y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
-        else:  # no fused kernel assumed elsewhere: convert, then matmul
-            y = flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()
+            y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.weight_int8)
+        else:
+            if self.input_order is not None:
+                flat = flat[:, self.input_order]
+            # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
+            # wrong sums or crashed (torch 2.13).
+            if flat.device.type == "cpu" and self.in_features % 8 == 0:
+                y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
+            else:  # convert, then matmul
+                y = flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

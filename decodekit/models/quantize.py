@@ -25,16 +25,17 @@ def interleaved_columns(in_features: int) -> torch.Tensor:
     return torch.arange(in_features).view(4, in_features // 4).t().reshape(-1)
 
 
-def one_row_int8(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """row [1, in] @ weight^T for an interleaved int8 weight [out, in] (see Int8Linear), in float32: [1, out].
+def one_row_int8(row: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    """row [1, in] @ weight^T for an interleaved int8 weight [out, in] (see Int8Linear) given as its float32
+    view `lanes` [out, in/4], in float32: [1, out].
 
     Each 32-bit lane of a weight row holds four weights, the j-th of which multiplies the row's j-th
     quarter, so the loop inductor generates loads 32 weights and four contiguous slices of the row per
     AVX2 vector. Inductor's loop over plain int8 weights loads 8 at a time through a stack buffer (its
-    AVX2 partial load has no fast path) and ran at 1.4 GB/s, this one at 10-23 GB/s. The weight is
-    viewed as float32 before int32 for the same reason: only the float32 load takes the fast path.
+    AVX2 partial load has no fast path) and ran at 1.4 GB/s, this one at 10-23 GB/s. The lanes come as
+    float32 for the same reason: only the float32 load takes the fast path (int32 ran at 4 GB/s).
     """
-    lanes = weight.view(torch.float32).view(torch.int32)
+    lanes = lanes.view(torch.int32)
     quarters = row.float().view(4, -1)
     acc = None
     for j in range(4):
@@ -47,8 +48,10 @@ class Int8Linear(nn.Module):
     """A linear layer with int8 weights [out, in] and float32 per-output-channel scales; y = (x @ q^T) * scale + b.
 
     When `in` is a multiple of 4 the weight columns are stored interleaved (interleaved_columns), for the
-    compiled one-row product; the other paths permute their input's columns to match (`input_order`).
-    `dequantized()` gives the weight in the input's order.
+    compiled one-row product, which reads them through `lanes`, a float32 view of the same bytes kept
+    beside the buffer (made in the step, the view was a wrapper call per layer and step: 0.4 ms a token);
+    the other paths permute their input's columns to match (`input_order`). `dequantized()` gives the
+    weight in the input's order.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -63,6 +66,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale)
         self.register_buffer("unit_scales", torch.ones(scale.shape, dtype=torch.bfloat16))
         self.bias = linear.bias
+        self._view_lanes()
+
+    def _view_lanes(self) -> None:
+        self.lanes = self.weight_int8.view(torch.float32) if self.input_order is not None else None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._view_lanes()  # the buffer may be a new tensor (another device)
+        return self
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 [out, in], columns in the input's order."""
@@ -72,7 +84,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 1 and torch.compiler.is_compiling():
-            y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.weight_int8)
+            y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
             if self.input_order is not None:
                 flat = flat[:, self.input_order]

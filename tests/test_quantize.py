@@ -88,3 +88,13 @@ def test_widths_that_are_not_multiples_of_eight(width):
     assert ((compiled - exact).norm() / exact.norm()) < 1e-6
     x4 = torch.randn(4, width)
     assert ((q(x4) - linear(x4)).norm() / linear(x4).norm()) < 0.02
+
+
+def test_the_float32_view_of_the_weights_follows_the_buffer():
+    q = Int8Linear(nn.Linear(64, 8))
+    assert q.lanes.dtype == torch.float32 and q.lanes.shape == (8, 16)
+    q.to(torch.bfloat16)  # casts floating tensors only: the int8 bytes stay, and the view is made anew
+    assert q.weight_int8.dtype == torch.int8 and q.lanes.data_ptr() == q.weight_int8.data_ptr()
+    q.weight_int8 = q.weight_int8.clone()
+    q.to("cpu")
+    assert q.lanes.data_ptr() == q.weight_int8.data_ptr()

@@ -7,6 +7,8 @@ bench machine this beats calling oneDNN from the step (`packed_linear`) for ever
 paired runs of the default model's compiled step measured 0.81-0.93x the time a token in float32 and
 0.83x in bfloat16, and the int8 step went from 8.3 to 6.9 ms a token against torch._weight_int8pack_mm.
 It is the step's own code, so the activation after it fuses in. Eager calls keep the library kernels.
+int8 weights stored interleaved use a form of their own (quantize.one_row_int8): inductor loads 8 int8
+or bf16 values a vector on AVX2 through a stack buffer, which made this form 20x slower for int8 there.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ def race_noise(key: torch.Tensor, position, rows: int, vocab: int) -> torch.Tens
     `key` is an int32 tensor drawn once per generate call (SamplingSelector draws it), and `position` the
     length of the sequence the token extends (an int or an int tensor). Being a pure function made of
     tensor ops, the noise is computed inside the compiled step, fused with the softmax and the argmax and
-    spread over the threads, and the eager sampler computes the same uniforms (the log may differ in its last
-    bit, as the softmax does): one seed, one text, compiled or not, unless two candidates tie to 1e-7. Drawing from a torch.Generator instead cost 0.19 ms a token for a 49k vocabulary, on one core
+    spread over the threads, and the eager sampler computes the same uniforms (the log may differ in its
+    last bit, as the softmax does): one seed, one text, compiled or not, unless two candidates tie to
+    1e-7. Drawing from a torch.Generator instead cost 0.19 ms a token for a 49k vocabulary, on one core
     and outside the step; the hash adds 0.07 ms to the step's softmax and argmax.
     U = (2m + 1) / 2**24 for the hash's top 23 bits m: exact in float32, never 0 or 1.
     """

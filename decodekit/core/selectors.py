@@ -57,9 +57,9 @@ def race_noise(key: torch.Tensor, position, rows: int, vocab: int) -> torch.Tens
     return uniform.log().neg()
 
 
-def draw_key(generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+def draw_key(generator: torch.Generator | None = None) -> torch.Tensor:
     """A race_noise key from `generator` (or torch's global generator): reproducible with a seed."""
-    device = generator.device if generator is not None else device
+    device = generator.device if generator is not None else None
     return torch.randint(-(2**31), 2**31, (), generator=generator, device=device, dtype=torch.int32)
 
 
@@ -73,7 +73,6 @@ class SamplingSelector:
     """
 
     def __init__(self, generator: torch.Generator | None = None):
-        self.generator = generator
         self.key = draw_key(generator)
 
     def __call__(self, input_ids, scores):

@@ -230,7 +230,7 @@ class FusedStep:
             for p in procs:
                 scores = p(tokens, scores)
             if sampling:
-                nxt = race(scores, noise_key, slots.int() + 1)  # the sequence is slot + 1 tokens long
+                nxt = race(scores, noise_key, slots + 1)  # the sequence is slot + 1 tokens long
             else:
                 nxt = scores.argmax(dim=-1)
             nxt = torch.where(unfinished, nxt, pad)

@@ -9,6 +9,8 @@ paired runs of the default model's compiled step measured 0.81-0.93x the time a 
 It is the step's own code, so the activation after it fuses in. Eager calls keep the library kernels.
 int8 weights stored interleaved use a form of their own (quantize.one_row_int8): inductor loads 8 int8
 or bf16 values a vector on AVX2 through a stack buffer, which made this form 20x slower for int8 there.
+Where decodekit's own kernels are built (native.py), bfloat16 and interleaved int8 weights go through
+them instead: they read the weights faster than inductor's loop; float32 gained nothing and stays here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 
 def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """row [1, in] @ weight [out, in]^T in float32 for any weight dtype; returns [1, out] float32."""
@@ -24,13 +28,19 @@ def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row product inside a compiled step on CPU is `one_row`; F.linear everywhere else.
+    """nn.Linear whose one-row product inside a compiled step on CPU is decodekit's kernel for bfloat16
+    weights (native.py) where it is built, else `one_row`; F.linear everywhere else.
 
     Only on CPU, where it was measured; on an accelerator the compiled step keeps the vendor's matmul.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.numel() == self.in_features:
-            y = one_row(x.reshape(1, -1), self.weight).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            row = x.reshape(1, -1)
+            if self.weight.dtype == torch.bfloat16 and native.loaded():
+                y = torch.ops.decodekit.row_product(row.float().contiguous(), self.weight)
+            else:
+                y = one_row(row, self.weight)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -5,9 +5,9 @@ Activations go through the matmul in bfloat16, which is what PyTorch's CPU kerne
 (`torch._weight_int8pack_mm`) takes. The kernel runs with unit scales and the float32 scales are
 applied to its output: on the default model that halves the log-likelihood loss against handing the
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
-text). A compiled one-token step does without the kernel: it computes the product itself in float32
-(`one_row_int8`), so the compiled step is the more precise of the two and their tokens part only at a
-near tie. Embeddings stay as they are (a lookup reads one row per token).
+text). A compiled one-token step does without the kernel: it computes the product in float32 (decodekit's
+own kernel, native.py, or `one_row_int8` where that is not built), so the compiled step is the more
+precise of the two and their tokens part only at a near tie. Embeddings stay as they are (a lookup reads one row per token).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import native
 from .linear import one_row
 
 QUANTIZATIONS = ("int8",)
@@ -84,7 +85,12 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 1 and torch.compiler.is_compiling():
-            y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
+            if self.input_order is None:
+                y = one_row(flat, self.weight_int8)
+            elif self.in_features % 32 == 0 and flat.device.type == "cpu" and native.loaded():
+                y = torch.ops.decodekit.row_product_int8(flat.float().contiguous(), self.weight_int8)
+            else:
+                y = one_row_int8(flat, self.lanes)
         else:
             if self.input_order is not None:
                 flat = flat[:, self.input_order]

@@ -30,6 +30,7 @@ from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import loop_result
 from ..core.selectors import GreedySelector, SamplingSelector, race
+from ..models import native
 from ..models.packed import pack_linears, plain_weights
 from ..registry import hookimpl
 
@@ -218,6 +219,8 @@ class FusedStep:
 
     def __init__(self, model, batch: int, length: int, processors, sampling: bool, options: dict):
         self.compiled_once = False
+        if batch == 1 and model.device.type == "cpu":
+            native.load()  # before tracing: the one-row products read whether the kernels are there
         self.cache = StaticCache.for_model(model, batch, length)
         self.processors = list(processors)
         model.rotary.ensure(length, model.device, model.dtype)

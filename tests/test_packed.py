@@ -127,3 +127,28 @@ def test_one_row_in_a_compiled_step_goes_through_one_row_and_nothing_else_does(m
     assert calls == [(1, 64)]  # traced once, for the one-row call
     torch.testing.assert_close(compiled(x3), layer(x3), atol=1e-5, rtol=1e-5)
     assert calls == [(1, 64)]  # neither more rows nor eager calls use it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_matmul_for_them(dtype, monkeypatch):
+    import torch.nn.functional as F
+
+    import decodekit.models.linear as linear_module
+
+    torch.manual_seed(1)
+    layer = linear_module.Linear(64, 48, bias=True).to(dtype)
+    wide, narrow = torch.randn(2, 8, 64).to(dtype), torch.randn(15, 64).to(dtype)  # 16 rows, 15 rows
+    expected = {id(x): F.linear(x, layer.weight, layer.bias) for x in (wide, narrow)}
+    seen, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(w.dtype) or linear(x, w, b))
+
+    def product(x):
+        seen.clear()
+        y = layer(x)
+        assert torch.equal(y, expected[id(x)])  # one rounding of a float32 sum either way: the same values
+        return seen
+
+    monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, True)
+    assert product(wide) == [torch.float32] and product(narrow) == [dtype]
+    monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, False)  # a CPU with bf16/fp16 matmul
+    assert product(wide) == [dtype]

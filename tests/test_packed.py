@@ -145,7 +145,7 @@ def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_
     def product(x):
         seen.clear()
         y = layer(x)
-        assert torch.equal(y, expected[id(x)])  # one rounding of a float32 sum either way: the same values
+        assert torch.equal(y, expected[id(x)])  # both round a float32 sum once; at this width, bit for bit
         return seen
 
     monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, True)

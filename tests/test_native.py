@@ -98,3 +98,15 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
     with caplog.at_level(logging.INFO, logger="decodekit"):
         assert native.load() is False
     assert "(DECODEKIT_NATIVE_KERNELS=0)" in caplog.text
+
+
+def test_eager_one_row_products_go_through_the_kernels_too():
+    bf16, int8 = Linear(64, 32).to(torch.bfloat16), Int8Linear(torch.nn.Linear(64, 32))
+    with torch.profiler.profile() as profile:
+        bf16(torch.randn(1, 1, 64, dtype=torch.bfloat16))  # a decode step's row
+        bf16(torch.randn(2, 64, dtype=torch.bfloat16))  # two rows: the library's matmul
+        int8(torch.randn(1, 64))
+        int8(torch.randn(3, 64))
+    calls = {e.key: e.count for e in profile.key_averages()}
+    assert calls.get("decodekit::row_product") == 1 and calls.get("decodekit::row_product_int8") == 1
+    assert calls.get("aten::_weight_int8pack_mm") == 1

@@ -50,19 +50,21 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row product inside a compiled step on CPU is decodekit's kernel for bfloat16
-    weights (native.py) where it is built, else `one_row`; F.linear everywhere else.
+    """nn.Linear whose one-row product on CPU is decodekit's kernel for bfloat16 weights (native.py) where
+    it is built, else `one_row` inside a compiled step; F.linear everywhere else.
 
     Only on CPU, where it was measured; on an accelerator the compiled step keeps the vendor's matmul.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.numel() == self.in_features:
+        if x.device.type == "cpu" and x.numel() == self.in_features:
             row = x.reshape(1, -1)
-            if self.weight.dtype == torch.bfloat16 and native.loaded():
+            if self.weight.dtype == torch.bfloat16 and native.ready():
                 y = torch.ops.decodekit.row_product(row.float().contiguous(), self.weight)
-            else:
+            elif torch.compiler.is_compiling():
                 y = one_row(row, self.weight)
+            else:
+                return F.linear(x, self.weight, self.bias)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if computes_in_float32(x, self.weight):  # a long prompt's prefill, say

@@ -1,4 +1,4 @@
-"""decodekit's own CPU kernels (row_kernels.cpp): one-row products for the compiled decode step.
+"""decodekit's own CPU kernels (row_kernels.cpp): one-row products for decode steps, compiled or eager.
 
 A batch-1 decode step multiplies one row by every weight matrix, and its speed is how fast the weights
 stream from memory. Inductor's loop for that product (linear.one_row) keeps two accumulators and no
@@ -8,7 +8,8 @@ inductor's loop for bfloat16 weights and 0.72x for int8. In the default model's 
 (paired runs, 128 tokens) that was 0.736x the time a token for bfloat16 and 0.908x for int8; float32 was
 1.006x, so float32 weights keep inductor's loop (one fused kernel fewer per product to call).
 
-The kernels are compiled on first use with the C++ compiler inductor uses on CPU ($CXX or g++, about 7 s)
+The eager loop's one-row products use them too for bf16 and int8 weights (float32 weights are packed
+for oneDNN there, see packed.py). The kernels are compiled on first use with the C++ compiler inductor uses on CPU ($CXX or g++, about 7 s)
 against the installed torch's headers, and cached under $DECODEKIT_CACHE_DIR (default
 ~/.cache/decodekit) by a hash of the source, torch's version and the flags. Where that cannot work (a CPU
 without AVX2 and FMA, no compiler, a failed build) the step keeps inductor's loops and a `decodekit` log
@@ -41,6 +42,11 @@ _loaded: bool | None = None
 def loaded() -> bool:
     """Whether torch.ops.decodekit.row_product and row_product_int8 are registered in this process."""
     return bool(_loaded)
+
+
+def ready() -> bool:
+    """load() in eager code; in code being compiled, whether it has succeeded (FusedStep loads before tracing)."""
+    return loaded() if torch.compiler.is_compiling() else load()
 
 
 def load() -> bool:

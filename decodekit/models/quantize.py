@@ -5,9 +5,10 @@ Activations go through the matmul in bfloat16, which is what PyTorch's CPU kerne
 (`torch._weight_int8pack_mm`) takes. The kernel runs with unit scales and the float32 scales are
 applied to its output: on the default model that halves the log-likelihood loss against handing the
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
-text). A compiled one-token step does without the kernel: it computes the product in float32 (decodekit's
-own kernel, native.py, or `one_row_int8` where that is not built), so the compiled step is the more
-precise of the two and their tokens part only at a near tie. Embeddings stay as they are (a lookup reads one row per token).
+text). A product of one row on CPU (a decode step, eager or compiled) does without that kernel: it is
+computed in float32 by decodekit's own kernel (native.py; eager and compiled then give the same values),
+or where that is not built by `one_row_int8` in a compiled step and by the library kernel in an eager one,
+whose tokens then part from the compiled step's only at a near tie. Embeddings stay as they are (a lookup reads one row per token).
 """
 
 from __future__ import annotations
@@ -84,13 +85,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] == 1 and torch.compiler.is_compiling():
-            if self.input_order is None:
-                y = one_row(flat, self.weight_int8)
-            elif self.in_features % 32 == 0 and flat.device.type == "cpu" and native.loaded():
-                y = torch.ops.decodekit.row_product_int8(flat.float().contiguous(), self.weight_int8)
-            else:
-                y = one_row_int8(flat, self.lanes)
+        one_row_on_cpu = flat.shape[0] == 1 and flat.device.type == "cpu"
+        if one_row_on_cpu and self.in_features % 32 == 0 and native.ready():  # interleaved (in % 4 == 0)
+            y = torch.ops.decodekit.row_product_int8(flat.float().contiguous(), self.weight_int8)
+        elif flat.shape[0] == 1 and torch.compiler.is_compiling():
+            y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
             if self.input_order is not None:
                 flat = flat[:, self.input_order]

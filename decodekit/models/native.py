@@ -9,11 +9,12 @@ inductor's loop for bfloat16 weights and 0.72x for int8. In the default model's 
 1.006x, so float32 weights keep inductor's loop (one fused kernel fewer per product to call).
 
 The eager loop's one-row products use them too for bf16 and int8 weights (float32 weights are packed
-for oneDNN there, see packed.py). The kernels are compiled on first use with the C++ compiler inductor uses on CPU ($CXX or g++, about 7 s)
-against the installed torch's headers, and cached under $DECODEKIT_CACHE_DIR (default
-~/.cache/decodekit) by a hash of the source, torch's version and the flags. Where that cannot work (a CPU
-without AVX2 and FMA, no compiler, a failed build) the step keeps inductor's loops and a `decodekit` log
-line says why; DECODEKIT_NATIVE_KERNELS=0 turns them off.
+for oneDNN there, see packed.py). The kernels are compiled on first use with the C++ compiler inductor
+uses on CPU ($CXX or g++, about 7 s) against the installed torch's headers, and cached under
+$DECODEKIT_CACHE_DIR (default ~/.cache/decodekit) by a hash of the source, torch's version and the
+flags. Where that cannot work (a CPU without AVX2 and FMA, no compiler, a failed build) the products
+keep inductor's loops and the library kernels, and a `decodekit` log line says why;
+DECODEKIT_NATIVE_KERNELS=0 turns them off.
 """
 
 from __future__ import annotations

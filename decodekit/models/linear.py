@@ -6,11 +6,12 @@ converts it in registers (bfloat16 or int8 to float32) and accumulates in float3
 bench machine this beats calling oneDNN from the step (`packed_linear`) for every weight format:
 paired runs of the default model's compiled step measured 0.81-0.93x the time a token in float32 and
 0.83x in bfloat16, and the int8 step went from 8.3 to 6.9 ms a token against torch._weight_int8pack_mm.
-It is the step's own code, so the activation after it fuses in. Eager calls keep the library kernels.
+It is the step's own code, so the activation after it fuses in. Eager float32 calls keep the library kernels.
 int8 weights stored interleaved use a form of their own (quantize.one_row_int8): inductor loads 8 int8
 or bf16 values a vector on AVX2 through a stack buffer, which made this form 20x slower for int8 there.
-Where decodekit's own kernels are built (native.py), bfloat16 and interleaved int8 weights go through
-them instead: they read the weights faster than inductor's loop; float32 gained nothing and stays here.
+Where decodekit's own kernels are built (native.py), one-row products of bfloat16 and interleaved int8
+weights go through them instead, eager or compiled: they read the weights faster than inductor's loop
+and the library kernels; float32 gained nothing in the compiled step and stays here.
 """
 
 from __future__ import annotations

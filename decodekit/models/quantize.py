@@ -7,8 +7,9 @@ applied to its output: on the default model that halves the log-likelihood loss 
 kernel bfloat16 scales (1.2% against 2.3% of the fp32 model's mean log-likelihood of its own greedy
 text). A product of one row on CPU (a decode step, eager or compiled) does without that kernel: it is
 computed in float32 by decodekit's own kernel (native.py; eager and compiled then give the same values),
-or where that is not built by `one_row_int8` in a compiled step and by the library kernel in an eager one,
-whose tokens then part from the compiled step's only at a near tie. Embeddings stay as they are (a lookup reads one row per token).
+or where that is not built by `one_row_int8` in a compiled step and by the library kernel in an eager
+one, whose tokens then part from the compiled step's only at a near tie. Embeddings stay as they are (a
+lookup reads one row per token).
 """
 
 from __future__ import annotations

@@ -24,31 +24,36 @@ def loaded():
 @pytest.mark.parametrize("width", [576, 112, 40, 13])  # whole blocks of 32, a tail of 8s, a scalar tail
 def test_row_product_equals_the_float64_product(dtype, width):
     torch.manual_seed(width)
-    weight, row = torch.randn(77, width).to(dtype), torch.randn(1, width)
-    expected = row.double() @ weight.double().t()
-    got = torch.ops.decodekit.row_product(row, weight)
-    assert got.dtype == torch.float32 and got.shape == (1, 77)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * width**0.5)
+    weight = torch.randn(77, width).to(dtype)
+    for rows in range(1, 9):  # one loop for one row, one instantiation for each of 2 to 8
+        x = torch.randn(rows, width)
+        got = torch.ops.decodekit.row_product(x, weight)
+        assert got.dtype == torch.float32 and got.shape == (rows, 77)
+        torch.testing.assert_close(got.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5 * width**0.5)
 
 
 @pytest.mark.parametrize("width", [576, 64, 1536])
 def test_row_product_int8_reads_the_interleaved_layout(width):
     torch.manual_seed(width)
     layer = Int8Linear(torch.nn.Linear(width, 45, bias=False))
-    row = torch.randn(1, width)
-    got = torch.ops.decodekit.row_product_int8(row, layer.weight_int8) * layer.scales
-    expected = row.double() @ layer.dequantized().double().t()
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    for rows in range(1, 9):
+        x = torch.randn(rows, width)
+        got = torch.ops.decodekit.row_product_int8(x, layer.weight_int8) * layer.scales
+        expected = x.double() @ layer.dequantized().double().t()
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_operands_are_refused_with_the_reason():
     row = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="weight must be float32 or bfloat16"):
         torch.ops.decodekit.row_product(row, torch.ones(8, 64, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="row has 64 values, weight rows 32"):
+    with pytest.raises(RuntimeError, match="rows have 64 values, weight rows 32"):
         torch.ops.decodekit.row_product(row, torch.ones(8, 32))
-    with pytest.raises(RuntimeError, match="row must be contiguous float32"):
+    with pytest.raises(RuntimeError, match=r"rows must be a contiguous float32 \[rows, in\] matrix"):
         torch.ops.decodekit.row_product(row.double(), torch.ones(8, 64))
+    for rows in (0, 9):
+        with pytest.raises(RuntimeError, match=f"takes 1 to 8 rows, not {rows}"):
+            torch.ops.decodekit.row_product(torch.randn(rows, 64), torch.ones(8, 64))
     with pytest.raises(RuntimeError, match="multiple of 32, not 40"):
         torch.ops.decodekit.row_product_int8(torch.randn(1, 40), torch.ones(8, 40, dtype=torch.int8))
 
@@ -65,14 +70,15 @@ def graph_targets(module, x):
     return seen
 
 
-def test_compiled_one_row_products_call_the_kernels_only_where_they_apply(monkeypatch):
+def test_compiled_products_call_the_kernels_only_where_they_apply(monkeypatch):
     bf16 = Linear(64, 32, bias=False).to(torch.bfloat16)
     assert "decodekit.row_product" in graph_targets(bf16, torch.randn(1, 64, dtype=torch.bfloat16))
     int8 = Int8Linear(torch.nn.Linear(64, 32))
     assert "decodekit.row_product_int8" in graph_targets(int8, torch.randn(1, 64))
     narrow = Int8Linear(torch.nn.Linear(112, 32))  # interleaved, but not in whole 32-byte blocks
     assert "decodekit.row_product_int8" not in graph_targets(narrow, torch.randn(1, 112))
-    assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(2, 64, dtype=torch.bfloat16))
+    assert "decodekit.row_product" in graph_targets(bf16, torch.randn(8, 64, dtype=torch.bfloat16))
+    assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(9, 64, dtype=torch.bfloat16))
     monkeypatch.setattr(native, "_loaded", False)
     assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(1, 64, dtype=torch.bfloat16))
 
@@ -100,13 +106,15 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
     assert "(DECODEKIT_NATIVE_KERNELS=0)" in caplog.text
 
 
-def test_eager_one_row_products_go_through_the_kernels_too():
+def test_eager_products_of_up_to_8_rows_go_through_the_kernels_too():
     bf16, int8 = Linear(64, 32).to(torch.bfloat16), Int8Linear(torch.nn.Linear(64, 32))
     with torch.profiler.profile() as profile:
         bf16(torch.randn(1, 1, 64, dtype=torch.bfloat16))  # a decode step's row
-        bf16(torch.randn(2, 64, dtype=torch.bfloat16))  # two rows: the library's matmul
+        bf16(torch.randn(2, 4, 64, dtype=torch.bfloat16))  # a short prompt
+        bf16(torch.randn(9, 64, dtype=torch.bfloat16))  # more rows: the library's matmul
         int8(torch.randn(1, 64))
         int8(torch.randn(3, 64))
+        int8(torch.randn(12, 64))
     calls = {e.key: e.count for e in profile.key_averages()}
-    assert calls.get("decodekit::row_product") == 1 and calls.get("decodekit::row_product_int8") == 1
+    assert calls.get("decodekit::row_product") == 2 and calls.get("decodekit::row_product_int8") == 2
     assert calls.get("aten::_weight_int8pack_mm") == 1

@@ -51,19 +51,20 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row product on CPU is decodekit's kernel for bfloat16 weights (native.py) where
-    it is built, else `one_row` inside a compiled step; F.linear everywhere else.
+    """nn.Linear whose products of up to 8 rows on CPU are decodekit's kernel for bfloat16 weights
+    (native.py) where it is built; else one row inside a compiled step is `one_row`; F.linear otherwise.
 
     Only on CPU, where it was measured; on an accelerator the compiled step keeps the vendor's matmul.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.numel() == self.in_features:
-            row = x.reshape(1, -1)
+        rows = x.numel() // self.in_features
+        if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS:
+            flat = x.reshape(rows, -1)
             if self.weight.dtype == torch.bfloat16 and native.ready():
-                y = torch.ops.decodekit.row_product(row.float().contiguous(), self.weight)
-            elif torch.compiler.is_compiling():
-                y = one_row(row, self.weight)
+                y = torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
+            elif rows == 1 and torch.compiler.is_compiling():
+                y = one_row(flat, self.weight)
             else:
                 return F.linear(x, self.weight, self.bias)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)

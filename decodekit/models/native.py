@@ -34,6 +34,7 @@ logger = logging.getLogger("decodekit")
 SOURCE = Path(__file__).with_name("row_kernels.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
+MAX_ROWS = 8  # kMaxRows in row_kernels.cpp: decode steps of a few rows and short prompts
 
 # None: not tried yet; afterwards whether the operators are registered. Read inside compiled code, where
 # it is a constant: load() runs before torch.compile traces a step.
@@ -41,7 +42,7 @@ _loaded: bool | None = None
 
 
 def loaded() -> bool:
-    """Whether torch.ops.decodekit.row_product and row_product_int8 are registered in this process."""
+    """Whether torch.ops.decodekit.row_product and row_product_int8 (1 to MAX_ROWS rows) are registered."""
     return bool(_loaded)
 
 
@@ -115,12 +116,12 @@ def _built_library() -> Path:
 
 
 def _register_fakes() -> None:
-    # Shapes for torch.compile's tracing: both products return [1, out] float32.
-    def row_product(row, weight):
-        return row.new_empty((1, weight.shape[0]), dtype=torch.float32)
+    # Shapes for torch.compile's tracing: both products return [rows, out] float32.
+    def row_product(rows, weight):
+        return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
-    def row_product_int8(row, weight):
-        return row.new_empty((1, weight.shape[0]), dtype=torch.float32)
+    def row_product_int8(rows, weight):
+        return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)

@@ -219,8 +219,8 @@ class FusedStep:
 
     def __init__(self, model, batch: int, length: int, processors, sampling: bool, options: dict):
         self.compiled_once = False
-        if batch == 1 and model.device.type == "cpu":
-            native.load()  # before tracing: the one-row products read whether the kernels are there
+        if model.device.type == "cpu":
+            native.load()  # before tracing: the products of a few rows read whether the kernels are there
         self.cache = StaticCache.for_model(model, batch, length)
         self.processors = list(processors)
         model.rotary.ensure(length, model.device, model.dtype)

@@ -1,4 +1,4 @@
-"""decodekit's own one-row kernels (models/native.py, row_kernels.cpp): results, errors, build cache, fallback."""
+"""decodekit's own one-row kernels (models/native.py, cpu_kernels.cpp): results, errors, build cache, fallback."""
 
 import logging
 import shutil

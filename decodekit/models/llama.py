@@ -9,6 +9,8 @@ filled part of the cache.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,9 +19,19 @@ from ..core.cache import DynamicCache
 from ..core.generate import GenerationMixin
 from ..core.outputs import CausalLMOutput
 from .config import ModelConfig
+from . import native
 from .linear import Linear
+from .quantize import Int8Linear
 from .packed import pack_linears, unpack_linears
 from .rope import RotaryTable, apply_rotary
+
+
+# Activation dtypes of decodekit::decode_layer, the C++ layer of a fixed-shape decode step on CPU.
+NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# DECODEKIT_NATIVE_LAYERS=0 keeps the Python layers in fixed-shape steps (to compare the two).
+NATIVE_LAYERS = os.environ.get("DECODEKIT_NATIVE_LAYERS", "1") != "0"
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +132,25 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, masks, slots=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks, slots)
         return x + self.mlp(self.mlp_norm(x))
+
+    def native_operands(self) -> tuple | None:
+        """(weights, scales, biases, norms) for decodekit::decode_layer (cpu_kernels.cpp), or None where a
+        linear layer's weight is not one it reads: plain float32/bfloat16, or int8 interleaved (width % 32 == 0)."""
+        linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
+        weights, scales = [], []
+        for linear in linears:
+            if isinstance(linear, Int8Linear) and linear.in_features % 32 == 0:
+                weights.append(linear.weight_int8)
+                scales.append(linear.scales.float())
+            elif type(linear) is Linear and linear.weight.dtype in NATIVE_LAYER_DTYPES:
+                weights.append(linear.weight)
+                scales.append(None)
+            else:
+                return None
+        attn = self.attn
+        norms = [self.attn_norm.weight, self.mlp_norm.weight] + [
+            None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)]
+        return weights, scales, [linear.bias for linear in linears], norms
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -278,7 +309,35 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
                              "attention_mask over the whole cache [batch, max_cache_len].")
         cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=False)
         masks = static_masks(attention_mask, slots, self.windows)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, masks, slots)
+        operands = self._native_layer_operands(x, cache)
+        if operands is not None:
+            x = self._native_layers(x, cos, sin, cache, masks, slots, operands)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, masks, slots)
         x = self.norm(x)
         return CausalLMOutput(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), past_key_values=cache)
+
+    def _native_layer_operands(self, x, cache) -> list | None:
+        """Each layer's operands for decodekit::decode_layer when this fixed-shape forward can run its layers
+        there: one token a row on CPU, 1 to native.MAX_ROWS rows, float32/bfloat16 activations and cache,
+        weights it reads, the kernels built. Else None: the Python layers."""
+        B, T, _ = x.shape
+        if not (x.device.type == "cpu" and T == 1 and B <= native.MAX_ROWS and x.dtype in NATIVE_LAYER_DTYPES):
+            return None
+        if cache.keys[0].dtype != x.dtype or not NATIVE_LAYERS or not native.ready():
+            return None
+        operands = [layer.native_operands() for layer in self.layers]
+        return None if any(o is None for o in operands) else operands
+
+    def _native_layers(self, x, cos, sin, cache, masks, slots, operands):
+        B = x.shape[0]
+        c = self.config
+        h = x.reshape(B, -1)
+        cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
+        for i, (layer, (weights, scales, biases, norms)) in enumerate(zip(self.layers, operands)):
+            mask = masks.get(layer.attn.window, masks.get(None)).reshape(B, -1)
+            h = torch.ops.decodekit.decode_layer(h, cos, sin, slots, mask, cache.keys[i], cache.values[i], weights,
+                                                 scales, biases, norms, c.num_attention_heads,
+                                                 c.num_key_value_heads, c.rms_norm_eps)
+        return h.view(B, 1, -1)

@@ -1,4 +1,4 @@
-"""decodekit's own CPU kernels (row_kernels.cpp): one-row products for decode steps, compiled or eager.
+"""decodekit's own CPU kernels (cpu_kernels.cpp): one-row products for decode steps, compiled or eager.
 
 A batch-1 decode step multiplies one row by every weight matrix, and its speed is how fast the weights
 stream from memory. Inductor's loop for that product (linear.one_row) keeps two accumulators and no
@@ -31,10 +31,10 @@ import torch
 
 logger = logging.getLogger("decodekit")
 
-SOURCE = Path(__file__).with_name("row_kernels.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
-MAX_ROWS = 8  # kMaxRows in row_kernels.cpp: decode steps of a few rows and short prompts
+MAX_ROWS = 8  # kMaxRows in cpu_kernels.cpp: decode steps of a few rows and short prompts
 
 # None: not tried yet; afterwards whether the operators are registered. Read inside compiled code, where
 # it is a constant: load() runs before torch.compile traces a step.
@@ -100,7 +100,7 @@ def _built_library() -> Path:
     command += [f"-I{path}" for path in cpp_extension.include_paths()]
     command += [f"-L{path}" for path in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, abi]).encode()).hexdigest()
-    target = cache_dir() / f"row_kernels-{key[:16]}.so"
+    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,5 +123,9 @@ def _register_fakes() -> None:
     def row_product_int8(rows, weight):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
+    def decode_layer(x, cos, sin, slots, mask, keys, values, weights, scales, biases, norms, heads, kv_heads, eps):
+        return torch.empty_like(x)
+
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
+    torch.library.register_fake("decodekit::decode_layer")(decode_layer)

@@ -15,6 +15,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -147,14 +149,6 @@ void check_operands(const at::Tensor& rows, const at::Tensor& weight) {
               weight.size(1));
 }
 
-// Calls body(n) for every weight row n, split across threads.
-template <typename Body>
-void for_each_weight_row(int64_t N, Body body) {
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) body(n);
-  });
-}
-
 // The rows' count as a template argument: the accumulators stay in registers.
 template <typename Fn>
 void with_row_count(int64_t M, Fn fn) {
@@ -169,39 +163,64 @@ void with_row_count(int64_t M, Fn fn) {
   }
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T for float32 or bfloat16 weights.
+// A weight as these kernels read it, checked beforehand, so that the loops below never throw (they run
+// inside parallel regions).
+struct WeightRef {
+  at::ScalarType dtype;  // float32, bfloat16, or int8 interleaved (unscaled; K % 32 == 0)
+  const void* data;
+  int64_t N, K;
+};
+
+WeightRef weight_ref(const at::Tensor& weight, const char* op) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(), op,
+              ": weight must be a contiguous [out, in] matrix on the CPU");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar, op,
+              ": weights must be float32, bfloat16 or int8, not ", dtype);
+  TORCH_CHECK(dtype != at::kChar || weight.size(1) % 32 == 0, op,
+              ": the input width of an int8 weight must be a multiple of 32, not ", weight.size(1));
+  return {dtype, weight.data_ptr(), weight.size(0), weight.size(1)};
+}
+
+// y[m * N + n] = x[m] . w[n] for the weight rows n in [begin, end) and the M rows of x.
 template <typename W>
-void products_into(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* y) {
-  if (M == 1) return for_each_weight_row(N, [&](int64_t n) { y[n] = dot(x, w + n * K, K); });
+void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* y, int64_t begin, int64_t end) {
+  if (M == 1) {
+    for (int64_t n = begin; n < end; ++n) y[n] = dot(x, w + n * K, K);
+    return;
+  }
   with_row_count(M, [&](auto count) {
-    for_each_weight_row(N, [&](int64_t n) { dots<count()>(x, w + n * K, K, y + n, N); });
+    for (int64_t n = begin; n < end; ++n) dots<count()>(x, w + n * K, K, y + n, N);
   });
 }
 
-// The same for an interleaved int8 weight, unscaled (K % 32 == 0).
-void products_int8_into(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, float* y) {
-  if (M == 1) return for_each_weight_row(N, [&](int64_t n) { y[n] = dot_interleaved_int8(x, w + n * K, K); });
+void weight_rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, float* y, int64_t begin,
+                      int64_t end) {
+  if (M == 1) {
+    for (int64_t n = begin; n < end; ++n) y[n] = dot_interleaved_int8(x, w + n * K, K);
+    return;
+  }
   with_row_count(M, [&](auto count) {
-    for_each_weight_row(N, [&](int64_t n) { dots_interleaved_int8<count()>(x, w + n * K, K, y + n, N); });
+    for (int64_t n = begin; n < end; ++n) dots_interleaved_int8<count()>(x, w + n * K, K, y + n, N);
   });
 }
 
-// Any weight these kernels take: float32, bfloat16, interleaved int8 (unscaled).
-void product_into(const float* x, int64_t M, const at::Tensor& weight, float* y) {
-  const int64_t N = weight.size(0), K = weight.size(1);
-  switch (weight.scalar_type()) {
-    case at::kFloat: return products_into(x, M, weight.data_ptr<float>(), N, K, y);
-    case at::kBFloat16: return products_into(x, M, weight.data_ptr<c10::BFloat16>(), N, K, y);
-    case at::kChar:
-      TORCH_CHECK(K % 32 == 0, "row_product_int8: the input width must be a multiple of 32, not ", K);
-      return products_int8_into(x, M, weight.data_ptr<int8_t>(), N, K, y);
-    default: TORCH_CHECK(false, "weights must be float32, bfloat16 or int8, not ", weight.scalar_type());
+void weight_rows(const float* x, int64_t M, const WeightRef& w, float* y, int64_t begin, int64_t end) {
+  switch (w.dtype) {
+    case at::kFloat: return weight_rows(x, M, static_cast<const float*>(w.data), w.N, w.K, y, begin, end);
+    case at::kBFloat16:
+      return weight_rows(x, M, static_cast<const c10::BFloat16*>(w.data), w.N, w.K, y, begin, end);
+    default: return weight_rows_int8(x, M, static_cast<const int8_t*>(w.data), w.N, w.K, y, begin, end);
   }
 }
 
-at::Tensor product(const at::Tensor& rows, const at::Tensor& weight) {
-  at::Tensor out = at::empty({rows.size(0), weight.size(0)}, rows.options());
-  product_into(rows.data_ptr<float>(), rows.size(0), weight, out.data_ptr<float>());
+at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const char* op) {
+  const WeightRef w = weight_ref(weight, op);
+  at::Tensor out = at::empty({rows.size(0), w.N}, rows.options());
+  const float* x = rows.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, w.N, kRowsPerTask,
+                   [&](int64_t begin, int64_t end) { weight_rows(x, rows.size(0), w, y, begin, end); });
   return out;
 }
 
@@ -209,33 +228,41 @@ at::Tensor row_product(const at::Tensor& rows, const at::Tensor& weight) {
   check_operands(rows, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "row_product: weight must be float32 or bfloat16, not ", weight.scalar_type());
-  return product(rows, weight);
+  return product(rows, weight, "row_product");
 }
 
 at::Tensor row_product_int8(const at::Tensor& rows, const at::Tensor& weight) {
   check_operands(rows, weight);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "row_product_int8: weight must be int8");
-  return product(rows, weight);
+  return product(rows, weight, "row_product_int8");
 }
 
-// ---- One decoder layer of the Llama family for a decode step: M rows of one new token each. ----
+// ---- The decoder layers of the Llama family for a decode step: M rows of one new token each. ----
 //
 // Written here because at batch 1 the step's time beyond reading the weights was mostly the cost of
-// calling things: inductor's step for the default model runs about ten kernels a layer, each an OpenMP
-// region and a call from its Python wrapper. This layer is one call, its only parallel regions are the
-// four products and the attention. Values are rounded to the activation dtype A where the model stores
-// them (norm outputs, product outputs, the residual stream, the cache); elementwise chains between those
-// points are computed in float32, as inductor computes them.
+// calling things: inductor's step for the default model ran about ten kernels a layer, each an OpenMP
+// region and a call from its Python wrapper, and one call per layer here still cost about 29 us of
+// dispatch and region starts. The whole stack is one call and one parallel region: the threads share
+// each product's weight rows and the attention's heads, and wait at a barrier between the steps that
+// depend on each other; the small steps between (norms, rotary, cache writes) run on one thread. Values
+// are rounded to the activation dtype A where the model stores them (norm outputs, product outputs, the
+// residual stream, the cache); elementwise chains between those points are computed in float32, as
+// inductor computes them.
 
 template <typename A>
 inline float round_to(float v) {
   return static_cast<float>(static_cast<A>(v));
 }
 
-template <typename A>
-const A* optional_data(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->numel() ? t->data_ptr<A>() : nullptr;
-}
+// The first and one past the last of n items that this thread of a parallel region takes.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t n) {
+    const int64_t id = omp_get_thread_num(), size = omp_get_num_threads();
+    begin = n * id / size;
+    end = n * (id + 1) / size;
+  }
+};
 
 // RMSNorm as models/llama.py computes it: normalise in float32, round, scale by the weight, round.
 template <typename A>
@@ -246,17 +273,25 @@ void rms_norm(const float* x, const A* weight, int64_t n, double eps, float* out
   for (int64_t i = 0; i < n; ++i) out[i] = round_to<A>(round_to<A>(x[i] * inv) * static_cast<float>(weight[i]));
 }
 
-// y = round(round((x @ W^T) * scale) + bias), as Linear / Int8Linear return it.
 template <typename A>
-void linear_into(const float* x, int64_t M, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                 const std::optional<at::Tensor>& bias, float* y) {
-  const int64_t N = weight.size(0);
-  product_into(x, M, weight, y);
-  const float* s = optional_data<float>(scale);
-  const A* b = optional_data<A>(bias);
-  for (int64_t i = 0; i < M * N; ++i) {
-    float v = round_to<A>(s ? y[i] * s[i % N] : y[i]);
-    y[i] = b ? round_to<A>(v + static_cast<float>(b[i % N])) : v;
+struct LinearRef {
+  WeightRef weight;
+  const float* scale;  // int8 weights: one per output
+  const A* bias;
+};
+
+// This thread's share of y = round(round((x @ W^T) * scale) + bias), as Linear / Int8Linear return it.
+template <typename A>
+void linear_share(const float* x, int64_t M, const LinearRef<A>& linear, float* y) {
+  const int64_t N = linear.weight.N;
+  const Share share(N);
+  weight_rows(x, M, linear.weight, y, share.begin, share.end);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y + m * N;
+    for (int64_t n = share.begin; n < share.end; ++n) {
+      const float v = round_to<A>(linear.scale ? row[n] * linear.scale[n] : row[n]);
+      row[n] = linear.bias ? round_to<A>(v + static_cast<float>(linear.bias[n])) : v;
+    }
   }
 }
 
@@ -300,143 +335,190 @@ void attend(const float* q, const A* keys, const A* values, const bool* visible,
     add_scaled(out, p, values + j * D, D);
   }
   const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible slot: zeros, never read (see llama.py)
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  for (int64_t d = 0; d < D; ++d) out[d] = round_to<A>(out[d] * inv);
 }
 
-struct LayerShape {
+struct StackShape {
   int64_t M, H, D, L, heads, kv_heads, inter;
 };
 
 template <typename A>
-at::Tensor decode_layer_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t slot,
-                           const at::Tensor& mask, at::Tensor& keys, at::Tensor& values, at::TensorList weights,
-                           const c10::List<std::optional<at::Tensor>>& scales,
-                           const c10::List<std::optional<at::Tensor>>& biases,
-                           const c10::List<std::optional<at::Tensor>>& norms, const LayerShape& s, double eps) {
-  const int64_t M = s.M, H = s.H, D = s.D, L = s.L, QKV = (s.heads + 2 * s.kv_heads) * D, Q = s.heads * D;
-  const int64_t group = s.heads / s.kv_heads;
-  // One float32 workspace: residual, normed, q/k/v, attention output, product output, gate/up, scores.
-  at::Tensor work = at::empty({M * (3 * H + QKV + Q + 3 * s.inter + s.heads * L)}, x.options().dtype(at::kFloat));
-  float* resid = work.data_ptr<float>();
-  float* normed = resid + M * H;
-  float* qkv = normed + M * H;
-  float* attn = qkv + M * QKV;
-  float* out = attn + M * Q;
-  float* gate_up = out + M * H;
-  float* hidden = gate_up + M * 2 * s.inter;
-  float* scores = hidden + M * s.inter;
+struct LayerRef {
+  LinearRef<A> qkv, o, gate_up, down;
+  const A *attn_norm, *mlp_norm, *q_norm, *k_norm;
+  A *keys, *values;
+  const bool* visible;
+};
 
-  const A* xs = x.data_ptr<A>();
-  for (int64_t i = 0; i < M * H; ++i) resid[i] = static_cast<float>(xs[i]);
-  const A* attn_norm = norms.get(0)->data_ptr<A>();
-  const A* mlp_norm = norms.get(1)->data_ptr<A>();
-  const A* q_norm = optional_data<A>(norms.get(2));
-  const A* k_norm = optional_data<A>(norms.get(3));
-  for (int64_t m = 0; m < M; ++m) rms_norm(resid + m * H, attn_norm, H, eps, normed + m * H);
-  linear_into<A>(normed, M, weights[0], scales.get(0), biases.get(0), qkv);
+template <typename A>
+const A* optional_data(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<A>() : nullptr;
+}
 
-  A* kc = keys.data_ptr<A>();
-  A* vc = values.data_ptr<A>();
-  const A* cs = cos.data_ptr<A>();
-  const A* sn = sin.data_ptr<A>();
+// Float32 scratch for the stack, one region each: residual, normed, q/k/v, attention output, product
+// output, gate/up, hidden, scores.
+struct Scratch {
+  at::Tensor memory;
+  float *resid, *normed, *qkv, *attn, *out, *gate_up, *hidden, *scores;
+  Scratch(const StackShape& s, const at::TensorOptions& options) {
+    const int64_t M = s.M, QKV = (s.heads + 2 * s.kv_heads) * s.D, Q = s.heads * s.D;
+    memory = at::empty({M * (3 * s.H + QKV + Q + 3 * s.inter + s.heads * s.L)}, options.dtype(at::kFloat));
+    resid = memory.data_ptr<float>();
+    normed = resid + M * s.H;
+    qkv = normed + M * s.H;
+    attn = qkv + M * QKV;
+    out = attn + M * Q;
+    gate_up = out + M * s.H;
+    hidden = gate_up + M * 2 * s.inter;
+    scores = hidden + M * s.inter;
+  }
+};
+
+// One layer; every thread of the region calls it.
+template <typename A>
+void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, const A* sin, int64_t slot, double eps,
+               const Scratch& w) {
+  const int64_t M = s.M, H = s.H, D = s.D, Q = s.heads * D, QKV = (s.heads + 2 * s.kv_heads) * D;
+#pragma omp single
+  for (int64_t m = 0; m < M; ++m) rms_norm(w.resid + m * H, layer.attn_norm, H, eps, w.normed + m * H);
+  linear_share(w.normed, M, layer.qkv, w.qkv);
+#pragma omp barrier
+#pragma omp single
   for (int64_t m = 0; m < M; ++m) {
-    float* row = qkv + m * QKV;
+    float* row = w.qkv + m * QKV;
     for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) {  // q heads, then k heads
       float* head = row + h * D;
-      const A* norm = h < s.heads ? q_norm : k_norm;
+      const A* norm = h < s.heads ? layer.q_norm : layer.k_norm;
       if (norm != nullptr) rms_norm(head, norm, D, eps, head);
-      rotate(head, cs + m * D, sn + m * D, D);
+      rotate(head, cos + m * D, sin + m * D, D);
     }
     for (int64_t g = 0; g < s.kv_heads; ++g) {
-      const int64_t at = ((m * s.kv_heads + g) * L + slot) * D;
+      const int64_t at = ((m * s.kv_heads + g) * s.L + slot) * D;
       for (int64_t d = 0; d < D; ++d) {
-        kc[at + d] = static_cast<A>(row[Q + g * D + d]);
-        vc[at + d] = static_cast<A>(row[Q + (s.kv_heads + g) * D + d]);
+        layer.keys[at + d] = static_cast<A>(row[Q + g * D + d]);
+        layer.values[at + d] = static_cast<A>(row[Q + (s.kv_heads + g) * D + d]);
       }
     }
   }
-  const bool* visible = mask.data_ptr<bool>();
-  at::parallel_for(0, M * s.heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t m = task / s.heads, h = task % s.heads, g = h / group;
-      const int64_t cached = (m * s.kv_heads + g) * L * D;
-      float* o = attn + m * Q + h * D;
-      attend(qkv + m * QKV + h * D, kc + cached, vc + cached, visible + m * L, L, D, scores + task * L, o);
-      for (int64_t d = 0; d < D; ++d) o[d] = round_to<A>(o[d]);
-    }
-  });
-  linear_into<A>(attn, M, weights[1], scales.get(1), biases.get(1), out);
-  for (int64_t i = 0; i < M * H; ++i) resid[i] = round_to<A>(resid[i] + out[i]);
-
-  for (int64_t m = 0; m < M; ++m) rms_norm(resid + m * H, mlp_norm, H, eps, normed + m * H);
-  linear_into<A>(normed, M, weights[2], scales.get(2), biases.get(2), gate_up);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* gu = gate_up + m * 2 * s.inter;
-    for (int64_t i = 0; i < s.inter; ++i) {
-      const float g = gu[i];
-      hidden[m * s.inter + i] = round_to<A>(g / (1.f + std::exp(-g)) * gu[s.inter + i]);
-    }
+  const Share tasks(M * s.heads);
+  for (int64_t task = tasks.begin; task < tasks.end; ++task) {
+    const int64_t m = task / s.heads, h = task % s.heads, g = h / (s.heads / s.kv_heads);
+    const int64_t cached = (m * s.kv_heads + g) * s.L * D;
+    attend(w.qkv + m * QKV + h * D, layer.keys + cached, layer.values + cached, layer.visible + m * s.L, s.L, D,
+           w.scores + task * s.L, w.attn + m * Q + h * D);
   }
-  linear_into<A>(hidden, M, weights[3], scales.get(3), biases.get(3), out);
+#pragma omp barrier
+  linear_share(w.attn, M, layer.o, w.out);
+#pragma omp barrier
+#pragma omp single
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = m * H; i < (m + 1) * H; ++i) w.resid[i] = round_to<A>(w.resid[i] + w.out[i]);
+    rms_norm(w.resid + m * H, layer.mlp_norm, H, eps, w.normed + m * H);
+  }
+  linear_share(w.normed, M, layer.gate_up, w.gate_up);
+#pragma omp barrier
+  const Share units(M * s.inter);
+  for (int64_t u = units.begin; u < units.end; ++u) {
+    const int64_t m = u / s.inter, i = u % s.inter;
+    const float g = w.gate_up[m * 2 * s.inter + i];
+    w.hidden[u] = round_to<A>(g / (1.f + std::exp(-g)) * w.gate_up[m * 2 * s.inter + s.inter + i]);
+  }
+#pragma omp barrier
+  linear_share(w.hidden, M, layer.down, w.out);
+#pragma omp barrier
+#pragma omp single
+  for (int64_t i = 0; i < M * H; ++i) w.resid[i] = round_to<A>(w.resid[i] + w.out[i]);
+}
+
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+
+template <typename A>
+LinearRef<A> linear_ref(const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& bias, int64_t in, int64_t out, at::ScalarType dtype) {
+  const WeightRef w = weight_ref(weight, "decode_layers");
+  TORCH_CHECK(w.N == out && w.K == in, "decode_layers: a weight is [", w.N, ", ", w.K, "] where [", out, ", ", in,
+              "] was expected");
+  TORCH_CHECK((w.dtype == at::kChar) == scale.has_value(), "decode_layers: int8 weights, and only they, come with scales");
+  TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == out),
+              "decode_layers: scales must be contiguous float32 with one value per output");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == out),
+              "decode_layers: biases must be contiguous, of x's dtype, with one value per output");
+  return {w, scale.has_value() ? scale->data_ptr<float>() : nullptr, optional_data<A>(bias)};
+}
+
+template <typename A>
+at::Tensor decode_layers_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t slot,
+                            at::TensorList masks, at::TensorList keys, at::TensorList values, at::TensorList weights,
+                            const OptionalTensors& scales, const OptionalTensors& biases, const OptionalTensors& norms,
+                            const StackShape& s, double eps) {
+  const auto dtype = x.scalar_type();
+  std::vector<LayerRef<A>> layers;
+  for (size_t l = 0; l < keys.size(); ++l) {
+    const size_t i = 4 * l;
+    for (const at::Tensor* cache : {&keys[l], &values[l]}) {
+      TORCH_CHECK(cache->scalar_type() == dtype && cache->is_contiguous() &&
+                      cache->sizes() == at::IntArrayRef({s.M, s.kv_heads, s.L, s.D}),
+                  "decode_layers: every cache must be a contiguous [", s.M, ", ", s.kv_heads, ", ", s.L, ", ", s.D,
+                  "] tensor of x's dtype");
+    }
+    TORCH_CHECK(masks[l].scalar_type() == at::kBool && masks[l].is_contiguous() && masks[l].numel() == s.M * s.L,
+                "decode_layers: every mask must be a contiguous boolean [rows, slots]");
+    for (int64_t k = 0; k < 4; ++k) {
+      const auto& norm = norms.get(i + k);
+      TORCH_CHECK(k >= 2 || norm.has_value(), "decode_layers: the attention and mlp norms are required");
+      TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == dtype && norm->is_contiguous() &&
+                                        norm->numel() == (k < 2 ? s.H : s.D)),
+                  "decode_layers: norm weights must be contiguous, of x's dtype and the width they normalise");
+    }
+    const int64_t Q = s.heads * s.D, QKV = (s.heads + 2 * s.kv_heads) * s.D;
+    layers.push_back({linear_ref<A>(weights[i], scales.get(i), biases.get(i), s.H, QKV, dtype),
+                      linear_ref<A>(weights[i + 1], scales.get(i + 1), biases.get(i + 1), Q, s.H, dtype),
+                      linear_ref<A>(weights[i + 2], scales.get(i + 2), biases.get(i + 2), s.H, 2 * s.inter, dtype),
+                      linear_ref<A>(weights[i + 3], scales.get(i + 3), biases.get(i + 3), s.inter, s.H, dtype),
+                      norms.get(i)->data_ptr<A>(), norms.get(i + 1)->data_ptr<A>(), optional_data<A>(norms.get(i + 2)),
+                      optional_data<A>(norms.get(i + 3)), keys[l].data_ptr<A>(), values[l].data_ptr<A>(),
+                      masks[l].data_ptr<bool>()});
+  }
+  Scratch w(s, x.options());
+  const A* xs = x.data_ptr<A>();
+  for (int64_t i = 0; i < s.M * s.H; ++i) w.resid[i] = static_cast<float>(xs[i]);
+  const A* cs = cos.data_ptr<A>();
+  const A* sn = sin.data_ptr<A>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  for (const LayerRef<A>& layer : layers) run_layer(layer, s, cs, sn, slot, eps, w);
   at::Tensor result = at::empty_like(x);
   A* ys = result.data_ptr<A>();
-  for (int64_t i = 0; i < M * H; ++i) ys[i] = static_cast<A>(resid[i] + out[i]);
+  for (int64_t i = 0; i < s.M * s.H; ++i) ys[i] = static_cast<A>(w.resid[i]);
   return result;
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                        const at::Tensor& mask, at::Tensor& keys, at::Tensor& values, at::TensorList weights,
-                        const c10::List<std::optional<at::Tensor>>& scales,
-                        const c10::List<std::optional<at::Tensor>>& biases,
-                        const c10::List<std::optional<at::Tensor>>& norms, int64_t heads, int64_t kv_heads,
-                        double eps) {
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                         at::TensorList masks, at::TensorList keys, at::TensorList values, at::TensorList weights,
+                         const OptionalTensors& scales, const OptionalTensors& biases, const OptionalTensors& norms,
+                         int64_t heads, int64_t kv_heads, double eps) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layer: x must be float32 or bfloat16, not ", dtype);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
-              "decode_layer: x must be a contiguous [rows, hidden] matrix of 1 to ", kMaxRows, " rows");
-  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes(),
-              "decode_layer: keys and values must be contiguous [rows, kv_heads, slots, head_dim] caches");
-  TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype && cos.scalar_type() == dtype &&
-                  sin.scalar_type() == dtype,
-              "decode_layer: the cache and the rotary tables must have x's dtype ", dtype);
-  const LayerShape s{x.size(0), x.size(1), keys.size(3), keys.size(2), heads, kv_heads,
-                     weights.size() == 4 ? weights[2].size(0) / 2 : 0};
-  TORCH_CHECK(keys.size(0) == s.M && keys.size(1) == kv_heads && heads % kv_heads == 0,
-              "decode_layer: the cache must be [", s.M, ", ", kv_heads, ", slots, head_dim]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == s.M * s.D && sin.numel() == s.M * s.D,
-              "decode_layer: cos and sin must be contiguous [rows, head_dim]");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == s.M * s.L,
-              "decode_layer: mask must be a contiguous boolean [rows, slots]");
-  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && norms.size() == 4,
-              "decode_layer: takes 4 weights, scales and biases (qkv, o, gate_up, down) and 4 norms "
-              "(attention, mlp, q, k)");
-  const int64_t in[4] = {s.H, s.heads * s.D, s.H, s.inter};
-  const int64_t out[4] = {(heads + 2 * kv_heads) * s.D, s.H, 2 * s.inter, s.H};
-  for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(weights[i].is_contiguous() && weights[i].dim() == 2 && weights[i].size(0) == out[i] &&
-                    weights[i].size(1) == in[i],
-                "decode_layer: weight ", i, " must be a contiguous [", out[i], ", ", in[i], "] matrix");
-    const auto& scale = scales.get(i);
-    TORCH_CHECK((weights[i].scalar_type() == at::kChar) == scale.has_value(),
-                "decode_layer: int8 weights, and only they, come with scales");
-    TORCH_CHECK(!scale.has_value() || (scale->scalar_type() == at::kFloat && scale->numel() == out[i]),
-                "decode_layer: scales must be float32 with one value per output");
-    const auto& bias = biases.get(i);
-    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->numel() == out[i]),
-                "decode_layer: biases must have x's dtype and one value per output");
-  }
-  for (int i = 0; i < 4; ++i) {
-    const auto& norm = norms.get(i);
-    TORCH_CHECK(i >= 2 || norm.has_value(), "decode_layer: the attention and mlp norms are required");
-    TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == dtype && norm->numel() == (i < 2 ? s.H : s.D)),
-                "decode_layer: norm weights must have x's dtype and the width they normalise");
-  }
-  const int64_t slot = slots.item<int64_t>();  // a CPU tensor: no device sync
-  TORCH_CHECK(slot >= 0 && slot < s.L, "decode_layer: slot ", slot, " is outside the cache of ", s.L, " slots");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: x must be float32 or bfloat16, not ", dtype);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
+              "decode_layers: x must be a contiguous [rows, hidden] matrix of 1 to ", kMaxRows, " rows on the CPU");
+  const size_t n = keys.size();
+  TORCH_CHECK(n >= 1 && values.size() == n && masks.size() == n && weights.size() == 4 * n && scales.size() == 4 * n &&
+                  biases.size() == 4 * n && norms.size() == 4 * n,
+              "decode_layers: takes, for each of the layers, a mask, a key and a value cache, and 4 weights, scales and "
+              "biases (qkv, o, gate_up, down) and 4 norms (attention, mlp, q, k)");
+  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && keys[0].dim() == 4,
+              "decode_layers: heads must be a multiple of kv_heads and the caches [rows, kv_heads, slots, head_dim]");
+  const StackShape s{x.size(0), x.size(1), keys[0].size(3), keys[0].size(2), heads, kv_heads, weights[2].size(0) / 2};
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == s.M * s.D && sin.numel() == s.M * s.D,
+              "decode_layers: cos and sin must be contiguous [rows, head_dim] of x's dtype");
+  TORCH_CHECK(slots.numel() == 1 && slots.scalar_type() == at::kLong && slots.device().is_cpu(),
+              "decode_layers: slots must be one int64 slot index on the CPU");
+  const int64_t slot = slots.item<int64_t>();
+  TORCH_CHECK(slot >= 0 && slot < s.L, "decode_layers: slot ", slot, " is outside the cache of ", s.L, " slots");
   if (dtype == at::kBFloat16) {
-    return decode_layer_as<c10::BFloat16>(x, cos, sin, slot, mask, keys, values, weights, scales, biases, norms, s, eps);
+    return decode_layers_as<c10::BFloat16>(x, cos, sin, slot, masks, keys, values, weights, scales, biases, norms, s, eps);
   }
-  return decode_layer_as<float>(x, cos, sin, slot, mask, keys, values, weights, scales, biases, norms, s, eps);
+  return decode_layers_as<float>(x, cos, sin, slot, masks, keys, values, weights, scales, biases, norms, s, eps);
 }
 
 }  // namespace
@@ -445,13 +527,13 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("row_product(Tensor rows, Tensor weight) -> Tensor");
   m.def("row_product_int8(Tensor rows, Tensor weight) -> Tensor");
   m.def(
-      "decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor mask, Tensor(a!) keys, Tensor(b!) values, "
-      "Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms, int heads, int kv_heads, float eps) "
-      "-> Tensor");
+      "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor[] masks, Tensor(a!)[] keys, "
+      "Tensor(b!)[] values, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms, int heads, "
+      "int kv_heads, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("row_product", &row_product);
   m.impl("row_product_int8", &row_product_int8);
-  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -333,11 +333,9 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
     def _native_layers(self, x, cos, sin, cache, masks, slots, operands):
         B = x.shape[0]
         c = self.config
-        h = x.reshape(B, -1)
-        cos, sin = cos.reshape(B, -1), sin.reshape(B, -1)
-        for i, (layer, (weights, scales, biases, norms)) in enumerate(zip(self.layers, operands)):
-            mask = masks.get(layer.attn.window, masks.get(None)).reshape(B, -1)
-            h = torch.ops.decodekit.decode_layer(h, cos, sin, slots, mask, cache.keys[i], cache.values[i], weights,
-                                                 scales, biases, norms, c.num_attention_heads,
-                                                 c.num_key_value_heads, c.rms_norm_eps)
+        layer_masks = [masks.get(layer.attn.window, masks.get(None)).reshape(B, -1) for layer in self.layers]
+        weights, scales, biases, norms = ([t for layer in operands for t in layer[k]] for k in range(4))
+        h = torch.ops.decodekit.decode_layers(x.reshape(B, -1), cos.reshape(B, -1), sin.reshape(B, -1), slots,
+                                              layer_masks, cache.keys, cache.values, weights, scales, biases, norms,
+                                              c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
         return h.view(B, 1, -1)

@@ -123,9 +123,9 @@ def _register_fakes() -> None:
     def row_product_int8(rows, weight):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
-    def decode_layer(x, cos, sin, slots, mask, keys, values, weights, scales, biases, norms, heads, kv_heads, eps):
+    def decode_layers(x, cos, sin, slots, masks, keys, values, weights, scales, biases, norms, heads, kv_heads, eps):
         return torch.empty_like(x)
 
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
-    torch.library.register_fake("decodekit::decode_layer")(decode_layer)
+    torch.library.register_fake("decodekit::decode_layers")(decode_layers)

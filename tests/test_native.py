@@ -1,4 +1,5 @@
-"""decodekit's own one-row kernels (models/native.py, cpu_kernels.cpp): results, errors, build cache, fallback."""
+"""decodekit's own CPU kernels (models/native.py, cpu_kernels.cpp): products of a few rows and the decoder layer
+stack of fixed-shape decode steps; results, errors, build cache, fallback."""
 
 import logging
 import shutil
@@ -6,9 +7,12 @@ import shutil
 import pytest
 import torch
 
-from decodekit.models import native
+from decodekit.core.cache import StaticCache
+from decodekit.models import llama, native
 from decodekit.models.linear import Linear
-from decodekit.models.quantize import Int8Linear
+from decodekit.models.packed import plain_weights
+from decodekit.models.quantize import Int8Linear, quantize
+from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX"),
@@ -66,7 +70,8 @@ def graph_targets(module, x):
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(module, backend=backend, fullgraph=True)(x)
+    with torch.no_grad():  # decode steps run without autograd; with it the kernels (no backward) are not used
+        torch.compile(module, backend=backend, fullgraph=True)(x)
     return seen
 
 
@@ -108,7 +113,7 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
 
 def test_eager_products_of_up_to_8_rows_go_through_the_kernels_too():
     bf16, int8 = Linear(64, 32).to(torch.bfloat16), Int8Linear(torch.nn.Linear(64, 32))
-    with torch.profiler.profile() as profile:
+    with torch.profiler.profile() as profile, torch.no_grad():
         bf16(torch.randn(1, 1, 64, dtype=torch.bfloat16))  # a decode step's row
         bf16(torch.randn(2, 4, 64, dtype=torch.bfloat16))  # a short prompt
         bf16(torch.randn(9, 64, dtype=torch.bfloat16))  # more rows: the library's matmul
@@ -118,3 +123,101 @@ def test_eager_products_of_up_to_8_rows_go_through_the_kernels_too():
     calls = {e.key: e.count for e in profile.key_averages()}
     assert calls.get("decodekit::row_product") == 2 and calls.get("decodekit::row_product_int8") == 2
     assert calls.get("aten::_weight_int8pack_mm") == 1
+
+
+def test_with_autograd_recording_products_keep_the_library_kernels_and_have_gradients():
+    layer = Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()  # the kernels have no backward: F.linear ran
+    torch.testing.assert_close(x.grad.float(), layer.weight.float().sum(0, keepdim=True), rtol=1e-2, atol=1e-2)
+
+
+# ---- decodekit::decode_layers: the layer stack of a fixed-shape decode step ----
+
+def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed=0):
+    """Prefills a StaticCache through the Python layers, then runs one fixed-shape step (the compiled step's
+    forward) with the C++ stack or the Python layers; returns (logits, cache)."""
+    monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 90, (rows, prompt), generator=g)
+    attention = torch.ones(rows, prompt, dtype=torch.long)
+    attention[1:, :pad] = 0  # left padding on every row but the first
+    cache = StaticCache.for_model(model, rows, 32)
+    mask = torch.zeros(rows, 32, dtype=torch.long)
+    mask[:, :prompt + 1] = 1
+    mask[:, :prompt] = attention
+    with torch.no_grad():
+        model(ids, attention_mask=attention, past_key_values=cache, use_cache=True)
+        out = model(torch.randint(3, 90, (rows, 1), generator=g), attention_mask=mask,
+                    position_ids=attention.sum(-1, keepdim=True), past_key_values=cache,
+                    cache_position=torch.tensor([prompt]), logits_to_keep=1)
+    return out.logits, cache
+
+
+def stack_calls(model, monkeypatch, **step):
+    with torch.profiler.profile() as profile:
+        fixed_step(model, True, monkeypatch, **step)
+    return {e.key: e.count for e in profile.key_averages()}.get("decodekit::decode_layers", 0)
+
+
+# llama; qwen2: q/k/v biases; qwen3: q/k norms and head_dim 24 != hidden/heads; mistral: a window of 8 slots
+# that a 12-token prompt overflows.
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("rows,pad", [(1, 0), (3, 5)])
+def test_the_float32_stack_equals_the_python_layers(tmp_path, monkeypatch, model_type, rows, pad):
+    model = tiny_model(tmp_path, model_type)
+    with plain_weights(model):  # float32 weights packed for oneDNN are not the stack's
+        expected, python_cache = fixed_step(model, False, monkeypatch, rows, pad=pad)
+        got, cache = fixed_step(model, True, monkeypatch, rows, pad=pad)
+        assert stack_calls(model, monkeypatch, rows=rows, pad=pad) == 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+    for mine, theirs in zip(cache.keys + cache.values, python_cache.keys + python_cache.values):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_bfloat16_stack_is_as_close_to_float32_as_the_python_layers(tmp_path, monkeypatch, model_type):
+    model = tiny_model(tmp_path, model_type)
+    with plain_weights(model):
+        reference, _ = fixed_step(model, False, monkeypatch, 3, pad=5)
+    bf16 = tiny_model(tmp_path, model_type).to(torch.bfloat16)
+    assert stack_calls(bf16, monkeypatch, rows=3, pad=5) == 1
+    stack_error = (fixed_step(bf16, True, monkeypatch, 3, pad=5)[0].float() - reference).abs().max()
+    python_error = (fixed_step(bf16, False, monkeypatch, 3, pad=5)[0].float() - reference).abs().max()
+    assert stack_error <= 2 * python_error and stack_error < 0.2, (stack_error, python_error)
+
+
+def test_the_int8_stack_equals_the_python_layers(tmp_path, monkeypatch):
+    model = quantize(tiny_model(tmp_path, "llama", intermediate_size=128), "int8")  # widths of whole 32-byte blocks
+    assert stack_calls(model, monkeypatch, rows=2, pad=3) == 1
+    expected, _ = fixed_step(model, False, monkeypatch, 2, pad=3)
+    torch.testing.assert_close(fixed_step(model, True, monkeypatch, 2, pad=3)[0], expected, rtol=1e-5, atol=1e-5)
+    narrow = quantize(tiny_model(tmp_path / "narrow", "llama"), "int8")  # intermediate 112: not interleaved in 32s
+    assert narrow.layers[0].native_operands() is None and stack_calls(narrow, monkeypatch) == 0
+
+
+def test_the_stack_refuses_bad_operands_with_the_reason(tmp_path):
+    model = tiny_model(tmp_path, "llama")
+    cache = StaticCache.for_model(model, 1, 16)
+    weights, scales, biases, norms = model.layers[0].native_operands()
+    x, cos, mask = torch.randn(1, 64), torch.randn(1, 16), torch.ones(1, 16, dtype=torch.bool)
+
+    def call(x=x, slots=torch.tensor([3]), weights=weights, scales=scales, mask=mask, keys=cache.keys[:1]):
+        return torch.ops.decodekit.decode_layers(x, cos, cos, slots, [mask], keys, cache.values[:1], weights, scales,
+                                                 biases, norms, 4, 2, 1e-6)
+
+    assert call().shape == (1, 64)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        call(x=x.double())
+    with pytest.raises(RuntimeError, match="slot 16 is outside the cache of 16 slots"):
+        call(slots=torch.tensor([16]))
+    with pytest.raises(RuntimeError, match=r"a weight is \[64, 64\] where \[128, 64\] was expected"):
+        call(weights=[weights[1], *weights[1:]])
+    with pytest.raises(RuntimeError, match="int8 weights, and only they, come with scales"):
+        call(scales=[torch.ones(128), *scales[1:]])
+    with pytest.raises(RuntimeError, match="every mask must be a contiguous boolean"):
+        call(mask=mask.long())
+    with pytest.raises(RuntimeError, match=r"every cache must be a contiguous \[1, 2, 16, 16\]"):
+        call(keys=[cache.keys[0].transpose(2, 3)])
+    with pytest.raises(RuntimeError, match="takes, for each of the layers, a mask"):
+        call(weights=weights[:3])

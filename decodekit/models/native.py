@@ -47,7 +47,10 @@ def loaded() -> bool:
 
 
 def ready() -> bool:
-    """load() in eager code; in code being compiled, whether it has succeeded (FusedStep loads before tracing)."""
+    """Whether a call may use the kernels now: not while autograd records (they have no backward), and then
+    load() in eager code or, in code being compiled, whether it has succeeded (FusedStep loads before tracing)."""
+    if torch.is_grad_enabled():
+        return False
     return loaded() if torch.compiler.is_compiling() else load()
 
 

@@ -70,11 +70,15 @@ def test_unfusable_strategies_run_eagerly_and_say_why(model, caplog):
     assert "beam search has data-dependent shapes and runs eagerly" in caplog.text
 
 
-def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog):
+# intermediate 128: every width a multiple of 32, so the step's layers are the C++ stack; 112: the Python layers.
+@pytest.mark.parametrize("intermediate", [128, 112])
+def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog, intermediate):
     from decodekit import AutoModelForCausalLM
     from decodekit.testing import write_tiny_model
 
-    int8 = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "m", "qwen2"), quantize="int8")
+    path = write_tiny_model(tmp_path / "m", "qwen2", intermediate_size=intermediate)
+    int8 = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
+    assert (int8.layers[0].native_operands() is not None) == (intermediate == 128)
     with caplog.at_level(logging.INFO, logger="decodekit"):
         for kwargs in (dict(input_ids=PROMPT), dict(input_ids=BATCH, attention_mask=MASK)):
             assert torch.equal(int8.generate(**kwargs, max_new_tokens=16),
@@ -162,6 +166,17 @@ def test_real_model_compiled_equals_eager(default_model):
     for enc in (single, batch):
         eager = model.generate(**enc, max_new_tokens=16)
         assert torch.equal(eager, model.generate(**enc, max_new_tokens=16, compile=True))
+
+
+def test_real_model_int8_compiled_equals_eager(default_model):
+    from decodekit import AutoModelForCausalLM
+    from decodekit.models.default import default_model_path
+
+    tok = default_model[1]
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), quantize="int8")  # the C++ stack's int8 path
+    enc = tok("The capital of France is", return_tensors="pt")
+    eager = model.generate(**enc, max_new_tokens=32)
+    assert torch.equal(eager, model.generate(**enc, max_new_tokens=32, compile=True))
 
 
 def test_a_hub_method_contributing_a_score_only_processor_is_fused(model, tmp_path, caplog):

@@ -61,7 +61,7 @@ class Linear(nn.Linear):
         rows = x.numel() // self.in_features
         if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS:
             flat = x.reshape(rows, -1)
-            if self.weight.dtype == torch.bfloat16 and native.ready():
+            if self.weight.dtype == torch.bfloat16 and native.ready(x, self.weight, self.bias):
                 y = torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
             elif rows == 1 and torch.compiler.is_compiling():
                 y = one_row(flat, self.weight)

@@ -4,7 +4,8 @@ One module covers them all; config fields select the differences (q/k/v bias, q/
 windows, tied embeddings, rope scaling). For speed at batch 1, where decoding is bound by how fast
 weights stream from memory, q/k/v are one matmul, gate/up are one matmul, linear weights are packed
 for oneDNN on CPU at the first forward without gradients (packed.py), and attention reads only the
-filled part of the cache.
+filled part of the cache. In a fixed-shape decode step on CPU the layers run as one call into
+decodekit's C++ (`decodekit::decode_layers`, native.py), which computes what `Block` computes.
 """
 
 from __future__ import annotations
@@ -325,10 +326,13 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         B, T, _ = x.shape
         if not (x.device.type == "cpu" and T == 1 and B <= native.MAX_ROWS and x.dtype in NATIVE_LAYER_DTYPES):
             return None
-        if cache.keys[0].dtype != x.dtype or not NATIVE_LAYERS or not native.ready():
+        if cache.keys[0].dtype != x.dtype or not NATIVE_LAYERS:
             return None
         operands = [layer.native_operands() for layer in self.layers]
-        return None if any(o is None for o in operands) else operands
+        if any(o is None for o in operands):
+            return None
+        tensors = [t for layer in operands for kind in layer for t in kind]
+        return operands if native.ready(x, *tensors) else None
 
     def _native_layers(self, x, cos, sin, cache, masks, slots, operands):
         B = x.shape[0]

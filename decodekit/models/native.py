@@ -1,19 +1,19 @@
-"""decodekit's own CPU kernels (cpu_kernels.cpp): one-row products for decode steps, compiled or eager.
+"""decodekit's own CPU kernels (cpu_kernels.cpp): products of a few rows and the decoder layer stack of a
+fixed-shape decode step.
 
 A batch-1 decode step multiplies one row by every weight matrix, and its speed is how fast the weights
-stream from memory. Inductor's loop for that product (linear.one_row) keeps two accumulators and no
-prefetch; the hand-written loop keeps four and prefetches a kilobyte ahead. In a 30-layer stack of the
-default model's shapes compiled on the 2-core AVX2 bench machine, the kernels took 0.85x the time of
-inductor's loop for bfloat16 weights and 0.72x for int8. In the default model's whole compiled step
-(paired runs, 128 tokens) that was 0.736x the time a token for bfloat16 and 0.908x for int8; float32 was
-1.006x, so float32 weights keep inductor's loop (one fused kernel fewer per product to call).
+stream from memory. `decodekit::row_product` / `row_product_int8` multiply 1 to MAX_ROWS rows by a
+bfloat16, float32 or interleaved int8 weight (four accumulators, a prefetch ahead of the loads); they read
+weights faster than inductor's loop for the same product (linear.one_row) and than the library kernels,
+and serve the eager loop, the Python layers and the lm_head. `decodekit::decode_layers` runs all decoder
+layers of a fixed-shape step (llama.LlamaForCausalLM._forward_fixed) in one call and one OpenMP region,
+which removes the per-kernel call and region costs that were most of a token beyond the weights.
 
-The eager loop's one-row products use them too for bf16 and int8 weights (float32 weights are packed
-for oneDNN there, see packed.py). The kernels are compiled on first use with the C++ compiler inductor
-uses on CPU ($CXX or g++, about 7 s) against the installed torch's headers, and cached under
-$DECODEKIT_CACHE_DIR (default ~/.cache/decodekit) by a hash of the source, torch's version and the
-flags. Where that cannot work (a CPU without AVX2 and FMA, no compiler, a failed build) the products
-keep inductor's loops and the library kernels, and a `decodekit` log line says why;
+The kernels are compiled on first use with the C++ compiler inductor uses on CPU ($CXX or g++, about
+15 s) against the installed torch's headers, and cached under $DECODEKIT_CACHE_DIR (default
+~/.cache/decodekit) by a hash of the source, torch's version and the flags. Where that cannot work (a
+CPU without AVX2 and FMA, no compiler, a failed build) decode steps keep the Python layers with
+inductor's loops and the library kernels, and a `decodekit` log line says why;
 DECODEKIT_NATIVE_KERNELS=0 turns them off.
 """
 
@@ -42,14 +42,15 @@ _loaded: bool | None = None
 
 
 def loaded() -> bool:
-    """Whether torch.ops.decodekit.row_product and row_product_int8 (1 to MAX_ROWS rows) are registered."""
+    """Whether the operators (row_product, row_product_int8, decode_layers) are registered."""
     return bool(_loaded)
 
 
-def ready() -> bool:
-    """Whether a call may use the kernels now: not while autograd records (they have no backward), and then
-    load() in eager code or, in code being compiled, whether it has succeeded (FusedStep loads before tracing)."""
-    if torch.is_grad_enabled():
+def ready(*operands: torch.Tensor | None) -> bool:
+    """Whether a call on `operands` may use the kernels now: not where autograd would record it (they have no
+    backward), and then load() in eager code or, in code being compiled, whether it has succeeded
+    (FusedStep loads before tracing)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False
     return loaded() if torch.compiler.is_compiling() else load()
 
@@ -119,7 +120,7 @@ def _built_library() -> Path:
 
 
 def _register_fakes() -> None:
-    # Shapes for torch.compile's tracing: both products return [rows, out] float32.
+    # Shapes for torch.compile's tracing: the products return [rows, out] float32, the stack x's shape.
     def row_product(rows, weight):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 

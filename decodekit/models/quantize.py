@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         few_rows_on_cpu = 1 <= flat.shape[0] <= native.MAX_ROWS and flat.device.type == "cpu"
-        if few_rows_on_cpu and self.in_features % 32 == 0 and native.ready():  # interleaved (in % 4 == 0)
+        if few_rows_on_cpu and self.in_features % 32 == 0 and native.ready(x, self.bias):  # interleaved (in % 4 == 0)
             y = torch.ops.decodekit.row_product_int8(flat.float().contiguous(), self.weight_int8)
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)

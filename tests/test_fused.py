@@ -88,6 +88,17 @@ def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog, intermediat
     assert "compiling the decode step" in caplog.text and "falls back" not in caplog.text
 
 
+def test_a_compiled_step_sees_weights_replaced_between_calls(tmp_path):
+    # The C++ layer stack reads weights bound once per generate call, not passed on every step.
+    fresh = tiny_model(tmp_path, "llama")
+    before = fresh.generate(PROMPT, max_new_tokens=10, compile=True)
+    down = fresh.layers[1].mlp.down
+    down.weight = torch.nn.Parameter(-3 * down.weight.detach())
+    eager = fresh.generate(PROMPT, max_new_tokens=10)
+    assert not torch.equal(eager, before)  # the change matters
+    assert torch.equal(fresh.generate(PROMPT, max_new_tokens=10, compile=True), eager)
+
+
 def test_a_fresh_model_compiles_its_step_once(tmp_path, caplog):
     fresh = tiny_model(tmp_path, "llama")  # never run eagerly: its weights get packed during the first call
     with caplog.at_level(logging.INFO, logger="decodekit"):

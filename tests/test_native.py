@@ -198,26 +198,44 @@ def test_the_int8_stack_equals_the_python_layers(tmp_path, monkeypatch):
 
 def test_the_stack_refuses_bad_operands_with_the_reason(tmp_path):
     model = tiny_model(tmp_path, "llama")
+    with plain_weights(model), torch.no_grad():
+        handle = model.bind_native_layers()
+    assert handle is not None
+    layers = len(model.layers)
     cache = StaticCache.for_model(model, 1, 16)
-    weights, scales, biases, norms = model.layers[0].native_operands()
     x, cos, mask = torch.randn(1, 64), torch.randn(1, 16), torch.ones(1, 16, dtype=torch.bool)
 
-    def call(x=x, slots=torch.tensor([3]), weights=weights, scales=scales, mask=mask, keys=cache.keys[:1]):
-        return torch.ops.decodekit.decode_layers(x, cos, cos, slots, [mask], keys, cache.values[:1], weights, scales,
-                                                 biases, norms, 4, 2, 1e-6)
+    def call(x=x, slots=torch.tensor([3]), mask=mask, keys=cache.keys, values=cache.values, handle=handle):
+        masks = [mask] * len(keys)
+        return torch.ops.decodekit.decode_layers(x, cos, cos, slots, masks, keys, values, handle, 4, 2, 1e-6)
 
     assert call().shape == (1, 64)
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
         call(x=x.double())
     with pytest.raises(RuntimeError, match="slot 16 is outside the cache of 16 slots"):
         call(slots=torch.tensor([16]))
-    with pytest.raises(RuntimeError, match=r"a weight is \[64, 64\] where \[128, 64\] was expected"):
-        call(weights=[weights[1], *weights[1:]])
-    with pytest.raises(RuntimeError, match="int8 weights, and only they, come with scales"):
-        call(scales=[torch.ones(128), *scales[1:]])
     with pytest.raises(RuntimeError, match="every mask must be a contiguous boolean"):
         call(mask=mask.long())
     with pytest.raises(RuntimeError, match=r"every cache must be a contiguous \[1, 2, 16, 16\]"):
-        call(keys=[cache.keys[0].transpose(2, 3)])
-    with pytest.raises(RuntimeError, match="takes, for each of the layers, a mask"):
-        call(weights=weights[:3])
+        call(keys=[k.transpose(2, 3) for k in cache.keys])
+    with pytest.raises(RuntimeError, match=f"a mask, a key and a value cache for each of the {layers} layers"):
+        call(keys=cache.keys[:1], values=cache.values[:1])
+    with pytest.raises(RuntimeError, match="no weights are bound to handle -5"):
+        call(handle=-5)
+    weights, scales, biases, norms = model.layers[0].native_operands()
+    other = native.weights_handle(model)
+    one_layer = dict(keys=cache.keys[:1], values=cache.values[:1], handle=other)
+    torch.ops.decodekit.bind_weights(other, [weights[1], *weights[1:]], scales, biases, norms)
+    with pytest.raises(RuntimeError, match=r"a weight is \[64, 64\] where \[128, 64\] was expected"):
+        call(**one_layer)
+    torch.ops.decodekit.bind_weights(other, weights, [torch.ones(128), *scales[1:]], biases, norms)
+    with pytest.raises(RuntimeError, match="int8 weights, and only they, come with scales"):
+        call(**one_layer)
+    with pytest.raises(RuntimeError, match="4 weights, scales and biases"):
+        torch.ops.decodekit.bind_weights(other, weights[:3], scales[:3], biases[:3], norms[:3])
+    native.unbind(other)
+    with pytest.raises(RuntimeError, match=f"no weights are bound to handle {other}"):
+        call(**one_layer)
+    model.to(torch.bfloat16)  # new weights: the old binding is released
+    with pytest.raises(RuntimeError, match=f"no weights are bound to handle {handle}"):
+        call()

@@ -22,8 +22,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -492,19 +495,54 @@ at::Tensor decode_layers_as(const at::Tensor& x, const at::Tensor& cos, const at
   return result;
 }
 
+// Weights bound to a handle (bind_weights): a compiled step passes the handle, a constant of its graph,
+// where it would pass some 300 tensors on every call. Dynamo, AOT autograd and inductor's wrapper spend
+// time on every input of every call: in a toy graph, an operator taking 360 tensors cost 434 us a call
+// compiled against 52 us for one taking a handle. The caches stay arguments: they are written.
+struct BoundWeights {
+  std::vector<at::Tensor> weights;
+  OptionalTensors scales, biases, norms;
+};
+std::mutex bound_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const BoundWeights>> bound_weights;
+
+void bind_weights(int64_t handle, at::TensorList weights, const OptionalTensors& scales, const OptionalTensors& biases,
+                  const OptionalTensors& norms) {
+  const size_t n = weights.size();
+  TORCH_CHECK(n >= 4 && n % 4 == 0 && scales.size() == n && biases.size() == n && norms.size() == n,
+              "bind_weights: takes, for each layer, 4 weights, scales and biases (qkv, o, gate_up, down) and 4 norms "
+              "(attention, mlp, q, k)");
+  auto entry = std::make_shared<const BoundWeights>(BoundWeights{weights.vec(), scales.copy(), biases.copy(), norms.copy()});
+  const std::lock_guard<std::mutex> lock(bound_mutex);
+  bound_weights[handle] = std::move(entry);
+}
+
+void unbind_weights(int64_t handle) {
+  const std::lock_guard<std::mutex> lock(bound_mutex);
+  bound_weights.erase(handle);
+}
+
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                         at::TensorList masks, at::TensorList keys, at::TensorList values, at::TensorList weights,
-                         const OptionalTensors& scales, const OptionalTensors& biases, const OptionalTensors& norms,
+                         at::TensorList masks, at::TensorList keys, at::TensorList values, int64_t handle,
                          int64_t heads, int64_t kv_heads, double eps) {
+  std::shared_ptr<const BoundWeights> bound;
+  {
+    const std::lock_guard<std::mutex> lock(bound_mutex);
+    const auto found = bound_weights.find(handle);
+    TORCH_CHECK(found != bound_weights.end(), "decode_layers: no weights are bound to handle ", handle,
+                " (LlamaForCausalLM.bind_native_layers binds them)");
+    bound = found->second;
+  }
+  const std::vector<at::Tensor>& weights = bound->weights;
+  const OptionalTensors &scales = bound->scales, &biases = bound->biases, &norms = bound->norms;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: x must be float32 or bfloat16, not ", dtype);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows,
               "decode_layers: x must be a contiguous [rows, hidden] matrix of 1 to ", kMaxRows, " rows on the CPU");
   const size_t n = keys.size();
-  TORCH_CHECK(n >= 1 && values.size() == n && masks.size() == n && weights.size() == 4 * n && scales.size() == 4 * n &&
-                  biases.size() == 4 * n && norms.size() == 4 * n,
-              "decode_layers: takes, for each of the layers, a mask, a key and a value cache, and 4 weights, scales and "
-              "biases (qkv, o, gate_up, down) and 4 norms (attention, mlp, q, k)");
+  TORCH_CHECK(n >= 1 && values.size() == n && masks.size() == n && weights.size() == 4 * n,
+              "decode_layers: takes a mask, a key and a value cache for each of the ", weights.size() / 4,
+              " layers whose weights are bound, not ", masks.size(), ", ", n, " and ", values.size());
   TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && keys[0].dim() == 4,
               "decode_layers: heads must be a multiple of kv_heads and the caches [rows, kv_heads, slots, head_dim]");
   const StackShape s{x.size(0), x.size(1), keys[0].size(3), keys[0].size(2), heads, kv_heads, weights[2].size(0) / 2};
@@ -528,8 +566,11 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("row_product_int8(Tensor rows, Tensor weight) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor[] masks, Tensor(a!)[] keys, "
-      "Tensor(b!)[] values, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms, int heads, "
-      "int kv_heads, float eps) -> Tensor");
+      "Tensor(b!)[] values, int weights, int heads, int kv_heads, float eps) -> Tensor");
+  // Called eagerly, never traced: one kernel for every backend.
+  m.def("bind_weights(int handle, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms) -> ()",
+        &bind_weights);
+  m.def("unbind_weights(int handle) -> ()", &unbind_weights);
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {

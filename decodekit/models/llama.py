@@ -213,6 +213,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = RotaryTable(config.head_dim, config.rope(), min(config.max_position_embeddings, 4096))
         self.windows = {layer.attn.window for layer in self.layers}
+        self._native_handle = self._native_bound = None  # see bind_native_layers
 
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() and friends act on plain weights; the next forward decides again whether
@@ -220,6 +221,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         if getattr(self, "_packed_linears", None):
             unpack_linears(self)
         self._packed_linears = None
+        if getattr(self, "_native_handle", None) is not None:
+            self._unbind_native_layers()  # the weights are about to be replaced
         return super()._apply(fn, recurse)
 
     @property
@@ -310,36 +313,57 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
                              "attention_mask over the whole cache [batch, max_cache_len].")
         cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=False)
         masks = static_masks(attention_mask, slots, self.windows)
-        operands = self._native_layer_operands(x, cache)
-        if operands is not None:
-            x = self._native_layers(x, cos, sin, cache, masks, slots, operands)
+        stack = self._native_stack(x, cache)
+        if stack is not None:
+            x = self._native_layers(x, cos, sin, cache, masks, slots, stack)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, cache, masks, slots)
         x = self.norm(x)
         return CausalLMOutput(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), past_key_values=cache)
 
-    def _native_layer_operands(self, x, cache) -> list | None:
-        """Each layer's operands for decodekit::decode_layer when this fixed-shape forward can run its layers
-        there: one token a row on CPU, 1 to native.MAX_ROWS rows, float32/bfloat16 activations and cache,
-        weights it reads, the kernels built. Else None: the Python layers."""
+    def bind_native_layers(self) -> int | None:
+        """Binds the layers' current weights to decodekit::decode_layers (cpu_kernels.cpp) and returns their
+        handle, or None (releasing any earlier binding) where the C++ stack cannot run them: a weight it does
+        not read, kernels not built, or autograd recording. generate(compile=True) calls it before every
+        call's steps, so a step sees the weights as they are; a model compiled by hand on the fixed-shape path
+        should call it before tracing, else its trace keeps the Python layers."""
+        operands = [layer.native_operands() for layer in self.layers]
+        tensors = [t for layer in operands if layer is not None for kind in layer for t in kind]
+        if any(o is None for o in operands) or not native.ready(*tensors):
+            self._unbind_native_layers()
+            return None
+        if self._native_handle is None:
+            self._native_handle = native.weights_handle(self)
+        weights, scales, biases, norms = ([t for layer in operands for t in layer[k]] for k in range(4))
+        torch.ops.decodekit.bind_weights(self._native_handle, weights, scales, biases, norms)
+        self._native_bound = self._native_handle
+        return self._native_bound
+
+    def _unbind_native_layers(self) -> None:
+        if self._native_handle is not None:
+            native.unbind(self._native_handle)
+        self._native_bound = None
+
+    def _native_stack(self, x, cache) -> int | None:
+        """The handle of the bound weights when this fixed-shape forward runs its layers in C++: one token a row
+        on CPU, 1 to native.MAX_ROWS rows, float32/bfloat16 activations and cache. Eager calls bind first;
+        code being compiled uses what bind_native_layers bound before tracing (the handle is a constant of
+        the graph, and later bindings under it are seen by every step). Else None: the Python layers."""
         B, T, _ = x.shape
         if not (x.device.type == "cpu" and T == 1 and B <= native.MAX_ROWS and x.dtype in NATIVE_LAYER_DTYPES):
             return None
         if cache.keys[0].dtype != x.dtype or not NATIVE_LAYERS:
             return None
-        operands = [layer.native_operands() for layer in self.layers]
-        if any(o is None for o in operands):
-            return None
-        tensors = [t for layer in operands for kind in layer for t in kind]
-        return operands if native.ready(x, *tensors) else None
+        if torch.compiler.is_compiling():
+            return None if torch.is_grad_enabled() else self._native_bound
+        return self.bind_native_layers()
 
-    def _native_layers(self, x, cos, sin, cache, masks, slots, operands):
+    def _native_layers(self, x, cos, sin, cache, masks, slots, stack: int):
         B = x.shape[0]
         c = self.config
         layer_masks = [masks.get(layer.attn.window, masks.get(None)).reshape(B, -1) for layer in self.layers]
-        weights, scales, biases, norms = ([t for layer in operands for t in layer[k]] for k in range(4))
         h = torch.ops.decodekit.decode_layers(x.reshape(B, -1), cos.reshape(B, -1), sin.reshape(B, -1), slots,
-                                              layer_masks, cache.keys, cache.values, weights, scales, biases, norms,
+                                              layer_masks, cache.keys, cache.values, stack,
                                               c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
         return h.view(B, 1, -1)

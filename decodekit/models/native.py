@@ -20,11 +20,13 @@ DECODEKIT_NATIVE_KERNELS=0 turns them off.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -70,6 +72,22 @@ def load() -> bool:
         if reason is not None:
             logger.info("decodekit: the compiled step uses inductor's row products (%s)", reason)
     return _loaded
+
+
+_handles = itertools.count(1)
+
+
+def weights_handle(owner) -> int:
+    """A new handle for decodekit::bind_weights; what is bound to it is released when `owner` is collected."""
+    handle = next(_handles)
+    weakref.finalize(owner, unbind, handle)
+    return handle
+
+
+def unbind(handle: int) -> None:
+    """Releases the weights bound to `handle` (nothing if none are)."""
+    if loaded():
+        torch.ops.decodekit.unbind_weights(handle)
 
 
 def cache_dir() -> Path:
@@ -127,7 +145,7 @@ def _register_fakes() -> None:
     def row_product_int8(rows, weight):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
-    def decode_layers(x, cos, sin, slots, masks, keys, values, weights, scales, biases, norms, heads, kv_heads, eps):
+    def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps):
         return torch.empty_like(x)
 
     torch.library.register_fake("decodekit::row_product")(row_product)

@@ -271,6 +271,8 @@ class FusedLoop:
         fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
         if fused is None:
             return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
+        if model.device.type == "cpu":
+            model.bind_native_layers()  # after _step_for, which may pack the weights; before any tracing
         try:
             return self._run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
         except torch._dynamo.exc.TorchDynamoException as e:

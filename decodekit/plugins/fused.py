@@ -53,12 +53,12 @@ def decodekit_config_fields():
     return {"compile": False, "compile_config": None}
 
 
-# Strategies with their own loops and data-dependent shapes: (field, is it active, name).
+# Strategies with loops of their own, which run eagerly: (field, is it active, name, why).
 UNFUSED_STRATEGIES = (
-    ("num_beams", lambda v: v is not None and v > 1, "beam search"),
-    ("assistant_model", lambda v: v is not None, "assisted decoding"),
-    ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt lookup decoding"),
-    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search"),
+    ("num_beams", lambda v: v is not None and v > 1, "beam search", "its step is not fused yet"),
+    ("assistant_model", lambda v: v is not None, "assisted decoding", "it has data-dependent shapes"),
+    ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt lookup decoding", "it has data-dependent shapes"),
+    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search", "it has data-dependent shapes"),
 )
 
 
@@ -78,9 +78,9 @@ def decodekit_validate_config(generation_config):
     if cc is not None and cc.get("options") is not None:
         validate_backend_options(gc, cc)
     if gc.compile or cc is not None:
-        for name, active, strategy in UNFUSED_STRATEGIES:
+        for name, active, strategy, why in UNFUSED_STRATEGIES:
             if active(getattr(gc, name, None)):
-                logger.info("decodekit: compile=True: %s has data-dependent shapes and runs eagerly", strategy)
+                logger.info("decodekit: compile=True: %s runs eagerly (%s)", strategy, why)
 
 
 def validate_backend_options(gc, cc: dict) -> None:

@@ -1,7 +1,8 @@
 // decodekit's CPU kernels (AVX2 and FMA), built and loaded by native.py:
 // - row_product / row_product_int8: out[M, N] = rows[M, K] @ W[N, K]^T for M = 1 to 8, the shapes of decode
 //   steps and short prompts;
-// - decode_layer: one whole decoder layer of the Llama family for a fixed-shape decode step.
+// - decode_layers (with bind_weights / unbind_weights): the decoder layers of the Llama family for a
+//   fixed-shape decode step, in one call.
 //
 // A decode step of one token reads every weight once, so the products are written to keep the memory bus
 // busy: one weight row at a time (one sequential stream per thread), four independent accumulators for one

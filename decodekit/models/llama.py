@@ -27,7 +27,7 @@ from .packed import pack_linears, unpack_linears
 from .rope import RotaryTable, apply_rotary
 
 
-# Activation dtypes of decodekit::decode_layer, the C++ layer of a fixed-shape decode step on CPU.
+# Activation dtypes of decodekit::decode_layers, the C++ layer stack of a fixed-shape decode step on CPU.
 NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -135,7 +135,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def native_operands(self) -> tuple | None:
-        """(weights, scales, biases, norms) for decodekit::decode_layer (cpu_kernels.cpp), or None where a
+        """(weights, scales, biases, norms) for decodekit::decode_layers (cpu_kernels.cpp), or None where a
         linear layer's weight is not one it reads: plain float32/bfloat16, or int8 interleaved (width % 32 == 0)."""
         linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
         weights, scales = [], []

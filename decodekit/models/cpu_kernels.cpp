@@ -101,20 +101,25 @@ void dots(const float* x, const W* w, int64_t K, float* y, int64_t N) {
 
 // An interleaved int8 row (quantize.Int8Linear), unscaled: byte j of 32-bit lane c holds the weight of
 // input column j * K/4 + c, so one 32-byte load gives eight lanes and shifts give their four bytes.
+inline void load32_int8(const int8_t* w, __m256 b[4]) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  b[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+  b[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+  b[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
+  b[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+}
+
 float dot_interleaved_int8(const float* x, const int8_t* w, int64_t K) {
   const int64_t quarter = K / 4;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t c = 0; c < quarter; c += 8) {
     prefetch_block<kInt8PrefetchBytes>(w + 4 * c, 32);
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 4 * c));
-    __m256 b0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-    __m256 b1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
-    __m256 b2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
-    __m256 b3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
-    a0 = _mm256_fmadd_ps(b0, _mm256_loadu_ps(x + c), a0);
-    a1 = _mm256_fmadd_ps(b1, _mm256_loadu_ps(x + quarter + c), a1);
-    a2 = _mm256_fmadd_ps(b2, _mm256_loadu_ps(x + 2 * quarter + c), a2);
-    a3 = _mm256_fmadd_ps(b3, _mm256_loadu_ps(x + 3 * quarter + c), a3);
+    __m256 b[4];
+    load32_int8(w + 4 * c, b);
+    a0 = _mm256_fmadd_ps(b[0], _mm256_loadu_ps(x + c), a0);
+    a1 = _mm256_fmadd_ps(b[1], _mm256_loadu_ps(x + quarter + c), a1);
+    a2 = _mm256_fmadd_ps(b[2], _mm256_loadu_ps(x + 2 * quarter + c), a2);
+    a3 = _mm256_fmadd_ps(b[3], _mm256_loadu_ps(x + 3 * quarter + c), a3);
   }
   return horizontal_sum(a0, a1, a2, a3);
 }
@@ -126,17 +131,14 @@ void dots_interleaved_int8(const float* x, const int8_t* w, int64_t K, float* y,
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t c = 0; c < quarter; c += 8) {
     prefetch_block<kInt8PrefetchBytes>(w + 4 * c, 32);
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 4 * c));
-    const __m256 b0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-    const __m256 b1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
-    const __m256 b2 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
-    const __m256 b3 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+    __m256 b[4];
+    load32_int8(w + 4 * c, b);
     for (int m = 0; m < M; ++m) {
       const float* xm = x + m * K + c;
-      acc[m] = _mm256_fmadd_ps(b0, _mm256_loadu_ps(xm), acc[m]);
-      acc[m] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(xm + quarter), acc[m]);
-      acc[m] = _mm256_fmadd_ps(b2, _mm256_loadu_ps(xm + 2 * quarter), acc[m]);
-      acc[m] = _mm256_fmadd_ps(b3, _mm256_loadu_ps(xm + 3 * quarter), acc[m]);
+      acc[m] = _mm256_fmadd_ps(b[0], _mm256_loadu_ps(xm), acc[m]);
+      acc[m] = _mm256_fmadd_ps(b[1], _mm256_loadu_ps(xm + quarter), acc[m]);
+      acc[m] = _mm256_fmadd_ps(b[2], _mm256_loadu_ps(xm + 2 * quarter), acc[m]);
+      acc[m] = _mm256_fmadd_ps(b[3], _mm256_loadu_ps(xm + 3 * quarter), acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]);

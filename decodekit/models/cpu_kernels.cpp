@@ -144,17 +144,6 @@ void dots_interleaved_int8(const float* x, const int8_t* w, int64_t K, float* y,
   for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]);
 }
 
-void check_operands(const at::Tensor& rows, const at::Tensor& weight) {
-  TORCH_CHECK(rows.device().is_cpu() && weight.device().is_cpu(), "row_product: rows and weight must be on the CPU");
-  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2,
-              "row_product: rows must be a contiguous float32 [rows, in] matrix");
-  TORCH_CHECK(rows.size(0) >= 1 && rows.size(0) <= kMaxRows, "row_product: takes 1 to ", kMaxRows, " rows, not ",
-              rows.size(0));
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "row_product: weight must be a contiguous [out, in] matrix");
-  TORCH_CHECK(rows.size(1) == weight.size(1), "row_product: rows have ", rows.size(1), " values, weight rows ",
-              weight.size(1));
-}
-
 // The rows' count as a template argument: the accumulators stay in registers.
 template <typename Fn>
 void with_row_count(int64_t M, Fn fn) {
@@ -220,26 +209,29 @@ void weight_rows(const float* x, int64_t M, const WeightRef& w, float* y, int64_
   }
 }
 
+// out = rows @ weight^T for the row_product operators; the weight is checked by weight_ref.
 at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const char* op) {
   const WeightRef w = weight_ref(weight, op);
-  at::Tensor out = at::empty({rows.size(0), w.N}, rows.options());
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2,
+              op, ": rows must be a contiguous float32 [rows, in] matrix on the CPU");
+  const int64_t M = rows.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, op, ": takes 1 to ", kMaxRows, " rows, not ", M);
+  TORCH_CHECK(rows.size(1) == w.K, op, ": rows have ", rows.size(1), " values, weight rows ", w.K);
+  at::Tensor out = at::empty({M, w.N}, rows.options());
   const float* x = rows.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, w.N, kRowsPerTask,
-                   [&](int64_t begin, int64_t end) { weight_rows(x, rows.size(0), w, y, begin, end); });
+  at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t begin, int64_t end) { weight_rows(x, M, w, y, begin, end); });
   return out;
 }
 
 at::Tensor row_product(const at::Tensor& rows, const at::Tensor& weight) {
-  check_operands(rows, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "row_product: weight must be float32 or bfloat16, not ", weight.scalar_type());
   return product(rows, weight, "row_product");
 }
 
 at::Tensor row_product_int8(const at::Tensor& rows, const at::Tensor& weight) {
-  check_operands(rows, weight);
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "row_product_int8: weight must be int8");
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "row_product_int8: weight must be int8, not ", weight.scalar_type());
   return product(rows, weight, "row_product_int8");
 }
 

@@ -65,9 +65,71 @@ def test_unfusable_strategies_run_eagerly_and_say_why(model, caplog):
     assert "falls back to the eager loop: the logits processor NoRepeatNGramLogitsProcessor may read the whole sequence" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="decodekit"):
-        beams = model.generate(PROMPT, max_new_tokens=6, num_beams=3, compile=True)
-    assert torch.equal(beams, model.generate(PROMPT, max_new_tokens=6, num_beams=3))
-    assert "beam search runs eagerly (its step is not fused yet)" in caplog.text
+        lookup = model.generate(PROMPT, max_new_tokens=6, prompt_lookup_num_tokens=2, compile=True)
+    assert torch.equal(lookup, model.generate(PROMPT, max_new_tokens=6, prompt_lookup_num_tokens=2))
+    assert "prompt lookup decoding runs eagerly (it has data-dependent shapes)" in caplog.text
+
+
+class FavourEos:
+    """Adds `bias` to EOS's score (read from the test's eos): hypotheses finish often, searches end early."""
+
+    score_only = True
+
+    def __init__(self, bias):
+        self.bias = bias
+
+    def __call__(self, input_ids, scores):
+        return scores + self.bias * (torch.arange(scores.shape[-1], device=scores.device) == self.eos)
+
+
+BEAM_SETTINGS = [
+    dict(num_beams=3),
+    dict(num_beams=4, num_return_sequences=2, length_penalty=0.5, early_stopping=True, favour_eos=2.0),
+    dict(num_beams=4, early_stopping="never", length_penalty=2.0, suppress_tokens=[4], favour_eos=1.0),
+    dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0),
+    dict(num_beams=3, do_sample=True, top_k=10, seed=4),
+    dict(num_beams=3, min_new_tokens=12),
+]
+
+
+@pytest.mark.parametrize("kwargs", BEAM_SETTINGS)
+def test_compiled_beam_search_equals_eager(model, kwargs, caplog):
+    plain = model.generate(BATCH, attention_mask=MASK, num_beams=3, max_new_tokens=30, eos_token_id=None)
+    eos = int(plain[0, BATCH.shape[1] + 3])  # a token the search makes early: hypotheses finish
+    kwargs = dict(kwargs)
+    if "favour_eos" in kwargs:
+        favour = FavourEos(kwargs.pop("favour_eos"))
+        favour.eos = eos
+        kwargs["logits_processor"] = [favour]
+    common = dict(attention_mask=MASK, max_new_tokens=30, eos_token_id=eos, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True, **kwargs)
+    eager = model.generate(BATCH, **common)
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        compiled = model.generate(BATCH, compile=True, **common)
+    assert "falls back" not in caplog.text and "runs eagerly" not in caplog.text
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.beam_indices, eager.beam_indices)
+    torch.testing.assert_close(compiled.sequences_scores, eager.sequences_scores, rtol=0, atol=1e-5)
+    assert len(compiled.scores) == len(eager.scores)  # one per step the eager loop ran, no more
+    for c, e in zip(compiled.scores, eager.scores):
+        torch.testing.assert_close(c, e, rtol=0, atol=1e-5)
+    assert compiled.past_key_values.get_seq_length() == BATCH.shape[1] + len(eager.scores) - 1
+    if "logits_processor" in kwargs:
+        assert (eager.sequences[:, BATCH.shape[1]:] == eos).any()  # finished hypotheses are returned
+    if kwargs.get("early_stopping") is True:
+        assert len(eager.scores) < 30  # the search ended before max_length: later compiled steps changed nothing
+
+
+def test_no_recompilation_of_beam_search_within_a_bucket(model):
+    from torch._dynamo.utils import counters
+
+    model.generate(PROMPT, max_new_tokens=20, num_beams=3, compile=True)
+    before = counters["stats"]["unique_graphs"]
+    for n in (3, 9, 17):
+        prompt = torch.arange(4, 4 + n)[None]
+        out = model.generate(prompt, max_new_tokens=20 + n, num_beams=3, compile=True)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=20 + n, num_beams=3))
+    assert counters["stats"]["unique_graphs"] == before
 
 
 # intermediate 128: every width a multiple of 32, so the step's layers are the C++ stack; 112: the Python layers.

@@ -55,7 +55,6 @@ def decodekit_config_fields():
 
 # Strategies with loops of their own, which run eagerly: (field, is it active, name, why).
 UNFUSED_STRATEGIES = (
-    ("num_beams", lambda v: v is not None and v > 1, "beam search", "its step is not fused yet"),
     ("assistant_model", lambda v: v is not None, "assisted decoding", "it has data-dependent shapes"),
     ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt lookup decoding", "it has data-dependent shapes"),
     ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search", "it has data-dependent shapes"),
@@ -104,7 +103,7 @@ def validate_backend_options(gc, cc: dict) -> None:
 def decodekit_decoding_loop(generation_config):
     # trylast: a strategy with its own loop (beam search, ...) claims the call first and runs eagerly.
     gc = generation_config
-    return FusedLoop() if gc.compile or gc.compile_config is not None else None
+    return FusedTokens() if gc.compile or gc.compile_config is not None else None
 
 
 def bucket(length: int) -> int:
@@ -160,7 +159,9 @@ def _hashable(value):
         return repr(value)
 
 
-STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "noise_key", "unfinished", "pad", "eos_ids")
+# The arguments of the steps (FusedTokens' and FusedBeams'): the guards argument_guards_only keeps.
+STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "noise_key", "unfinished", "pad", "eos_ids",
+                  "state", "go", "cur", "max_length", "prompt_length")
 
 
 def argument_guards_only(entries) -> list[bool]:
@@ -215,16 +216,116 @@ def compile_arguments(options: dict) -> dict:
 
 
 class FusedStep:
-    """One compiled step for a (batch, cache length, processors, sampling) combination, with its own cache."""
+    """One compiled step with its own static cache: `make(model, cache)` returns the function to compile."""
 
-    def __init__(self, model, batch: int, length: int, processors, sampling: bool, options: dict):
+    def __init__(self, model, batch: int, length: int, options: dict, make):
         self.compiled_once = False
         if model.device.type == "cpu":
             native.load()  # before tracing: the products of a few rows read whether the kernels are there
         self.cache = StaticCache.for_model(model, batch, length)
-        self.processors = list(processors)
         model.rotary.ensure(length, model.device, model.dtype)
-        cache, procs = self.cache, self.processors
+        step = make(model, self.cache)
+        # Each step gets a code object of its own: dynamo counts recompilations per code object, and
+        # a long-lived process with many processor settings would otherwise hit its limit.
+        FusedStep.made += 1
+        code = step.__code__.replace(co_name=f"decodekit_step_{FusedStep.made}")
+        own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+        self.step = torch.compile(own, **compile_arguments(options))
+
+    made = 0
+
+
+class FusedLoop:
+    """The decoding loop of a fused strategy: falls back to `eager` when the call cannot be fused, else
+    finds or compiles the step for (batch, cache bucket, `kind`) and runs it with `run`.
+
+    A strategy defines `eager`, `kind` (hashable, what decides the compiled code besides batch, bucket and
+    weights; its first item names it in the log), `make_step` (the function to compile, given the model
+    and the step's cache) and `run` (prefill and the loop around the step). FusedTokens (greedy and
+    sampling) is below, beam search's is in beam_search.py.
+    """
+
+    def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        reason = unfusable_reason(model, pipeline, gc)
+        if reason is not None:
+            logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
+            return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+        one_row = input_ids.shape[0] == 1 and model.device.type == "cpu"
+        # A one-row step multiplies plain weights itself (models/linear.py); wider steps use oneDNN's packed ones.
+        with plain_weights(model) if one_row else contextlib.nullcontext():
+            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+
+    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
+        if fused is None:
+            return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+        if model.device.type == "cpu":
+            model.bind_native_layers()  # after _step_for, which may pack the weights; before any tracing
+        try:
+            return self.run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if fused.compiled_once:
+                raise
+            # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
+            model._fused_steps[fused.key] = None
+            logger.info("decodekit: compile=True falls back to the eager loop: the step did not compile (%s)",
+                        str(e).splitlines()[0])
+            if streamer is not None:
+                raise
+            return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+
+    def _step_for(self, model, batch, max_length, pipeline, gc) -> FusedStep | None:
+        options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
+        length = bucket(max_length)
+        kind = self.kind(pipeline, gc)
+        # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
+        weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
+        key = (batch, length, kind, _hashable(options), weights)
+        steps = model.__dict__.setdefault("_fused_steps", {})
+        if key not in steps:
+            why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
+            logger.info("decodekit: compiling the decode step (batch %d, cache %d slots, %s; %s)", batch, length, kind[0], why)
+            while len(steps) >= MAX_STEPS:  # each holds a cache: keep the most recent few
+                steps.pop(next(iter(steps)))
+            steps[key] = FusedStep(model, batch, length, options, lambda m, cache: self.make_step(m, cache, pipeline, gc))
+            steps[key].key = key
+        else:
+            steps[key] = steps.pop(key)  # most recently used last
+        return steps[key]
+
+
+def eos_blocks(scores_width: int, eos: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors added to the scores: none blocked, and EOS blocked (min_length: a tensor, not a processor,
+    so the step does not change when the length passes min_length)."""
+    none = torch.zeros(scores_width, device=device)
+    block = none.clone()
+    if eos:
+        block[eos] = -float("inf")
+    return none, block
+
+
+def min_length_of(pipeline) -> int:
+    return max([p.min_length for p in pipeline.processors if isinstance(p, P.MinLengthLogitsProcessor)] or [0])
+
+
+class FusedTokens(FusedLoop):
+    """Greedy decoding and sampling: one token per row and step."""
+
+    def rows_per_prompt(self, gc) -> int:
+        return gc.num_return_sequences
+
+    def eager(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
+        from ..core.generate import decode
+
+        return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
+
+    def kind(self, pipeline, gc) -> tuple:
+        sampling = isinstance(pipeline.selector, SamplingSelector)
+        return ("sampling" if sampling else "greedy", _signature(p for p in pipeline.processors if score_only(p)))
+
+    def make_step(self, model, cache, pipeline, gc):
+        procs = [p for p in pipeline.processors if score_only(p)]
+        sampling = isinstance(pipeline.selector, SamplingSelector)
 
         def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):
             logits = model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -239,77 +340,9 @@ class FusedStep:
             nxt = torch.where(unfinished, nxt, pad)
             return nxt, unfinished & ~torch.isin(nxt, eos_ids), scores
 
-        # Each step gets a code object of its own: dynamo counts recompilations per code object, and
-        # a long-lived process with many processor settings would otherwise hit its limit.
-        FusedStep.made += 1
-        code = step.__code__.replace(co_name=f"decodekit_step_{FusedStep.made}")
-        own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-        self.step = torch.compile(own, **compile_arguments(options))
+        return step
 
-    made = 0
-
-
-class FusedLoop:
-    def rows_per_prompt(self, gc) -> int:
-        return gc.num_return_sequences
-
-    def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        from ..core.generate import decode
-
-        reason = unfusable_reason(model, pipeline, gc)
-        if reason is not None:
-            logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
-            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
-        one_row = input_ids.shape[0] == 1 and model.device.type == "cpu"
-        # A one-row step multiplies plain weights itself (models/linear.py); wider steps use oneDNN's packed ones.
-        with plain_weights(model) if one_row else contextlib.nullcontext():
-            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context)
-
-    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        from ..core.generate import decode
-
-        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
-        if fused is None:
-            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
-        if model.device.type == "cpu":
-            model.bind_native_layers()  # after _step_for, which may pack the weights; before any tracing
-        try:
-            return self._run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            if fused.compiled_once:
-                raise
-            # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
-            model._fused_steps[fused.key] = None
-            logger.info("decodekit: compile=True falls back to the eager loop: the step did not compile (%s)",
-                        str(e).splitlines()[0])
-            if streamer is not None:
-                raise
-            return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
-
-    @staticmethod
-    def _step_for(model, batch, max_length, pipeline, gc) -> FusedStep | None:
-        processors = [p for p in pipeline.processors if score_only(p)]
-        sampling = isinstance(pipeline.selector, SamplingSelector)
-        options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
-        length = bucket(max_length)
-        # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
-        weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
-        key = (batch, length, sampling, _signature(processors), _hashable(options), weights)
-        steps = model.__dict__.setdefault("_fused_steps", {})
-        if key not in steps:
-            why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
-            logger.info("decodekit: compiling the decode step (batch %d, cache %d slots, %s; %s)",
-                        batch, length, "sampling" if sampling else "greedy", why)
-            while len(steps) >= MAX_STEPS:  # each holds a cache: keep the most recent few
-                steps.pop(next(iter(steps)))
-            steps[key] = FusedStep(model, batch, length, processors, sampling, options)
-            steps[key].key = key
-        else:
-            steps[key] = steps.pop(key)  # most recently used last
-        return steps[key]
-
-    @staticmethod
-    def _run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context):
+    def run(self, model, fused, input_ids, attention_mask, pipeline, gc, streamer, context):
         B, T0 = input_ids.shape
         dev = input_ids.device
         cache = fused.cache
@@ -332,11 +365,8 @@ class FusedLoop:
         unfinished = unfinished & ~torch.isin(nxt, eos_ids)
         if scores_out is not None:
             scores_out.append(first)
-        min_length = max([p.min_length for p in pipeline.processors if isinstance(p, P.MinLengthLogitsProcessor)] or [0])
-        no_block = torch.zeros(first.shape[-1], device=dev)
-        block = no_block.clone()
-        if eos:
-            block[eos] = -float("inf")
+        min_length = min_length_of(pipeline)
+        no_block, block = eos_blocks(first.shape[-1], eos, dev)
         generated = [nxt]
         alive = [unfinished]
         positions = (attention_mask.sum(-1, keepdim=True) - 1) if attention_mask is not None else torch.full((B, 1), T0 - 1, device=dev)

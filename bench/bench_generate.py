@@ -190,7 +190,7 @@ def main() -> int:
     if args.only in (None, "core", "weights"):
         result["weight_formats"] = weight_format_rows(args, path, ids, mask, models.get("transformers"))
     if args.only in (None, "strategies"):
-        result["strategies"] = strategy_rows(args, models, tok)
+        result["strategies"] = strategy_rows(args, models, tok, path)
     dk = {name: t for (lib, name), t in ms.items() if lib == "decodekit"}
     rows = {name: {"decodekit_ms_per_token": round(t, 2)} for name, t in dk.items()}
     for (lib, name), t in ms.items():
@@ -315,21 +315,38 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
     return rows
 
 
-def strategy_rows(args, models, tok) -> dict:
-    """Beam search (4 beams, 64 new tokens) against transformers, and prompt lookup against plain greedy."""
+def strategy_rows(args, models, tok, path) -> dict:
+    """Beam search (4 beams, 64 new tokens) eager and compiled against transformers, and prompt lookup
+    against plain greedy."""
+    from decodekit import AutoModelForCausalLM
+
     out = {}
     ids = tok(PROMPT, return_tensors="pt")
-    beam_jobs = {
-        lib: (lambda m=model: m.generate(**ids, num_beams=4, max_new_tokens=64, min_new_tokens=64))
-        for lib, model in models.items()
-    }
+    beam = dict(num_beams=4, max_new_tokens=64, min_new_tokens=64)
+    beam_jobs = {lib: (lambda m=model: m.generate(**ids, **beam)) for lib, model in models.items()}
+    # Compiled rows get models of their own: their steps hold the weights plain, eager calls pack them.
+    compiled = {"decodekit_compiled": AutoModelForCausalLM.from_pretrained(path),
+                "decodekit_int8_compiled": AutoModelForCausalLM.from_pretrained(path, quantize="int8")}
+    compile_s = {}
     with torch.inference_mode():
+        for name, model in compiled.items():
+            start = time.perf_counter()
+            model.generate(**ids, **{**beam, "max_new_tokens": 4, "min_new_tokens": 4}, compile=True)
+            compile_s[name] = round(time.perf_counter() - start, 1)
+            beam_jobs[name] = lambda m=model: m.generate(**ids, **beam, compile=True)
         t = interleaved(beam_jobs, args.runs)
-        same = all(torch.equal(beam_jobs["decodekit"](), f()) for f in beam_jobs.values())
-    out["beam4_64_tokens"] = {f"{lib}_ms_per_token": round(1000 * t.median(lib) / 64, 2) for lib in beam_jobs}
+        reference = beam_jobs["decodekit"]()
+        same = all(torch.equal(reference, beam_jobs[name]()) for name in beam_jobs if "int8" not in name)
+        int8_same = torch.equal(compiled["decodekit_int8_compiled"].generate(**ids, **beam), beam_jobs["decodekit_int8_compiled"]())
+    row = {f"{name}_ms_per_token": round(1000 * t.median(name) / 64, 2) for name in beam_jobs}
+    row["compiled_vs_eager"] = round(t.ratio("decodekit", "decodekit_compiled"), 3)
+    row.update({f"{name}_first_call_compile_s": s for name, s in compile_s.items()})
     if "transformers" in beam_jobs:
-        out["beam4_64_tokens"]["speedup_vs_transformers"] = round(t.ratio("transformers", "decodekit"), 3)
-    out["beam4_64_tokens"]["identical_output"] = same
+        for name in ("decodekit", *compiled):
+            row[f"{name}_speedup_vs_transformers"] = round(t.ratio("transformers", name), 3)
+    row["identical_output_fp32"] = same  # eager, compiled (and transformers)
+    row["int8_compiled_equals_int8_eager"] = int8_same
+    out["beam4_64_tokens"] = row
 
     ours = models["decodekit"]
     grounded = {"input_ids": tok.apply_chat_template(

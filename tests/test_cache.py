@@ -31,7 +31,13 @@ def kv(batch, length, fill):
     return torch.full((batch, 2, length, 4), float(fill))
 
 
-@pytest.mark.parametrize("make", [DynamicCache, lambda: StaticCache(1, 3, 2, 4, max_cache_len=10)])
+def shared_rows_cache():
+    cache = StaticCache(1, 3, 2, 4, max_cache_len=10)
+    cache.share_rows()
+    return cache
+
+
+@pytest.mark.parametrize("make", [DynamicCache, lambda: StaticCache(1, 3, 2, 4, max_cache_len=10), shared_rows_cache])
 def test_cache_contract(make):
     cache = make()
     k, v = cache.update(kv(3, 4, 1), kv(3, 4, 2), 0)
@@ -51,6 +57,30 @@ def test_cache_contract(make):
     cache.reorder(torch.tensor([2, 2, 0]))
     k, _ = cache.update(kv(3, 1, 7), kv(3, 1, 7), 0)
     assert k[:, 0, 0, 0].tolist() == [2, 2, 0]
+
+
+def test_a_shared_rows_cache_reorders_as_copying_does():
+    # Random reorders and fixed-shape writes: every row sees the same entries with either cache.
+    g = torch.Generator().manual_seed(0)
+    copying, shared = StaticCache(2, 4, 2, 3, max_cache_len=12), StaticCache(2, 4, 2, 3, max_cache_len=12)
+    shared.share_rows()
+    prompt = torch.randn(4, 2, 5, 3, generator=g)
+    for cache in (copying, shared):
+        cache.update(prompt, -prompt, 0)
+        cache.update(prompt, prompt, 1)
+    for slot in range(5, 12):
+        order = torch.randint(0, 4, (4,), generator=g)
+        key, value = torch.randn(4, 2, 1, 3, generator=g), torch.randn(4, 2, 1, 3, generator=g)
+        slots = torch.tensor([slot])
+        seen = []
+        for cache in (copying, shared):
+            cache.reorder(order)
+            if cache.rows is not None:
+                cache.claim(slots)
+            seen.append([t[:, :, : slot + 1] for layer in (0, 1) for t in cache.write(key, value, layer, slots)])
+        for a, b in zip(*seen):
+            assert torch.equal(a, b)
+    assert not torch.equal(shared.keys[0], copying.keys[0])  # the buffers themselves were never moved
 
 
 def test_static_cache_overflow_is_a_clear_error():

@@ -191,7 +191,7 @@ def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
     assert torch.equal(m.generate(**kwargs, compile=True), changed)
     quantize(m, "int8")
     assert torch.equal(m.generate(**kwargs, compile=True), m.generate(**kwargs))
-    assert len({key[-1] for key in m._fused_steps}) == 3  # fp32 packed, bf16 packed, int8
+    assert len({key[-1] for key in m._fused_steps}) == 3  # fp32, bf16, int8
 
 
 def test_bad_compile_config(model):

@@ -134,9 +134,10 @@ def test_with_autograd_recording_products_keep_the_library_kernels_and_have_grad
 
 # ---- decodekit::decode_layers: the layer stack of a fixed-shape decode step ----
 
-def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed=0):
+def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed=0, reorder=None, shared=False):
     """Prefills a StaticCache through the Python layers, then runs one fixed-shape step (the compiled step's
-    forward) with the C++ stack or the Python layers; returns (logits, cache)."""
+    forward) with the C++ stack or the Python layers; returns (logits, cache). `reorder`: row indices the
+    cache is reordered by before the step, by copying or, with `shared`, through its shared rows."""
     monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 90, (rows, prompt), generator=g)
@@ -148,6 +149,10 @@ def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed
     mask[:, :prompt] = attention
     with torch.no_grad():
         model(ids, attention_mask=attention, past_key_values=cache, use_cache=True)
+        if shared:
+            cache.share_rows()
+        if reorder is not None:
+            cache.reorder(torch.tensor(reorder))
         out = model(torch.randint(3, 90, (rows, 1), generator=g), attention_mask=mask,
                     position_ids=attention.sum(-1, keepdim=True), past_key_values=cache,
                     cache_position=torch.tensor([prompt]), logits_to_keep=1)
@@ -173,6 +178,25 @@ def test_the_float32_stack_equals_the_python_layers(tmp_path, monkeypatch, model
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
     for mine, theirs in zip(cache.keys + cache.values, python_cache.keys + python_cache.values):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_reads_a_shared_rows_cache_as_the_python_layers_read_a_reordered_one(tmp_path, monkeypatch, dtype):
+    # Compiled beam search reorders its cache by permuting `rows` (StaticCache.share_rows), not the buffers.
+    model = tiny_model(tmp_path, "qwen3").to(dtype)
+    with plain_weights(model):
+        expected, copied = fixed_step(model, False, monkeypatch, 3, pad=5, reorder=[2, 0, 0])
+        python, _ = fixed_step(model, False, monkeypatch, 3, pad=5, reorder=[2, 0, 0], shared=True)
+        got, cache = fixed_step(model, True, monkeypatch, 3, pad=5, reorder=[2, 0, 0], shared=True)
+        assert stack_calls(model, monkeypatch, rows=3, pad=5, reorder=[2, 0, 0], shared=True) == 1
+    assert torch.equal(python, expected)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5) if dtype == torch.float32 else \
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05)
+    assert cache.rows[:, :12].tolist() == [[2] * 12, [0] * 12, [0] * 12] and cache.rows[:, 12].tolist() == [0, 1, 2]
+    for layer in range(len(model.layers)):  # each row's view of the cache: the reordered prompt, then its own new entry
+        seen, reordered = cache._shared(cache.keys[layer], 13), copied.keys[layer][:, :, :13]
+        assert torch.equal(seen[:, :, :12], reordered[:, :, :12])
+        torch.testing.assert_close(seen.float(), reordered.float(), rtol=0.02, atol=2e-5 if dtype == torch.float32 else 0.05)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -222,6 +246,13 @@ def test_the_stack_refuses_bad_operands_with_the_reason(tmp_path):
         call(keys=cache.keys[:1], values=cache.values[:1])
     with pytest.raises(RuntimeError, match="no weights are bound to handle -5"):
         call(handle=-5)
+    masks = [mask] * layers
+    for rows, why in ((torch.zeros(1, 16, dtype=torch.int32), r"rows must be a contiguous int64 \[1, 16\]"),
+                      (torch.zeros(2, 16, dtype=torch.long), r"rows must be a contiguous int64 \[1, 16\]"),
+                      (torch.ones(1, 16, dtype=torch.long), r"rows must hold row indices in \[0, 1\)")):
+        with pytest.raises(RuntimeError, match=why):
+            torch.ops.decodekit.decode_layers(x, cos, cos, torch.tensor([3]), masks, cache.keys, cache.values, handle,
+                                              4, 2, 1e-6, rows)
     weights, scales, biases, norms = model.layers[0].native_operands()
     other = native.weights_handle(model)
     one_layer = dict(keys=cache.keys[:1], values=cache.values[:1], handle=other)

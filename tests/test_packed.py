@@ -96,20 +96,23 @@ def test_quantizing_a_packed_model_works_and_skips_packing(tmp_path):
     assert relative_error(logits(model), reference) < 0.02
 
 
-def test_a_batch_one_compiled_call_runs_on_plain_weights_and_the_next_eager_call_packs_again(tied, caplog):
-    # The compiled one-row step multiplies plain weights itself (models/linear.py); wider steps and eager
-    # calls use the packed ones. The switch keeps the tie and the tokens.
-    one, two = IDS[:1], IDS
-    eager = tied.generate(one, max_new_tokens=6)
+def test_a_compiled_call_of_few_rows_runs_on_plain_weights_and_the_next_eager_call_packs_again(tied, caplog):
+    # A compiled step of up to PLAIN_WEIGHTS_ROWS rows multiplies plain weights (the C++ stack, row
+    # products); wider steps and eager calls use the packed ones. The switch keeps the tie and the tokens.
+    from decodekit.plugins.fused import PLAIN_WEIGHTS_ROWS
+
+    few, wide = IDS, IDS.repeat(5, 1)[: PLAIN_WEIGHTS_ROWS + 1]
+    eager = tied.generate(few, max_new_tokens=6)
     assert linears(tied, PackedLinear)
     with caplog.at_level(logging.INFO, logger="decodekit"):
-        compiled = tied.generate(one, max_new_tokens=6, compile=True)
-    assert "unpacked from oneDNN's layout for a compiled one-row step" in caplog.text
+        compiled = tied.generate(few, max_new_tokens=6, compile=True)
+    assert "unpacked from oneDNN's layout for a compiled step of few rows" in caplog.text
     assert linears(tied, PackedLinear) == [] and tied.lm_head.weight is tied.embed.weight
+    assert not any(p.is_inference() for p in tied.parameters())  # unpacked inside generate, still changeable
     assert torch.equal(compiled, eager)
-    assert torch.equal(tied.generate(one, max_new_tokens=6), eager) and linears(tied, PackedLinear)
-    wide = tied.generate(two, max_new_tokens=6, compile=True)
-    assert linears(tied, PackedLinear) and torch.equal(wide, tied.generate(two, max_new_tokens=6))
+    assert torch.equal(tied.generate(few, max_new_tokens=6), eager) and linears(tied, PackedLinear)
+    out = tied.generate(wide, max_new_tokens=6, compile=True)
+    assert linears(tied, PackedLinear) and torch.equal(out, tied.generate(wide, max_new_tokens=6))
     assert sorted(key[-1][2] for key in tied._fused_steps) == [False, True]  # one step per layout
 
 

@@ -70,6 +70,10 @@ class StaticCache:
 
     No allocation per token, and the shapes a compiled step needs. `update` returns a view of the
     filled part only, so attention never reads the empty tail.
+
+    After `share_rows()`, `reorder` copies nothing: `rows` [B, max_cache_len] says which row's buffers
+    hold each row's entry at each slot, and reorder permutes it. Compiled beam search uses this, where
+    copying every layer's buffers each step cost as much as the layers' int8 weights.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class StaticCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
         self.max_cache_len = max_cache_len
+        self.rows: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int) -> "StaticCache":
@@ -107,14 +112,38 @@ class StaticCache:
         self.keys[layer_idx][:, :, start:end] = key
         self.values[layer_idx][:, :, start:end] = value
         self.lengths[layer_idx] = end
+        if self.rows is not None:
+            self.claim(torch.arange(start, end, device=self.rows.device))
+            return self._shared(self.keys[layer_idx], end), self._shared(self.values[layer_idx], end)
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def write(self, key, value, layer_idx, slots: torch.Tensor):
         """The fixed-shape path of a compiled step: write at the slot indices `slots` [T] (a tensor, so
-        no Python number changes between steps) and return the whole buffers; the caller masks the rest."""
+        no Python number changes between steps) and return the whole buffers; the caller masks the rest.
+        With shared rows the caller claims the slots first (claim), once for all layers."""
         self.keys[layer_idx].index_copy_(2, slots, key)
         self.values[layer_idx].index_copy_(2, slots, value)
+        if self.rows is not None:
+            return self._shared(self.keys[layer_idx]), self._shared(self.values[layer_idx])
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def share_rows(self) -> None:
+        """From now on, reorder by bookkeeping (see the class docstring); each row's slots start as its own."""
+        B = self.keys[0].shape[0]
+        self.rows = torch.arange(B, device=self.keys[0].device)[:, None].repeat(1, self.max_cache_len)
+
+    def claim(self, slots: torch.Tensor) -> None:
+        """With shared rows: every row writes its own entries at `slots` [T] (a tensor of slot indices)."""
+        B = self.rows.shape[0]
+        own = torch.arange(B, device=self.rows.device)[:, None].expand(B, slots.shape[0])
+        self.rows.index_copy_(1, slots, own.contiguous())
+
+    def _shared(self, buffer: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        """buffer [B, H, L, D] as each row sees it: entry (b, s) from row rows[b, s]; the first `end` slots."""
+        rows = self.rows[:, :end]
+        B, H, _, D = buffer.shape
+        index = rows[:, None, :, None].expand(B, H, rows.shape[1], D)
+        return buffer[:, :, : rows.shape[1]].gather(0, index)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
@@ -124,8 +153,11 @@ class StaticCache:
         self.lengths = [_crop_target(n, max_length) for n in self.lengths]
 
     def reorder(self, indices: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows.copy_(self.rows.index_select(0, indices.to(self.rows.device)))
+            return
         for buffers in (self.keys, self.values):
-            for i, b in enumerate(buffers):
+            for b in buffers:
                 b.copy_(b.index_select(0, indices.to(b.device)))
 
     def __len__(self) -> int:

@@ -314,14 +314,16 @@ void add_scaled(float* out, float p, const A* v, int64_t D) {
 }
 
 // Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing.
+// keys/values point at the head's entries in row 0; slot j is read from row `rows[j]` (a shared-rows
+// cache, see StaticCache.share_rows) or from `own` where rows is null. `stride` is a row's size.
 template <typename A>
-void attend(const float* q, const A* keys, const A* values, const bool* visible, int64_t L, int64_t D, float* scores,
-            float* out) {
+void attend(const float* q, const A* keys, const A* values, const int64_t* rows, int64_t own, int64_t stride,
+            const bool* visible, int64_t L, int64_t D, float* scores, float* out) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < L; ++j) {
     if (!visible[j]) continue;
-    scores[j] = dot(q, keys + j * D, D) * scale;
+    scores[j] = dot(q, keys + (rows ? rows[j] : own) * stride + j * D, D) * scale;
     best = std::max(best, scores[j]);
   }
   std::fill(out, out + D, 0.f);
@@ -330,7 +332,7 @@ void attend(const float* q, const A* keys, const A* values, const bool* visible,
     if (!visible[j]) continue;
     const float p = std::exp(scores[j] - best);
     total += p;
-    add_scaled(out, p, values + j * D, D);
+    add_scaled(out, p, values + (rows ? rows[j] : own) * stride + j * D, D);
   }
   const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible slot: zeros, never read (see llama.py)
   for (int64_t d = 0; d < D; ++d) out[d] = round_to<A>(out[d] * inv);
@@ -374,8 +376,8 @@ struct Scratch {
 
 // One layer; every thread of the region calls it.
 template <typename A>
-void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, const A* sin, int64_t slot, double eps,
-               const Scratch& w) {
+void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, const A* sin, int64_t slot,
+               const int64_t* rows, double eps, const Scratch& w) {
   const int64_t M = s.M, H = s.H, D = s.D, Q = s.heads * D, QKV = (s.heads + 2 * s.kv_heads) * D;
 #pragma omp single
   for (int64_t m = 0; m < M; ++m) rms_norm(w.resid + m * H, layer.attn_norm, H, eps, w.normed + m * H);
@@ -401,9 +403,9 @@ void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, cons
   const Share tasks(M * s.heads);
   for (int64_t task = tasks.begin; task < tasks.end; ++task) {
     const int64_t m = task / s.heads, h = task % s.heads, g = h / (s.heads / s.kv_heads);
-    const int64_t cached = (m * s.kv_heads + g) * s.L * D;
-    attend(w.qkv + m * QKV + h * D, layer.keys + cached, layer.values + cached, layer.visible + m * s.L, s.L, D,
-           w.scores + task * s.L, w.attn + m * Q + h * D);
+    const int64_t head = g * s.L * D;
+    attend(w.qkv + m * QKV + h * D, layer.keys + head, layer.values + head, rows ? rows + m * s.L : nullptr, m,
+           s.kv_heads * s.L * D, layer.visible + m * s.L, s.L, D, w.scores + task * s.L, w.attn + m * Q + h * D);
   }
 #pragma omp barrier
   linear_share(w.attn, M, layer.o, w.out);
@@ -446,7 +448,7 @@ LinearRef<A> linear_ref(const at::Tensor& weight, const std::optional<at::Tensor
 
 template <typename A>
 at::Tensor decode_layers_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t slot,
-                            at::TensorList masks, at::TensorList keys, at::TensorList values, at::TensorList weights,
+                            const int64_t* rows, at::TensorList masks, at::TensorList keys, at::TensorList values, at::TensorList weights,
                             const OptionalTensors& scales, const OptionalTensors& biases, const OptionalTensors& norms,
                             const StackShape& s, double eps) {
   const auto dtype = x.scalar_type();
@@ -483,7 +485,7 @@ at::Tensor decode_layers_as(const at::Tensor& x, const at::Tensor& cos, const at
   const A* cs = cos.data_ptr<A>();
   const A* sn = sin.data_ptr<A>();
 #pragma omp parallel num_threads(at::get_num_threads())
-  for (const LayerRef<A>& layer : layers) run_layer(layer, s, cs, sn, slot, eps, w);
+  for (const LayerRef<A>& layer : layers) run_layer(layer, s, cs, sn, slot, rows, eps, w);
   at::Tensor result = at::empty_like(x);
   A* ys = result.data_ptr<A>();
   for (int64_t i = 0; i < s.M * s.H; ++i) ys[i] = static_cast<A>(w.resid[i]);
@@ -519,7 +521,7 @@ void unbind_weights(int64_t handle) {
 
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                          at::TensorList masks, at::TensorList keys, at::TensorList values, int64_t handle,
-                         int64_t heads, int64_t kv_heads, double eps) {
+                         int64_t heads, int64_t kv_heads, double eps, const std::optional<at::Tensor>& rows) {
   std::shared_ptr<const BoundWeights> bound;
   {
     const std::lock_guard<std::mutex> lock(bound_mutex);
@@ -548,10 +550,20 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "decode_layers: slots must be one int64 slot index on the CPU");
   const int64_t slot = slots.item<int64_t>();
   TORCH_CHECK(slot >= 0 && slot < s.L, "decode_layers: slot ", slot, " is outside the cache of ", s.L, " slots");
-  if (dtype == at::kBFloat16) {
-    return decode_layers_as<c10::BFloat16>(x, cos, sin, slot, masks, keys, values, weights, scales, biases, norms, s, eps);
+  const int64_t* row_of = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->device().is_cpu() &&
+                    rows->sizes() == at::IntArrayRef({s.M, s.L}),
+                "decode_layers: rows must be a contiguous int64 [", s.M, ", ", s.L, "] tensor on the CPU");
+    row_of = rows->data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(row_of, row_of + s.M * s.L, [&](int64_t r) { return r >= 0 && r < s.M; }),
+                "decode_layers: rows must hold row indices in [0, ", s.M, ")");
   }
-  return decode_layers_as<float>(x, cos, sin, slot, masks, keys, values, weights, scales, biases, norms, s, eps);
+  if (dtype == at::kBFloat16) {
+    return decode_layers_as<c10::BFloat16>(x, cos, sin, slot, row_of, masks, keys, values, weights, scales, biases,
+                                           norms, s, eps);
+  }
+  return decode_layers_as<float>(x, cos, sin, slot, row_of, masks, keys, values, weights, scales, biases, norms, s, eps);
 }
 
 }  // namespace
@@ -561,7 +573,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("row_product_int8(Tensor rows, Tensor weight) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor[] masks, Tensor(a!)[] keys, "
-      "Tensor(b!)[] values, int weights, int heads, int kv_heads, float eps) -> Tensor");
+      "Tensor(b!)[] values, int weights, int heads, int kv_heads, float eps, Tensor? rows=None) -> Tensor");
   // Called eagerly, never traced: one kernel for every backend.
   m.def("bind_weights(int handle, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms) -> ()",
         &bind_weights);

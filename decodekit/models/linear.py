@@ -61,7 +61,9 @@ class Linear(nn.Linear):
         rows = x.numel() // self.in_features
         if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS:
             flat = x.reshape(rows, -1)
-            if self.weight.dtype == torch.bfloat16 and native.ready(x, self.weight, self.bias):
+            if rows == 1 and torch.compiler.is_compiling() and self.weight.dtype == torch.float32:
+                y = one_row(flat, self.weight)
+            elif self.weight.dtype in (torch.bfloat16, torch.float32) and native.ready(x, self.weight, self.bias):
                 y = torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
             elif rows == 1 and torch.compiler.is_compiling():
                 y = one_row(flat, self.weight)

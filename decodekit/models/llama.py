@@ -313,6 +313,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
                              "attention_mask over the whole cache [batch, max_cache_len].")
         cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=False)
         masks = static_masks(attention_mask, slots, self.windows)
+        if cache.rows is not None:
+            cache.claim(slots)
         stack = self._native_stack(x, cache)
         if stack is not None:
             x = self._native_layers(x, cos, sin, cache, masks, slots, stack)
@@ -365,5 +367,5 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         layer_masks = [masks.get(layer.attn.window, masks.get(None)).reshape(B, -1) for layer in self.layers]
         h = torch.ops.decodekit.decode_layers(x.reshape(B, -1), cos.reshape(B, -1), sin.reshape(B, -1), slots,
                                               layer_masks, cache.keys, cache.values, stack,
-                                              c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
+                                              c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, cache.rows)
         return h.view(B, 1, -1)

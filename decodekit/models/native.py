@@ -145,7 +145,7 @@ def _register_fakes() -> None:
     def row_product_int8(rows, weight):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
-    def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps):
+    def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps, rows=None):
         return torch.empty_like(x)
 
     torch.library.register_fake("decodekit::row_product")(row_product)

@@ -11,8 +11,9 @@ and bfloat16 alike (bench/bench_generate.py measures the whole token).
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
 Packing is skipped off CPU, for dtypes oneDNN cannot run here, and for quantized models.
 
-A compiled one-token step multiplies plain weights faster itself (linear.one_row), so it holds the model
-unpacked while it runs (`plain_weights`); the next eager call packs again. A model therefore holds one
+A compiled step of up to 8 rows multiplies plain weights faster itself (the C++ layer stack and row
+products, linear.one_row), so it holds the model unpacked while it runs (`plain_weights`); the next
+eager call packs again. A model therefore holds one
 layout at a time, and switching costs a copy of the weights (65-440 ms for the default model in float32).
 """
 
@@ -150,13 +151,16 @@ def unpack_linears(model: nn.Module) -> None:
 def plain_weights(model: nn.Module):
     """Holds `model`'s linear layers unpacked for the duration (unpacking them first if they are packed).
 
-    For a compiled one-row step, which multiplies plain weights itself. Afterwards the model decides
-    afresh, so the next eager forward packs again.
+    For a compiled step of up to fused.PLAIN_WEIGHTS_ROWS rows, which multiplies plain weights itself.
+    Afterwards the model decides afresh, so the next eager forward packs again.
     """
     if getattr(model, "_packed_linears", None):
         start = time.perf_counter()
-        unpack_linears(model)
-        logger.info("decodekit: linear weights unpacked from oneDNN's layout for a compiled one-row step "
+        # Outside inference mode (generate runs in it): the weights it makes stay ordinary tensors, which
+        # the user may later change in place.
+        with torch.inference_mode(False):
+            unpack_linears(model)
+        logger.info("decodekit: linear weights unpacked from oneDNN's layout for a compiled step of few rows "
                     "(%.0f ms); the next eager call packs them again", 1000 * (time.perf_counter() - start))
     model._packed_linears = False
     try:

@@ -317,6 +317,7 @@ class FusedBeams(F.FusedLoop):
     def make_step(self, model, cache, pipeline, gc):
         procs = [p for p in pipeline.processors if F.score_only(p)]
         plan = _Plan(cache.keys[0].shape[0], gc, model.device)
+        cache.share_rows()  # reorder() then permutes a [rows, slots] index instead of copying every layer's buffers
 
         def step(state, go, cur, positions, slots, mask, eos_block, noise_key, max_length, prompt_length, eos_ids):
             search = _Search(plan.gs, plan.keep, prompt_length, state)

@@ -39,6 +39,9 @@ logger = logging.getLogger("decodekit")
 BUCKET = 256
 SYNC_EVERY = 8
 MAX_STEPS = 8  # compiled steps kept per model
+# Steps of up to this many rows on CPU multiply plain weights (the C++ layer stack and row products, or
+# linear.one_row); wider ones use oneDNN's packed weights (models/packed.py).
+PLAIN_WEIGHTS_ROWS = native.MAX_ROWS
 
 
 def score_only(processor) -> bool:
@@ -250,9 +253,8 @@ class FusedLoop:
         if reason is not None:
             logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
-        one_row = input_ids.shape[0] == 1 and model.device.type == "cpu"
-        # A one-row step multiplies plain weights itself (models/linear.py); wider steps use oneDNN's packed ones.
-        with plain_weights(model) if one_row else contextlib.nullcontext():
+        few_rows = input_ids.shape[0] <= PLAIN_WEIGHTS_ROWS and model.device.type == "cpu"
+        with plain_weights(model) if few_rows else contextlib.nullcontext():
             return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context)
 
     def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):

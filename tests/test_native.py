@@ -102,7 +102,7 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.INFO, logger="decodekit"):
         assert native.load() is False and native.load() is False
-    assert caplog.text.count("the compiled step uses inductor's row products (building or loading") == 1
+    assert caplog.text.count("no C++ kernels, compiled steps run the Python layers with inductor's products (building or loading") == 1
     assert not native.loaded() and list(tmp_path.iterdir()) == []
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setenv("DECODEKIT_NATIVE_KERNELS", "0")

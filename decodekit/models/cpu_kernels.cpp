@@ -314,16 +314,15 @@ void add_scaled(float* out, float p, const A* v, int64_t D) {
 }
 
 // Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing.
-// keys/values point at the head's entries in row 0; slot j is read from row `rows[j]` (a shared-rows
-// cache, see StaticCache.share_rows) or from `own` where rows is null. `stride` is a row's size.
-template <typename A>
-void attend(const float* q, const A* keys, const A* values, const int64_t* rows, int64_t own, int64_t stride,
-            const bool* visible, int64_t L, int64_t D, float* scores, float* out) {
+// `at(j)`: where slot j's entry starts in keys/values (its row's, or the row a shared-rows cache names).
+template <typename A, typename At>
+void attend(const float* q, const A* keys, const A* values, At at, const bool* visible, int64_t L, int64_t D,
+            float* scores, float* out) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < L; ++j) {
     if (!visible[j]) continue;
-    scores[j] = dot(q, keys + (rows ? rows[j] : own) * stride + j * D, D) * scale;
+    scores[j] = dot(q, keys + at(j), D) * scale;
     best = std::max(best, scores[j]);
   }
   std::fill(out, out + D, 0.f);
@@ -332,7 +331,7 @@ void attend(const float* q, const A* keys, const A* values, const int64_t* rows,
     if (!visible[j]) continue;
     const float p = std::exp(scores[j] - best);
     total += p;
-    add_scaled(out, p, values + (rows ? rows[j] : own) * stride + j * D, D);
+    add_scaled(out, p, values + at(j), D);
   }
   const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible slot: zeros, never read (see llama.py)
   for (int64_t d = 0; d < D; ++d) out[d] = round_to<A>(out[d] * inv);
@@ -403,9 +402,18 @@ void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, cons
   const Share tasks(M * s.heads);
   for (int64_t task = tasks.begin; task < tasks.end; ++task) {
     const int64_t m = task / s.heads, h = task % s.heads, g = h / (s.heads / s.kv_heads);
-    const int64_t head = g * s.L * D;
-    attend(w.qkv + m * QKV + h * D, layer.keys + head, layer.values + head, rows ? rows + m * s.L : nullptr, m,
-           s.kv_heads * s.L * D, layer.visible + m * s.L, s.L, D, w.scores + task * s.L, w.attn + m * Q + h * D);
+    const A *keys = layer.keys + g * s.L * D, *values = layer.values + g * s.L * D;
+    const float* query = w.qkv + m * QKV + h * D;
+    const bool* visible = layer.visible + m * s.L;
+    float *scores = w.scores + task * s.L, *out = w.attn + m * Q + h * D;
+    const int64_t stride = s.kv_heads * s.L * D;  // one row of a layer's cache
+    if (rows == nullptr) {
+      const int64_t own = m * stride;
+      attend(query, keys, values, [=](int64_t j) { return own + j * D; }, visible, s.L, D, scores, out);
+    } else {  // a shared-rows cache (StaticCache.share_rows): slot j of this row is in row rows[m, j]
+      const int64_t* row_of = rows + m * s.L;
+      attend(query, keys, values, [=](int64_t j) { return row_of[j] * stride + j * D; }, visible, s.L, D, scores, out);
+    }
   }
 #pragma omp barrier
   linear_share(w.attn, M, layer.o, w.out);

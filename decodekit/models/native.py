@@ -70,7 +70,7 @@ def load() -> bool:
                 reason = f"building or loading {SOURCE.name} failed: {error}"
         _loaded = reason is None
         if reason is not None:
-            logger.info("decodekit: the compiled step uses inductor's row products (%s)", reason)
+            logger.info("decodekit: no C++ kernels, compiled steps run the Python layers with inductor's products (%s)", reason)
     return _loaded
 
 

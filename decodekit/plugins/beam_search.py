@@ -312,10 +312,10 @@ class FusedBeams(F.FusedLoop):
         G = gc.num_beam_groups
         name = f"{'beam sampling' if gc.do_sample else 'beam search'}, {gc.num_beams} beams" + (f" in {G} groups" if G > 1 else "")
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
-        return (name, settings, F._signature(p for p in pipeline.processors if F.score_only(p)))
+        return (name, settings, F.processors_key(F.step_processors(pipeline)))
 
     def make_step(self, model, cache, pipeline, gc):
-        procs = [p for p in pipeline.processors if F.score_only(p)]
+        procs = F.step_processors(pipeline)
         plan = _Plan(cache.keys[0].shape[0], gc, model.device)
         cache.share_rows()  # reorder() then permutes a [rows, slots] index instead of copying every layer's buffers
 

@@ -9,9 +9,11 @@ torch.compile'd function over a fixed-shape static cache.
   SYNC_EVERY steps; steps generated after that point are trimmed, so the result equals the eager loop's.
 - Sampling computes its noise inside the step as a hash of (key, position, row, token) (selectors.race_noise),
   the same function the eager sampler calls, so a seed gives the same text compiled or not.
-- What cannot be fused (processors that read the whole sequence, stop strings, max_time, beam search,
-  speculative decoding, models other than decodekit's Llama family) runs in the eager loop, and a log
-  line on the `decodekit` logger names the reason.
+- Greedy decoding and sampling are FusedTokens below; beam search is FusedBeams (beam_search.py), on the
+  same FusedLoop and FusedStep.
+- What cannot be fused (processors that read the whole sequence, stop strings, max_time, speculative
+  decoding, contrastive search, models other than decodekit's Llama family) runs in the eager loop, and a
+  log line on the `decodekit` logger names the reason.
 `compile_config` = {"mode", "fullgraph", "dynamic", "backend", "options"} is passed to torch.compile (an
 inductor mode as the options it stands for, see compile_arguments); on CUDA, mode="reduce-overhead" makes the
 step a CUDA graph replay (not verified on hardware yet).
@@ -137,7 +139,12 @@ def unfusable_reason(model, pipeline, gc) -> str | None:
     return None
 
 
-def _signature(processors) -> tuple:
+def step_processors(pipeline) -> list:
+    """The processors a fused step runs: those that read only the scores (min length is its EOS mask)."""
+    return [p for p in pipeline.processors if score_only(p)]
+
+
+def processors_key(processors) -> tuple:
     """What identifies a set of processors for reuse of a compiled step: class and settings, or for a plain
     function the function itself (its closure may hold settings, so a new one compiles anew)."""
     out = []
@@ -323,10 +330,10 @@ class FusedTokens(FusedLoop):
 
     def kind(self, pipeline, gc) -> tuple:
         sampling = isinstance(pipeline.selector, SamplingSelector)
-        return ("sampling" if sampling else "greedy", _signature(p for p in pipeline.processors if score_only(p)))
+        return ("sampling" if sampling else "greedy", processors_key(step_processors(pipeline)))
 
     def make_step(self, model, cache, pipeline, gc):
-        procs = [p for p in pipeline.processors if score_only(p)]
+        procs = step_processors(pipeline)
         sampling = isinstance(pipeline.selector, SamplingSelector)
 
         def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):

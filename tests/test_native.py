@@ -29,7 +29,7 @@ def loaded():
 def test_row_product_equals_the_float64_product(dtype, width):
     torch.manual_seed(width)
     weight = torch.randn(77, width).to(dtype)
-    for rows in range(1, 9):  # one loop for one row, one instantiation for each of 2 to 8
+    for rows in range(1, 17):  # one loop for one row, one instantiation for each of 2 to 8, then two passes
         x = torch.randn(rows, width)
         got = torch.ops.decodekit.row_product(x, weight)
         assert got.dtype == torch.float32 and got.shape == (rows, 77)
@@ -40,7 +40,7 @@ def test_row_product_equals_the_float64_product(dtype, width):
 def test_row_product_int8_reads_the_interleaved_layout(width):
     torch.manual_seed(width)
     layer = Int8Linear(torch.nn.Linear(width, 45, bias=False))
-    for rows in range(1, 9):
+    for rows in range(1, 17):
         x = torch.randn(rows, width)
         got = torch.ops.decodekit.row_product_int8(x, layer.weight_int8) * layer.scales
         expected = x.double() @ layer.dequantized().double().t()
@@ -55,8 +55,8 @@ def test_bad_operands_are_refused_with_the_reason():
         torch.ops.decodekit.row_product(row, torch.ones(8, 32))
     with pytest.raises(RuntimeError, match=r"rows must be a contiguous float32 \[rows, in\] matrix"):
         torch.ops.decodekit.row_product(row.double(), torch.ones(8, 64))
-    for rows in (0, 9):
-        with pytest.raises(RuntimeError, match=f"takes 1 to 8 rows, not {rows}"):
+    for rows in (0, 17):
+        with pytest.raises(RuntimeError, match=f"takes 1 to 16 rows, not {rows}"):
             torch.ops.decodekit.row_product(torch.randn(rows, 64), torch.ones(8, 64))
     with pytest.raises(RuntimeError, match="multiple of 32, not 40"):
         torch.ops.decodekit.row_product_int8(torch.randn(1, 40), torch.ones(8, 40, dtype=torch.int8))
@@ -82,8 +82,8 @@ def test_compiled_products_call_the_kernels_only_where_they_apply(monkeypatch):
     assert "decodekit.row_product_int8" in graph_targets(int8, torch.randn(1, 64))
     narrow = Int8Linear(torch.nn.Linear(112, 32))  # interleaved, but not in whole 32-byte blocks
     assert "decodekit.row_product_int8" not in graph_targets(narrow, torch.randn(1, 112))
-    assert "decodekit.row_product" in graph_targets(bf16, torch.randn(8, 64, dtype=torch.bfloat16))
-    assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(9, 64, dtype=torch.bfloat16))
+    assert "decodekit.row_product" in graph_targets(bf16, torch.randn(16, 64, dtype=torch.bfloat16))
+    assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(17, 64, dtype=torch.bfloat16))
     monkeypatch.setattr(native, "_loaded", False)
     assert "decodekit.row_product" not in graph_targets(bf16, torch.randn(1, 64, dtype=torch.bfloat16))
 
@@ -111,15 +111,15 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
     assert "(DECODEKIT_NATIVE_KERNELS=0)" in caplog.text
 
 
-def test_eager_products_of_up_to_8_rows_go_through_the_kernels_too():
+def test_eager_products_of_up_to_16_rows_go_through_the_kernels_too():
     bf16, int8 = Linear(64, 32).to(torch.bfloat16), Int8Linear(torch.nn.Linear(64, 32))
     with torch.profiler.profile() as profile, torch.no_grad():
         bf16(torch.randn(1, 1, 64, dtype=torch.bfloat16))  # a decode step's row
         bf16(torch.randn(2, 4, 64, dtype=torch.bfloat16))  # a short prompt
-        bf16(torch.randn(9, 64, dtype=torch.bfloat16))  # more rows: the library's matmul
+        bf16(torch.randn(17, 64, dtype=torch.bfloat16))  # more rows: the library's matmul
         int8(torch.randn(1, 64))
         int8(torch.randn(3, 64))
-        int8(torch.randn(12, 64))
+        int8(torch.randn(20, 64))
     calls = {e.key: e.count for e in profile.key_averages()}
     assert calls.get("decodekit::row_product") == 2 and calls.get("decodekit::row_product_int8") == 2
     assert calls.get("aten::_weight_int8pack_mm") == 1
@@ -168,7 +168,7 @@ def stack_calls(model, monkeypatch, **step):
 # llama; qwen2: q/k/v biases; qwen3: q/k norms and head_dim 24 != hidden/heads; mistral: a window of 8 slots
 # that a 12-token prompt overflows.
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("rows,pad", [(1, 0), (3, 5)])
+@pytest.mark.parametrize("rows,pad", [(1, 0), (3, 5), (12, 5)])  # 12: two passes of the row products
 def test_the_float32_stack_equals_the_python_layers(tmp_path, monkeypatch, model_type, rows, pad):
     model = tiny_model(tmp_path, model_type)
     with plain_weights(model):  # float32 weights packed for oneDNN are not the stack's

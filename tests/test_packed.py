@@ -101,7 +101,7 @@ def test_a_compiled_call_of_few_rows_runs_on_plain_weights_and_the_next_eager_ca
     # products); wider steps and eager calls use the packed ones. The switch keeps the tie and the tokens.
     from decodekit.plugins.fused import PLAIN_WEIGHTS_ROWS
 
-    few, wide = IDS, IDS.repeat(5, 1)[: PLAIN_WEIGHTS_ROWS + 1]
+    few, wide = IDS, IDS.repeat(9, 1)[: PLAIN_WEIGHTS_ROWS + 1]
     eager = tied.generate(few, max_new_tokens=6)
     assert linears(tied, PackedLinear)
     with caplog.at_level(logging.INFO, logger="decodekit"):
@@ -151,6 +151,7 @@ def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_
         assert torch.equal(y, expected[id(x)])  # both round a float32 sum once; at this width, bit for bit
         return seen
 
+    monkeypatch.setattr(linear_module.native, "_loaded", False)  # else up to 16 bf16 rows are decodekit's kernel
     monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, True)
     assert product(wide) == [torch.float32] and product(narrow) == [dtype]
     monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, False)  # a CPU with bf16/fp16 matmul

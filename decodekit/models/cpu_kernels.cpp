@@ -1,5 +1,5 @@
 // decodekit's CPU kernels (AVX2 and FMA), built and loaded by native.py:
-// - row_product / row_product_int8: out[M, N] = rows[M, K] @ W[N, K]^T for M = 1 to 8, the shapes of decode
+// - row_product / row_product_int8: out[M, N] = rows[M, K] @ W[N, K]^T for M = 1 to 16, the shapes of decode
 //   steps and short prompts;
 // - decode_layers (with bind_weights / unbind_weights): the decoder layers of the Llama family for a
 //   fixed-shape decode step, in one call.
@@ -38,7 +38,8 @@ namespace {
 constexpr int64_t kPrefetchBytes = 1024;
 constexpr int64_t kInt8PrefetchBytes = 3072;
 constexpr int64_t kRowsPerTask = 16;
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 16;
+constexpr int kRowsPerChunk = 8;  // one float32 accumulator per row: 8 of the 16 AVX2 registers
 
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -148,14 +149,23 @@ void dots_interleaved_int8(const float* x, const int8_t* w, int64_t K, float* y,
 template <typename Fn>
 void with_row_count(int64_t M, Fn fn) {
   switch (M) {
+    case 1: return fn(std::integral_constant<int, 1>{});
     case 2: return fn(std::integral_constant<int, 2>{});
     case 3: return fn(std::integral_constant<int, 3>{});
     case 4: return fn(std::integral_constant<int, 4>{});
     case 5: return fn(std::integral_constant<int, 5>{});
     case 6: return fn(std::integral_constant<int, 6>{});
     case 7: return fn(std::integral_constant<int, 7>{});
-    default: return fn(std::integral_constant<int, 8>{});
+    default: return fn(std::integral_constant<int, kRowsPerChunk>{});
   }
+}
+
+// Up to 8 rows per pass over a weight row; 9 to 16 rows take a second pass over the same weight row, which
+// then comes from L1 (a row of the default model's weights is at most 6 KB), so memory still sees one read.
+template <typename Fn>
+void in_chunks(int64_t M, Fn pass) {
+  if (M <= kRowsPerChunk) return with_row_count(M, [&](auto count) { pass(0, count, std::integral_constant<int, 0>{}); });
+  with_row_count(M - kRowsPerChunk, [&](auto rest) { pass(kRowsPerChunk, std::integral_constant<int, kRowsPerChunk>{}, rest); });
 }
 
 // A weight as these kernels read it, checked beforehand, so that the loops below never throw (they run
@@ -184,8 +194,11 @@ void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, fl
     for (int64_t n = begin; n < end; ++n) y[n] = dot(x, w + n * K, K);
     return;
   }
-  with_row_count(M, [&](auto count) {
-    for (int64_t n = begin; n < end; ++n) dots<count()>(x, w + n * K, K, y + n, N);
+  in_chunks(M, [&](int64_t split, auto first, auto rest) {
+    for (int64_t n = begin; n < end; ++n) {
+      dots<first()>(x, w + n * K, K, y + n, N);
+      if constexpr (rest() > 0) dots<rest()>(x + split * K, w + n * K, K, y + split * N + n, N);
+    }
   });
 }
 
@@ -195,8 +208,11 @@ void weight_rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int
     for (int64_t n = begin; n < end; ++n) y[n] = dot_interleaved_int8(x, w + n * K, K);
     return;
   }
-  with_row_count(M, [&](auto count) {
-    for (int64_t n = begin; n < end; ++n) dots_interleaved_int8<count()>(x, w + n * K, K, y + n, N);
+  in_chunks(M, [&](int64_t split, auto first, auto rest) {
+    for (int64_t n = begin; n < end; ++n) {
+      dots_interleaved_int8<first()>(x, w + n * K, K, y + n, N);
+      if constexpr (rest() > 0) dots_interleaved_int8<rest()>(x + split * K, w + n * K, K, y + split * N + n, N);
+    }
   });
 }
 

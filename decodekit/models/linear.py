@@ -51,7 +51,7 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose products of up to 8 rows on CPU are decodekit's kernel for bfloat16 weights
+    """nn.Linear whose products of up to 16 rows (native.MAX_ROWS) on CPU are decodekit's kernel for bfloat16 weights
     (native.py) where it is built; else one row inside a compiled step is `one_row`; F.linear otherwise.
 
     Only on CPU, where it was measured; on an accelerator the compiled step keeps the vendor's matmul.
@@ -59,19 +59,22 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS:
-            flat = x.reshape(rows, -1)
-            if rows == 1 and torch.compiler.is_compiling() and self.weight.dtype == torch.float32:
-                y = one_row(flat, self.weight)
-            elif self.weight.dtype in (torch.bfloat16, torch.float32) and native.ready(x, self.weight, self.bias):
-                y = torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
-            elif rows == 1 and torch.compiler.is_compiling():
-                y = one_row(flat, self.weight)
-            else:
-                return F.linear(x, self.weight, self.bias)
+        y = self._few_rows(x.reshape(rows, -1), rows) if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS else None
+        if y is not None:
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if computes_in_float32(x, self.weight):  # a long prompt's prefill, say
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def _few_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """flat @ weight^T in float32 by decodekit's kernel or one_row, or None where neither applies."""
+        compiling = torch.compiler.is_compiling()
+        if rows == 1 and compiling and self.weight.dtype == torch.float32:
+            return one_row(flat, self.weight)
+        if self.weight.dtype in (torch.bfloat16, torch.float32) and native.ready(flat, self.weight, self.bias):
+            return torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
+        if rows == 1 and compiling:
+            return one_row(flat, self.weight)
+        return None

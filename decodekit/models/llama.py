@@ -347,6 +347,12 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             native.unbind(self._native_handle)
         self._native_bound = None
 
+    def runs_native_layers(self, rows: int, cache) -> bool:
+        """Whether a fixed-shape step of `rows` one-token rows over `cache` runs its layers in the C++ stack
+        (binding the weights if so), as _forward_fixed would decide now."""
+        x = torch.empty(rows, 1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        return self._native_stack(x, cache) is not None
+
     def _native_stack(self, x, cache) -> int | None:
         """The handle of the bound weights when this fixed-shape forward runs its layers in C++: one token a row
         on CPU, 1 to native.MAX_ROWS rows, float32/bfloat16 activations and cache. Eager calls bind first;

@@ -36,7 +36,7 @@ logger = logging.getLogger("decodekit")
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
-MAX_ROWS = 8  # kMaxRows in cpu_kernels.cpp: decode steps of a few rows and short prompts
+MAX_ROWS = 16  # kMaxRows in cpu_kernels.cpp: decode steps of a few rows (beams, a batch) and short prompts
 
 # None: not tried yet; afterwards whether the operators are registered. Read inside compiled code, where
 # it is a constant: load() runs before torch.compile traces a step.

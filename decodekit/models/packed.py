@@ -11,7 +11,7 @@ and bfloat16 alike (bench/bench_generate.py measures the whole token).
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
 Packing is skipped off CPU, for dtypes oneDNN cannot run here, and for quantized models.
 
-A compiled step of up to 8 rows multiplies plain weights faster itself (the C++ layer stack and row
+A compiled step of up to 16 rows multiplies plain weights faster itself (the C++ layer stack and row
 products, linear.one_row), so it holds the model unpacked while it runs (`plain_weights`); the next
 eager call packs again. A model therefore holds one
 layout at a time, and switching costs a copy of the weights (65-440 ms for the default model in float32).

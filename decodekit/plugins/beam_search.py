@@ -319,8 +319,8 @@ class FusedBeams(F.FusedLoop):
         plan = _Plan(cache.keys[0].shape[0], gc, model.device)
         if model.runs_native_layers(plan.rows, cache):
             # reorder() then permutes a [rows, slots] index instead of copying every layer's buffers. Not for
-            # the Python layers: inductor fuses the gather through the index into their attention, which took
-            # 3 prompts x 4 beams from 91 (eager) to 97 ms a token, most of it in that kernel.
+            # the Python layers: inductor fuses the gather through the index into their attention kernels,
+            # which then took 6.5 s against 1.3 s with the copy in a profile (3 prompts x 4 beams, 32 tokens).
             cache.share_rows()
 
         def step(state, go, cur, positions, slots, mask, eos_block, noise_key, max_length, prompt_length, eos_ids):

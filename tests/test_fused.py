@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from decodekit.models import native
 from decodekit.plugins.fused import bucket
 from decodekit.testing import tiny_model
 
@@ -114,10 +115,23 @@ def test_compiled_beam_search_equals_eager(model, kwargs, caplog):
     for c, e in zip(compiled.scores, eager.scores):
         torch.testing.assert_close(c, e, rtol=0, atol=1e-5)
     assert compiled.past_key_values.get_seq_length() == BATCH.shape[1] + len(eager.scores) - 1
+    assert (compiled.past_key_values.rows is not None) == native.loaded()  # the C++ stack's shared rows
     if "logits_processor" in kwargs:
         assert (eager.sequences[:, BATCH.shape[1]:] == eos).any()  # finished hypotheses are returned
     if kwargs.get("early_stopping") is True:
         assert len(eager.scores) < 30  # the search ended before max_length: later compiled steps changed nothing
+
+
+def test_compiled_beam_search_on_the_python_layers_reorders_by_copying(tmp_path, monkeypatch):
+    from decodekit.models import llama
+
+    monkeypatch.setattr(llama, "NATIVE_LAYERS", False)
+    fresh = tiny_model(tmp_path, "llama")  # a model of its own: steps are not keyed by NATIVE_LAYERS
+    kwargs = dict(attention_mask=MASK, max_new_tokens=12, num_beams=3, return_dict_in_generate=True)
+    compiled = fresh.generate(BATCH, compile=True, **kwargs)
+    eager = fresh.generate(BATCH, **kwargs)
+    assert compiled.past_key_values.rows is None
+    assert torch.equal(compiled.sequences, eager.sequences) and torch.equal(compiled.beam_indices, eager.beam_indices)
 
 
 def test_no_recompilation_of_beam_search_within_a_bucket(model):

@@ -72,8 +72,9 @@ class StaticCache:
     filled part only, so attention never reads the empty tail.
 
     After `share_rows()`, `reorder` copies nothing: `rows` [B, max_cache_len] says which row's buffers
-    hold each row's entry at each slot, and reorder permutes it. Compiled beam search uses this, where
-    copying every layer's buffers each step cost as much as the layers' int8 weights.
+    hold each row's entry at each slot, and reorder permutes it. Compiled beam search uses this under
+    the C++ layer stack, which reads through `rows`: copying every layer's buffers had taken about a
+    third of the int8 default model's beam step.
     """
 
     def __init__(

@@ -102,6 +102,8 @@ void dots(const float* x, const W* w, int64_t K, float* y, int64_t N) {
 
 // An interleaved int8 row (quantize.Int8Linear), unscaled: byte j of 32-bit lane c holds the weight of
 // input column j * K/4 + c, so one 32-byte load gives eight lanes and shifts give their four bytes.
+// Every int8 weight in this file is laid out so (K % 32 == 0): dot and dots below are its overloads of the
+// float32/bfloat16 ones above, so that weight_rows serves all three.
 inline void load32_int8(const int8_t* w, __m256 b[4]) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   b[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
@@ -110,7 +112,7 @@ inline void load32_int8(const int8_t* w, __m256 b[4]) {
   b[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
 }
 
-float dot_interleaved_int8(const float* x, const int8_t* w, int64_t K) {
+float dot(const float* x, const int8_t* w, int64_t K) {
   const int64_t quarter = K / 4;
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t c = 0; c < quarter; c += 8) {
@@ -126,7 +128,7 @@ float dot_interleaved_int8(const float* x, const int8_t* w, int64_t K) {
 }
 
 template <int M>
-void dots_interleaved_int8(const float* x, const int8_t* w, int64_t K, float* y, int64_t N) {
+void dots(const float* x, const int8_t* w, int64_t K, float* y, int64_t N) {
   const int64_t quarter = K / 4;
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -187,7 +189,8 @@ WeightRef weight_ref(const at::Tensor& weight, const char* op) {
   return {dtype, weight.data_ptr(), weight.size(0), weight.size(1)};
 }
 
-// y[m * N + n] = x[m] . w[n] for the weight rows n in [begin, end) and the M rows of x.
+// y[m * N + n] = x[m] . w[n] for the weight rows n in [begin, end) and the M rows of x (W: float, bfloat16,
+// or interleaved int8).
 template <typename W>
 void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* y, int64_t begin, int64_t end) {
   if (M == 1) {
@@ -202,26 +205,12 @@ void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, fl
   });
 }
 
-void weight_rows_int8(const float* x, int64_t M, const int8_t* w, int64_t N, int64_t K, float* y, int64_t begin,
-                      int64_t end) {
-  if (M == 1) {
-    for (int64_t n = begin; n < end; ++n) y[n] = dot_interleaved_int8(x, w + n * K, K);
-    return;
-  }
-  in_chunks(M, [&](int64_t split, auto first, auto rest) {
-    for (int64_t n = begin; n < end; ++n) {
-      dots_interleaved_int8<first()>(x, w + n * K, K, y + n, N);
-      if constexpr (rest() > 0) dots_interleaved_int8<rest()>(x + split * K, w + n * K, K, y + split * N + n, N);
-    }
-  });
-}
-
 void weight_rows(const float* x, int64_t M, const WeightRef& w, float* y, int64_t begin, int64_t end) {
   switch (w.dtype) {
     case at::kFloat: return weight_rows(x, M, static_cast<const float*>(w.data), w.N, w.K, y, begin, end);
     case at::kBFloat16:
       return weight_rows(x, M, static_cast<const c10::BFloat16*>(w.data), w.N, w.K, y, begin, end);
-    default: return weight_rows_int8(x, M, static_cast<const int8_t*>(w.data), w.N, w.K, y, begin, end);
+    default: return weight_rows(x, M, static_cast<const int8_t*>(w.data), w.N, w.K, y, begin, end);
   }
 }
 

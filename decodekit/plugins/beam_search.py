@@ -349,27 +349,23 @@ class FusedBeams(F.FusedLoop):
         rows, T0 = input_ids.shape
         dev = input_ids.device
         cache = fused.cache
-        cache.crop(0)
         max_length = context.max_length
         plan = _Plan(rows, gc, dev)
         search = plan.start(input_ids, gc, cache.max_cache_len)
         noise_key = draw_key(context.generator).to(dev) if gc.do_sample else None
-        mask = torch.zeros(rows, cache.max_cache_len, dtype=torch.long, device=dev)
-        mask[:, :T0] = attention_mask if attention_mask is not None else 1
         scores_out = [] if gc.output_scores else None
         # Prefill and the first step run eagerly, as in the eager loop (the prompt's length varies).
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logp = pipeline.processors(input_ids, torch.log_softmax(out.logits[:, -1, :].float(), dim=-1))
+        logits, mask, positions = self.prefill(model, cache, input_ids, attention_mask)
+        logp = pipeline.processors(input_ids, torch.log_softmax(logits, dim=-1))
         if scores_out is not None:
             scores_out.append(logp)
         plan.advance(search, logp, torch.tensor(T0, device=dev), _stopping_hits(pipeline.stopping, T0), gc, max_length, noise_key)
         go = search.searching(gc)
         searching = [go]  # before each compiled step: whether it was a real one
         state = search.fields()
-        eos_ids = torch.tensor(gc.eos_token_ids or [-1], device=dev)
+        eos_ids = F.eos_tensor(gc, dev)
         no_block, block = F.eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
         min_length = F.min_length_of(pipeline)
-        positions = (attention_mask.sum(-1, keepdim=True) - 1) if attention_mask is not None else torch.full((rows, 1), T0 - 1, device=dev)
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
         cur = T0 + 1
         while cur < max_length:

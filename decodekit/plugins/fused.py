@@ -283,6 +283,23 @@ class FusedLoop:
                 raise
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
 
+    @staticmethod
+    def prefill(model, cache, input_ids, attention_mask):
+        """Fills the step's cache with the prompt, eagerly (its length changes with every call); returns the
+        last position's float32 logits, the step's key mask [rows, cache slots] and the prompt's last
+        positions [rows, 1]."""
+        B, T0 = input_ids.shape
+        dev = input_ids.device
+        cache.crop(0)
+        mask = torch.zeros(B, cache.max_cache_len, dtype=torch.long, device=dev)
+        mask[:, :T0] = attention_mask if attention_mask is not None else 1
+        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if attention_mask is not None:
+            positions = attention_mask.sum(-1, keepdim=True) - 1
+        else:
+            positions = torch.full((B, 1), T0 - 1, device=dev)
+        return out.logits[:, -1, :].float(), mask, positions
+
     def _step_for(self, model, batch, max_length, pipeline, gc) -> FusedStep | None:
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
         length = bucket(max_length)
@@ -311,6 +328,11 @@ def eos_blocks(scores_width: int, eos: list[int], device) -> tuple[torch.Tensor,
     if eos:
         block[eos] = -float("inf")
     return none, block
+
+
+def eos_tensor(gc, device) -> torch.Tensor:
+    """The EOS ids as a tensor for torch.isin inside a step ([-1], which no token is, where there are none)."""
+    return torch.tensor(gc.eos_token_ids or [-1], device=device)
 
 
 def min_length_of(pipeline) -> int:
@@ -355,16 +377,11 @@ class FusedTokens(FusedLoop):
         B, T0 = input_ids.shape
         dev = input_ids.device
         cache = fused.cache
-        L = cache.max_cache_len
-        cache.crop(0)
         max_length = context.max_length
-        mask = torch.zeros(B, L, dtype=torch.long, device=dev)
-        mask[:, :T0] = attention_mask if attention_mask is not None else 1
-        # Prefill runs eagerly into the same cache (its shape changes with every prompt length).
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        first = pipeline.processors(input_ids, out.logits[:, -1, :].float())
+        logits, mask, positions = self.prefill(model, cache, input_ids, attention_mask)
+        first = pipeline.processors(input_ids, logits)
         eos = gc.eos_token_ids
-        eos_ids = torch.tensor(eos or [-1], device=dev)
+        eos_ids = eos_tensor(gc, dev)
         pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=dev)
         unfinished = torch.ones(B, dtype=torch.bool, device=dev)
         scores_out = [] if gc.output_scores else None
@@ -378,7 +395,6 @@ class FusedTokens(FusedLoop):
         no_block, block = eos_blocks(first.shape[-1], eos, dev)
         generated = [nxt]
         alive = [unfinished]
-        positions = (attention_mask.sum(-1, keepdim=True) - 1) if attention_mask is not None else torch.full((B, 1), T0 - 1, device=dev)
         if streamer is not None:
             streamer.put(input_ids.cpu())
             streamer.put(nxt.cpu())

@@ -118,3 +118,24 @@ def tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **over
     from .models import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(write_tiny_model(Path(directory) / f"tiny-{model_type}", model_type, seed, **overrides))
+
+
+def cpu_path_settings(*probes: str) -> list:
+    """pytest parameters forcing each combination of the cpu.py `probes` off and on, for tests that check a
+    speed path: one machine then runs the checks of the paths other machines take. A setting that forces a
+    probe on where this machine lacks it is skipped with the missing feature as the reason. Use with
+    `decodekit.models.cpu.forced(**setting)`."""
+    import itertools
+
+    import pytest
+
+    from .models import cpu
+
+    params = []
+    for values in itertools.product((False, True), repeat=len(probes)):
+        setting = dict(zip(probes, values))
+        label = ",".join(f"{name}={'on' if on else 'off'}" for name, on in setting.items())
+        missing = [name for name, on in setting.items() if on and not cpu.MACHINE[name]]
+        marks = [pytest.mark.skip(reason=f"this CPU lacks {', '.join(missing)}")] if missing else []
+        params.append(pytest.param(setting, id=label, marks=marks))
+    return params

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from decodekit.models import cpu
 from decodekit.models.packed import PackedLinear, pack_linears, unpack_linears
 from decodekit.testing import tiny_model
 
@@ -76,7 +77,7 @@ def test_moving_to_bfloat16_unpacks_then_packs_again(tied):
     assert tied.dtype == torch.bfloat16 and linears(tied, PackedLinear) == []
     out = logits(tied)
     assert out.dtype == torch.bfloat16
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if cpu.has("onednn_bf16"):
         assert tied.lm_head.packed.dtype == torch.bfloat16
     assert relative_error(out, fp32) < 0.02  # bf16 rounding only
     tied.float()
@@ -151,8 +152,13 @@ def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_
         assert torch.equal(y, expected[id(x)])  # both round a float32 sum once; at this width, bit for bit
         return seen
 
-    monkeypatch.setattr(linear_module.native, "_loaded", False)  # else up to 16 bf16 rows are decodekit's kernel
-    monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, True)
+    from decodekit.models import cpu
+
+    probe = linear_module.MATMUL_PROBE[dtype]
+    # Only the decision is checked here, so the probe is set directly (cpu.forced refuses to force on a probe
+    # the machine lacks, and F.linear in bf16/fp16 runs on any CPU, slowly).
+    monkeypatch.setitem(cpu._answers, "native_kernels", False)  # else up to 16 bf16 rows are decodekit's kernel
+    monkeypatch.setitem(cpu._answers, probe, False)
     assert product(wide) == [torch.float32] and product(narrow) == [dtype]
-    monkeypatch.setitem(linear_module.CPU_LACKS_MATMUL_FOR, dtype, False)  # a CPU with bf16/fp16 matmul
+    monkeypatch.setitem(cpu._answers, probe, True)  # a CPU with bf16/fp16 matmul
     assert product(wide) == [dtype]

@@ -9,7 +9,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-from .requirements import requirement_problems
+from .requirements import parse_requirements, read_requirements, requirement_problems, unmet_requirements
 from .source import METHOD_DIR
 
 
@@ -35,11 +35,24 @@ def check_repo(root: Path) -> list[Problem]:
         problems += _check_relative_imports(method, root)
     requirements = method / "requirements.txt"
     if requirements.is_file():
-        for number, line, reason in requirement_problems(requirements.read_text(encoding="utf-8")):
-            problems.append(Problem(_rel(requirements, root), number,
-                                    f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'"))
+        problems += _check_requirements(requirements, root)
     problems += _check_readme(root)
     return problems
+
+
+def _check_requirements(requirements: Path, root: Path) -> list[Problem]:
+    """Lines that are not PEP 508 requirements, else the requirements not met here (as the run would refuse)."""
+    name = _rel(requirements, root)
+    try:
+        text = read_requirements(requirements, str(root))
+    except ValueError as e:
+        return [Problem(name, None, str(e))]
+    found = [Problem(name, number, f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'")
+             for number, line, reason in requirement_problems(text)]
+    if not found:
+        found = [Problem(name, None, f"not met in this environment: {line}")
+                 for line in unmet_requirements(parse_requirements(text))]
+    return found
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -1,17 +1,29 @@
-"""Checking a method's `custom_generate/requirements.txt` against what is installed (PEP 508, via packaging)."""
+"""Checking a method's `custom_generate/requirements.txt` against what is installed (PEP 508, via packaging).
+
+The file is read as pip reads it: UTF-8 with or without a byte-order mark, LF or CRLF line ends, `#`
+comments at the start of a line or after whitespace. Checking is linear in the file: each line is
+parsed once, and the installed distributions are listed once per check.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from importlib_metadata import PackageNotFoundError, distribution
+from importlib_metadata import distributions
+from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
+
+COMMENT = re.compile(r"(^|\s)#.*$")
+EXTRA_MARKER = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")
+MAX_BYTES = 1 << 20  # a requirements file of 1 MiB is far past any real method's
 
 
 def _parse_line(raw: str) -> Requirement | None:
     """The requirement on one line, None for a blank or comment line; InvalidRequirement otherwise."""
-    line = "" if raw.lstrip().startswith("#") else raw.split(" #", 1)[0].strip()
+    line = COMMENT.sub("", raw).strip()
     if not line:
         return None
     if line.startswith("-"):
@@ -19,15 +31,22 @@ def _parse_line(raw: str) -> Requirement | None:
     return Requirement(line)
 
 
-def requirement_problems(text: str) -> list[tuple[int, str, str]]:
-    """(line number, line, reason) for every line that is not a PEP 508 requirement."""
-    problems = []
+def _parse(text: str) -> tuple[list[Requirement], list[tuple[int, str, str]]]:
+    requirements, problems = [], []
     for number, raw in enumerate(text.splitlines(), start=1):
         try:
-            _parse_line(raw)
+            req = _parse_line(raw)
         except InvalidRequirement as e:
             problems.append((number, raw.strip(), str(e).splitlines()[0]))
-    return problems
+            continue
+        if req is not None:
+            requirements.append(req)
+    return requirements, problems
+
+
+def requirement_problems(text: str) -> list[tuple[int, str, str]]:
+    """(line number, line, reason) for every line that is not a PEP 508 requirement."""
+    return _parse(text)[1]
 
 
 def parse_requirements(text: str, source: str = "requirements.txt") -> list[Requirement]:
@@ -36,21 +55,61 @@ def parse_requirements(text: str, source: str = "requirements.txt") -> list[Requ
     Only PEP 508 requirements are accepted: pip options (`-r other.txt`, `--index-url`) and bare URLs
     are not, since they would need pip to resolve.
     """
-    problems = requirement_problems(text)
+    requirements, problems = _parse(text)
     if problems:
         number, line, reason = problems[0]
         raise ValueError(
             f"{source}, line {number}: {line!r} is not a valid requirement ({reason}). Each line must be a "
             "PEP 508 requirement such as 'numpy>=1.24' or 'foo[extra]==1.0; python_version>=\"3.10\"'."
         )
-    return [req for req in map(_parse_line, text.splitlines()) if req is not None]
+    return requirements
+
+
+def read_requirements(path: Path, label: str) -> str:
+    """The text of a requirements file, as pip reads it; ValueError naming the file if it is not UTF-8 text."""
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise ValueError(f"{label}: requirements.txt is {size} bytes; at most {MAX_BYTES} are read.")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is not part of line 1
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{label}: requirements.txt is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); "
+                         "save it as UTF-8.") from None
+    return text
+
+
+class Installed:
+    """The installed distributions, listed once: canonical name -> (version, the extras it provides)."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, object] = {}
+        for dist in distributions():
+            name = dist.metadata["Name"]
+            if name:
+                self._found.setdefault(canonicalize_name(name), dist)  # the first on sys.path wins, as for import
+
+    def version(self, name: str) -> str | None:
+        dist = self._found.get(canonicalize_name(name))
+        return None if dist is None else dist.version
+
+    def extras(self, name: str) -> set[str]:
+        """The extras a distribution declares (Provides-Extra), or names in its requirements' markers (older
+        metadata declares none)."""
+        dist = self._found.get(canonicalize_name(name))
+        if dist is None:
+            return set()
+        named = set(dist.metadata.get_all("Provides-Extra") or ())
+        named.update(m for r in dist.requires or () for m in EXTRA_MARKER.findall(r))
+        return {canonicalize_name(e) for e in named}
+
+    def requires(self, name: str) -> list[str]:
+        dist = self._found.get(canonicalize_name(name))
+        return list(dist.requires or ()) if dist else []
 
 
 def installed_version(name: str) -> str | None:
-    try:
-        return distribution(name).version
-    except PackageNotFoundError:
-        return None
+    return Installed().version(name)
 
 
 def _satisfied(req: Requirement, version: str | None) -> bool:
@@ -63,26 +122,32 @@ def _satisfied(req: Requirement, version: str | None) -> bool:
         return False
 
 
-def unmet_requirements(requirements: list[Requirement]) -> list[str]:
+def unmet_requirements(requirements: list[Requirement], installed: Installed | None = None) -> list[str]:
     """One line per unmet requirement, in the form `<requirement> (installed: <version or None>)`.
 
-    A requirement whose environment marker does not apply is skipped. For `pkg[extra]`, the
-    distributions that extra pulls in are checked too.
+    A requirement whose environment marker does not apply is skipped. For `pkg[extra]`, an extra the
+    installed distribution does not provide is unmet, and the distributions the extra pulls in are checked.
     """
+    installed = installed or Installed()
+    environment = default_environment()
     lines = []
     for req in requirements:
-        if req.marker is not None and not req.marker.evaluate():
+        if req.marker is not None and not req.marker.evaluate(environment):
             continue
-        version = installed_version(req.name)
+        version = installed.version(req.name)
         if not _satisfied(req, version):
             lines.append(f"{req} (installed: {version})")
             continue
+        provided = installed.extras(req.name)
         for extra in sorted(req.extras):
-            for dep_text in distribution(req.name).requires or ():
+            if canonicalize_name(extra) not in provided:
+                lines.append(f"{req} (installed: {version}, which has no extra {extra!r})")
+                continue
+            for dep_text in installed.requires(req.name):
                 dep = Requirement(dep_text)
-                if dep.marker is None or not dep.marker.evaluate({"extra": extra}):
+                if dep.marker is None or not dep.marker.evaluate({**environment, "extra": extra}):
                     continue
-                dep_version = installed_version(dep.name)
+                dep_version = installed.version(dep.name)
                 if not _satisfied(dep, dep_version):
                     dep.marker = None
                     lines.append(f"{dep} (installed: {dep_version}, needed by {req.name}[{extra}])")
@@ -94,6 +159,7 @@ def check_requirements(method_dir: Path, label: str) -> None:
     path = method_dir / "requirements.txt"
     if not path.is_file():
         return
-    unmet = unmet_requirements(parse_requirements(path.read_text(encoding="utf-8"), source=f"{label}: requirements.txt"))
+    text = read_requirements(path, label)
+    unmet = unmet_requirements(parse_requirements(text, source=f"{label}: requirements.txt"))
     if unmet:
         raise ImportError(f"Missing requirements in your local environment for `{label}`:\n" + "\n".join(unmet))

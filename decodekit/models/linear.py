@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import cpu, native
 
 
 def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -37,17 +37,15 @@ def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 FLOAT32_FROM_ROWS = 16
 
 
-# Asked once here rather than per call: a compiled step reads it as a constant.
-CPU_LACKS_MATMUL_FOR = {
-    torch.bfloat16: not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    torch.float16: not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-}
+# The probe that says oneDNN has matrix instructions for each half-precision dtype (cpu.py).
+MATMUL_PROBE = {torch.bfloat16: "onednn_bf16", torch.float16: "onednn_fp16"}
 
 
 def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product of `x` by a bf16/fp16 `weight` is faster in float32 on this CPU."""
     wide = x.numel() >= FLOAT32_FROM_ROWS * weight.shape[1]
-    return wide and x.device.type == "cpu" and CPU_LACKS_MATMUL_FOR.get(weight.dtype, False)
+    probe = MATMUL_PROBE.get(weight.dtype)
+    return wide and x.device.type == "cpu" and probe is not None and not cpu.has(probe)
 
 
 class Linear(nn.Linear):

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from . import cpu
+
 logger = logging.getLogger("decodekit")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -44,8 +46,9 @@ _loaded: bool | None = None
 
 
 def loaded() -> bool:
-    """Whether the operators (row_product, row_product_int8, decode_layers) are registered."""
-    return bool(_loaded)
+    """Whether the operators (row_product, row_product_int8, decode_layers) are registered and may be used
+    (the cpu.py probe native_kernels, which a test can force off)."""
+    return bool(_loaded) and cpu.has("native_kernels")
 
 
 def ready(*operands: torch.Tensor | None) -> bool:
@@ -54,7 +57,7 @@ def ready(*operands: torch.Tensor | None) -> bool:
     (FusedStep loads before tracing)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False
-    return loaded() if torch.compiler.is_compiling() else load()
+    return loaded() if torch.compiler.is_compiling() else load() and cpu.has("native_kernels")
 
 
 def load() -> bool:

@@ -26,6 +26,7 @@ import time
 import torch
 from torch import nn
 
+from . import cpu
 from .linear import Linear
 
 logger = logging.getLogger("decodekit")
@@ -62,7 +63,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32:
         return True
-    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.bfloat16 and cpu.has("onednn_bf16")
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,115 @@
+"""What this CPU can do, asked in one place, and a way to force each answer.
+
+Every speed path choice on CPU (oneDNN-packed weights or plain ones, decodekit's C++ kernels or the
+library's, bf16 products in bf16 or through float32) reads a probe here instead of asking torch or
+/proc/cpuinfo itself, so a test can force a probe off (or on, where the hardware has it) and exercise on
+one machine the path another machine would take:
+
+    with cpu.forced(onednn_bf16=False):     # as on an AVX2-only CPU
+        ...
+
+The same from outside a process: DECODEKIT_CPU_FORCE="onednn_bf16=0,native_kernels=0".
+
+Probes:
+  avx2, avx512f, avx512_bf16, avx512_vnni, amx_bf16, amx_int8   the CPU's flags (/proc/cpuinfo on Linux)
+  onednn_bf16, onednn_fp16   oneDNN runs bf16 / fp16 matmuls with native instructions (torch's own probe)
+  native_kernels             decodekit's C++ kernels may be used (native.py still has to build them)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+FORCE_VARIABLE = "DECODEKIT_CPU_FORCE"
+FLAG_PROBES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+PROBES = FLAG_PROBES + ("onednn_bf16", "onednn_fp16", "native_kernels")
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo; ("", {}) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor(), frozenset()
+    name, flags = "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return name, flags
+
+
+MODEL_NAME, FLAGS = _cpuinfo()
+
+
+def _measured() -> dict[str, bool]:
+    answers = {flag: flag in FLAGS for flag in FLAG_PROBES}
+    if not FLAGS:  # no /proc/cpuinfo (macOS, say): torch's vector capability still tells AVX2 / AVX-512
+        capability = torch.backends.cpu.get_cpu_capability()
+        answers["avx2"] = capability.startswith("AVX")
+        answers["avx512f"] = capability.startswith("AVX512")
+    mkldnn = torch.backends.mkldnn.is_available()
+    answers["onednn_bf16"] = mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    answers["onednn_fp16"] = mkldnn and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    answers["native_kernels"] = os.environ.get("DECODEKIT_NATIVE_KERNELS", "1") != "0"
+    return answers
+
+
+def _parse_force(text: str) -> dict[str, bool]:
+    forced = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in PROBES or value.strip() not in ("0", "1"):
+            raise ValueError(f"{FORCE_VARIABLE}={text!r}: {item!r} should be PROBE=0 or PROBE=1 with PROBE one of {list(PROBES)}.")
+        forced[name.strip()] = value.strip() == "1"
+    return forced
+
+
+# What the machine has, and what is forced over it. A compiled step reads has() as a constant (dynamo guards
+# on these dicts, so forcing an answer later recompiles rather than running a stale path).
+MACHINE = _measured()
+_answers = {**MACHINE, **_parse_force(os.environ.get(FORCE_VARIABLE, ""))}
+
+
+def has(probe: str) -> bool:
+    """The answer of `probe` (one of PROBES), forced or measured."""
+    return _answers[probe]
+
+
+@contextlib.contextmanager
+def forced(**answers: bool):
+    """Forces probes for the duration: `forced(onednn_bf16=False)`. Forcing one on where the machine lacks it
+    raises ValueError, since the instructions it stands for would not run here."""
+    for name, value in answers.items():
+        if name not in PROBES:
+            raise ValueError(f"cpu.forced: unknown probe {name!r}; probes are {list(PROBES)}.")
+        if value and not MACHINE[name]:
+            raise ValueError(f"cpu.forced: {name}=True, but this machine lacks {name}.")
+    saved = dict(_answers)
+    _answers.update(answers)
+    try:
+        yield
+    finally:
+        _answers.clear()
+        _answers.update(saved)
+
+
+def signature() -> str:
+    """A short key for this CPU and torch build: measurements cached under it are not reused elsewhere."""
+    key = "\0".join([MODEL_NAME, " ".join(sorted(FLAGS)), torch.__version__, str(torch.get_num_threads())])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def describe() -> str:
+    """One line for logs and `decodekit bench`: the CPU and the probes' answers."""
+    on = [name for name in PROBES if has(name)]
+    return f"{MODEL_NAME or platform.machine()}; {torch.get_num_threads()} threads; " + (", ".join(on) or "no probe true")

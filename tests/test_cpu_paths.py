@@ -1,0 +1,96 @@
+"""The speed paths other CPUs take, forced on this one (decodekit.models.cpu): each path is taken exactly
+where its probes say, and gives what the reference computes. Settings this machine cannot run are skipped
+with the missing CPU feature as the reason."""
+
+import pytest
+import torch
+
+from decodekit.models import cpu, native
+from decodekit.models.packed import PackedLinear
+from decodekit.models.quantize import quantize
+from decodekit.testing import cpu_path_settings, tiny_model
+
+PROMPT = torch.tensor([[5, 9, 14, 3, 7]])
+BATCH = torch.tensor([[5, 9, 14, 3, 7, 8], [0, 0, 0, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+LONG = torch.arange(3, 3 + 40)[None] % 90 + 3  # a prompt of 40 tokens: more rows than the few-row kernels take
+
+
+def calls(fn, name):
+    with torch.profiler.profile() as profile:
+        fn()
+    return {e.key: e.count for e in profile.key_averages()}.get(name, 0)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float()
+
+
+def relative_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("setting", cpu_path_settings("onednn_bf16", "native_kernels"))
+def test_bfloat16_paths(tmp_path, setting):
+    reference = tiny_model(tmp_path, "qwen3")
+    expected = {ids.shape: logits(reference, ids) for ids in (PROMPT, LONG)}
+    with cpu.forced(**setting):
+        model = tiny_model(tmp_path, "qwen3").to(torch.bfloat16)
+        for ids in (PROMPT, LONG):  # few rows and a prefill's many rows
+            assert relative_error(logits(model, ids), expected[ids.shape]) < 0.03
+        packed = any(isinstance(m, PackedLinear) for m in model.modules())
+        assert packed == setting["onednn_bf16"]  # oneDNN's bf16 matmul only where the CPU has it
+        if not packed:
+            rows = calls(lambda: logits(model, PROMPT), "decodekit::row_product")
+            assert (rows > 0) == (setting["native_kernels"] and native.load())
+        eager = model.generate(BATCH, attention_mask=MASK, max_new_tokens=12)
+        compiled = model.generate(BATCH, attention_mask=MASK, max_new_tokens=12, compile=True)
+        stack = calls(lambda: model.generate(PROMPT, max_new_tokens=3, compile=True), "decodekit::decode_layers")
+        assert (stack > 0) == (setting["native_kernels"] and native.load())
+    # bf16 products round differently on each path; the tokens of a random tiny model agree for most steps.
+    assert (eager == compiled).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("setting", cpu_path_settings("native_kernels"))
+def test_int8_paths(tmp_path, setting):
+    reference = tiny_model(tmp_path, "llama", intermediate_size=128)
+    expected = {ids.shape: logits(reference, ids) for ids in (PROMPT, LONG)}
+    with cpu.forced(**setting):
+        model = quantize(tiny_model(tmp_path, "llama", intermediate_size=128), "int8")
+        for ids in (PROMPT, LONG):
+            assert relative_error(logits(model, ids), expected[ids.shape]) < 0.03
+        rows = calls(lambda: logits(model, PROMPT), "decodekit::row_product_int8")
+        assert (rows > 0) == (setting["native_kernels"] and native.load())
+        eager = model.generate(BATCH, attention_mask=MASK, max_new_tokens=12)
+        assert torch.equal(eager, model.generate(BATCH, attention_mask=MASK, max_new_tokens=12, compile=True))
+
+
+@pytest.mark.parametrize("setting", cpu_path_settings("native_kernels"))
+def test_float32_compiled_step_equals_eager_on_each_path(tmp_path, setting):
+    with cpu.forced(**setting):
+        model = tiny_model(tmp_path, "mistral")
+        eager = model.generate(BATCH, attention_mask=MASK, max_new_tokens=16)
+        assert torch.equal(eager, model.generate(BATCH, attention_mask=MASK, max_new_tokens=16, compile=True))
+        stack = calls(lambda: model.generate(PROMPT, max_new_tokens=3, compile=True), "decodekit::decode_layers")
+        assert (stack > 0) == (setting["native_kernels"] and native.load())
+
+
+def test_forcing_a_probe_on_that_the_machine_lacks_or_an_unknown_one_is_refused(monkeypatch):
+    monkeypatch.setitem(cpu.MACHINE, "amx_int8", False)
+    with pytest.raises(ValueError, match="this machine lacks amx_int8"):
+        with cpu.forced(amx_int8=True):
+            pass
+    with pytest.raises(ValueError, match="unknown probe 'avx3'"):
+        with cpu.forced(avx3=False):
+            pass
+    with pytest.raises(ValueError, match="should be PROBE=0 or PROBE=1"):
+        cpu._parse_force("onednn_bf16=yes")
+    assert cpu._parse_force("onednn_bf16=0, native_kernels=1") == {"onednn_bf16": False, "native_kernels": True}
+
+
+def test_forced_answers_are_restored_afterwards():
+    before = dict(cpu._answers)
+    with cpu.forced(native_kernels=False, onednn_bf16=False):
+        assert not cpu.has("native_kernels") and not native.loaded()
+    assert cpu._answers == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite real number: nan and inf are refused wherever a field does not say what they mean."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _token_list(v: Any) -> bool:
@@ -129,6 +131,12 @@ class GenerationConfig:
 
     # --- validation ----------------------------------------------------------------------------------
 
+    def number(self, name: str, default: Any) -> Any:
+        """Field `name` where it is a finite number, else `default`: for a plugin reading a field another plugin
+        owns, before that plugin has validated it (the owner's validation then reports a bad value)."""
+        value = getattr(self, name, default)
+        return value if _is_number(value) else default
+
     def invalid(self, name: str, accepted: str) -> ValueError:
         """The error for field `name`: its value and what is accepted. Plugins' validate_config hooks use it too."""
         return ValueError(f"generation config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
@@ -170,7 +178,7 @@ class GenerationConfig:
             not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "expected a number > 0 (1.0 means no penalty)")
-        if self.num_return_sequences > 1 and not self.do_sample and getattr(self, "num_beams", 1) in (None, 1):
+        if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:
             raise bad("num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True")
         if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
             raise bad("cache_implementation", f"expected one of {list(self._cache_names())} or None")
@@ -213,6 +221,11 @@ class GenerationConfig:
         for words in self.bad_words_ids or []:
             ids += [("bad_words_ids", t) for t in words]
         ids += [("suppress_tokens", t) for t in self.suppress_tokens or []]
+        forced_eos = self.forced_eos_token_id
+        ids += [("forced_eos_token_id", t) for t in ([forced_eos] if _is_int(forced_eos) else forced_eos or [])]
+        if self.sequence_bias is not None:
+            items = self.sequence_bias.items() if isinstance(self.sequence_bias, dict) else self.sequence_bias
+            ids += [("sequence_bias", t) for seq, _ in items for t in seq]
         for name, t in ids:
             if t >= vocab_size:
                 raise ValueError(

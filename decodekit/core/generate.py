@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .config import DEFAULTS, GenerationConfig
+from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
 from .stack import stack_room
@@ -79,6 +80,13 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
         # Infer the mask from left padding: only a run of pad tokens at the start is padding. A pad id later
         # on is a real token (it is often EOS too, e.g. <|im_end|> inside a chat prompt).
         attention_mask = (1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1))
+    elif input_ids.shape[0] > 1 and gc.pad_token_id is not None and bool((input_ids[:, -1] == gc.pad_token_id).any()):
+        logger.warning("A prompt ends with the pad token %d and no attention_mask was given: if the batch is right-padded, "
+                       "pass attention_mask and pad on the left (tokenizer padding_side='left').", gc.pad_token_id)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and input_ids.shape[1] > context:
+        logger.warning("The prompt has %d tokens, more than the model's context of %d (max_position_embeddings); "
+                       "output past it is unreliable.", input_ids.shape[1], context)
     if attention_mask is not None:
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no tokens; every prompt needs at least one.")
@@ -156,11 +164,11 @@ class GenerationMixin:
                 f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
                 "Set max_new_tokens (tokens to generate after the prompt)."
             )
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
+            raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
         if generator is None and seed is not None:
-            if not isinstance(seed, int) or isinstance(seed, bool):
-                raise ValueError(f"seed={seed!r} is invalid; expected an integer.")
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        from ..registry.manager import get_plugin_manager
+        from ..registry.manager import call_first, call_hooks, get_plugin_manager
 
         pm = get_plugin_manager()
         context = GenerationContext(
@@ -168,9 +176,10 @@ class GenerationMixin:
             device=input_ids.device, tokenizer=tokenizer, generator=generator,
         )
         # Plugins validate their fields before any of them is used to pick a loop.
-        pm.hook.decodekit_validate_config(generation_config=gc, context=context)
-        loop = pm.hook.decodekit_decoding_loop(generation_config=gc, context=context) if custom_generate is None else None
+        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+        loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)[1] if custom_generate is None else None
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
+        check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
         context = dataclasses.replace(context, batch_size=input_ids.shape[0])
         pipeline = build_pipeline(pm, gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))

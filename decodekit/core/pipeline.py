@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .processors import LogitsProcessorList
+from .selectors import checked_selector
 from .stopping import StoppingCriteriaList
 
 
@@ -42,22 +43,26 @@ class Pipeline:
 
 def build_pipeline(pm, generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
     """Calls each hook point once (the config is already validated). User-supplied processors and criteria
-    run after the plugins' ones."""
+    run after the plugins' ones. Each processor is tagged with the plugin that contributed it, and outputs
+    are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector)."""
+    from ..registry.manager import call_first, call_hooks
+
+    hook_args = dict(generation_config=generation_config, context=context)
     processors = LogitsProcessorList()
-    for contributed in pm.hook.decodekit_logits_processors(generation_config=generation_config, context=context):
-        processors.extend(contributed or ())
-    processors.extend(logits_processor or ())
+    for owner, contributed in call_hooks("decodekit_logits_processors", **hook_args):
+        processors.extend_from(owner, contributed)
+    processors.extend_from("logits_processor (passed to generate)", logits_processor or ())
     criteria = StoppingCriteriaList()
-    for contributed in pm.hook.decodekit_stopping_criteria(generation_config=generation_config, context=context):
-        criteria.extend(contributed or ())
+    for _, contributed in call_hooks("decodekit_stopping_criteria", **hook_args):
+        criteria.extend(contributed)
     criteria.extend(stopping_criteria or ())
-    selector = pm.hook.decodekit_token_selector(generation_config=generation_config, context=context)
+    owner, selector = call_first("decodekit_token_selector", **hook_args)
     if selector is None:
         raise ValueError(
             "No registered plugin selects tokens for this generation config "
             f"(do_sample={generation_config.do_sample!r}); the built-ins handle do_sample=True and False."
         )
     if cache is None and generation_config.use_cache:
-        cache = pm.hook.decodekit_cache(generation_config=generation_config, context=context)
-    reader = pm.hook.decodekit_next_token_logits(generation_config=generation_config, context=context)
-    return Pipeline(processors, selector, criteria, cache, reader or last_position_logits)
+        cache = call_first("decodekit_cache", **hook_args)[1]
+    reader = call_first("decodekit_next_token_logits", **hook_args)[1]
+    return Pipeline(processors, checked_selector(selector, owner), criteria, cache, reader or last_position_logits)

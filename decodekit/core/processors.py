@@ -23,11 +23,62 @@ class LogitsProcessor(Protocol):
 
 
 class LogitsProcessorList(list):
-    """Applies its processors in order."""
+    """Applies its processors in order.
+
+    Each processor may be tagged with who contributed it (`extend_from`). The first call checks every
+    processor's output (a tensor of the scores' shape, dtype and device) and raises PluginError naming the
+    processor and its plugin if one is wrong; an exception inside a processor gets a note naming them too.
+    The check runs once, eagerly: later calls (and a compiled step's trace) only apply the processors.
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.owners: dict[int, str] = {}
+        self.checked = False
+
+    def extend_from(self, owner: str, processors) -> None:
+        processors = list(processors)
+        self.extend(processors)
+        self.owners.update((id(p), owner) for p in processors)
+
+    def describe(self, processor) -> str:
+        name = getattr(processor, "__name__", None) or type(processor).__name__
+        owner = getattr(self, "owners", {}).get(id(processor))
+        return f"the logits processor {name}" + (f" of {owner}" if owner and "(" in owner else
+                                                  f" of plugin {owner!r}" if owner else "")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not getattr(self, "checked", True):
+            return self._first_call(input_ids, scores)
+        processor = None
+        try:
+            for processor in self:
+                scores = processor(input_ids, scores)
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"(raised by {self.describe(processor)})")
+            raise
+        return scores
+
+    def _first_call(self, input_ids, scores):
+        shape, dtype, device = tuple(scores.shape), scores.dtype, scores.device
         for processor in self:
-            scores = processor(input_ids, scores)
+            try:
+                out = processor(input_ids, scores)
+            except Exception as error:
+                if hasattr(error, "add_note"):
+                    error.add_note(f"(raised by {self.describe(processor)})")
+                raise
+            if not (isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype
+                    and out.device == device):
+                from ..registry.manager import PluginError
+
+                got = (f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
+                       else type(out).__name__)
+                raise PluginError(f"{self.describe(processor)} returned {got}; a processor returns the scores it was "
+                                  f"given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
+            scores = out
+        self.checked = True
         return scores
 
 

@@ -83,3 +83,45 @@ def race(scores: torch.Tensor, key: torch.Tensor, position) -> torch.Tensor:
     """The exponential race over softmax(scores) [B, V] with race_noise(key, position): the sampled tokens [B]."""
     noise = race_noise(key, position, scores.shape[0], scores.shape[-1])
     return (scores.softmax(dim=-1) / noise).argmax(dim=-1)
+
+
+class CheckedSelector:
+    """A plugin's selector whose first output is checked: one integer token id per row, on the scores' device,
+    inside the vocabulary. A wrong one raises PluginError naming the plugin, instead of a broadcast that would
+    give every row one row's token. Later calls go straight through."""
+
+    def __init__(self, selector, owner: str):
+        self.selector, self.owner, self.checked = selector, owner, False
+
+    def __getattr__(self, name):  # loops and the fused step read the selector's own attributes (key, ...)
+        return getattr(self.selector, name)
+
+    def __call__(self, input_ids, scores):
+        tokens = self.selector(input_ids, scores)
+        if not self.checked:
+            B, V = scores.shape
+            ok = (isinstance(tokens, torch.Tensor) and tuple(tokens.shape) == (B,) and not tokens.is_floating_point()
+                  and not tokens.is_complex() and tokens.dtype != torch.bool and tokens.device == scores.device)
+            if not ok:
+                got = (f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
+                       if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
+                raise _plugin_error(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
+                                    f"{got}; a selector returns one integer token id per row, a tensor [{B}] on {scores.device}.")
+            if bool(((tokens < 0) | (tokens >= V)).any()):
+                raise _plugin_error(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
+                                    f"token ids {tokens.tolist()}, outside the vocabulary [0, {V}).")
+            self.checked = True
+        return tokens
+
+
+def _plugin_error(message: str) -> Exception:
+    from ..registry.manager import PluginError
+
+    return PluginError(message)
+
+
+def checked_selector(selector, owner: str | None):
+    """The built-in selectors as they are (the fused step recognises them); any other wrapped in CheckedSelector."""
+    if type(selector) in (GreedySelector, SamplingSelector):
+        return selector
+    return CheckedSelector(selector, owner or "?")

@@ -39,7 +39,7 @@ def hook_names(module: Any) -> list[str]:
 
 def load(source: sources.MethodSource, trust_remote_code) -> LoadedMethod:
     check_requirements(source.method_dir, source.label)
-    check_trust(source.label, source.kind, source.revision, list(source.files), trust_remote_code)
+    check_trust(source.label, source.kind, source.revision, list(source.files), trust_remote_code, source.links)
     logger.info("running custom_generate from %s (%s) at revision %s", source.label, source.kind, source.revision)
     module = import_generate_module(source)
     generate = getattr(module, "generate", None)
@@ -69,15 +69,14 @@ _registration_lock = threading.RLock()
 @contextlib.contextmanager
 def registered_for_call(method: LoadedMethod):
     """The method's hook implementations, registered for the duration of one generate() call."""
-    from ..registry.manager import get_plugin_manager
+    from ..registry.manager import register, unregister
 
-    pm = get_plugin_manager()
     with _registration_lock:
-        pm.register(method.module, name=method.plugin_name)
+        register(method.module, name=method.plugin_name, scope="call")
         try:
             yield
         finally:
-            pm.unregister(name=method.plugin_name)
+            unregister(method.plugin_name)
 
 
 def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:

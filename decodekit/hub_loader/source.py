@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .trust import code_files, content_hash
+from .snapshot import take_snapshot
 
 METHOD_DIR = "custom_generate"
 HUB_PATTERNS = [f"{METHOD_DIR}/**", "README.md"]
@@ -18,11 +18,14 @@ class MethodSource:
     kind: str  # "hub" or "local"
     root: Path  # the folder that holds custom_generate/
     revision: str  # the Hub commit sha, or a local directory's content hash
-    files: tuple[tuple[str, str], ...]  # (path under custom_generate/, sha256)
+    files: tuple[tuple[str, str], ...]  # (path under custom_generate/, sha256), as read into the snapshot
+    snapshot: Path  # the read-only copy of custom_generate/ that was hashed, and is what gets imported
+    links: dict = field(default_factory=dict, compare=False)  # path -> where a symlinked file really is
 
     @property
     def method_dir(self) -> Path:
-        return self.root / METHOD_DIR
+        """The snapshot of custom_generate/: requirements are read and code imported from here, never from root."""
+        return self.snapshot
 
 
 def _check_layout(root: Path, label: str) -> None:
@@ -38,10 +41,12 @@ def _check_layout(root: Path, label: str) -> None:
 
 
 def from_directory(root: Path, label: str, kind: str, revision: str | None = None) -> MethodSource:
-    """A source already on disk; `revision` defaults to the content hash of its custom_generate/ files."""
+    """A source already on disk, read once into its snapshot (snapshot.py); `revision` defaults to the
+    content hash of what was read."""
     _check_layout(root, label)
-    files = tuple(code_files(root / METHOD_DIR))
-    return MethodSource(label, kind, root, revision or content_hash(list(files)), files)
+    # Hub cache files are symlinks into its blob store: where they point says nothing to a reviewer.
+    snapshot, files, links, digest = take_snapshot(root / METHOD_DIR, label, show_links=kind != "hub")
+    return MethodSource(label, kind, root, revision or digest, files, snapshot, links)
 
 
 def is_hub_id(text: str) -> bool:

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 
 class UntrustedCodeError(PermissionError):
     """Method code was not run because the caller did not trust it (or trusted another revision)."""
-
-
-def code_files(method_dir: Path) -> list[tuple[str, str]]:
-    """(relative path, sha256) of every file of the method, sorted; caches and compiled files excluded."""
-    out = []
-    for path in sorted(method_dir.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
-            out.append((path.relative_to(method_dir).as_posix(), hashlib.sha256(path.read_bytes()).hexdigest()))
-    return out
 
 
 def content_hash(files: list[tuple[str, str]]) -> str:
@@ -31,14 +23,35 @@ def content_hash(files: list[tuple[str, str]]) -> str:
     return digest.hexdigest()
 
 
-def check_trust(label: str, kind: str, revision: str, files: list[tuple[str, str]], trust_remote_code) -> None:
-    """Raise UntrustedCodeError unless `trust_remote_code` allows running `revision` of `label`."""
-    listing = "\n".join(f"  {name}  sha256:{sha}" for name, sha in files)
+HUB_REVISION = re.compile(r"[0-9a-f]{7,40}")
+LOCAL_REVISION = re.compile(r"[0-9a-f]{64}")
+
+
+def check_trust(label: str, kind: str, revision: str, files, trust_remote_code, links: dict | None = None) -> None:
+    """Raise UntrustedCodeError unless `trust_remote_code` allows running `revision` of `label`; ValueError if
+    `trust_remote_code` is neither a bool nor a plausible revision."""
+    links = links or {}
+    listing = "\n".join(f"  {name}  sha256:{sha}" + (f"  (a link to {links[name]})" if name in links else "")
+                        for name, sha in files)
     if trust_remote_code is True:
         return
+    what = "commit sha" if kind == "hub" else "content hash"
     if isinstance(trust_remote_code, str) and trust_remote_code:
-        if revision == trust_remote_code or (kind == "hub" and len(trust_remote_code) >= 7 and revision.startswith(trust_remote_code)):
+        pin = trust_remote_code.strip().lower()
+        if kind == "hub" and HUB_REVISION.fullmatch(pin) and revision.startswith(pin):
             return
+        if kind == "local" and pin == revision:
+            return
+        if kind == "local" and len(pin) < 64 and revision.startswith(pin) and re.fullmatch(r"[0-9a-f]+", pin):
+            raise UntrustedCodeError(
+                f"Refusing to run custom_generate from `{label}`: trust_remote_code={trust_remote_code!r} is a prefix "
+                f"of its content hash; a local directory is pinned by the whole hash, "
+                f"trust_remote_code={revision!r}.\n{listing}")
+        if not (HUB_REVISION if kind == "hub" else LOCAL_REVISION).fullmatch(pin):
+            raise ValueError(
+                f"trust_remote_code={trust_remote_code!r} is invalid for `{label}`: expected True, False, or a revision "
+                f"to pin, which for {'a Hub repo is a commit sha (7 to 40 hex digits)' if kind == 'hub' else 'a local directory is its content hash (64 hex digits)'}."
+                f" This one is at {what} {revision}.")
         raise UntrustedCodeError(
             f"Refusing to run custom_generate from `{label}`: you trusted revision {trust_remote_code}, but the "
             f"{'repo is now at' if kind == 'hub' else 'directory now has content hash'} {revision}. It changed since "
@@ -46,7 +59,8 @@ def check_trust(label: str, kind: str, revision: str, files: list[tuple[str, str
         )
     if trust_remote_code not in (None, False):
         raise ValueError(
-            f"trust_remote_code={trust_remote_code!r} is invalid; use True, False, or a revision string to pin."
+            f"trust_remote_code={trust_remote_code!r} is invalid; use True, False, or a revision string to pin "
+            f"(for `{label}`, its {what} {revision})."
         )
     if kind == "local":
         how = (

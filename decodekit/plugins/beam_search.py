@@ -46,17 +46,17 @@ def decodekit_validate_config(generation_config):
         raise bad("num_beams", "expected an integer >= 1")
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise bad("num_beam_groups", "expected an integer >= 1")
-    if nb > 1 and gc.num_return_sequences > nb:
+    if nb > 1 and gc.number("num_return_sequences", 1) > nb:
         raise bad("num_return_sequences", f"beam search returns at most num_beams={nb} sequences per prompt")
     if nb % groups:
         raise bad("num_beam_groups", f"num_beams={nb} must be divisible by num_beam_groups")
-    if groups > 1 and gc.do_sample:
+    if groups > 1 and gc.do_sample is True:
         raise bad("num_beam_groups", "diverse beam search is deterministic; it cannot be combined with do_sample=True")
     if gc.early_stopping not in (True, False, "never"):
         raise bad("early_stopping", "expected True, False or 'never'")
-    if not isinstance(gc.length_penalty, (int, float)) or isinstance(gc.length_penalty, bool):
+    if gc.number("length_penalty", None) is None:
         raise bad("length_penalty", "expected a number (> 0 favours longer sequences, < 0 shorter ones)")
-    if not isinstance(gc.diversity_penalty, (int, float)) or gc.diversity_penalty < 0:
+    if gc.number("diversity_penalty", -1) < 0:
         raise bad("diversity_penalty", "expected a number >= 0")
     if groups > 1 and gc.diversity_penalty == 0:
         raise bad("diversity_penalty", "num_beam_groups > 1 needs diversity_penalty > 0 to make the groups differ")

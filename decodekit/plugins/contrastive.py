@@ -29,12 +29,12 @@ def decodekit_validate_config(generation_config):
         return
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
         raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
-    if alpha > 0 and (gc.top_k is None or gc.top_k <= 1):
+    if alpha > 0 and gc.number("top_k", 0) <= 1:
         raise ValueError(
             f"generation config: penalty_alpha={alpha} needs top_k > 1 (the number of candidates to compare), "
             f"got top_k={gc.top_k!r}; e.g. penalty_alpha=0.6, top_k=4."
         )
-    if alpha > 0 and (gc.do_sample or getattr(gc, "num_beams", 1) > 1):
+    if alpha > 0 and (gc.do_sample or gc.number("num_beams", 1) > 1):
         raise ValueError("penalty_alpha (contrastive search) is deterministic; it cannot be combined with do_sample or num_beams > 1.")
 
 

@@ -59,9 +59,9 @@ def decodekit_validate_config(generation_config, context):
         raise generation_config.invalid(
             "dola_layers", f"a list of layer indices must be non-empty, each in [0, {n}) for this {n}-layer model "
             "(0 is the embedding output)")
-    if getattr(generation_config, "num_beams", 1) > 1:
+    if generation_config.number("num_beams", 1) > 1:
         raise ValueError("dola_layers is not supported with beam search (num_beams > 1).")
-    if (generation_config.repetition_penalty or 1.0) < 1.2:
+    if generation_config.number("repetition_penalty", 1.0) < 1.2:
         logger.warning("DoLa works best with repetition_penalty=1.2 (now %s).", generation_config.repetition_penalty)
 
 

@@ -8,6 +8,8 @@ its own cache. It runs first among the processors, as in transformers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core.cache import DynamicCache
@@ -26,7 +28,7 @@ def decodekit_validate_config(generation_config, context):
         if gc.negative_prompt_ids is not None:
             raise ValueError("negative_prompt_ids only applies with guidance_scale > 1; set guidance_scale.")
         return
-    if not isinstance(gc.guidance_scale, (int, float)) or isinstance(gc.guidance_scale, bool) or gc.guidance_scale < 0:
+    if not isinstance(gc.guidance_scale, (int, float)) or isinstance(gc.guidance_scale, bool) or not 0 <= gc.guidance_scale < math.inf:
         raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
     neg = gc.negative_prompt_ids
     if neg is not None:
@@ -36,7 +38,7 @@ def decodekit_validate_config(generation_config, context):
         mask = gc.negative_prompt_attention_mask
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != neg.shape):
             raise ValueError("negative_prompt_attention_mask must have the shape of negative_prompt_ids.")
-    if getattr(gc, "num_beams", 1) > 1:
+    if gc.number("num_beams", 1) > 1:
         raise ValueError("guidance_scale is not supported with beam search (num_beams > 1).")
 
 

@@ -45,9 +45,9 @@ def decodekit_validate_config(generation_config, context):
         raise bad("num_assistant_tokens", "expected an integer >= 1")
     if gc.num_assistant_tokens_schedule not in SCHEDULES:
         raise bad("num_assistant_tokens_schedule", f"expected one of {list(SCHEDULES)}")
-    if getattr(gc, "num_beams", 1) > 1:
+    if gc.number("num_beams", 1) > 1:
         raise bad("num_beams", "speculative decoding works with greedy decoding or sampling, not beam search")
-    if context.batch_size != 1 or gc.num_return_sequences != 1:
+    if context.batch_size != 1 or gc.number("num_return_sequences", 1) != 1:
         raise ValueError(
             f"speculative decoding (assistant_model / prompt_lookup_num_tokens) generates for one prompt at a time; "
             f"got batch size {context.batch_size} x num_return_sequences {gc.num_return_sequences}. Call it per prompt."
@@ -102,9 +102,9 @@ class Speculative:
 
             a_context = GenerationContext(model=assistant, batch_size=1, prompt_length=context.prompt_length,
                                           max_length=max_length, device=input_ids.device)
-            from ..registry.manager import get_plugin_manager
+            from ..registry.manager import call_first
 
-            a_cache = get_plugin_manager().hook.decodekit_cache(generation_config=gc, context=a_context)
+            a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
         keep_all = _forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:

@@ -1,18 +1,28 @@
 """The plugin manager: one per process, holding the built-in strategies, the installed plugin packages
 (entry-point group `decodekit`) and anything registered at run time. Discovery happens here only.
 
+Hooks are called through `call_hooks` / `call_first`, one implementation at a time, so that one plugin's
+failure is that plugin's alone: an installed or run-time plugin whose hook raises anything but ValueError
+(which says the user's config is invalid) or KeyboardInterrupt is disabled for the process, recorded with its
+traceback summary (`decodekit list` shows it), and the call goes on without it. Built-in plugins and the
+method a call asked for (custom_generate) are not skipped: their failures propagate, naming the plugin.
+A plugin whose hook names match no hookspec (a misspelling) or that uses pluggy wrappers is refused at
+registration.
+
 Environment:
   DECODEKIT_LOAD_PLUGINS   unset: load every installed plugin; empty: none; "a,b": only those entry points
-  DECODEKIT_STRICT_PLUGINS "1": a plugin that fails to load raises instead of being recorded (for plugin authors)
+  DECODEKIT_STRICT_PLUGINS "1": a plugin that fails raises instead of being disabled and recorded (for plugin authors)
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
 import os
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +71,11 @@ class PluginLoadError(RuntimeError):
     pass
 
 
-_lock = threading.Lock()
+class PluginError(RuntimeError):
+    """A plugin misbehaved: a hook named like no hookspec, an output of the wrong shape, a failing hook."""
+
+
+_lock = threading.RLock()
 _manager: pluggy.PluginManager | None = None
 _records: dict[str, PluginRecord] = {}
 
@@ -75,7 +89,16 @@ def _record(name: str, plugin: Any, kind: str, source: str) -> None:
     _records[name] = PluginRecord(name, kind, source, describe(plugin))
 
 
+# Plugins whose failures propagate instead of disabling them: the built-ins and call-scoped methods.
+_propagating: set[str] = set()
+
+
+def _strict() -> bool:
+    return os.environ.get("DECODEKIT_STRICT_PLUGINS", "") not in ("", "0")
+
+
 def get_plugin_manager() -> pluggy.PluginManager:
+    """The process's plugin manager, built once (and again only after reset())."""
     global _manager
     if _manager is None:
         with _lock:
@@ -84,11 +107,89 @@ def get_plugin_manager() -> pluggy.PluginManager:
                 pm.add_hookspecs(hookspecs)
                 for name, module in BUILTIN_PLUGINS:
                     plugin = importlib.import_module(module)
-                    pm.register(plugin, name=name)
+                    checked_register(pm, plugin, name)
                     _record(name, plugin, "built-in", module)
+                    _propagating.add(name)
                 load_entry_points(pm)
                 _manager = pm
     return _manager
+
+
+def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None) -> str:
+    """pm.register, then the checks pluggy leaves to the host: every hook implementation names a hookspec
+    (else PluginError with the closest name), and none is a wrapper (decodekit calls hooks one at a time)."""
+    registered = pm.register(plugin, name=name)
+    if registered is None:  # pluggy returns None for a plugin blocked by name
+        raise PluginError(f"plugin {name!r} is blocked from registering.")
+    problems = []
+    for caller in pm.get_hookcallers(plugin) or ():
+        impls = [i for i in caller.get_hookimpls() if i.plugin is plugin]
+        if not caller.has_spec():
+            close = difflib.get_close_matches(caller.name, _spec_names(), n=1)
+            problems.append(f"{caller.name} is not a decodekit hook" + (f" (did you mean {close[0]}?)" if close else ""))
+        elif any(i.hookwrapper or i.wrapper for i in impls):
+            problems.append(f"{caller.name} is a hook wrapper, which decodekit does not call")
+    if problems:
+        pm.unregister(plugin)
+        raise PluginError(f"plugin {registered!r} was not registered: " + "; ".join(problems) +
+                          f". decodekit's hooks are {_spec_names()}.")
+    return registered
+
+
+def _spec_names() -> list[str]:
+    return sorted(n for n in dir(hookspecs) if n.startswith("decodekit_"))
+
+
+def _owner(pm: pluggy.PluginManager, impl) -> str:
+    return pm.get_name(impl.plugin) or impl.plugin_name
+
+
+def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseException) -> None:
+    summary = "".join(traceback.format_exception_only(type(error), error)).strip()
+    where = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    location = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        pm.unregister(name=name)
+    record = _records.get(name) or PluginRecord(name, "runtime")
+    record.error = f"disabled after {hook} raised {summary}{location}"
+    _records[name] = record
+    logger.warning("decodekit: plugin %r is disabled for this process: %s", name, record.error)
+
+
+def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    pm = get_plugin_manager()
+    caller = getattr(pm.hook, hook_name)
+    results = []
+    for impl in reversed(caller.get_hookimpls()):  # pluggy's call order: tryfirst, then newest first
+        name = _owner(pm, impl)
+        try:
+            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+        except (KeyboardInterrupt, ValueError):
+            raise
+        except BaseException as error:  # SystemExit from a plugin is a plugin failure too
+            if name in _propagating or _strict():
+                if hasattr(error, "add_note"):
+                    error.add_note(f"(raised by plugin {name!r} in {hook_name})")
+                raise
+            _disable(pm, name, hook_name, error)
+            continue
+        if result is not None:
+            results.append((name, result))
+            if firstresult:
+                break
+    return results
+
+
+def call_hooks(hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """(plugin name, result) of every implementation of `hook_name` that returned something, in pluggy's order."""
+    return _call_each(hook_name, False, kwargs)
+
+
+def call_first(hook_name: str, **kwargs: Any) -> tuple[str | None, Any]:
+    """(plugin name, result) of the first implementation that returns something other than None, else (None, None)."""
+    found = _call_each(hook_name, True, kwargs)
+    return found[0] if found else (None, None)
 
 
 def _selected(name: str) -> bool:
@@ -102,15 +203,17 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
     """Registers every installed plugin; a broken one is recorded with its error and the rest still load."""
     from importlib_metadata import entry_points
 
-    strict = os.environ.get("DECODEKIT_STRICT_PLUGINS", "") not in ("", "0")
+    strict = _strict()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if not _selected(ep.name) or pm.get_plugin(ep.name) is not None:
             continue
         dist = f"{ep.dist.name}=={ep.dist.version}" if ep.dist is not None else ep.value
         try:
             plugin = ep.load()
-            pm.register(plugin, name=ep.name)
-        except Exception as e:  # any failure in someone else's package must not stop decodekit
+            checked_register(pm, plugin, ep.name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # any failure in someone else's package, SystemExit too, must not stop decodekit
             if strict:
                 raise PluginLoadError(f"plugin {ep.name!r} ({dist}, {ep.value}) failed to load: {e}") from e
             message = f"{type(e).__name__}: {e}"
@@ -120,11 +223,17 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
         _record(ep.name, plugin, "package", dist)
 
 
-def register(plugin: Any, name: str | None = None) -> str:
-    """Register a plugin object or module for every later generate() call; returns its name."""
+def register(plugin: Any, name: str | None = None, *, scope: str = "process") -> str:
+    """Register a plugin object or module for every later generate() call; returns its name. PluginError if a
+    hook of it names no hookspec. scope="call" is for a method registered around one call (custom_generate):
+    its failures propagate instead of disabling it."""
     pm = get_plugin_manager()
-    registered = pm.register(plugin, name=name)
-    _record(registered, plugin, "runtime", getattr(plugin, "__module__", None) or getattr(plugin, "__name__", ""))
+    with _lock:
+        registered = checked_register(pm, plugin, name)
+        if scope == "call":
+            _propagating.add(registered)
+        else:
+            _record(registered, plugin, "runtime", getattr(plugin, "__module__", None) or getattr(plugin, "__name__", ""))
     return registered
 
 
@@ -132,27 +241,38 @@ def unregister(name: str) -> None:
     pm = get_plugin_manager()
     if pm.get_plugin(name) is None:
         raise ValueError(f"No plugin named {name!r} is registered; registered: {sorted(n for n, _ in pm.list_name_plugin())}.")
-    pm.unregister(name=name)
-    _records.pop(name, None)
+    with _lock:
+        pm.unregister(name=name)
+        _records.pop(name, None)
+        _propagating.discard(name)
 
 
 def hooks_of(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
     return sorted(caller.name for caller in pm.get_hookcallers(plugin) or ())
 
 
-def config_fields_of(plugin: Any) -> dict[str, Any]:
-    impl = getattr(plugin, "decodekit_config_fields", None)
-    return dict(impl() or {}) if callable(impl) else {}
+def _declared_fields() -> dict[str, dict[str, Any]]:
+    """{plugin name: the fields it declares}; a plugin whose declaration fails is disabled (see module doc)."""
+    out = {}
+    for name, declared in call_hooks("decodekit_config_fields"):
+        try:
+            out[name] = dict(declared)
+        except (TypeError, ValueError) as error:
+            if name in _propagating or _strict():
+                raise PluginError(f"plugin {name!r}: decodekit_config_fields returned {declared!r}, not a dict") from error
+            _disable(get_plugin_manager(), name, "decodekit_config_fields", error)
+    return out
 
 
 def plugin_records() -> list[PluginRecord]:
-    """Every registered plugin (with its hooks and the kwargs it accepts) and every one that failed to load."""
+    """Every registered plugin (with its hooks and the kwargs it accepts) and every one that failed."""
+    fields = _declared_fields()  # first: a plugin that fails here is listed with its error, not as working
     pm = get_plugin_manager()
     out = []
     for name, plugin in pm.list_name_plugin():
         record = _records.get(name) or PluginRecord(name, "runtime", description=describe(plugin))
         record.hooks = hooks_of(pm, plugin)
-        record.kwargs = config_fields_of(plugin)
+        record.kwargs = fields.get(name, {})
         out.append(record)
     out.extend(r for r in _records.values() if r.error is not None)
     return out
@@ -160,15 +280,15 @@ def plugin_records() -> list[PluginRecord]:
 
 def config_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    for declared in get_plugin_manager().hook.decodekit_config_fields():
-        fields.update(declared or {})
+    for declared in _declared_fields().values():
+        fields.update(declared)
     return fields
 
 
 def cache_implementations() -> tuple[str, ...]:
     names: list[str] = []
-    for declared in get_plugin_manager().hook.decodekit_cache_implementations():
-        names.extend(n for n in declared or () if n not in names)
+    for _, declared in call_hooks("decodekit_cache_implementations"):
+        names.extend(n for n in declared if n not in names)
     return tuple(names)
 
 
@@ -178,3 +298,4 @@ def reset() -> None:
     with _lock:
         _manager = None
         _records.clear()
+        _propagating.clear()

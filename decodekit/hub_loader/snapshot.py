@@ -1,0 +1,193 @@
+"""A method's files read once: hashed and copied, in the same read, into a private read-only snapshot, which
+is what the trust gate checks and what gets imported.
+
+So the code that runs is byte for byte the code that was hashed: a file changed after the read (by an
+editor, a `git checkout`, another process) reaches neither the hash of this call nor its import. What is
+read, and what is refused:
+- every file under custom_generate/, symlinks followed (a symlinked file or folder is read through its link,
+  and the listing shows where it points; a link loop is refused);
+- `__pycache__/` folders are skipped: the snapshot is imported from its own source, so no bytecode that
+  came with the method ever runs;
+- bytecode without its source (.pyc, .pyo) and native extensions (.so, .pyd, .dylib, .dll) are refused:
+  they cannot be reviewed, and a hash of them says nothing about what they do;
+- a file over MAX_FILE_BYTES, or files over MAX_TOTAL_BYTES together, are refused before they are read
+  whole (DECODEKIT_MAX_METHOD_BYTES raises the total).
+
+Snapshots live in a private temporary folder of this process (one per content hash, removed at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+import threading
+from pathlib import Path
+
+from .trust import UntrustedCodeError, content_hash
+
+CHUNK = 1 << 20
+MAX_FILE_BYTES = 16 << 20
+TOTAL_VARIABLE = "DECODEKIT_MAX_METHOD_BYTES"
+REFUSED_SUFFIXES = {".pyc": "bytecode", ".pyo": "bytecode", ".so": "a native extension", ".pyd": "a native extension",
+                    ".dylib": "a native library", ".dll": "a native library"}
+SKIPPED_DIRS = {"__pycache__"}
+
+
+class MethodFilesError(UntrustedCodeError):
+    """A method's folder holds something decodekit will not run or read: bytecode, a native extension, a
+    file or folder over the size limits, a symlink loop."""
+
+
+def max_total_bytes() -> int:
+    value = os.environ.get(TOTAL_VARIABLE, "")
+    if not value:
+        return 64 << 20
+    if not value.isdigit():
+        raise ValueError(f"{TOTAL_VARIABLE}={value!r} is invalid; expected a number of bytes.")
+    return int(value)
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _walk(method_dir: Path, label: str):
+    """(relative posix name, path) of every file to read, sorted, symlinked folders followed once."""
+    seen_dirs: set[str] = set()
+    found = []
+
+    def visit(folder: Path, prefix: str) -> None:
+        real = os.path.realpath(folder)
+        if real in seen_dirs:
+            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} is a symlink loop back to {real}; "
+                                   "a method's folder may not link into itself.")
+        seen_dirs.add(real)
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            name = prefix + entry.name
+            if entry.is_dir():  # follows a symlinked folder
+                if entry.name not in SKIPPED_DIRS:
+                    visit(Path(entry.path), name + "/")
+                continue
+            if not entry.is_file():
+                if entry.is_symlink():
+                    raise MethodFilesError(f"`{label}`: custom_generate/{name} is a symlink to "
+                                           f"{os.readlink(entry.path)}, which does not exist.")
+                continue  # sockets, fifos: nothing Python imports
+            why = REFUSED_SUFFIXES.get(Path(entry.name).suffix.lower())
+            if why is not None:
+                raise MethodFilesError(
+                    f"`{label}`: custom_generate/{name} is {why}. decodekit runs a method from its Python source only, "
+                    "so that what runs is what can be read and hashed; remove the file (or ship the source).")
+            found.append((name, Path(entry.path)))
+        seen_dirs.discard(real)  # the same folder linked twice side by side is fine; only a loop is not
+
+    visit(method_dir, "")
+    return found
+
+
+class _Snapshots:
+    """This process's snapshots, one folder per content hash."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._root: Path | None = None
+        self._by_hash: dict[str, Path] = {}
+
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="decodekit-methods-"))
+            atexit.register(_remove, self._root)
+        return self._root
+
+    def take(self, method_dir: Path, label: str, show_links: bool):
+        files = _walk(method_dir, label)
+        limit_total, total = max_total_bytes(), 0
+        for name, path in files:  # sizes first: a refusal reads nothing
+            size = path.stat().st_size
+            total += size
+            if size > MAX_FILE_BYTES:
+                raise MethodFilesError(f"`{label}`: custom_generate/{name} is {_size(size)}; a method's file may be at "
+                                       f"most {_size(MAX_FILE_BYTES)}. Keep data and weights out of custom_generate/.")
+        if total > limit_total:
+            raise MethodFilesError(f"`{label}`: custom_generate/ holds {_size(total)}; a method may hold at most "
+                                   f"{_size(limit_total)} ({TOTAL_VARIABLE} raises the limit).")
+        with self._lock:
+            scratch = Path(tempfile.mkdtemp(dir=self.root(), prefix="taking-"))
+        try:
+            listing, links, total = [], {}, 0
+            for name, path in files:
+                target = scratch / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                digest, size = hashlib.sha256(), 0
+                with open(path, "rb") as src, open(target, "wb") as dst:
+                    while chunk := src.read(CHUNK):
+                        size += len(chunk)
+                        total += len(chunk)
+                        if size > MAX_FILE_BYTES or total > limit_total:  # it grew while being read
+                            raise MethodFilesError(f"`{label}`: custom_generate/{name} grew past the size limit while "
+                                                   "it was read; read it again once it stops changing.")
+                        digest.update(chunk)
+                        dst.write(chunk)
+                listing.append((name, digest.hexdigest()))
+                if show_links and (path.is_symlink() or any(p.is_symlink() for p in _parents(path, method_dir))):
+                    links[name] = os.path.realpath(path)
+            revision = content_hash(listing)
+            with self._lock:
+                final = self._by_hash.get(revision)
+                if final is None:
+                    final = self.root() / revision
+                    _make_read_only(scratch)
+                    os.rename(scratch, final)
+                    self._by_hash[revision] = final
+                    scratch = None
+        finally:
+            if scratch is not None:
+                _remove(scratch)
+        return final, tuple(listing), links, revision
+
+
+def _parents(path: Path, top: Path):
+    """The folders between `top` (exclusive) and `path`."""
+    parent = path.parent
+    while parent != top and top in parent.parents:
+        yield parent
+        parent = parent.parent
+
+
+def _make_read_only(folder: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), stat.S_IRUSR | stat.S_IRGRP)
+    for dirpath, dirnames, _ in os.walk(folder, topdown=False):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), stat.S_IRUSR | stat.S_IXUSR)
+    os.chmod(folder, stat.S_IRUSR | stat.S_IXUSR)
+
+
+def _remove(folder: Path) -> None:
+    def writable_then_retry(function, path, _):
+        os.chmod(os.path.dirname(path), stat.S_IRWXU)
+        os.chmod(path, stat.S_IRWXU)
+        function(path)
+
+    if os.path.exists(folder):
+        os.chmod(folder, stat.S_IRWXU)
+        shutil.rmtree(folder, onerror=writable_then_retry)
+
+
+_snapshots = _Snapshots()
+
+
+def take_snapshot(method_dir: Path, label: str, show_links: bool = True):
+    """Reads `method_dir` once into a read-only snapshot. Returns (snapshot folder, ((name, sha256), ...),
+    {name: where a symlinked file really is}, content hash). The snapshot folder holds the files under their
+    names; the same content taken twice in a process gives the same folder."""
+    return _snapshots.take(Path(method_dir), label, show_links)

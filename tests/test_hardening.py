@@ -1,0 +1,340 @@
+"""Hardening: the trust gate covers every byte that runs, one broken plugin cannot break generate(), and
+bad values are clear errors. Each case here was reproduced against the earlier code first."""
+
+import os
+import py_compile
+import resource
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import decodekit
+from decodekit.hub_loader import UntrustedCodeError, load_method
+from decodekit.hub_loader.snapshot import MethodFilesError
+from decodekit.registry import manager
+from decodekit.registry.manager import PluginError
+
+from helpers import TableModel
+from methods import write_method
+
+# A method whose generate() says which version of it ran.
+VERSIONED = '''
+def generate(model, input_ids, **kwargs):
+    return "{marker}"
+'''
+EVIL = 'def generate(model, input_ids, **kwargs):\n    return "evil"\n'
+
+
+def versioned(root, marker, **kw):
+    return write_method(root, VERSIONED.format(marker=marker), **kw)
+
+
+@pytest.fixture
+def model():
+    return TableModel(torch.eye(8) * 4 + torch.roll(torch.eye(8), 1, dims=1) * 5)  # token i -> i+1
+
+
+PROMPT = torch.tensor([[1, 2]])
+
+
+def run(model, repo, trust=True, **kwargs):
+    return model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=trust, **kwargs)
+
+
+# ---- the trust gate ----
+
+
+def test_bytecode_in_pycache_never_runs(model, tmp_path):
+    repo = versioned(tmp_path / "m", "source")
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL)
+    cache = repo / "custom_generate" / "__pycache__"
+    cache.mkdir()
+    tag = sys.implementation.cache_tag
+    # Unchecked-hash bytecode is what Python would load for generate.py without looking at the source.
+    py_compile.compile(str(evil), cfile=str(cache / f"generate.{tag}.pyc"),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    assert run(model, repo) == "source"
+    assert all("__pycache__" not in name for name, _ in load_method(str(repo), True).source.files)
+
+
+@pytest.mark.parametrize("name", ["helper.pyc", "fast.so", "sub/native.cpython-311-x86_64-linux-gnu.so", "old.pyo"])
+def test_sourceless_bytecode_and_native_extensions_are_refused(model, tmp_path, name):
+    repo = versioned(tmp_path / "m", "source")
+    path = repo / "custom_generate" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(MethodFilesError, match=f"custom_generate/{name} is (bytecode|a native extension)"):
+        run(model, repo)
+
+
+def test_a_symlinked_folder_is_read_hashed_and_listed_so_a_pin_holds(model, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "__init__.py").write_text("")
+    (outside / "value.py").write_text("MARK = 'first'\n")
+    repo = write_method(tmp_path / "m", "from .shared.value import MARK\n\ndef generate(model, input_ids, **kw):\n    return MARK\n")
+    (repo / "custom_generate" / "shared").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(UntrustedCodeError) as refused:
+        run(model, repo, trust=None)
+    assert f"shared/value.py  sha256:" in str(refused.value) and f"a link to {outside / 'value.py'}" in str(refused.value)
+    pin = load_method(str(repo), True).source.revision
+    assert run(model, repo, trust=pin) == "first"
+    (outside / "value.py").write_text("MARK = 'second'\n")  # the target changes under the same pin
+    with pytest.raises(UntrustedCodeError, match="changed since you pinned it"):
+        run(model, repo, trust=pin)
+
+
+def test_a_symlink_loop_is_refused(model, tmp_path):
+    repo = versioned(tmp_path / "m", "source")
+    (repo / "custom_generate" / "loop").symlink_to(repo / "custom_generate", target_is_directory=True)
+    with pytest.raises(MethodFilesError, match="symlink loop"):
+        run(model, repo)
+
+
+def test_what_runs_is_what_was_hashed_while_the_file_is_swapped(model, tmp_path):
+    # Another writer flips generate.py between two contents while pinned calls run: every call either runs
+    # the pinned content or is refused; never the other content, and never later from the module cache.
+    repo = versioned(tmp_path / "m", "trusted")
+    generate_py = repo / "custom_generate" / "generate.py"
+    trusted, swapped = generate_py.read_text(), VERSIONED.format(marker="swapped")
+    pin = load_method(str(repo), True).source.revision
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            for text in (swapped, trusted):
+                scratch = generate_py.with_suffix(".tmp")
+                scratch.write_text(text)
+                os.replace(scratch, generate_py)
+                generate_py.write_text(text)  # and in place, so a read may see a partial file
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    outcomes = {"trusted": 0, "refused": 0}
+    try:
+        for _ in range(300):
+            # Forget the imported method each time, so every call imports (the cache would hide the race).
+            for name in [m for m in sys.modules if m.startswith("_decodekit_method_")]:
+                del sys.modules[name]
+            try:
+                result = run(model, repo, trust=pin)
+            except (UntrustedCodeError, SyntaxError, FileNotFoundError):
+                outcomes["refused"] += 1
+                continue
+            assert result == "trusted"
+            outcomes["trusted"] += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert outcomes["trusted"] > 0, outcomes
+    generate_py.write_text(swapped)
+    with pytest.raises(UntrustedCodeError):
+        run(model, repo, trust=pin)
+
+
+def test_a_huge_file_is_refused_before_it_is_read(model, tmp_path):
+    repo = versioned(tmp_path / "m", "source")
+    huge = repo / "custom_generate" / "weights.bin"
+    with open(huge, "wb") as f:
+        f.truncate(3 << 30)  # sparse: 3 GiB by its size, nothing on disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(MethodFilesError, match=r"weights.bin is 3.0 GiB; a method's file may be at most 16.0 MiB"):
+        run(model, repo, trust=None)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was read whole
+
+
+def test_many_files_over_the_total_are_refused(model, tmp_path, monkeypatch):
+    repo = versioned(tmp_path / "m", "source")
+    for i in range(3):
+        (repo / "custom_generate" / f"data{i}.txt").write_bytes(b"x" * 4096)
+    monkeypatch.setenv("DECODEKIT_MAX_METHOD_BYTES", "8000")
+    with pytest.raises(MethodFilesError, match=r"holds 12.1 KiB; a method may hold at most 7.8 KiB \(DECODEKIT_MAX_METHOD_BYTES"):
+        run(model, repo)
+
+
+def test_trust_values_that_are_no_revision_get_their_own_message(model, tmp_path):
+    repo = versioned(tmp_path / "m", "source")
+    revision = load_method(str(repo), True).source.revision
+    for value in ("yes", "True", "main"):
+        with pytest.raises(ValueError, match=rf"trust_remote_code={value!r} is invalid .*expected True, False, or a "
+                                             r"revision to pin, which for a local directory is its content hash"):
+            run(model, repo, trust=value)
+    with pytest.raises(UntrustedCodeError, match=rf"is a prefix of its content hash.*trust_remote_code='{revision}'"):
+        run(model, repo, trust=revision[:12])
+    with pytest.raises(ValueError, match=r"trust_remote_code=1 is invalid"):
+        run(model, repo, trust=1)
+    assert run(model, repo, trust=revision.upper()) == "source"
+
+
+def test_a_hub_repo_bytecode_never_runs_and_sourceless_is_refused(model, hub, tmp_path):
+    repo = versioned(tmp_path / "m", "source")
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL)
+    pyc = tmp_path / "generate.pyc"
+    py_compile.compile(str(evil), cfile=str(pyc), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    files = {p.relative_to(repo).as_posix(): p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    files[f"custom_generate/__pycache__/generate.{sys.implementation.cache_tag}.pyc"] = pyc.read_bytes()
+    sha = hub.repos.push("acme/pyc", files)
+    assert model.generate(PROMPT, custom_generate="acme/pyc", trust_remote_code=sha) == "source"
+    with pytest.raises(ValueError, match="for a Hub repo is a commit sha"):
+        model.generate(PROMPT, custom_generate="acme/pyc", trust_remote_code="yes")
+    files["custom_generate/helper.pyc"] = pyc.read_bytes()
+    hub.repos.push("acme/pyc", files)
+    with pytest.raises(MethodFilesError, match="custom_generate/helper.pyc is bytecode"):
+        model.generate(PROMPT, custom_generate="acme/pyc", trust_remote_code=True)
+
+
+# ---- plugins that break ----
+
+
+class Baseline:
+    """Adds nothing: a plugin shape the broken ones below derive from."""
+
+
+def broken_plugin(hook: str, error: BaseException):
+    source = {
+        "decodekit_config_fields": "def decodekit_config_fields():\n    raise ERROR\n",
+        "decodekit_validate_config": "def decodekit_validate_config(generation_config):\n    raise ERROR\n",
+        "decodekit_logits_processors": "def decodekit_logits_processors(generation_config):\n    raise ERROR\n",
+        "decodekit_token_selector": "def decodekit_token_selector(generation_config):\n    raise ERROR\n",
+        "decodekit_stopping_criteria": "def decodekit_stopping_criteria(generation_config):\n    raise ERROR\n",
+        "decodekit_cache": "def decodekit_cache(generation_config, context):\n    raise ERROR\n",
+        "decodekit_decoding_loop": "def decodekit_decoding_loop(generation_config):\n    raise ERROR\n",
+        "decodekit_next_token_logits": "def decodekit_next_token_logits(generation_config):\n    raise ERROR\n",
+    }[hook]
+    namespace = {"ERROR": error}
+    exec(source, namespace)
+    plugin = type("Broken", (), {hook: staticmethod(decodekit.hookimpl(namespace[hook]))})
+    return plugin
+
+
+@pytest.fixture
+def clean_manager():
+    manager.reset()
+    yield
+    manager.reset()
+
+
+HOOKS = ["decodekit_config_fields", "decodekit_validate_config", "decodekit_logits_processors", "decodekit_token_selector",
+         "decodekit_stopping_criteria", "decodekit_cache", "decodekit_decoding_loop", "decodekit_next_token_logits"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), SystemExit(3), AttributeError("no attribute x")],
+                         ids=["RuntimeError", "SystemExit", "AttributeError"])
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_plugin_that_raises_in_any_hook_is_disabled_and_the_rest_keep_working(model, clean_manager, hook, error):
+    baseline = model.generate(PROMPT, max_new_tokens=4)
+    decodekit.register(broken_plugin(hook, error), name="broken")
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=4), baseline)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=4), baseline)
+    record = {r.name: r for r in manager.plugin_records()}["broken"]
+    assert record.error.startswith(f"disabled after {hook} raised {type(error).__name__}")
+    assert manager.get_plugin_manager().get_plugin("broken") is None
+
+
+def test_strict_plugins_still_raise(model, clean_manager, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_STRICT_PLUGINS", "1")
+    decodekit.register(broken_plugin("decodekit_logits_processors", RuntimeError("boom")), name="broken")
+    with pytest.raises(RuntimeError, match="boom") as e:
+        model.generate(PROMPT, max_new_tokens=2)
+    assert "(raised by plugin 'broken' in decodekit_logits_processors)" in e.value.__notes__
+
+
+def test_keyboard_interrupt_is_never_swallowed(model, clean_manager):
+    decodekit.register(broken_plugin("decodekit_logits_processors", KeyboardInterrupt()), name="broken")
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(PROMPT, max_new_tokens=2)
+
+
+def test_a_plugin_failing_at_import_with_system_exit_is_recorded_and_the_manager_is_built_once(
+        model, tmp_path, monkeypatch, clean_manager):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "dk_exits.py").write_text("import sys\nsys.exit('no thanks')\n")
+    info = site / "dk_exits-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dk-exits\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[decodekit]\nexits = dk_exits\n")
+    monkeypatch.syspath_prepend(str(site))
+    manager.reset()
+    first = manager.get_plugin_manager()
+    assert model.generate(PROMPT, max_new_tokens=2).tolist() == [[1, 2, 3, 4]]
+    assert manager.get_plugin_manager() is first  # not rebuilt by the next call
+    assert {r.name: r for r in manager.plugin_records()}["exits"].error == "SystemExit: no thanks"
+
+
+def test_a_misspelt_hook_is_an_error_of_that_plugin(clean_manager):
+    misspelt = type("Misspelt", (), {"decodekit_logit_processors": staticmethod(decodekit.hookimpl(lambda: []))})
+    with pytest.raises(PluginError, match="decodekit_logit_processors is not a decodekit hook "
+                                          r"\(did you mean decodekit_logits_processors\?\)"):
+        decodekit.register(misspelt, name="misspelt")
+    assert manager.get_plugin_manager().get_plugin("misspelt") is None
+
+
+def test_a_hook_wrapper_is_refused(clean_manager):
+    def wrapper(generation_config):
+        yield
+
+    plugin = type("Wraps", (), {"decodekit_logits_processors": staticmethod(decodekit.hookimpl(wrapper, wrapper=True))})
+    with pytest.raises(PluginError, match="decodekit_logits_processors is a hook wrapper"):
+        decodekit.register(plugin, name="wraps")
+
+
+def processor_plugin(processor=None, selector=None):
+    hooks = {}
+    if processor is not None:
+        hooks["decodekit_logits_processors"] = staticmethod(decodekit.hookimpl(lambda: [processor]))
+    if selector is not None:
+        hooks["decodekit_token_selector"] = staticmethod(decodekit.hookimpl(lambda: selector))
+    return type("Outputs", (), hooks)
+
+
+def one_row(input_ids, scores):
+    return scores[:1]
+
+
+def narrow(input_ids, scores):
+    return scores[:, :5]
+
+
+def flat(input_ids, scores):
+    return scores[0]
+
+
+def as_double(input_ids, scores):
+    return scores.double()
+
+
+@pytest.mark.parametrize("processor", [one_row, narrow, flat, as_double])
+def test_a_processor_returning_the_wrong_shape_or_dtype_names_its_plugin(model, clean_manager, processor):
+    batch = torch.tensor([[1, 2], [3, 4]])
+    baseline = model.generate(batch, max_new_tokens=3)
+    decodekit.register(processor_plugin(processor=processor), name="shapes")
+    with pytest.raises(PluginError, match=rf"the logits processor {processor.__name__} of plugin 'shapes' returned .*"
+                                          r"a torch.float32 tensor \[batch, vocab\] = \[2, 8\]"):
+        model.generate(batch, max_new_tokens=3)
+    decodekit.unregister("shapes")
+    assert torch.equal(model.generate(batch, max_new_tokens=3), baseline)
+
+
+def test_a_selector_returning_one_token_for_two_rows_names_its_plugin(model, clean_manager):
+    decodekit.register(processor_plugin(selector=lambda input_ids, scores: torch.tensor([3])), name="one_token")
+    with pytest.raises(PluginError, match=r"the token selector function of plugin 'one_token' returned Tensor of shape "
+                                          r"\(1,\).*one integer token id per row, a tensor \[2\]"):
+        model.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=3)
+
+
+def test_an_exception_inside_a_processor_carries_the_plugin_name(model, clean_manager):
+    def explodes(input_ids, scores):
+        if input_ids.shape[1] > 3:
+            raise IndexError("index 99 is out of bounds")
+        return scores
+
+    decodekit.register(processor_plugin(processor=explodes), name="explodes")
+    with pytest.raises(IndexError) as e:
+        model.generate(PROMPT, max_new_tokens=5)  # fails at the third step, after the first-step check
+    assert "(raised by the logits processor explodes of plugin 'explodes')" in e.value.__notes__

@@ -1,0 +1,96 @@
+"""Property: whatever values generate() is given, the outcome is a result or a ValueError/TypeError whose
+message names a field it was given; never another exception, never a hang (hypothesis drives it)."""
+
+import math
+import signal
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decodekit.testing import tiny_model
+
+AWKWARD = [None, True, False, 0, 1, -1, 2, 3, 7, 95, 96, 10**9, 10**12, 10**30, -(10**9), 0.0, 0.5, 1.0, 1.5, 2.0, -0.5,
+           1e-30, 1e30, math.nan, math.inf, -math.inf, "3", "", "greedy", [], [1], [[1]], [[10**9]], [1, 2], {}, {(8,): 1.0},
+           {(8,): math.nan}, {(10**9,): 1.0}, (5,), object()]
+
+FIELDS = ["max_new_tokens", "max_length", "min_length", "min_new_tokens", "max_time", "do_sample", "num_return_sequences",
+          "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
+          "bad_words_ids", "suppress_tokens", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id",
+          "eos_token_id", "pad_token_id", "num_beams", "num_beam_groups", "diversity_penalty", "length_penalty",
+          "early_stopping", "penalty_alpha", "prompt_lookup_num_tokens", "max_matching_ngram_size", "guidance_scale",
+          "dola_layers", "stop_strings", "seed", "use_cache", "cache_implementation", "output_scores",
+          "return_dict_in_generate", "compile", "num_assistant_tokens"]
+
+# Strategy combinations the values are laid over: each turns on one loop.
+BASES = [{}, {"do_sample": True, "seed": 1}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2},
+         {"penalty_alpha": 0.5, "top_k": 3}, {"dola_layers": "high"}, {"guidance_scale": 1.5}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("fuzz"), "llama")
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Hang()
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(base=st.sampled_from(BASES),
+       values=st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(AWKWARD), min_size=1, max_size=3))
+def test_every_outcome_is_a_result_or_an_error_naming_a_field(model, base, values):
+    kwargs = {"max_new_tokens": 4, **base, **values}
+    if kwargs.get("compile") is True:
+        kwargs["compile"] = False  # compiling is covered elsewhere; here it would only slow the search
+    prompt = torch.tensor([[5, 9, 14]])
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)
+    try:
+        model.generate(prompt, **kwargs)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        named = [name for name in kwargs if name in message] + (["seed"] if "seed" in message else [])
+        assert named, f"{type(error).__name__} names none of {sorted(kwargs)}: {message}"
+    except Hang:
+        pytest.fail(f"generate() ran for over 20 s with {kwargs}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# The outcomes the issue reproduced (an IndexError deep inside, an allocator's error, a silent nan), each now a
+# ValueError naming the field.
+@pytest.mark.parametrize("kwargs,field", [
+    ({"forced_eos_token_id": 10**9}, "forced_eos_token_id"),
+    ({"sequence_bias": {(10**9,): 1.0}}, "sequence_bias"),
+    ({"num_beams": 10**9}, "num_beams"),
+    ({"num_return_sequences": 10**9, "do_sample": True}, "num_return_sequences"),
+    ({"max_new_tokens": 10**12}, "max_new_tokens"),
+    ({"seed": 10**30}, "seed"),
+    ({"prompt_lookup_num_tokens": 2, "num_beams": "3"}, "num_beams"),
+    ({"guidance_scale": math.nan}, "guidance_scale"),
+    ({"sequence_bias": {(8,): math.nan}}, "sequence_bias"),
+    ({"num_beams": 2, "length_penalty": math.nan}, "length_penalty"),
+    ({"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": math.nan}, "diversity_penalty"),
+    ({"max_time": math.nan}, "max_time"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"temperature": math.inf, "do_sample": True}, "temperature"),
+])
+def test_reproduced_bad_values_are_errors_naming_the_field(model, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=kwargs.pop("max_new_tokens", 4), **kwargs)
+
+
+def test_input_warnings_for_right_padding_without_a_mask_and_prompts_past_the_context(model, caplog):
+    right_padded = torch.tensor([[5, 9, 14], [7, 8, 0]])
+    with caplog.at_level("WARNING", logger="decodekit"):
+        model.generate(right_padded, max_new_tokens=2, pad_token_id=0)
+        model.generate(torch.randint(3, 90, (1, 520)), max_new_tokens=2)
+    assert "ends with the pad token 0 and no attention_mask was given" in caplog.text
+    assert "The prompt has 520 tokens, more than the model's context of 512" in caplog.text

@@ -2,6 +2,9 @@
 where its probes say, and gives what the reference computes. Settings this machine cannot run are skipped
 with the missing CPU feature as the reason."""
 
+import json
+import time
+
 import pytest
 import torch
 
@@ -94,3 +97,48 @@ def test_forced_answers_are_restored_afterwards():
     with cpu.forced(native_kernels=False, onednn_bf16=False):
         assert not cpu.has("native_kernels") and not native.loaded()
     assert cpu._answers == before
+
+
+@pytest.mark.parametrize("route", ["int8pack", "float32"])
+def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
+    from decodekit.models import choices
+
+    reference = tiny_model(tmp_path, "llama", intermediate_size=128)
+    expected = logits(reference, LONG)
+    model = quantize(tiny_model(tmp_path, "llama", intermediate_size=128), "int8")
+    with choices.forced(int8_many_rows=route):
+        assert relative_error(logits(model, LONG), expected) < 0.03
+        assert (calls(lambda: logits(model, LONG), "aten::_weight_int8pack_mm") > 0) == (route == "int8pack")
+
+
+def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from decodekit.models import choices
+
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choices, "_made", {})
+    runs = {"slow": 0, "fast": 0}
+
+    def candidate(label, seconds):
+        def run():
+            runs[label] += 1
+            time.sleep(seconds)
+        return run
+
+    candidates = {"slow": candidate("slow", 0.004), "fast": candidate("fast", 0.0)}
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        assert choices.choose("demo", candidates) == "fast"
+    assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == 6  # a warm-up and 5 timed
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6  # remembered in this process
+    stored = json.loads((tmp_path / "choices.json").read_text())
+    assert stored == {cpu.signature(): {"demo": "fast"}}
+    monkeypatch.setattr(choices, "_made", {})  # a new process on the same machine reads the file
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6
+    monkeypatch.setattr(choices, "_made", {})
+    monkeypatch.setenv("DECODEKIT_CHOICES", "measure")
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 12
+    choices.clear()
+    assert not (tmp_path / "choices.json").exists() and choices._made == {}
+    with choices.forced(demo="slow"):
+        assert choices.choose("demo", candidates) == "slow"

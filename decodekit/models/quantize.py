@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import native
+from . import choices, native
 from .linear import one_row
 
 QUANTIZATIONS = ("int8",)
@@ -94,14 +94,40 @@ class Int8Linear(nn.Module):
         else:
             if self.input_order is not None:
                 flat = flat[:, self.input_order]
+            route = many_rows_route() if flat.device.type == "cpu" and flat.shape[0] > native.MAX_ROWS else "int8pack"
             # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
             # wrong sums or crashed (torch 2.13).
-            if flat.device.type == "cpu" and self.in_features % 8 == 0:
+            if route == "int8pack" and flat.device.type == "cpu" and self.in_features % 8 == 0:
                 y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
-            else:  # convert, then matmul
+            elif route == "float32":
+                y = flat.float() @ self.weight_int8.float().t()
+            else:  # a width PyTorch's kernel does not take: convert, then matmul
                 y = flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def many_rows_route() -> str:
+    """How an int8 product of many rows (a prompt's prefill) runs on this CPU, measured once (choices.py):
+    "int8pack" (PyTorch's int8-weight kernel) or "float32" (the weight converted, then the fp32 matmul; one pass
+    over the weight, which a few hundred rows repay where int8pack is slow). A third route, converting to bf16
+    for oneDNN's bf16 matmul, was faster still on an AVX512-BF16 CPU but lost precision: the default model's
+    int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack) and 1.6% (float32), so it is not offered."""
+    name = "int8_many_rows"
+    if name in choices._made or name in choices._forced:
+        return choices.choose(name, {})
+    if torch.compiler.is_compiling():  # no measuring inside a trace; eager prefills normally decide first
+        return "int8pack"
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 576, generator=generator)  # a prompt of 256 tokens through a default-model-sized layer
+    weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
+    ones = torch.ones(1536, dtype=torch.bfloat16)
+    candidates = {
+        "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
+        "float32": lambda: x @ weight.float().t(),
+    }
+    with torch.inference_mode():
+        return choices.choose(name, candidates)
 
 
 def quantize(model: nn.Module, method: str) -> nn.Module:

@@ -1,0 +1,113 @@
+"""Speed choices that no rule of thumb settles, measured on this machine at first use and cached with its CPU.
+
+Which kernel is fastest for a product depends on the CPU (AVX2 only, AVX-512, AVX512-BF16, AMX), the
+thread count and the torch build: a choice tuned on one machine is wrong on another. `choose(name,
+candidates)` times each candidate on a small representative problem the first time `name` is asked for,
+keeps the fastest, logs the choice on the `decodekit` logger, and caches it in memory and in
+`choices.json` under the kernels' cache folder, keyed by cpu.signature() (CPU model, flags, torch version,
+threads), so the next process on the same machine does not measure again.
+
+    DECODEKIT_CHOICES=measure   measure again now, ignoring the file (it is rewritten)
+    clear()                     forget every cached choice (memory and file)
+    forced(name=candidate)      a test pins a choice for the duration
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import cpu
+
+logger = logging.getLogger("decodekit")
+
+VARIABLE = "DECODEKIT_CHOICES"
+_lock = threading.Lock()
+_made: dict[str, str] = {}
+_forced: dict[str, str] = {}
+
+
+def cache_file() -> Path:
+    from .native import cache_dir
+
+    return cache_dir() / "choices.json"
+
+
+def _read() -> dict:
+    try:
+        return json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(name: str, choice: str) -> None:
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stored = _read()
+        stored.setdefault(cpu.signature(), {})[name] = choice
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(scratch, path)  # never a half-written file for another process
+    except OSError as error:
+        logger.info("decodekit: could not cache the choice %s=%s (%s)", name, choice, error)
+
+
+def _time(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # warm-up: first-call costs (allocation, oneDNN's primitive cache) are not the kernel's
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
+    """The fastest of `candidates` ({label: a call of a representative problem}) for `name` on this machine."""
+    if name in _forced:
+        return _forced[name]
+    made = _made.get(name)
+    if made is not None:
+        return made
+    with _lock:
+        if name in _made:
+            return _made[name]
+        remeasure = os.environ.get(VARIABLE) == "measure"
+        stored = {} if remeasure else _read().get(cpu.signature(), {})
+        choice = stored.get(name)
+        if choice not in candidates:
+            timings = {label: _time(fn) for label, fn in candidates.items()}
+            choice = min(timings, key=timings.get)
+            logger.info("decodekit: %s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
+                        ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))
+            _write(name, choice)
+        _made[name] = choice
+        return choice
+
+
+def clear() -> None:
+    """Forgets every choice, in memory and in the cache file: the next use measures again."""
+    with _lock:
+        _made.clear()
+        with contextlib.suppress(OSError):
+            cache_file().unlink()
+
+
+@contextlib.contextmanager
+def forced(**pinned: str):
+    """Pins choices for the duration: `forced(int8_prefill="float32")`."""
+    saved = dict(_forced)
+    _forced.update(pinned)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)

@@ -1,0 +1,132 @@
+"""The machine, the paths decodekit chose on it, and decode and prefill speed against transformers, in one run
+of a few minutes (the default model, same GGUF weights, same threads).
+
+    python bench/bench_quick.py [--runs 3] [--new-tokens 64] [--threads 2]
+
+Every figure is the median of `runs` rounds run round-robin (order reversed every other round), so the
+machine's drift hits both libraries alike; ratios are medians of per-round ratios. Prints a table, then
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+import torch
+
+from bench_generate import PROMPT, interleaved
+
+
+def prefill_job(model, ids):
+    def run():
+        with torch.inference_mode():
+            model(ids, use_cache=True, logits_to_keep=1) if _takes_logits_to_keep(model) else model(ids, use_cache=True)
+    return run
+
+
+def _takes_logits_to_keep(model) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def decode_job(model, ids, new_tokens, **kwargs):
+    def run():
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    return run
+
+
+def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
+    from decodekit.models import choices, cpu, native
+    from decodekit.models.packed import PackedLinear
+
+    with torch.inference_mode():
+        for model in (ours_fp32, ours_bf16, ours_int8):
+            model(long_ids[:, :32], use_cache=False)  # an eager forward decides packing and the int8 route
+
+    def packed(model):
+        return any(isinstance(m, PackedLinear) for m in model.modules())
+
+    return {
+        "cpu": cpu.describe(),
+        "native_kernels": native.load() and cpu.has("native_kernels"),
+        "fp32_eager_weights": "oneDNN packed" if packed(ours_fp32) else "plain",
+        "bf16_eager_weights": "oneDNN packed" if packed(ours_bf16) else "plain (decodekit row kernels / float32 route)",
+        "int8_prefill_route": choices._made.get("int8_many_rows", "not chosen yet"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+
+    from decodekit import AutoModelForCausalLM, AutoTokenizer
+    from decodekit.models.default import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
+    ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
+    ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    text = " The quick brown fox jumps over the lazy dog, and the dog sleeps on." * 120
+    long_ids = torch.tensor([tok.encode(text)])
+    prompts = {n: long_ids[:, :n] for n in (256, 1024)}
+    paths = chosen_paths(ours["fp32"], ours["bf16"], ours["int8"], long_ids)
+
+    jobs = {}
+    for fmt, model in ours.items():
+        jobs[f"decode {fmt} eager"] = decode_job(model, ids, args.new_tokens)
+        for n, p in prompts.items():
+            jobs[f"prefill {n} {fmt}"] = prefill_job(model, p)
+    jobs["decode fp32 compiled"] = decode_job(ours["fp32"], ids, args.new_tokens, compile=True)
+    if not args.skip_transformers:
+        import transformers
+
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                dtype=torch.float32).eval()
+        ref.generation_config.pad_token_id = tok.pad_token_id
+        jobs["decode fp32 eager (transformers)"] = decode_job(ref, ids, args.new_tokens)
+        for n, p in prompts.items():
+            jobs[f"prefill {n} fp32 (transformers)"] = prefill_job(ref, p)
+    start = time.perf_counter()
+    timings = interleaved(jobs, args.runs)
+    rows = {}
+    for name in jobs:
+        seconds = timings.median(name)
+        per = args.new_tokens if name.startswith("decode") else 1
+        rows[name] = {"ms" + ("_per_token" if per > 1 else ""): round(1000 * seconds / per, 2)}
+    if not args.skip_transformers:
+        for fmt in ours:
+            rows[f"decode {fmt} eager"]["speedup_vs_transformers_fp32"] = round(
+                timings.ratio("decode fp32 eager (transformers)", f"decode {fmt} eager"), 3)
+            for n in prompts:
+                rows[f"prefill {n} {fmt}"]["speedup_vs_transformers_fp32"] = round(
+                    timings.ratio(f"prefill {n} fp32 (transformers)", f"prefill {n} {fmt}"), 3)
+        rows["decode fp32 compiled"]["speedup_vs_transformers_fp32"] = round(
+            timings.ratio("decode fp32 eager (transformers)", "decode fp32 compiled"), 3)
+    for name, row in rows.items():
+        extra = f"   {row['speedup_vs_transformers_fp32']:.2f}x transformers fp32" if "speedup_vs_transformers_fp32" in row else ""
+        value = row.get("ms_per_token", row.get("ms"))
+        print(f"{name:36s} {value:9.2f} {'ms/token' if 'ms_per_token' in row else 'ms'}{extra}", file=sys.stderr)
+    result = {"paths": paths, "threads": args.threads, "torch": torch.__version__, "runs": args.runs,
+              "new_tokens": args.new_tokens, "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

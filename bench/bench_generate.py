@@ -35,13 +35,9 @@ GROUNDED_MESSAGE = "Rename the variable `averages` to `result` in this Python fu
 
 
 def median_time(fn, runs: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from decodekit.models.choices import median_seconds
+
+    return median_seconds(fn, runs)
 
 
 class Timings:

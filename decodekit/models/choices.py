@@ -60,7 +60,8 @@ def _write(name: str, choice: str) -> None:
         logger.info("decodekit: could not cache the choice %s=%s (%s)", name, choice, error)
 
 
-def _time(fn: Callable[[], object], repeats: int = 5) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The median time of `repeats` calls of `fn`, after one untimed call."""
     fn()  # warm-up: first-call costs (allocation, oneDNN's primitive cache) are not the kernel's
     times = []
     for _ in range(repeats):
@@ -84,7 +85,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
         stored = {} if remeasure else _read().get(cpu.signature(), {})
         choice = stored.get(name)
         if choice not in candidates:
-            timings = {label: _time(fn) for label, fn in candidates.items()}
+            timings = {label: median_seconds(fn) for label, fn in candidates.items()}
             choice = min(timings, key=timings.get)
             logger.info("decodekit: %s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
                         ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))

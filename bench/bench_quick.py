@@ -58,7 +58,7 @@ def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
         "native_kernels": native.load() and cpu.has("native_kernels"),
         "fp32_eager_weights": "oneDNN packed" if packed(ours_fp32) else "plain",
         "bf16_eager_weights": "oneDNN packed" if packed(ours_bf16) else "plain (decodekit row kernels / float32 route)",
-        "int8_prefill_route": choices._made.get("int8_many_rows", "not chosen yet"),
+        "int8_prefill_route": choices.made("int8_many_rows") or "not chosen yet",
     }
 
 

@@ -5,7 +5,6 @@ import os
 import py_compile
 import resource
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -189,10 +188,6 @@ def test_a_hub_repo_bytecode_never_runs_and_sourceless_is_refused(model, hub, tm
 
 
 # ---- plugins that break ----
-
-
-class Baseline:
-    """Adds nothing: a plugin shape the broken ones below derive from."""
 
 
 def broken_plugin(hook: str, error: BaseException):

@@ -168,9 +168,8 @@ class GenerationMixin:
             raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        from ..registry.manager import call_first, call_hooks, get_plugin_manager
+        from ..registry.manager import call_first, call_hooks
 
-        pm = get_plugin_manager()
         context = GenerationContext(
             model=self, batch_size=input_ids.shape[0], prompt_length=prompt_length, max_length=max_length,
             device=input_ids.device, tokenizer=tokenizer, generator=generator,
@@ -182,7 +181,7 @@ class GenerationMixin:
         check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
         context = dataclasses.replace(context, batch_size=input_ids.shape[0])
-        pipeline = build_pipeline(pm, gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
+        pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
             return loop(self, input_ids, attention_mask, pipeline, gc, streamer, context)
         if custom_generate is not None:

@@ -44,8 +44,15 @@ def bytes_per_position(model) -> int:
     return 2 * layers * heads * head_dim * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def human_size(n: float) -> str:
+    """Bytes as a person reads them: 512 bytes, 12.1 KiB, 3.0 GiB."""
+    if n < 1024:
+        return f"{n} bytes"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def check_call_size(model, gc, prompts: int, rows_per_prompt: int, prompt_length: int, max_length: int) -> None:
@@ -66,5 +73,5 @@ def check_call_size(model, gc, prompts: int, rows_per_prompt: int, prompt_length
     if kept:
         fields.append("output_scores / output_logits keep every step's scores")
     raise ValueError(
-        f"generate() would need about {_gib(need)} ({'; '.join(fields)}), more than the {_gib(free)} available "
+        f"generate() would need about {human_size(need)} ({'; '.join(fields)}), more than the {human_size(free)} available "
         f"on {device}. Lower max_new_tokens, num_beams, num_return_sequences or the batch.")

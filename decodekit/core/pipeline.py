@@ -41,7 +41,7 @@ class Pipeline:
     next_token_logits: Any = last_position_logits
 
 
-def build_pipeline(pm, generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
+def build_pipeline(generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
     """Calls each hook point once (the config is already validated). User-supplied processors and criteria
     run after the plugins' ones. Each processor is tagged with the plugin that contributed it, and outputs
     are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector)."""

@@ -14,6 +14,8 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..registry.manager import PluginError
+
 NEG_INF = -math.inf
 
 
@@ -48,38 +50,29 @@ class LogitsProcessorList(list):
                                                   f" of plugin {owner!r}" if owner else "")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if not getattr(self, "checked", True):
-            return self._first_call(input_ids, scores)
+        check = not getattr(self, "checked", True)
         processor = None
         try:
             for processor in self:
+                given = scores
                 scores = processor(input_ids, scores)
+                if check:
+                    self._check_output(processor, given, scores)
         except Exception as error:
-            if hasattr(error, "add_note"):
+            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
                 error.add_note(f"(raised by {self.describe(processor)})")
             raise
-        return scores
-
-    def _first_call(self, input_ids, scores):
-        shape, dtype, device = tuple(scores.shape), scores.dtype, scores.device
-        for processor in self:
-            try:
-                out = processor(input_ids, scores)
-            except Exception as error:
-                if hasattr(error, "add_note"):
-                    error.add_note(f"(raised by {self.describe(processor)})")
-                raise
-            if not (isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype
-                    and out.device == device):
-                from ..registry.manager import PluginError
-
-                got = (f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
-                       else type(out).__name__)
-                raise PluginError(f"{self.describe(processor)} returned {got}; a processor returns the scores it was "
-                                  f"given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
-            scores = out
         self.checked = True
         return scores
+
+    def _check_output(self, processor, given: torch.Tensor, out) -> None:
+        shape, dtype, device = tuple(given.shape), given.dtype, given.device
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype and out.device == device:
+            return
+        got = (f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise PluginError(f"{self.describe(processor)} returned {got}; a processor returns the scores it was "
+                          f"given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
 
 
 def _check(name: str, value, ok: bool, accepted: str) -> None:

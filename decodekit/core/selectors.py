@@ -9,6 +9,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..registry.manager import PluginError
+
 
 @runtime_checkable
 class TokenSelector(Protocol):
@@ -105,19 +107,13 @@ class CheckedSelector:
             if not ok:
                 got = (f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
                        if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
-                raise _plugin_error(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
+                raise PluginError(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
                                     f"{got}; a selector returns one integer token id per row, a tensor [{B}] on {scores.device}.")
             if bool(((tokens < 0) | (tokens >= V)).any()):
-                raise _plugin_error(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
+                raise PluginError(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
                                     f"token ids {tokens.tolist()}, outside the vocabulary [0, {V}).")
             self.checked = True
         return tokens
-
-
-def _plugin_error(message: str) -> Exception:
-    from ..registry.manager import PluginError
-
-    return PluginError(message)
 
 
 def checked_selector(selector, owner: str | None):

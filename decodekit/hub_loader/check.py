@@ -9,7 +9,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-from .requirements import parse_requirements, read_requirements, requirement_problems, unmet_requirements
+from .requirements import parse_lines, read_requirements, unmet_requirements
 from .source import METHOD_DIR
 
 
@@ -47,12 +47,10 @@ def _check_requirements(requirements: Path, root: Path) -> list[Problem]:
         text = read_requirements(requirements, str(root))
     except ValueError as e:
         return [Problem(name, None, str(e))]
+    requirements, invalid = parse_lines(text)
     found = [Problem(name, number, f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'")
-             for number, line, reason in requirement_problems(text)]
-    if not found:
-        found = [Problem(name, None, f"not met in this environment: {line}")
-                 for line in unmet_requirements(parse_requirements(text))]
-    return found
+             for number, line, reason in invalid]
+    return found or [Problem(name, None, f"not met in this environment: {line}") for line in unmet_requirements(requirements)]
 
 
 def _rel(path: Path, root: Path) -> str:

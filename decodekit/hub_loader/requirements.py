@@ -31,7 +31,8 @@ def _parse_line(raw: str) -> Requirement | None:
     return Requirement(line)
 
 
-def _parse(text: str) -> tuple[list[Requirement], list[tuple[int, str, str]]]:
+def parse_lines(text: str) -> tuple[list[Requirement], list[tuple[int, str, str]]]:
+    """(every requirement, (line number, line, reason) of every line that is not one), in one pass."""
     requirements, problems = [], []
     for number, raw in enumerate(text.splitlines(), start=1):
         try:
@@ -46,7 +47,7 @@ def _parse(text: str) -> tuple[list[Requirement], list[tuple[int, str, str]]]:
 
 def requirement_problems(text: str) -> list[tuple[int, str, str]]:
     """(line number, line, reason) for every line that is not a PEP 508 requirement."""
-    return _parse(text)[1]
+    return parse_lines(text)[1]
 
 
 def parse_requirements(text: str, source: str = "requirements.txt") -> list[Requirement]:
@@ -55,7 +56,7 @@ def parse_requirements(text: str, source: str = "requirements.txt") -> list[Requ
     Only PEP 508 requirements are accepted: pip options (`-r other.txt`, `--index-url`) and bare URLs
     are not, since they would need pip to resolve.
     """
-    requirements, problems = _parse(text)
+    requirements, problems = parse_lines(text)
     if problems:
         number, line, reason = problems[0]
         raise ValueError(
@@ -106,10 +107,6 @@ class Installed:
     def requires(self, name: str) -> list[str]:
         dist = self._found.get(canonicalize_name(name))
         return list(dist.requires or ()) if dist else []
-
-
-def installed_version(name: str) -> str | None:
-    return Installed().version(name)
 
 
 def _satisfied(req: Requirement, version: str | None) -> bool:

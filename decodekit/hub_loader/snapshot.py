@@ -27,6 +27,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..core.limits import human_size as _size
 from .trust import UntrustedCodeError, content_hash
 
 CHUNK = 1 << 20
@@ -49,14 +50,6 @@ def max_total_bytes() -> int:
     if not value.isdigit():
         raise ValueError(f"{TOTAL_VARIABLE}={value!r} is invalid; expected a number of bytes.")
     return int(value)
-
-
-def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _walk(method_dir: Path, label: str):
@@ -123,6 +116,7 @@ class _Snapshots:
             scratch = Path(tempfile.mkdtemp(dir=self.root(), prefix="taking-"))
         try:
             listing, links, total = [], {}, 0
+            real_top = os.path.realpath(method_dir)
             for name, path in files:
                 target = scratch / name
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -137,8 +131,9 @@ class _Snapshots:
                         digest.update(chunk)
                         dst.write(chunk)
                 listing.append((name, digest.hexdigest()))
-                if show_links and (path.is_symlink() or any(p.is_symlink() for p in _parents(path, method_dir))):
-                    links[name] = os.path.realpath(path)
+                real = os.path.realpath(path)
+                if show_links and real != os.path.join(real_top, name):  # a link on the way: show where it leads
+                    links[name] = real
             revision = content_hash(listing)
             with self._lock:
                 final = self._by_hash.get(revision)
@@ -154,22 +149,11 @@ class _Snapshots:
         return final, tuple(listing), links, revision
 
 
-def _parents(path: Path, top: Path):
-    """The folders between `top` (exclusive) and `path`."""
-    parent = path.parent
-    while parent != top and top in parent.parents:
-        yield parent
-        parent = parent.parent
-
-
 def _make_read_only(folder: Path) -> None:
-    for dirpath, dirnames, filenames in os.walk(folder):
+    for dirpath, _, filenames in os.walk(folder, topdown=False):  # contents first, then their folder
         for name in filenames:
             os.chmod(os.path.join(dirpath, name), stat.S_IRUSR | stat.S_IRGRP)
-    for dirpath, dirnames, _ in os.walk(folder, topdown=False):
-        for name in dirnames:
-            os.chmod(os.path.join(dirpath, name), stat.S_IRUSR | stat.S_IXUSR)
-    os.chmod(folder, stat.S_IRUSR | stat.S_IXUSR)
+        os.chmod(dirpath, stat.S_IRUSR | stat.S_IXUSR)
 
 
 def _remove(folder: Path) -> None:

@@ -71,13 +71,16 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def made(name: str) -> str | None:
+    """The choice for `name` if it is pinned or already made in this process, else None (nothing is measured)."""
+    return _forced.get(name) or _made.get(name)
+
+
 def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
     """The fastest of `candidates` ({label: a call of a representative problem}) for `name` on this machine."""
-    if name in _forced:
-        return _forced[name]
-    made = _made.get(name)
-    if made is not None:
-        return made
+    known = made(name)
+    if known is not None:
+        return known
     with _lock:
         if name in _made:
             return _made[name]

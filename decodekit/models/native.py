@@ -57,7 +57,9 @@ def ready(*operands: torch.Tensor | None) -> bool:
     (FusedStep loads before tracing)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         return False
-    return loaded() if torch.compiler.is_compiling() else load() and cpu.has("native_kernels")
+    if not torch.compiler.is_compiling():
+        load()
+    return loaded()
 
 
 def load() -> bool:

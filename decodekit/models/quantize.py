@@ -114,8 +114,9 @@ def many_rows_route() -> str:
     for oneDNN's bf16 matmul, was faster still on an AVX512-BF16 CPU but lost precision: the default model's
     int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack) and 1.6% (float32), so it is not offered."""
     name = "int8_many_rows"
-    if name in choices._made or name in choices._forced:
-        return choices.choose(name, {})
+    known = choices.made(name)
+    if known is not None:
+        return known
     if torch.compiler.is_compiling():  # no measuring inside a trace; eager prefills normally decide first
         return "int8pack"
     generator = torch.Generator().manual_seed(0)

@@ -138,12 +138,18 @@ def bare_forward_ms(model, prefill_ids, make_cache, forward_kwargs, steps: int =
         return 1000 * median_time(run, runs) / steps
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
+    """The options every bench script takes: rounds, tokens, threads, and whether to run transformers beside."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    return parser
+
+
+def main() -> int:
+    parser = bench_parser(__doc__, new_tokens=128)
     parser.add_argument("--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

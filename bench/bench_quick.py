@@ -10,7 +10,6 @@ one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -18,7 +17,7 @@ import warnings
 
 import torch
 
-from bench_generate import PROMPT, interleaved
+from bench_generate import PROMPT, bench_parser, interleaved
 
 
 def prefill_job(model, ids):
@@ -63,12 +62,7 @@ def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-transformers", action="store_true")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, new_tokens=64).parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 

@@ -27,6 +27,45 @@ class Cache(Protocol):
         """Select batch rows: row i becomes old row indices[i]."""
 
 
+def reorder_rows(cache, indices: torch.Tensor) -> None:
+    """Row i of the cache becomes old row indices[i], on a decodekit cache (`reorder`) or a transformers
+    `Cache` (`reorder_cache`): decoders call this, so both kinds go through the cache hook point."""
+    if hasattr(cache, "reorder"):
+        cache.reorder(indices)
+    else:
+        cache.reorder_cache(indices)
+
+
+def crop_to(cache, length: int) -> None:
+    """Keep the first `length` positions, on a decodekit cache (`crop(max_length)`) or a transformers `Cache`,
+    whose `crop` takes the (negative) number of positions to drop."""
+    if hasattr(cache, "reorder"):
+        cache.crop(length)
+        return
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def new_cache(model, kind: str, batch_size: int, max_length: int):
+    """A cache of `kind` ("static" or "dynamic") for `model`: the model's own kind where it makes its caches
+    (`model.make_cache`, e.g. transformers' Cache for a wrapped transformers model), else decodekit's. A static
+    cache needs num_hidden_layers, num_key_value_heads and head_dim in the config; without them it is dynamic."""
+    make = getattr(model, "make_cache", None)
+    if make is not None:
+        return make(kind, batch_size, max_length)
+    config = model.config
+    if kind == "static" and all(hasattr(config, f) for f in ("num_hidden_layers", "num_key_value_heads", "head_dim")):
+        return StaticCache.for_model(model, batch_size, max_length)
+    return DynamicCache()
+
+
+def grows(cache) -> bool:
+    """Whether `cache` is a dynamic cache (decodekit's or transformers', or a subclass of either), whose batch
+    size may change (contrastive search expands it)."""
+    return any(c.__name__ == "DynamicCache" for c in type(cache).__mro__)
+
+
 def _crop_target(current: int, max_length: int) -> int:
     if not isinstance(max_length, int):
         raise TypeError(f"crop(max_length) takes an int, got {type(max_length).__name__}.")

@@ -104,6 +104,11 @@ def expand_rows(input_ids, attention_mask, n: int):
     return input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else None
 
 
+def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The position of every token of left-padded rows: real tokens count from 0; padding sits at 0 (masked)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def _forward_accepts(model, name: str) -> bool:
     try:
         params = inspect.signature(model.forward).parameters
@@ -255,12 +260,12 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    # Positions follow the real tokens of each row; without padding the model derives them from the cache.
+    # Positions follow the real tokens of each row (given explicitly: a transformers model derives them from the
+    # cache length, not the mask); without padding the model derives them from the cache.
     positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
     cached = cache.get_seq_length() if use_cache else 0
-    step_ids, step_positions = input_ids[:, cached:], None
-    if positions is not None and cached:
-        step_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+    step_ids = input_ids[:, cached:]
+    step_positions = mask_positions(attention_mask)[:, cached:] if attention_mask is not None else None
     while True:
         out = model(
             step_ids, attention_mask=attention_mask, position_ids=step_positions,
@@ -287,7 +292,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             step_ids, step_positions = next_tokens[:, None], positions
         else:
             step_ids = input_ids
-            step_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if attention_mask is not None else None
+            step_positions = mask_positions(attention_mask) if attention_mask is not None else None
     if streamer is not None:
         streamer.end()
     return loop_result(gc, input_ids, cache, scores_out, logits_out)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.generate import _forward_accepts
+from ..core.cache import reorder_rows
+from ..core.generate import _forward_accepts, mask_positions
 from ..core.outputs import GenerateBeamOutput
 from ..core.selectors import draw_key, race_noise
 from ..registry import hookimpl
@@ -263,7 +264,8 @@ class BeamSearch:
         scores_out = [] if gc.output_scores else None
         logits_out = [] if gc.output_logits else None
 
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None, **extra)
+        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
+                    position_ids=mask_positions(attention_mask) if attention_mask is not None else None, **extra)
         cur = T0
         while True:
             logits = out.logits[:, -1, :].float()
@@ -280,7 +282,7 @@ class BeamSearch:
             if not bool(search.searching(gc)) or cur >= max_length:
                 break
             if cache is not None:
-                cache.reorder(source)
+                reorder_rows(cache, source)
             if attention_mask is not None:
                 attention_mask = torch.cat((attention_mask[source], attention_mask.new_ones(rows, 1)), dim=-1)
                 positions = positions[source] + 1

@@ -4,7 +4,7 @@ The static cache is the default because its size is known up front (prompt + max
 writing in place avoids a reallocation per token.
 """
 
-from ..core.cache import DynamicCache, StaticCache
+from ..core.cache import new_cache
 from ..registry import hookimpl
 
 
@@ -20,13 +20,11 @@ def decodekit_cache_implementations():
 
 @hookimpl
 def decodekit_cache(generation_config, context):
-    kind = generation_config.cache_implementation or "static"
-    if kind == "dynamic":
-        return DynamicCache()
-    if kind == "static":
-        config = context.model.config
-        if all(hasattr(config, f) for f in ("num_hidden_layers", "num_key_value_heads", "head_dim")):
-            return StaticCache.for_model(context.model, context.batch_size, context.max_length)
-        # A model without those config fields (a toy, or another architecture) cannot be preallocated for.
-        return DynamicCache()
+    kind = generation_config.cache_implementation
+    if kind is None:
+        # decodekit's own models preallocate; a model that makes its own caches (a wrapped transformers model)
+        # gets the kind its library defaults to, dynamic.
+        kind = "dynamic" if hasattr(context.model, "make_cache") else "static"
+    if kind in ("static", "dynamic"):
+        return new_cache(context.model, kind, context.batch_size, context.max_length)
     return None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import DynamicCache
+from ..core.cache import grows, new_cache, reorder_rows
+from ..core.generate import mask_positions
 from ..core.outputs import loop_result
 from ..registry import hookimpl
 
@@ -63,9 +64,9 @@ class ContrastiveSearch:
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
         k, alpha = gc.top_k, float(gc.penalty_alpha)
         B = input_ids.shape[0]
-        cache = pipeline.cache if isinstance(pipeline.cache, DynamicCache) else DynamicCache()
+        cache = pipeline.cache if grows(pipeline.cache) else new_cache(model, "dynamic", B, context.max_length)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = mask_positions(mask)
         unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
         pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=input_ids.device)
         scores_out = [] if gc.output_scores else None
@@ -81,7 +82,7 @@ class ContrastiveSearch:
                 scores_out.append(scores.clone())
             top_probs, top_ids = scores.softmax(dim=-1).topk(k, dim=-1)  # [B, k]
             expand = torch.arange(B, device=input_ids.device).repeat_interleave(k)
-            cache.reorder(expand)
+            reorder_rows(cache, expand)
             mask_k = torch.cat((mask[expand], mask.new_ones(B * k, 1)), dim=-1)
             pos_k = positions[expand, -1:] + 1
             out_k = model(top_ids.reshape(B * k, 1), attention_mask=mask_k, position_ids=pos_k, past_key_values=cache,
@@ -90,7 +91,7 @@ class ContrastiveSearch:
             penalty = degeneration_penalty(hidden[expand], cand_hidden, mask[expand]).view(B, k)
             choice = ((1 - alpha) * top_probs - alpha * penalty).argmax(dim=-1)  # [B]
             rows = torch.arange(B, device=input_ids.device) * k + choice
-            cache.reorder(rows)
+            reorder_rows(cache, rows)
             next_tokens = torch.where(unfinished, top_ids.gather(1, choice[:, None])[:, 0], pad)
             input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
             mask = torch.cat((mask, mask.new_ones(B, 1)), dim=-1)

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from ..core.cache import DynamicCache
+from ..core.cache import new_cache
+from ..core.generate import mask_positions
 from ..registry import hookimpl
 
 
@@ -62,7 +63,7 @@ class ClassifierFreeGuidanceLogitsProcessor:
         self.model = model
         self.negative = negative_prompt_ids
         self.negative_mask = negative_prompt_attention_mask
-        self.cache = DynamicCache()
+        self.cache = new_cache(model, "dynamic", 0, 0)  # its batch follows the call's; dynamic needs no size
         self.mask = None
 
     def _unconditional(self, input_ids: torch.LongTensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ class ClassifierFreeGuidanceLogitsProcessor:
         else:
             ids = input_ids[:, -1:]
             self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=-1)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        positions = mask_positions(self.mask)[:, -ids.shape[1]:]
         out = self.model(ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1, :].float()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.cache import crop_to
 from ..core.outputs import loop_result
 from ..registry import hookimpl
 
@@ -156,9 +157,9 @@ class Speculative:
                 for t in step[0]:
                     streamer.put(t.view(1).cpu())
             # Keep what the target saw and agreed with: all but the newest token.
-            cache.crop(input_ids.shape[1] - 1)
+            crop_to(cache, input_ids.shape[1] - 1)
             if a_cache is not None:
-                a_cache.crop(min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
+                crop_to(a_cache, min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does
         if streamer is not None:

@@ -157,12 +157,14 @@ def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseExceptio
     logger.warning("decodekit: plugin %r is disabled for this process: %s", name, record.error)
 
 
-def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:
     pm = get_plugin_manager()
     caller = getattr(pm.hook, hook_name)
     results = []
     for impl in reversed(caller.get_hookimpls()):  # pluggy's call order: tryfirst, then newest first
         name = _owner(pm, impl)
+        if only is not None and name not in only:
+            continue
         try:
             result = impl.function(*[kwargs[arg] for arg in impl.argnames])
         except (KeyboardInterrupt, ValueError):
@@ -181,9 +183,10 @@ def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any]) -> lis
     return results
 
 
-def call_hooks(hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-    """(plugin name, result) of every implementation of `hook_name` that returned something, in pluggy's order."""
-    return _call_each(hook_name, False, kwargs)
+def call_hooks(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> list[tuple[str, Any]]:
+    """(plugin name, result) of every implementation of `hook_name` that returned something, in pluggy's order;
+    with `only`, of the plugins named there alone."""
+    return _call_each(hook_name, False, kwargs, only)
 
 
 def call_first(hook_name: str, **kwargs: Any) -> tuple[str | None, Any]:
@@ -290,6 +293,12 @@ def cache_implementations() -> tuple[str, ...]:
     for _, declared in call_hooks("decodekit_cache_implementations"):
         names.extend(n for n in declared if n not in names)
     return tuple(names)
+
+
+def outside_plugins() -> set[str]:
+    """The names of the registered plugins that are not built in."""
+    builtin = {name for name, _ in BUILTIN_PLUGINS}
+    return {name for name, _ in get_plugin_manager().list_name_plugin()} - builtin
 
 
 def reset() -> None:

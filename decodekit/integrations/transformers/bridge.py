@@ -1,0 +1,187 @@
+"""decodekit hooks inside transformers' own generate(): `to_transformers(...)`.
+
+The logits and stopping hook points map one to one onto transformers' `logits_processor` and
+`stopping_criteria`, which take the same `(input_ids, scores)` protocol. The other hook points have no
+place in transformers' loop (it selects tokens and makes caches itself), so a plugin that contributes to
+them for the given config is refused, naming the hook; run such a method with decodekit's loop on the
+model instead (`decodekit.wrap(model).generate(...)`).
+
+Hooks see the real call: the pipeline is built at the first step, when the batch size and prompt length
+are known, and built again when the same lists serve a later generate() call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from typing import Any, NamedTuple
+
+import torch
+import transformers
+
+from ...core.pipeline import GenerationContext
+from ...core.processors import LogitsProcessorList as HookProcessors
+from ...core.stopping import StoppingCriteriaList as HookCriteria
+from ...registry.manager import call_hooks
+from .model import generation_config_from
+
+# Hook points transformers' generate() cannot take, and what each would have replaced.
+LOOP_ONLY_HOOKS = {
+    "decodekit_token_selector": "token selection",
+    "decodekit_cache": "the KV cache",
+    "decodekit_decoding_loop": "the decoding loop",
+    "decodekit_next_token_logits": "how next-token logits are read",
+}
+
+
+class TransformersHooks(NamedTuple):
+    """What to pass to transformers' generate(): `hf_model.generate(**inputs, **hooks._asdict())`."""
+
+    logits_processor: Any  # transformers.LogitsProcessorList
+    stopping_criteria: Any  # transformers.StoppingCriteriaList
+
+
+class _Pipeline:
+    """The chosen plugins' processors and criteria for the current generate() call, built at its first step."""
+
+    def __init__(self, model, generation_config, chosen: set[str], method):
+        self.model, self.gc, self.chosen, self.method = model, generation_config, chosen, method
+        self.length = 0
+        self.prompt = None
+        self.processors = self.criteria = None
+
+    def current(self, input_ids: torch.LongTensor, appended: bool):
+        """The pipeline of the call `input_ids` belongs to. `appended`: the step's token is already in input_ids
+        (stopping criteria see it; processors do not)."""
+        L = input_ids.shape[1]
+        # Within one call each step adds one token (criteria see it one call early), rows keep their prompt,
+        # and beams reorder only among the beams of one prompt.
+        same_call = (self.prompt is not None and L in (self.length, self.length + 1)
+                     and input_ids.shape[0] == self.prompt.shape[0]
+                     and torch.equal(input_ids[:, : self.prompt.shape[1]], self.prompt))
+        if not same_call:
+            self.build(input_ids[:, : L - 1] if appended else input_ids)
+        self.length = L
+        return self
+
+    def build(self, prompt: torch.LongTensor) -> None:
+        from ...hub_loader.method import registered_for_call
+
+        with registered_for_call(self.method) if self.method is not None else contextlib.nullcontext():
+            args = hook_arguments(self.model, self.gc, prompt.shape[0], prompt.shape[1], prompt.device)
+            check_chosen(self.chosen, args)
+            self.processors = HookProcessors()
+            for owner, contributed in call_hooks("decodekit_logits_processors", only=self.chosen, **args):
+                self.processors.extend_from(owner, contributed)
+            self.criteria = HookCriteria()
+            for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.chosen, **args):
+                self.criteria.extend(contributed)
+        self.prompt = prompt.clone()
+
+
+def hook_arguments(model, gc, batch_size: int, prompt_length: int, device) -> dict[str, Any]:
+    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length,
+                                max_length=gc.max_length_for(prompt_length), device=device)
+    return dict(generation_config=gc, context=context)
+
+
+def check_chosen(chosen: set[str], args: dict[str, Any]) -> None:
+    """The chosen plugins' own validation, then the refusal of hook points transformers cannot take."""
+    call_hooks("decodekit_validate_config", only=chosen, **args)
+    for hook, replaces in LOOP_ONLY_HOOKS.items():
+        for owner, _ in call_hooks(hook, only=chosen, **args):
+            raise ValueError(
+                f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which transformers' "
+                "generate() cannot take: only the logits and stopping hook points become its logits_processor and "
+                "stopping_criteria. Run it with decodekit's loop on the model instead: decodekit.wrap(model).generate(...)."
+            )
+
+
+class HookLogitsProcessor(transformers.LogitsProcessor):
+    """The chosen plugins' logits processors, in the order decodekit applies them, as one transformers processor."""
+
+    def __init__(self, pipeline: _Pipeline):
+        self.pipeline = pipeline
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.pipeline.current(input_ids, appended=False).processors(input_ids, scores)
+
+
+class HookStoppingCriteria(transformers.StoppingCriteria):
+    """The chosen plugins' stopping criteria as one transformers criterion: done [batch] where any says so."""
+
+    def __init__(self, pipeline: _Pipeline):
+        self.pipeline = pipeline
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.pipeline.current(input_ids, appended=True).criteria(input_ids, scores)
+
+
+def to_transformers(model, *, method=None, plugins: list[str] | None = None, trust_remote_code=None,
+                    generation_config=None, revision: str | None = None, **fields) -> TransformersHooks:
+    """decodekit plugins as transformers' logits_processor and stopping_criteria for `model`.
+
+    model: the transformers model they will run in (hooks see it as context.model; its generation config
+        gives eos/pad and defaults).
+    method: one hook-only method (a Hub repo id or a local directory with custom_generate/generate.py),
+        loaded with its requirement check and trust gate (`trust_remote_code`, `revision` as for
+        custom_generate); else `plugins`, names of registered plugins; else every registered outside plugin.
+        Built-in strategies are never included: transformers applies its own temperature, top-k, ...
+    generation_config / **fields: the decodekit config fields the plugins read (e.g. a method's own keywords).
+    Refuses a plugin that would select tokens, make the cache or run its own loop for this configuration.
+    """
+    from ...core.config import DEFAULTS
+    from ...hub_loader.method import load_method, registered_for_call
+    from ...registry.manager import config_fields, outside_plugins
+
+    loaded = None
+    if method is not None:
+        if plugins is not None:
+            raise ValueError("Pass either method= (one hook-only method) or plugins= (registered plugins), not both.")
+        loaded = load_method(method, trust_remote_code, revision=revision)
+        if not loaded.hooks:
+            raise ValueError(
+                f"method {method!r} replaces the whole decoding loop (its generate.py defines generate()), so it has no "
+                "hooks to give transformers; run it as transformers' own custom_generate instead: "
+                f"model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True)."
+            )
+        chosen = {loaded.plugin_name}
+    elif plugins is not None:
+        registered = outside_plugins()
+        missing = sorted(set(plugins) - registered)
+        if missing:
+            raise ValueError(f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
+                             f"are {sorted(registered)}.")
+        chosen = set(plugins)
+    else:
+        chosen = outside_plugins()
+    with registered_for_call(loaded) if loaded is not None else contextlib.nullcontext():
+        gc = config_for(model, generation_config)
+        known = set(DEFAULTS) | set(config_fields())
+        for name, default in config_fields().items():
+            if not hasattr(gc, name):
+                setattr(gc, name, default)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"to_transformers() got unknown fields {unknown}{hint}; it accepts decodekit's generation "
+                             "config fields and those the registered plugins declare (`decodekit list` shows them).")
+        gc.update(**fields)
+        # Checked now, so a bad value fails before generate(); checked again with the call's shapes at its first step.
+        check_chosen(chosen, hook_arguments(model, gc, 1, 1, model.device))
+    pipeline = _Pipeline(model, gc, chosen, loaded)
+    return TransformersHooks(transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
+                             transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]))
+
+
+def config_for(model, generation_config):
+    """A decodekit GenerationConfig: the one given, one made from a transformers GenerationConfig given, or the model's."""
+    from ...core.config import GenerationConfig
+
+    if isinstance(generation_config, GenerationConfig):
+        return generation_config.copy()
+    if generation_config is None or isinstance(generation_config, transformers.GenerationConfig):
+        return generation_config_from(generation_config or getattr(model, "generation_config", None), model.config)
+    raise TypeError(f"generation_config must be a decodekit or transformers GenerationConfig, got "
+                    f"{type(generation_config).__name__}.")

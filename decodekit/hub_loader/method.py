@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from . import source as sources
+from .entry import ENTRY_MARKER
 from .importer import import_generate_module
 from .requirements import check_requirements
 from .trust import check_trust
@@ -43,7 +44,7 @@ def load(source: sources.MethodSource, trust_remote_code) -> LoadedMethod:
     logger.info("running custom_generate from %s (%s) at revision %s", source.label, source.kind, source.revision)
     module = import_generate_module(source)
     generate = getattr(module, "generate", None)
-    if callable(generate):
+    if callable(generate) and not getattr(generate, ENTRY_MARKER, False):
         params = list(inspect.signature(generate).parameters)
         if not params or params[0] != "model":
             raise TypeError(
@@ -66,17 +67,22 @@ def load_method(spec, trust_remote_code=None, revision=None, token=None, local_f
 _registration_lock = threading.RLock()
 
 
-@contextlib.contextmanager
 def registered_for_call(method: LoadedMethod):
     """The method's hook implementations, registered for the duration of one generate() call."""
+    return registered_module(method.module, method.plugin_name)
+
+
+@contextlib.contextmanager
+def registered_module(module: ModuleType, name: str):
+    """`module`'s hook implementations registered as plugin `name` (failures propagate) inside the block."""
     from ..registry.manager import register, unregister
 
     with _registration_lock:
-        register(method.module, name=method.plugin_name, scope="call")
+        register(module, name=name, scope="call")
         try:
             yield
         finally:
-            unregister(method.plugin_name)
+            unregister(name)
 
 
 def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def architecture(path: str | Path) -> tuple[str | None, bool]:
+    """(the file's general.architecture, whether decodekit reads it natively)."""
+    from gguf import GGUFReader
+
+    arch = _field(GGUFReader(str(path)), "general.architecture")
+    return arch, arch in _ARCHITECTURES
+
+
 def open_gguf(path: str | Path) -> "GGUFModel":
     """A GGUFModel, reused while the file is unchanged: the model and its tokenizer read the same file,
     and parsing the metadata of a large vocabulary takes seconds."""

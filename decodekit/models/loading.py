@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 logger = logging.getLogger("decodekit")
 
@@ -133,8 +133,53 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     return model.to(dtype=dtype, device=device).eval()
 
 
+BACKENDS = ("native", "transformers")
+
+
+def check_backend(backend) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is invalid; expected one of {list(BACKENDS)} or None (native where "
+                         "decodekit has the architecture, transformers otherwise).")
+
+
+def choose_backend(backend, model_type, native: bool, label: str) -> str:
+    """The backend that loads `label` (whose architecture is `model_type`), with a log line saying why."""
+    if backend is None:
+        backend = "native" if native else "transformers"
+        why = (f"model_type {model_type!r} is one of decodekit's native families" if native else
+               f"model_type {model_type!r} has no native implementation (native: {sorted(SUPPORTED_MODEL_TYPES)})")
+    else:
+        why = f"backend={backend!r} was passed"
+        if backend == "native" and not native:
+            raise ValueError(f"{label}: model_type {model_type!r} has no native implementation in decodekit (native: "
+                             f"{sorted(SUPPORTED_MODEL_TYPES)}); load it with backend='transformers' or backend=None.")
+    if backend == "transformers":
+        from importlib.util import find_spec
+
+        if find_spec("transformers") is None:
+            raise ImportError(f"{label}: {why}, so it loads through transformers, which is not installed; install it "
+                              "with:\n    pip install 'decodekit[transformers]'")
+    logger.info("loading %s with the %s backend: %s", label, backend, why)
+    return backend
+
+
+def _model_type(model_dir: Path, gguf_file: str | None) -> tuple[str | None, bool]:
+    """(architecture, whether decodekit builds it natively) from config.json or the GGUF file's metadata."""
+    if gguf_file is not None:
+        from .gguf_file import architecture
+
+        return architecture(model_dir / gguf_file)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json; a model directory needs config.json and its weights (or pass gguf_file=...)."
+        )
+    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    return model_type, model_type in SUPPORTED_MODEL_TYPES
+
+
 class AutoModelForCausalLM:
-    """Loads a Llama-family model the way transformers' class of the same name does."""
+    """Loads a causal LM the way transformers' class of the same name does: decodekit's own model for the Llama
+    families, a wrapped transformers model (decodekit.wrap) for every other architecture."""
 
     @staticmethod
     def from_pretrained(
@@ -147,21 +192,41 @@ class AutoModelForCausalLM:
         token: str | bool | None = None,
         trust_remote_code=None,
         quantize: str | None = None,
+        backend: str | None = None,
+        **transformers_kwargs,
     ):
-        """`trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate.
-        `quantize="int8"` stores linear weights as int8 with per-channel scales (weight-only; see models/quantize.py)."""
+        """`name_or_path`: a local directory, a Hub repo id or a .gguf file.
+        `trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate (and,
+        for the transformers backend, lets the repo's own modeling code run, as in transformers).
+        `quantize="int8"`: native models store linear weights as int8 with per-channel scales (models/quantize.py).
+        `backend`: None picks native for the Llama families and transformers for the rest; "native" or
+        "transformers" forces one. `transformers_kwargs` (device_map, quantization_config, ...) go to transformers."""
         from .quantize import QUANTIZATIONS
 
+        if isinstance(name_or_path, torch.nn.Module):
+            raise TypeError(f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
+                            f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model).")
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
+        check_backend(backend)
         from ..core.config import GenerationConfig
         from .gguf_file import open_gguf
 
-        device = torch.device(device or "cpu")
         path = Path(name_or_path).expanduser()
         if gguf_file is None and path.is_file() and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name
             name_or_path = path
+        # First only what decides the backend; each backend then fetches the files it reads.
+        probe = [gguf_file] if gguf_file is not None else ["config.json"]
+        model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=probe)
+        model_type, native = _model_type(model_dir, gguf_file)
+        label = str(name_or_path) + (f" ({gguf_file})" if gguf_file else "")
+        if choose_backend(backend, model_type, native, label) == "transformers":
+            return _load_with_transformers(name_or_path, model_dir, gguf_file, label, quantize, dtype, device, revision,
+                                           token, local_files_only, trust_remote_code, transformers_kwargs)
+        if transformers_kwargs:
+            raise TypeError(f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
+                            f"takes; {label} loads natively (pass backend='transformers' to load it with transformers).")
         if gguf_file is not None:
             model_dir = resolve_model_dir(
                 name_or_path, revision, local_files_only, token, allow_patterns=[gguf_file, "generation_config.json"]
@@ -171,18 +236,14 @@ class AutoModelForCausalLM:
             state = gguf.state_dict()
         else:
             model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
-            if not (model_dir / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"{model_dir} has no config.json; a model directory needs config.json and *.safetensors "
-                    "(or pass gguf_file=...)."
-                )
             config = ModelConfig.from_file(model_dir / "config.json")
             state = load_safetensors(model_dir)
         gen_path = model_dir / "generation_config.json"
         generation_config = (
             GenerationConfig.from_file(gen_path, config) if gen_path.is_file() else GenerationConfig.from_model_config(config)
         )
-        model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), device, generation_config)
+        model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)),
+                            torch.device(device or "cpu"), generation_config)
         model.name_or_path = str(name_or_path)
         if quantize is not None:
             from .quantize import quantize as quantize_model
@@ -192,6 +253,31 @@ class AutoModelForCausalLM:
             _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
         logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
         return model
+
+
+def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, label: str, quantize, dtype, device, revision,
+                            token, local_files_only, trust_remote_code, transformers_kwargs):
+    from ..integrations.transformers.loading import load_model
+
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} applies to decodekit's native models; {label} loads through "
+                         "transformers: pass its quantization_config=... instead.")
+    config_dtype = None
+    if gguf_file is None:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        config_dtype = config.get("dtype") or config.get("torch_dtype")
+    # A local directory is read where it is; a Hub repo goes through transformers' own download (same cache).
+    source = model_dir if Path(name_or_path).expanduser().is_dir() or gguf_file else name_or_path
+    model = load_model(source, dtype=resolve_dtype(dtype, config_dtype), device=device, revision=revision, token=token,
+                       local_files_only=local_files_only, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
+                       **transformers_kwargs)
+    model.name_or_path = str(name_or_path)
+    snapshot = None
+    if gguf_file is None:
+        snapshot = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=["custom_generate/**"])
+    if snapshot is not None and (snapshot / "custom_generate" / "generate.py").is_file():
+        _attach_custom_generate(model, snapshot, str(name_or_path), trust_remote_code)
+    return model
 
 
 def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_code) -> None:

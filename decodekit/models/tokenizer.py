@@ -7,6 +7,7 @@ with left padding by default, since decoder-only generation continues from the r
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,6 +15,8 @@ from typing import Any, Sequence
 import torch
 
 from .loading import resolve_model_dir
+
+logger = logging.getLogger("decodekit")
 
 _TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 
@@ -294,4 +297,37 @@ def byte_level_bpe(fields: dict[str, Any]):
 
 
 class AutoTokenizer:
-    from_pretrained = staticmethod(Tokenizer.from_pretrained)
+    """decodekit's Tokenizer where it can build one (tokenizer.json or a GGUF file's vocabulary), transformers'
+    AutoTokenizer otherwise (vocab.json + merges.txt, SentencePiece models, ...)."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | os.PathLike, revision: str | None = None, gguf_file: str | None = None,
+                        local_files_only: bool = False, token: str | bool | None = None, padding_side: str = "left",
+                        backend: str | None = None, **transformers_kwargs):
+        """`backend`: None picks native where decodekit reads the tokenizer; "native" or "transformers" forces one."""
+        from .loading import check_backend
+
+        check_backend(backend)
+        options = dict(revision=revision, gguf_file=gguf_file, local_files_only=local_files_only, token=token,
+                       padding_side=padding_side)
+        path = Path(name_or_path).expanduser()
+        native = gguf_file is not None or path.suffix == ".gguf"
+        if not native:
+            files = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=_TOKENIZER_FILES)
+            native = (files / "tokenizer.json").is_file()
+        if backend == "native" or (backend is None and native):
+            if transformers_kwargs:
+                raise TypeError(f"AutoTokenizer.from_pretrained() got {sorted(transformers_kwargs)}, which only the "
+                                "transformers backend takes.")
+            return Tokenizer.from_pretrained(name_or_path, **options)
+        if backend is None:
+            label, why = str(name_or_path), "no tokenizer.json (decodekit reads tokenizer.json or a GGUF vocabulary)"
+            logger.info("loading the tokenizer of %s with transformers: %s", label, why)
+            from importlib.util import find_spec
+
+            if find_spec("transformers") is None:
+                raise FileNotFoundError(f"{label} has {why}; transformers can read its other formats: install it with\n"
+                                        "    pip install 'decodekit[transformers]'")
+        from ..integrations.transformers.loading import load_tokenizer
+
+        return load_tokenizer(name_or_path, **options, **transformers_kwargs)

@@ -65,9 +65,7 @@ class _Pipeline:
         return self
 
     def build(self, prompt: torch.LongTensor) -> None:
-        from ...hub_loader.method import registered_for_call
-
-        with registered_for_call(self.method) if self.method is not None else contextlib.nullcontext():
+        with _registered(self.method):
             args = hook_arguments(self.model, self.gc, prompt.shape[0], prompt.shape[1], prompt.device)
             check_chosen(self.chosen, args)
             self.processors = HookProcessors()
@@ -77,6 +75,13 @@ class _Pipeline:
             for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.chosen, **args):
                 self.criteria.extend(contributed)
         self.prompt = prompt.clone()
+
+
+def _registered(method):
+    """`method` (module, plugin name) registered for the block; nothing to do without one."""
+    from ...hub_loader.method import registered_module
+
+    return registered_module(*method) if method is not None else contextlib.nullcontext()
 
 
 def hook_arguments(model, gc, batch_size: int, prompt_length: int, device) -> dict[str, Any]:
@@ -130,9 +135,8 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
     generation_config / **fields: the decodekit config fields the plugins read (e.g. a method's own keywords).
     Refuses a plugin that would select tokens, make the cache or run its own loop for this configuration.
     """
-    from ...core.config import DEFAULTS
-    from ...hub_loader.method import load_method, registered_for_call
-    from ...registry.manager import config_fields, outside_plugins
+    from ...hub_loader.method import load_method
+    from ...registry.manager import outside_plugins
 
     loaded = None
     if method is not None:
@@ -155,12 +159,24 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
         chosen = set(plugins)
     else:
         chosen = outside_plugins()
-    with registered_for_call(loaded) if loaded is not None else contextlib.nullcontext():
+    return hooks_for(model, (loaded.module, loaded.plugin_name) if loaded is not None else None, generation_config,
+                     fields, chosen)
+
+
+def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None) -> TransformersHooks:
+    """The processors and criteria of `chosen` plugins (default: the method alone), `method` being (module,
+    plugin name) registered while hooks are called, or None."""
+    from ...core.config import DEFAULTS
+    from ...registry.manager import config_fields
+
+    chosen = chosen if chosen is not None else {method[1]}
+    with _registered(method):
         gc = config_for(model, generation_config)
-        known = set(DEFAULTS) | set(config_fields())
-        for name, default in config_fields().items():
+        declared = config_fields()
+        for name, default in declared.items():
             if not hasattr(gc, name):
                 setattr(gc, name, default)
+        known = set(DEFAULTS) | set(declared)
         unknown = sorted(set(fields) - known)
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
@@ -170,7 +186,7 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
         gc.update(**fields)
         # Checked now, so a bad value fails before generate(); checked again with the call's shapes at its first step.
         check_chosen(chosen, hook_arguments(model, gc, 1, 1, model.device))
-    pipeline = _Pipeline(model, gc, chosen, loaded)
+    pipeline = _Pipeline(model, gc, chosen, method)
     return TransformersHooks(transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
                              transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]))
 

@@ -80,7 +80,7 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     implementation = fields.get("cache_implementation")
     if implementation not in (None, "static", "dynamic"):
         # transformers' layouts (hybrid, sliding_window) are what DynamicCache(config) builds from the config.
-        logger.info("decodekit: cache_implementation=%r of the generation config is read as the cache the model's "
+        logger.info("cache_implementation=%r of the generation config is read as the cache the model's "
                     "config describes", implementation)
         fields.pop("cache_implementation")
     return GenerationConfig(**fields)

@@ -4,16 +4,22 @@
 import torch
 
 
-def generate(model, input_ids, generation_config=None, attention_mask=None, streamer=None, avoid_last_n=0, **kwargs):
+def generate(model, input_ids=None, generation_config=None, attention_mask=None, streamer=None, avoid_last_n=0,
+             inputs=None, **kwargs):
     """Greedy decoding or sampling with a KV cache, never repeating any of the last `avoid_last_n` tokens.
 
+    Runs as decodekit's custom_generate and as transformers' own (`model.generate(inputs, custom_generate=...)`).
     model: any model with the transformers forward contract (decodekit or transformers).
-    input_ids: LongTensor [batch, prompt length], left-padded if batched (pass attention_mask then).
+    input_ids (or inputs, as transformers passes it): LongTensor [batch, prompt length], left-padded if batched
+        (pass attention_mask then).
     generation_config: defaults to model.generation_config; keyword arguments such as max_new_tokens,
         do_sample or temperature override it.
     avoid_last_n: int >= 0, the example argument of this method.
     Returns the sequences, prompt included, as a LongTensor [batch, prompt length + new tokens].
     """
+    input_ids = inputs if inputs is not None else input_ids
+    if input_ids is None:
+        raise ValueError("generate() needs the prompt as input_ids (or inputs): a LongTensor [batch, prompt length].")
     config = generation_config or model.generation_config
     max_new_tokens = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
     do_sample = kwargs.get("do_sample", getattr(config, "do_sample", False))
@@ -59,7 +65,15 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, stre
     return input_ids
 {%- else %}
 
-# This method does not replace the decode loop: it plugs into decodekit's own loop through its hook
-# points. The functions below are registered for each generate() call that names this method.
+# This method does not replace the decode loop: it plugs into the loop through its hook points. The
+# functions below are registered for each generate() call that names this method.
 {% include "hooks.py.j2" %}
+
+
+# The entry point transformers' generate(custom_generate=...) calls: it runs the hooks above inside
+# transformers' own loop (decodekit's loop where the method selects tokens or makes the cache).
+# decodekit itself uses the hooks directly.
+from decodekit.hub_loader import hooks_entry_point  # noqa: E402
+
+generate = hooks_entry_point(__name__)
 {%- endif %}

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodekit.testing import tiny_model
+from decodekit import AutoModelForCausalLM
+from decodekit.testing import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = torch.tensor([[5, 6, 7, 8]])
@@ -13,8 +14,13 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+def weights(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def model(weights):
+    return AutoModelForCausalLM.from_pretrained(weights)
 
 
 def run(model, **kwargs):
@@ -38,3 +44,13 @@ def test_bad_argument_is_rejected(model):
 {% else %}
 {% include "hook_tests.py.j2" %}
 {% endif %}
+
+
+def test_runs_in_transformers_own_generate(model, weights):
+    """The same repository as transformers' custom_generate, on the same weights: the same tokens."""
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(weights)
+    options = {% if cookiecutter.hook_point == "full loop" %}dict(avoid_last_n=2){% elif cookiecutter.hook_point == "logits processor" %}dict({{ cookiecutter.module_name }}_penalty=1e9){% elif cookiecutter.hook_point == "selector" %}dict({{ cookiecutter.module_name }}_no_immediate_repeat=True){% elif cookiecutter.hook_point == "stopping rule" %}dict({{ cookiecutter.module_name }}_stop_token=run(model)[0, PROMPT.shape[1] + 2].item()){% else %}dict({{ cookiecutter.module_name }}_cache=True){% endif %}
+    theirs = hf_model.generate(PROMPT, custom_generate=str(REPO), trust_remote_code=True, max_new_tokens=NEW,
+                               eos_token_id=None, **options)
+    assert torch.equal(theirs, run(model, **options))

@@ -1,0 +1,271 @@
+"""decodekit's generate() on transformers models (decodekit.wrap), against transformers' own generate() on the
+same object: token for token, batch 1 and left-padded batches, beam search scores, every strategy."""
+
+import logging
+
+import pytest
+import torch
+
+import decodekit
+from decodekit import AutoModelForCausalLM
+
+from tiny_transformers import ARCHITECTURES, EOS, PAD, tiny_transformers_model, transformers
+
+from decodekit.integrations.transformers import TransformersModel, wrap  # noqa: E402  (after the importorskip)
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
+BATCH = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+NEW = 12
+
+
+def reference(hf, ids, **kwargs):
+    """transformers' generate with the same stopping rule as decodekit's calls below (no EOS)."""
+    return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW, **kwargs)
+
+
+def ours(model, ids, **kwargs):
+    return model.generate(ids, eos_token_id=None, max_new_tokens=NEW, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def pair(request):
+    hf = tiny_transformers_model(request.param)
+    return hf, wrap(hf)
+
+
+def test_greedy_equals_transformers_batch_1(pair):
+    hf, model = pair
+    theirs = reference(hf, PROMPT, return_dict_in_generate=True, output_logits=True)
+    mine = ours(model, PROMPT, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(mine.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(mine.logits), torch.stack(theirs.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_equals_transformers_left_padded_batch_of_3(pair):
+    hf, model = pair
+    mask = (BATCH != PAD).long()
+    theirs = reference(hf, BATCH, attention_mask=mask, return_dict_in_generate=True, output_logits=True)
+    mine = ours(model, BATCH, attention_mask=mask, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(mine.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(mine.logits), torch.stack(theirs.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_beam_search_sequences_and_scores_equal_transformers(pair):
+    hf, model = pair
+    options = dict(num_beams=3, num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
+    theirs = reference(hf, PROMPT, **options)
+    mine = ours(model, PROMPT, **options)
+    assert torch.equal(mine.sequences, theirs.sequences)
+    torch.testing.assert_close(mine.sequences_scores, theirs.sequences_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_with_a_seed_is_reproducible(pair):
+    _, model = pair
+    first, again = (ours(model, PROMPT, do_sample=True, top_k=0, seed=7) for _ in range(2))
+    other = ours(model, PROMPT, do_sample=True, top_k=0, seed=8)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+# --- one architecture, every strategy and hook point ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    hf = tiny_transformers_model("gpt2")
+    return hf, wrap(hf)
+
+
+def test_wrap_shares_the_model_and_changes_nothing_in_it(gpt2):
+    hf, model = gpt2
+    before = {name: p.data_ptr() for name, p in hf.named_parameters()}
+    hf_generate, hf_config = hf.generate, hf.generation_config.to_dict()
+    ours(model, PROMPT, num_beams=2)
+    assert {name: p.data_ptr() for name, p in hf.named_parameters()} == before
+    assert hf.generate == hf_generate and hf.generation_config.to_dict() == hf_config
+    assert model.model is hf and wrap(model) is model and model.lm_head is hf.lm_head
+    assert model.device == hf.device and model.dtype == torch.float32 and model.config is hf.config
+    assert model.generation_config.eos_token_id == EOS and model.generation_config.pad_token_id == PAD
+
+
+def test_the_models_generation_config_sets_the_defaults():
+    hf = tiny_transformers_model("opt")
+    hf.generation_config = transformers.GenerationConfig(max_new_tokens=3, do_sample=True, temperature=0.5,
+                                                         cache_implementation="hybrid", eos_token_id=[EOS, 3])
+    gc = wrap(hf).generation_config
+    assert (gc.max_new_tokens, gc.do_sample, gc.temperature, gc.eos_token_ids) == (3, True, 0.5, [EOS, 3])
+    assert gc.cache_implementation is None and gc.pad_token_id == PAD  # pad from config.json
+    assert wrap(hf).generate(PROMPT, seed=0).shape == (1, PROMPT.shape[1] + 3)
+
+
+@pytest.mark.parametrize("options", [
+    dict(prompt_lookup_num_tokens=3),
+    dict(assistant_model="wrapped"),
+    dict(assistant_model="transformers"),
+    dict(cache_implementation="static"),
+    dict(compile=True),
+], ids=["prompt-lookup", "assistant-wrapped", "assistant-transformers", "static-cache", "compile"])
+def test_strategies_that_keep_greedy_output(gpt2, options, caplog):
+    hf, model = gpt2
+    if options.get("assistant_model") == "wrapped":
+        options = dict(assistant_model=wrap(tiny_transformers_model("gpt2", seed=3)))
+    elif options.get("assistant_model") == "transformers":
+        options = dict(assistant_model=tiny_transformers_model("gpt2", seed=3))
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        assert torch.equal(ours(model, PROMPT, **options), reference(hf, PROMPT))
+    if "compile" in options:
+        assert "falls back to the eager loop" in caplog.text
+
+
+def test_classifier_free_guidance_equals_transformers(gpt2):
+    hf, model = gpt2
+    negative = torch.tensor([[3, 4]])
+    assert torch.equal(ours(model, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative),
+                       reference(hf, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative))
+
+
+def test_processors_and_sampling_processors_equal_transformers_scores(gpt2):
+    hf, model = gpt2
+    options = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=4, bad_words_ids=[[11]],
+                   return_dict_in_generate=True, output_scores=True)
+    theirs, mine = reference(hf, PROMPT, **options), ours(model, PROMPT, **options)
+    assert torch.equal(mine.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(mine.scores), torch.stack(theirs.scores))
+
+
+def test_contrastive_diverse_beam_and_dola_run_and_are_deterministic(gpt2):
+    _, model = gpt2
+    for options in (dict(penalty_alpha=0.6, top_k=4), dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0),
+                    dict(dola_layers=[0], repetition_penalty=1.2)):
+        first, again = ours(model, PROMPT, **options), ours(model, PROMPT, **options)
+        assert torch.equal(first, again) and first.shape == (1, PROMPT.shape[1] + NEW), options
+
+
+def test_transition_scores_match_transformers(gpt2):
+    hf, model = gpt2
+    theirs = reference(hf, PROMPT, return_dict_in_generate=True, output_scores=True)
+    mine = ours(model, PROMPT, return_dict_in_generate=True, output_scores=True)
+    torch.testing.assert_close(model.compute_transition_scores(mine.sequences, mine.scores, normalize_logits=True),
+                               hf.compute_transition_scores(theirs.sequences, theirs.scores, normalize_logits=True))
+
+
+def test_plugins_and_callables_run_on_a_wrapped_model(gpt2):
+    _, model = gpt2
+    seen = []
+
+    class Ban:
+        @decodekit.hookimpl
+        def decodekit_logits_processors(self):
+            def ban(input_ids, scores):
+                seen.append(input_ids.shape)
+                return scores.index_fill(-1, torch.tensor([int(plain[0, -1])]), -float("inf"))
+            return [ban]
+
+    plain = ours(model, PROMPT)
+    decodekit.register(Ban(), name="ban-last")
+    try:
+        banned = ours(model, PROMPT)
+    finally:
+        decodekit.unregister("ban-last")
+    assert len(seen) == NEW and int(plain[0, -1]) not in banned[0, PROMPT.shape[1]:].tolist()
+
+    def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, past_key_values=None, **kw):
+        out = model(input_ids, past_key_values=past_key_values, use_cache=True)
+        return torch.cat((input_ids, out.logits[:, -1:].argmax(-1)), dim=-1), type(past_key_values).__module__
+
+    sequences, cache_module = model.generate(PROMPT, custom_generate=loop, max_new_tokens=1)
+    assert torch.equal(sequences, plain[:, : PROMPT.shape[1] + 1]) and cache_module.startswith("transformers")
+
+
+def test_a_plugin_cache_must_be_a_transformers_cache_for_a_transformers_model(gpt2):
+    _, model = gpt2
+
+    class Static:
+        @decodekit.hookimpl
+        def decodekit_cache(self, context):
+            return context.model.make_cache("static", context.batch_size, context.max_length)
+
+    decodekit.register(Static(), name="static-cache")
+    try:
+        out = ours(model, PROMPT, return_dict_in_generate=True)
+    finally:
+        decodekit.unregister("static-cache")
+    assert type(out.past_key_values).__name__ == "StaticCache"
+    assert torch.equal(out.sequences, ours(model, PROMPT))
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+def test_auto_model_loads_other_architectures_through_transformers(tmp_path, caplog):
+    hf = tiny_transformers_model("gpt_neox")
+    hf.save_pretrained(tmp_path / "neox")
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "neox")
+    assert isinstance(model, TransformersModel)
+    assert "transformers backend: model_type 'gpt_neox' has no native implementation" in caplog.text
+    assert torch.equal(ours(model, PROMPT), reference(hf, PROMPT))
+
+
+def test_backend_can_be_forced_and_is_checked(tmp_path):
+    from decodekit.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "llama")
+    native = AutoModelForCausalLM.from_pretrained(path)
+    through = AutoModelForCausalLM.from_pretrained(path, backend="transformers")
+    assert not isinstance(native, TransformersModel) and isinstance(through, TransformersModel)
+    assert torch.equal(native.generate(PROMPT, max_new_tokens=8), through.generate(PROMPT, max_new_tokens=8))
+    tiny_transformers_model("opt").save_pretrained(tmp_path / "opt")
+    with pytest.raises(ValueError, match="model_type 'opt' has no native implementation"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "opt", backend="native")
+    with pytest.raises(ValueError, match=r"backend='onnx' is invalid; expected one of \['native', 'transformers'\]"):
+        AutoModelForCausalLM.from_pretrained(path, backend="onnx")
+    with pytest.raises(ValueError, match="quantize='int8' applies to decodekit's native models"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "opt", quantize="int8")
+    with pytest.raises(TypeError, match=r"decodekit.wrap\(model\)"):
+        AutoModelForCausalLM.from_pretrained(native)
+
+
+def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    tiny_transformers_model("opt").save_pretrained(tmp_path / "opt")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install 'decodekit\[transformers\]'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "opt")
+
+
+def test_a_model_transformers_cannot_load_says_why(tmp_path):
+    hf = tiny_transformers_model("opt")
+    hf.config.save_pretrained(tmp_path / "no-weights")
+    with pytest.raises(OSError, match="no file named"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "no-weights")
+
+
+def test_tokenizer_falls_back_to_transformers(tmp_path, caplog):
+    import json
+
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3, "Ġ": 4, "Ġab": 5}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nĠ ab\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        tokenizer = decodekit.AutoTokenizer.from_pretrained(tmp_path)
+    assert "no tokenizer.json" in caplog.text and tokenizer.padding_side == "left"
+    assert tokenizer("ab ab")["input_ids"] == [3, 5] and tokenizer.decode([3, 5]) == "ab ab"
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+
+def test_wrap_refuses_what_is_not_a_decoder_only_causal_lm():
+    with pytest.raises(TypeError, match="takes a transformers causal LM"):
+        wrap(torch.nn.Linear(2, 2))
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=16))
+    with pytest.raises(ValueError, match="not a causal language model"):
+        wrap(bert)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=32, d_model=16, d_ff=16, num_layers=1,
+                                                                      num_heads=2, d_kv=8))
+    with pytest.raises(ValueError, match="encoder-decoder model; decodekit generates with decoder-only models only"):
+        wrap(t5)

@@ -1,0 +1,70 @@
+"""Tiny random transformers models of architectures outside the Llama family, built in the tests.
+
+Each entry covers something decodekit's loop must get right on a model it did not write: learned absolute
+positions (GPT-2, OPT), parallel attention and MLP with partial rotary (GPT-NeoX, Phi), Falcon's fused
+multi-query attention, logit soft-capping with alternating sliding-window layers (Gemma 2), a newer hybrid
+(Gemma 3 text), mixtures of experts (Mixtral, Qwen3-MoE).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the transformers extra (`make test` installs it)")
+
+VOCAB = 96
+PAD, EOS = 0, 95
+COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
+
+ARCHITECTURES = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                                 max_position_embeddings=64, word_embed_proj_dim=32)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                             num_attention_heads=4, rotary_pct=0.5,
+                                                             use_parallel_residual=True, max_position_embeddings=64)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=64)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                         multi_query=True, parallel_attn=True, new_decoder_architecture=False)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                         sliding_window=4, final_logit_softcapping=5.0,
+                                                         attn_logit_softcapping=10.0, max_position_embeddings=64,
+                                                         tie_word_embeddings=False)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                                  sliding_window=4, max_position_embeddings=64,
+                                                                  layer_types=["sliding_attention", "sliding_attention",
+                                                                               "full_attention"],
+                                                                  tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                            num_attention_heads=4, num_key_value_heads=2,
+                                                            num_local_experts=4, num_experts_per_tok=2,
+                                                            max_position_embeddings=64)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(hidden_size=32, intermediate_size=48,
+                                                                moe_intermediate_size=16, num_hidden_layers=2,
+                                                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                                num_experts=4, num_experts_per_tok=2,
+                                                                max_position_embeddings=64)),
+}
+
+
+# Seeds whose greedy text varies (seed 0 of these repeats one token).
+SEEDS = {"qwen3_moe": 1}
+
+
+def tiny_transformers_model(architecture: str, seed: int | None = None):
+    """A tiny random transformers causal LM of `architecture` (a key of ARCHITECTURES), fp32, eval mode."""
+    seed = SEEDS.get(architecture, 0) if seed is None else seed
+    config_class, model_class, fields = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(**COMMON, **fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    # Random init leaves some weights at zero or one and logits near flat; spread them so every part of the model
+    # changes the output and greedy text does not repeat one token (Gemma's tied, scaled embeddings would).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model

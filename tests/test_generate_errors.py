@@ -92,8 +92,8 @@ def test_model_loading_errors(tmp_path):
     bad = write_tiny_model(tmp_path / "gpt2like", model_type="llama")
     cfg = (bad / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (bad / "config.json").write_text(cfg)
-    with pytest.raises(ValueError, match=r"Unsupported model_type 'gpt_neox'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
-        AutoModelForCausalLM.from_pretrained(bad)
+    with pytest.raises(ValueError, match=r"model_type 'gpt_neox' has no native .*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+        AutoModelForCausalLM.from_pretrained(bad, backend="native")
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "nope" / "deeper" / "path")
     with pytest.raises(ValueError, match=r"dtype='float8'"):

@@ -19,6 +19,9 @@ from .loading import resolve_model_dir
 logger = logging.getLogger("decodekit")
 
 _TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+# What transformers' AutoTokenizer reads where tokenizer.json is missing (its config, BPE or SentencePiece files).
+_TRANSFORMERS_TOKENIZER_FILES = ["tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+                                 "vocab.txt"]
 
 
 class BatchEncoding(dict):
@@ -85,7 +88,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as Backend
 
         if not (model_dir / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json; decodekit reads tokenizer.json or a GGUF file.")
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json; decodekit reads tokenizer.json or a GGUF file, and "
+                                    "transformers (the decodekit[transformers] extra) vocab.json + merges.txt or a "
+                                    "SentencePiece model with tokenizer_config.json.")
         backend = Backend.from_file(str(model_dir / "tokenizer.json"))
         config: dict[str, Any] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
@@ -312,10 +317,12 @@ class AutoTokenizer:
                        padding_side=padding_side)
         path = Path(name_or_path).expanduser()
         native = gguf_file is not None or path.suffix == ".gguf"
+        readable = True  # by transformers, as far as the files tell
         if not native:
             files = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=_TOKENIZER_FILES)
             native = (files / "tokenizer.json").is_file()
-        if backend == "native" or (backend is None and native):
+            readable = any((files / name).is_file() for name in _TRANSFORMERS_TOKENIZER_FILES)
+        if backend == "native" or (backend is None and (native or not readable)):
             if transformers_kwargs:
                 raise TypeError(f"AutoTokenizer.from_pretrained() got {sorted(transformers_kwargs)}, which only the "
                                 "transformers backend takes.")

@@ -148,18 +148,26 @@ def bench_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> int:
-    parser = bench_parser(__doc__, new_tokens=128)
-    parser.add_argument("--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)")
+def bench_setup(parser: argparse.ArgumentParser):
+    """(args, the default model's path, its tokenizer), with the thread count set and warnings off."""
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
-    from decodekit import AutoModelForCausalLM, AutoTokenizer
+    from decodekit import AutoTokenizer
     from decodekit.models.default import default_model_path
 
     path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
+    return args, path, AutoTokenizer.from_pretrained(path)
+
+
+def main() -> int:
+    parser = bench_parser(__doc__, new_tokens=128)
+    parser.add_argument("--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)")
+    args, path, tok = bench_setup(parser)
+
+    from decodekit import AutoModelForCausalLM
+
     ours = AutoModelForCausalLM.from_pretrained(path)
     enc = tok(PROMPT, return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"]

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-import warnings
 
 import torch
 
-from bench_generate import PROMPT, bench_parser, interleaved
+from bench_generate import PROMPT, bench_parser, interleaved, bench_setup
 
 
 def prefill_job(model, ids):
@@ -62,15 +61,10 @@ def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
 
 
 def main() -> int:
-    args = bench_parser(__doc__, new_tokens=64).parse_args()
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
+    args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=64))
 
-    from decodekit import AutoModelForCausalLM, AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit import AutoModelForCausalLM
 
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
     ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
     ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
     ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")

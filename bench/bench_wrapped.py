@@ -13,26 +13,20 @@ from __future__ import annotations
 import json
 import sys
 import time
-import warnings
 
 import torch
 
-from bench_generate import PROMPT, bench_parser, interleaved
+from bench_generate import PROMPT, bench_parser, interleaved, bench_setup
 
 BATCH_PROMPTS = [PROMPT, "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
                  "The best way to learn a language is", "Water boils at", "import numpy as np\n", "Dear Sir or Madam,"]
 
 
 def main() -> int:
-    args = bench_parser(__doc__, new_tokens=128).parse_args()
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
+    args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=128))
 
-    from decodekit import AutoModelForCausalLM, AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit import AutoModelForCausalLM
 
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, backend="transformers")  # decodekit.wrap of transformers' model
     hf = model.model
     hf.generation_config.pad_token_id = tok.pad_token_id

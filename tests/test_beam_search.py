@@ -1,7 +1,6 @@
 """Beam search, beam sampling and diverse beam search: exhaustive checks on toy models, transformers parity."""
 
 import itertools
-import math
 
 import pytest
 import torch

@@ -2,12 +2,10 @@
 
 import inspect
 import logging
-import sys
 
 import pytest
 import torch
 
-import decodekit
 from decodekit import AutoModelForCausalLM
 from decodekit.hub_loader import UntrustedCodeError
 from decodekit.registry import get_plugin_manager

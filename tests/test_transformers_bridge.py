@@ -178,3 +178,22 @@ def test_cli_generates_with_a_transformers_model(tmp_path, capsys):
     (tmp_path / "model.safetensors").unlink()
     assert main(["generate", "abc", "--model", str(tmp_path)]) == 2
     assert "no file named" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hook", ["logits processor", "selector"])
+def test_rendered_hook_methods_take_transformers_arguments_under_its_custom_generate(hf, tmp_path, hook):
+    """transformers passes its own GenerationConfig and processors to the entry point; both are honoured,
+    in transformers' loop (a processor method) and in decodekit's loop on the model (a selector method)."""
+    from decodekit.templates import render
+
+    repo = render("hub-repo", tmp_path, {"name": "M", "hook_point": hook}, no_input=True)
+    seen = []
+
+    def spy(input_ids, scores):
+        seen.append(input_ids.shape[1])
+        return scores
+
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    out = hf.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, generation_config=config,
+                      logits_processor=transformers.LogitsProcessorList([spy]))
+    assert out.shape == (1, PROMPT.shape[1] + 4) and seen == [5, 6, 7, 8]

@@ -11,14 +11,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from ..registry.hookspecs import LOOP_ONLY_HOOKS
+
 ENTRY_MARKER = "decodekit_hooks_entry_point"
 
-# Hooks that only decodekit's loop can take; a method with any of them runs in decodekit's loop on a
-# transformers model (decodekit.wrap) instead of inside transformers' generate().
-LOOP_HOOKS = ("decodekit_token_selector", "decodekit_cache", "decodekit_decoding_loop", "decodekit_next_token_logits")
-
 # transformers' generate() arguments that decodekit's generate() has no use for when they are unset.
-_TRANSFORMERS_ONLY = ("prefix_allowed_tokens_fn", "synced_gpus", "use_model_defaults", "negative_prompt_attention_mask")
+_TRANSFORMERS_ONLY = ("prefix_allowed_tokens_fn", "synced_gpus", "use_model_defaults")
 
 
 def hooks_entry_point(module_name: str) -> Callable[..., Any]:
@@ -41,15 +39,18 @@ def hooks_entry_point(module_name: str) -> Callable[..., Any]:
             with registered_module(module, name):
                 return model.generate(prompt, **kwargs)
         from ..integrations.transformers import wrap
-        from ..integrations.transformers.bridge import hooks_for
+        from ..integrations.transformers.bridge import config_for, hooks_for
 
-        if any(hasattr(module, hook) for hook in LOOP_HOOKS):
-            kwargs = {k: v for k, v in kwargs.items() if not (k in _TRANSFORMERS_ONLY and not v)}
+        if any(hasattr(module, hook) for hook in LOOP_ONLY_HOOKS):
+            # transformers' loop cannot take these: decodekit's loop runs on the transformers model.
+            kwargs = {k: v for k, v in kwargs.items() if not (k in _TRANSFORMERS_ONLY and v in (None, False))}
+            if kwargs.get("generation_config") is not None:  # transformers' own, read as decodekit's
+                kwargs["generation_config"] = config_for(model, kwargs["generation_config"])
             with registered_module(module, name):
                 return wrap(model).generate(prompt, **kwargs)
         declared = module.decodekit_config_fields() if hasattr(module, "decodekit_config_fields") else {}
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in declared}
-        hooks = hooks_for(model, (module, name), kwargs.pop("generation_config", None), fields)
+        hooks = hooks_for(model, (module, name), kwargs.get("generation_config"), fields)
         # As in decodekit's loop, the caller's own processors and criteria run after the method's.
         hooks.logits_processor.extend(kwargs.pop("logits_processor", None) or [])
         hooks.stopping_criteria.extend(kwargs.pop("stopping_criteria", None) or [])

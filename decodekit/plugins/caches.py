@@ -1,7 +1,8 @@
-"""Built-in KV caches: static (preallocated, the default in generate()) and dynamic.
+"""Built-in KV caches: static (preallocated) and dynamic, made by core.cache.new_cache.
 
-The static cache is the default because its size is known up front (prompt + max_new_tokens), and
-writing in place avoids a reallocation per token.
+Static is the default for decodekit's own models: its size is known up front (prompt + max_new_tokens), and
+writing in place avoids a reallocation per token. A model that makes its own caches (a wrapped transformers
+model: transformers Cache objects) gets dynamic by default, as transformers' generate() does.
 """
 
 from ..core.cache import new_cache

@@ -77,3 +77,13 @@ def decodekit_next_token_logits(generation_config, context):
     Returns a callable `(model_output) -> logits [B, V]` with an attribute `needs_hidden_states` (bool):
     when True, the loop asks the model for hidden states (DoLa contrasts early-exit layers this way).
     """
+
+
+# The hook points only decodekit's own loop can take, and what each replaces: another engine's loop
+# (transformers' generate(), vLLM) takes processors and stopping criteria, and refuses a plugin with these.
+LOOP_ONLY_HOOKS = {
+    "decodekit_token_selector": "token selection",
+    "decodekit_cache": "the KV cache",
+    "decodekit_decoding_loop": "the decoding loop",
+    "decodekit_next_token_logits": "how next-token logits are read",
+}

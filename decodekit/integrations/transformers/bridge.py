@@ -22,17 +22,9 @@ import transformers
 from ...core.pipeline import GenerationContext
 from ...core.processors import LogitsProcessorList as HookProcessors
 from ...core.stopping import StoppingCriteriaList as HookCriteria
+from ...registry.hookspecs import LOOP_ONLY_HOOKS
 from ...registry.manager import call_hooks
 from .model import generation_config_from
-
-# Hook points transformers' generate() cannot take, and what each would have replaced.
-LOOP_ONLY_HOOKS = {
-    "decodekit_token_selector": "token selection",
-    "decodekit_cache": "the KV cache",
-    "decodekit_decoding_loop": "the decoding loop",
-    "decodekit_next_token_logits": "how next-token logits are read",
-}
-
 
 class TransformersHooks(NamedTuple):
     """What to pass to transformers' generate(): `hf_model.generate(**inputs, **hooks._asdict())`."""

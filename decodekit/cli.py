@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import os
 import sys
 
+from . import __version__
 from .templates import TEMPLATES
 
 GENERATE_EPILOG = """\
@@ -26,6 +29,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decodekit", description="Custom decoding methods for causal language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what decodekit does (loading, compiling)")
+    parser.add_argument("--version", action="version", version=f"decodekit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -49,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, metavar="P",
                      help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)")
     gen.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
+    gen.add_argument("--num-beams", type=_positive_int, metavar="N",
+                     help="beam search with N beams (prints the text at the end: beams change until the last step)")
+    gen.add_argument("--prompt-lookup", type=_positive_int, metavar="N",
+                     help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
+    gen.add_argument("--penalty-alpha", type=float, metavar="A",
+                     help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
+    gen.add_argument("--assistant", metavar="NAME_OR_PATH",
+                     help="assisted (speculative) decoding with this smaller model of the same tokenizer")
+    gen.add_argument("--stats", action="store_true",
+                     help="print load time, time to first token, tokens/s and the tokens generated, on stderr")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)")
@@ -70,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "packages (with their errors, if they failed to load), plugins registered at run "
                                      "time, and custom_generate methods already in the Hugging Face cache.")
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    lst.add_argument("--verbose", dest="wide", action="store_true",
+                     help="one full-width row per decoder, whatever the terminal's width")
     lst.set_defaults(func=cmd_list)
 
     new = sub.add_parser("new", help="start a decoding method from a template",
@@ -144,25 +160,122 @@ def cmd_list(args) -> int:
     from .registry.listing import all_records, render_json, render_table
 
     records = all_records()
-    print(render_json(records) if args.json else render_table(records))
+    import shutil
+
+    width = None if args.wide else shutil.get_terminal_size().columns
+    print(render_json(records) if args.json else render_table(records, width))
     return 0
 
 
+class CLIError(ValueError):
+    """A problem with the command line itself, found before any model loads."""
+
+
+def generation_kwargs(args) -> dict:
+    """The generate() keywords the flags and --arg ask for, checked before any model loads: a bad value is reported
+    in well under a second, naming the flag."""
+    from .core.config import DEFAULTS, GenerationConfig
+    from .registry.manager import config_fields
+
+    if not args.prompt.strip():
+        raise CLIError("the prompt is empty; give the text to continue, e.g. decodekit generate \"Once upon a time\".")
+    sampling_flags = {"--temperature": args.temperature, "--top-p": args.top_p}
+    if args.penalty_alpha is None:
+        sampling_flags["--top-k"] = args.top_k
+    used = [flag for flag, value in sampling_flags.items() if value is not None]
+    if used and not args.do_sample:
+        raise CLIError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    for flag, name in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                       ("num_beams", "num_beams"), ("prompt_lookup", "prompt_lookup_num_tokens"),
+                       ("penalty_alpha", "penalty_alpha")):
+        if getattr(args, flag) is not None:
+            kwargs[name] = getattr(args, flag)
+    if args.penalty_alpha is not None:
+        kwargs.setdefault("top_k", 4)
+    if args.compile:
+        kwargs["compile"] = True
+    extra = parse_method_args(args.arg)
+    known = set(DEFAULTS) | set(config_fields())
+    if not args.custom_generate:  # a method's own keywords are known only once it is loaded
+        for key in extra:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = ""
+                if close:
+                    hint = f"; did you mean {FLAGS[close[0]]}?" if close[0] in FLAGS else f"; did you mean --arg {close[0]}=...?"
+                raise CLIError(f"--arg {key}=... is not a generation config field or a keyword of an installed plugin"
+                               f"{hint} (`decodekit list` shows the keywords each plugin takes).")
+    kwargs.update(extra)
+    try:
+        GenerationConfig(**{k: v for k, v in kwargs.items() if k in DEFAULTS}).validate()
+    except ValueError as error:
+        raise CLIError(cli_names(str(error))) from None
+    return kwargs
+
+
+# generate() keywords that have a flag of their own, for messages shown on the command line.
+FLAGS = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample", "temperature": "--temperature",
+         "top_k": "--top-k", "top_p": "--top-p", "num_beams": "--num-beams", "prompt_lookup_num_tokens": "--prompt-lookup",
+         "penalty_alpha": "--penalty-alpha", "trust_remote_code=True": "--trust-remote-code"}
+
+
+def cli_names(message: str) -> str:
+    """`message` with the keywords that have a flag written as that flag (top_p=2.0 -> --top-p 2.0)."""
+    for name, flag in FLAGS.items():
+        message = message.replace(f"{name}=" if "=" not in name else name, f"{flag} " if "=" not in name else flag)
+    return message
+
+
+class Stats:
+    """A streamer in front of the real one (or none): when the first generated token and the last arrived."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+        self.prompt_seen = False
+        self.first = self.last = None
+        self.tokens = 0
+
+    def put(self, value) -> None:
+        import time
+
+        if self.prompt_seen:
+            now = time.perf_counter()
+            self.first = self.first or now
+            self.last = now
+            self.tokens += value.numel()
+        self.prompt_seen = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
 def cmd_generate(args) -> int:
+    import time
+
     import torch
 
     from .core.streamers import TextStreamer
     from .models import AutoModelForCausalLM, AutoTokenizer
     from .models.default import default_model_path
 
-    sampling_flags = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
-    used = [flag for flag, value in sampling_flags.items() if value is not None]
-    if used and not args.do_sample:
-        raise ValueError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
+    kwargs = generation_kwargs(args)
+    stream = not args.no_stream
+    if stream and kwargs.get("num_beams", 1) > 1:
+        print("decodekit: note: beam search cannot stream (beams change until the last step); the text is printed "
+              "at the end.", file=sys.stderr)
+        stream = False
+    began = time.perf_counter()
     source = args.model or default_model_path()
     load = {"revision": args.revision, "gguf_file": args.gguf_file, "backend": args.backend}
     tokenizer = AutoTokenizer.from_pretrained(source, **load)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, quantize=args.quantize, **load)
+    if args.assistant:
+        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype)
+    loaded = time.perf_counter()
 
     if args.chat:
         input_ids = tokenizer.apply_chat_template(
@@ -172,28 +285,39 @@ def cmd_generate(args) -> int:
             input_ids = input_ids["input_ids"]
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    if args.compile:
-        kwargs["compile"] = True
-    for name in ("temperature", "top_k", "top_p"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if streamer is not None and not args.chat:
-        print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
-    kwargs.update(parse_method_args(args.arg))
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    stats = Stats(streamer) if args.stats and kwargs.get("num_beams", 1) == 1 else None
     if args.custom_generate:
         from .hub_loader import trusted_revision
 
         kwargs["custom_generate"] = args.custom_generate
         kwargs["trust_remote_code"] = True if args.trust_remote_code else trusted_revision(args.custom_generate)
         kwargs["attention_mask"] = torch.ones_like(input_ids)
-    out = model.generate(input_ids, streamer=streamer, seed=args.seed, tokenizer=tokenizer, **kwargs)
+    if args.compile:
+        print("decodekit: compiling the decode step on first use; this can take a minute.", file=sys.stderr)
+    echoed = stream and not args.chat
+    if echoed:
+        print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
+    try:
+        out = model.generate(input_ids, streamer=stats or streamer, seed=args.seed, tokenizer=tokenizer, **kwargs)
+    except BaseException:
+        if echoed:
+            print(flush=True)  # an error goes on its own line, not glued to the echoed prompt
+        raise
+    done = time.perf_counter()
     if not isinstance(out, torch.Tensor):
         out = out.sequences if hasattr(out, "sequences") else out
-    if streamer is None:
+    if not stream:
         text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
         print(text if args.chat else args.prompt + text)
+    if args.stats:
+        new = int(out.shape[1] - input_ids.shape[1])
+        line = f"stats: load {loaded - began:.2f} s; {new} tokens in {done - loaded:.2f} s ({new / max(done - loaded, 1e-9):.1f} tokens/s)"
+        if stats is not None and stats.first is not None:
+            line += f"; first token after {stats.first - loaded:.2f} s"
+            if stats.tokens > 1:
+                line += f", then {(stats.tokens - 1) / max(stats.last - stats.first, 1e-9):.1f} tokens/s"
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -205,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader (head, less) went away: nothing more to say
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except (ValueError, OSError, ImportError, TypeError, AttributeError, DefaultModelMissing) as e:
-        print(f"decodekit: error: {e}", file=sys.stderr)
+        print(f"decodekit: error: {e if isinstance(e, CLIError) else cli_names(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -57,7 +57,7 @@ def _write(name: str, choice: str) -> None:
         scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
         os.replace(scratch, path)  # never a half-written file for another process
     except OSError as error:
-        logger.info("decodekit: could not cache the choice %s=%s (%s)", name, choice, error)
+        logger.info("could not cache the choice %s=%s (%s)", name, choice, error)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -90,7 +90,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
         if choice not in candidates:
             timings = {label: median_seconds(fn) for label, fn in candidates.items()}
             choice = min(timings, key=timings.get)
-            logger.info("decodekit: %s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
+            logger.info("%s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
                         ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))
             _write(name, choice)
         _made[name] = choice

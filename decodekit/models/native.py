@@ -75,7 +75,7 @@ def load() -> bool:
                 reason = f"building or loading {SOURCE.name} failed: {error}"
         _loaded = reason is None
         if reason is not None:
-            logger.info("decodekit: no C++ kernels, compiled steps run the Python layers with inductor's products (%s)", reason)
+            logger.info("no C++ kernels, compiled steps run the Python layers with inductor's products (%s)", reason)
     return _loaded
 
 
@@ -138,7 +138,7 @@ def _built_library() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)
-    logger.info("decodekit: built %s", target)
+    logger.info("built %s", target)
     return target
 
 

@@ -161,7 +161,7 @@ def plain_weights(model: nn.Module):
         # the user may later change in place.
         with torch.inference_mode(False):
             unpack_linears(model)
-        logger.info("decodekit: linear weights unpacked from oneDNN's layout for a compiled step of few rows "
+        logger.info("linear weights unpacked from oneDNN's layout for a compiled step of few rows "
                     "(%.0f ms); the next eager call packs them again", 1000 * (time.perf_counter() - start))
     model._packed_linears = False
     try:

@@ -84,7 +84,7 @@ def decodekit_validate_config(generation_config):
     if gc.compile or cc is not None:
         for name, active, strategy, why in UNFUSED_STRATEGIES:
             if active(getattr(gc, name, None)):
-                logger.info("decodekit: compile=True: %s runs eagerly (%s)", strategy, why)
+                logger.info("compile=True: %s runs eagerly (%s)", strategy, why)
 
 
 def validate_backend_options(gc, cc: dict) -> None:
@@ -258,7 +258,7 @@ class FusedLoop:
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
         reason = unfusable_reason(model, pipeline, gc)
         if reason is not None:
-            logger.info("decodekit: compile=True falls back to the eager loop: %s", reason)
+            logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
         few_rows = input_ids.shape[0] <= PLAIN_WEIGHTS_ROWS and model.device.type == "cpu"
         with plain_weights(model) if few_rows else contextlib.nullcontext():
@@ -277,7 +277,7 @@ class FusedLoop:
                 raise
             # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
             model._fused_steps[fused.key] = None
-            logger.info("decodekit: compile=True falls back to the eager loop: the step did not compile (%s)",
+            logger.info("compile=True falls back to the eager loop: the step did not compile (%s)",
                         str(e).splitlines()[0])
             if streamer is not None:
                 raise
@@ -310,7 +310,7 @@ class FusedLoop:
         steps = model.__dict__.setdefault("_fused_steps", {})
         if key not in steps:
             why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
-            logger.info("decodekit: compiling the decode step (batch %d, cache %d slots, %s; %s)", batch, length, kind[0], why)
+            logger.info("compiling the decode step (batch %d, cache %d slots, %s; %s)", batch, length, kind[0], why)
             while len(steps) >= MAX_STEPS:  # each holds a cache: keep the most recent few
                 steps.pop(next(iter(steps)))
             steps[key] = FusedStep(model, batch, length, options, lambda m, cache: self.make_step(m, cache, pipeline, gc))

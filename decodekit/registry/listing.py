@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import textwrap
 from pathlib import Path
 
 from .manager import PluginRecord, plugin_records
@@ -52,14 +53,29 @@ def all_records() -> list[PluginRecord]:
     return plugin_records() + cached_hub_methods()
 
 
-def render_table(records: list[PluginRecord]) -> str:
+def render_table(records: list[PluginRecord], width: int | None = None) -> str:
+    """One row per decoder when the table fits in `width` columns (default: the terminal's; None and 0 mean no
+    limit), else one block per decoder with every line wrapped to `width`."""
     rows = [("NAME", "KIND", "SOURCE", "HOOKS", "KWARGS", "DESCRIPTION")]
     for r in records:
         hooks = ", ".join(h.removeprefix("decodekit_") for h in r.hooks) or "-"
         kwargs = ", ".join(r.kwargs) or "-"  # names only; --json gives the defaults
         rows.append((r.name, r.kind, r.source or "-", hooks, kwargs, f"ERROR: {r.error}" if r.error else r.description))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows)
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
+    if not width or max(len(line) for line in table) <= width:
+        return "\n".join(line.rstrip() for line in table)
+    return "\n\n".join(_block(row, width) for row in rows[1:])
+
+
+def _block(row: tuple[str, ...], width: int) -> str:
+    name, kind, source, hooks, kwargs, description = row
+    lines = textwrap.wrap(f"{name} ({kind}) {source}", width, subsequent_indent="    ", break_on_hyphens=False)
+    for label, text in (("hooks", hooks), ("kwargs", kwargs), ("", description)):
+        if text and text != "-":
+            lines += textwrap.wrap(f"{label}: {text}" if label else text, width, initial_indent="  ",
+                                   subsequent_indent="    ", break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def render_json(records: list[PluginRecord]) -> str:

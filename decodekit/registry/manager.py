@@ -81,8 +81,9 @@ _records: dict[str, PluginRecord] = {}
 
 
 def describe(plugin: Any) -> str:
-    doc = inspect.getdoc(plugin) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    """The first paragraph of the plugin's docstring, on one line."""
+    doc = (inspect.getdoc(plugin) or "").strip()
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def _record(name: str, plugin: Any, kind: str, source: str) -> None:
@@ -154,7 +155,7 @@ def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseExceptio
     record = _records.get(name) or PluginRecord(name, "runtime")
     record.error = f"disabled after {hook} raised {summary}{location}"
     _records[name] = record
-    logger.warning("decodekit: plugin %r is disabled for this process: %s", name, record.error)
+    logger.warning("plugin %r is disabled for this process: %s", name, record.error)
 
 
 def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:

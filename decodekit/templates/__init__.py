@@ -42,5 +42,5 @@ def render(template: str, output_dir: Path, context: dict | None = None, no_inpu
             out = cookiecutter(str(staged), no_input=no_input, extra_context=context, output_dir=str(output_dir),
                                overwrite_if_exists=force, default_config=config)
         except OutputDirExistsException as e:
-            raise FileExistsError(f"{e}; nothing was written. Choose another --name or -o, or pass --force to overwrite.") from None
+            raise FileExistsError(f"{str(e).removeprefix('Error: ')}; nothing was written. Choose another --name or -o, or pass --force to overwrite.") from None
     return Path(out)

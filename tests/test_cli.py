@@ -1,0 +1,67 @@
+"""The command line as a user meets it: --version, errors before any model loads, on their own line and with one
+prefix, flags named in messages, strategy flags, --stats, and `decodekit list` within the terminal's width."""
+
+import pytest
+
+import decodekit
+from decodekit.cli import main
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model or tokenizer load fails the test: the errors below must come before one."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the command line was checked")
+
+    monkeypatch.setattr(decodekit.models.AutoModelForCausalLM, "from_pretrained", staticmethod(refuse))
+    monkeypatch.setattr(decodekit.models.AutoTokenizer, "from_pretrained", staticmethod(refuse))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"decodekit {decodekit.__version__}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["Hi", "--do-sample", "--top-p", "2.0"], "generation config: --top-p 2.0 is invalid; expected a number in (0, 1]."),
+    (["Hi", "--top-k", "5"], "--top-k only apply when sampling; add --do-sample."),
+    (["Hi", "--arg", "num_beam=2"], "did you mean --num-beams?"),
+    (["Hi", "--arg", "repetiton_penalty=1.2"], "did you mean --arg repetition_penalty=...?"),
+    (["Hi", "--arg", "repetition_penalty=-1"], "repetition_penalty=-1 is invalid"),
+    (["   "], "the prompt is empty; give the text to continue"),
+    (["Hi", "--arg", "nokey"], "--arg 'nokey' is invalid; expected KEY=VALUE"),
+], ids=["bad-top-p", "sampling-flag", "misspelt-flag-field", "misspelt-field", "bad-arg-value", "empty", "no-equals"])
+def test_bad_arguments_are_reported_before_any_model_loads(no_model_loads, capsys, argv, message):
+    assert main(["generate", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing echoed
+    assert captured.err.startswith("decodekit: error: ") and captured.err.count("decodekit:") == 1
+    assert message in captured.err
+
+
+def test_an_error_during_generation_goes_on_its_own_line(default_model, capsys):
+    # penalty_alpha is checked by its plugin when generate() runs, after the prompt was echoed.
+    assert main(["generate", "Hi", "--penalty-alpha", "0.5", "--top-k", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "Hi\n" and captured.err.startswith("decodekit: error: generation config: --penalty-alpha 0.5 needs")
+
+
+def test_strategy_flags_and_stats(default_model, capsys):
+    assert main(["generate", "The capital of France is", "--num-beams", "2", "--max-new-tokens", "4", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The capital of France is Paris")
+    assert "beam search cannot stream" in captured.err and "stats: load" in captured.err and "4 tokens in" in captured.err
+    assert main(["generate", "The capital of France is", "--prompt-lookup", "2", "--max-new-tokens", "4", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The capital of France is Paris") and "first token after" in captured.err
+
+
+def test_list_fits_80_columns_and_verbose_does_not(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80 and any(line.startswith("greedy (built-in)") for line in lines)
+    assert main(["list", "--verbose"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert wide[0].split() == ["NAME", "KIND", "SOURCE", "HOOKS", "KWARGS", "DESCRIPTION"] and max(map(len, wide)) > 80

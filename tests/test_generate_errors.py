@@ -44,7 +44,7 @@ PROMPT = torch.tensor([[5, 6, 7]])
         ({"max_time": 0}, r"max_time=0"),
         ({"cache_implementation": "paged"}, r"cache_implementation='paged' is invalid; expected one of \['static', 'dynamic'\]"),
         ({"output_scores": 1}, r"output_scores=1"),
-        ({"max_new_tokenz": 5}, r"unknown arguments \['max_new_tokenz'\]"),
+        ({"max_new_tokenz": 5}, r"unknown arguments \['max_new_tokenz'\] \(did you mean 'max_new_tokens'\?\)"),
     ],
 )
 def test_invalid_config_fields(model, kwargs, message):

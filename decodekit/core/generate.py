@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import os
@@ -41,8 +42,10 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     known = set(DEFAULTS) | set(plugin_fields)
     unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known | set(MODEL_INPUTS)), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"generate() got unknown arguments {unknown}. It accepts the model inputs {list(MODEL_INPUTS)}, the "
+            f"generate() got unknown arguments {unknown}{hint}. It accepts the model inputs {list(MODEL_INPUTS)}, the "
             f"generation config fields {sorted(known)}, and generation_config, logits_processor, stopping_criteria, "
             "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
         )

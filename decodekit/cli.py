@@ -72,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--custom-generate", metavar="DIR_OR_REPO",
                      help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
     gen.add_argument("--trust-remote-code", action="store_true",
-                     help="allow --custom-generate to run its code (without it, a revision pinned in the trusted-revisions "
-                          "file is allowed; see `decodekit list --help`)")
+                     help="allow --custom-generate to run its code. Without it, only a revision pinned in the "
+                          "trusted-revisions file runs: lines of '<repo or directory> <revision>' in "
+                          "$DECODEKIT_CONFIG_DIR/trusted_revisions.txt (default ~/.config/decodekit/trusted_revisions.txt); "
+                          "the error for untrusted code prints the revision to pin")
     gen.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                      help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
                           "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable")

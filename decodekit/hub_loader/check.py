@@ -118,7 +118,7 @@ def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
 
 def _check_readme(root: Path) -> list[Problem]:
     readme = root / "README.md"
-    fix = "add front matter with `tags:` listing `custom_generate` (---\\ntags:\\n- custom_generate\\n---)"
+    fix = "start README.md with front matter whose tags list custom_generate: the lines `---`, `tags:`, `- custom_generate`, `---`"
     if not readme.is_file():
         return [Problem("README.md", None, f"missing; create it, document the method's arguments, and {fix}")]
     from huggingface_hub.repocard import metadata_load

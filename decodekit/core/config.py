@@ -38,6 +38,13 @@ DEFAULTS: dict[str, Any] = {
     "sequence_bias": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
+    "epsilon_cutoff": None,
+    "eta_cutoff": None,
+    "exponential_decay_length_penalty": None,
+    "begin_suppress_tokens": None,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+    "encoder_repetition_penalty": None,  # refused unless None or 1.0: it needs an encoder
     # special tokens
     "eos_token_id": None,
     "pad_token_id": None,
@@ -178,6 +185,22 @@ class GenerationConfig:
             not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "expected a number > 0 (1.0 means no penalty)")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            v = getattr(self, name)
+            if v is not None and (not _is_number(v) or not 0 <= v < 1):
+                raise bad(name, "expected a number in (0, 1) (0 or None: off)")
+        decay = self.exponential_decay_length_penalty
+        if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2 and _is_int(decay[0])
+                                      and decay[0] >= 0 and _is_number(decay[1]) and decay[1] > 0):
+            raise bad("exponential_decay_length_penalty", "expected (start: int >= 0, decay factor: number > 0), "
+                      "e.g. (10, 1.5)")
+        if self.begin_suppress_tokens is not None and not (
+            isinstance(self.begin_suppress_tokens, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
+        ):
+            raise bad("begin_suppress_tokens", "expected a list of token ids")
+        if self.encoder_repetition_penalty not in (None, 1.0):
+            raise bad("encoder_repetition_penalty", "it penalises tokens of an encoder's input, and decodekit runs "
+                      "decoder-only models; use repetition_penalty")
         if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:
             raise bad("num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True")
         if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
@@ -207,7 +230,8 @@ class GenerationConfig:
             strings = [self.stop_strings] if isinstance(self.stop_strings, str) else self.stop_strings
             if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
                 raise bad("stop_strings", "expected a non-empty string or a list of them")
-        for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache"):
+        for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache", "remove_invalid_values",
+                     "renormalize_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected True or False")
         if vocab_size is not None:
@@ -221,6 +245,7 @@ class GenerationConfig:
         for words in self.bad_words_ids or []:
             ids += [("bad_words_ids", t) for t in words]
         ids += [("suppress_tokens", t) for t in self.suppress_tokens or []]
+        ids += [("begin_suppress_tokens", t) for t in self.begin_suppress_tokens or []]
         forced_eos = self.forced_eos_token_id
         ids += [("forced_eos_token_id", t) for t in ([forced_eos] if _is_int(forced_eos) else forced_eos or [])]
         if self.sequence_bias is not None:

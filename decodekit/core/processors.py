@@ -223,6 +223,122 @@ class TypicalLogitsWarper:
         return scores.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
 
 
+def _keep_top(remove: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tensor:
+    """`remove` with the `n` highest-scoring tokens of each row kept whatever it said."""
+    if n < 1:
+        return remove
+    top = torch.topk(scores, min(n, scores.shape[-1]), dim=-1).indices
+    return remove.scatter(-1, top, False)
+
+
+class EpsilonLogitsWarper:
+    """Epsilon sampling: removes tokens whose probability is below `epsilon` in (0, 1), keeping at least
+    `min_tokens_to_keep` (the most likely ones)."""
+
+    score_only = True
+
+    def __init__(self, epsilon: float, min_tokens_to_keep: int = 1):
+        _check("epsilon_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)")
+        self.epsilon, self.min_tokens_to_keep = float(epsilon), min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        remove = scores.softmax(dim=-1) < self.epsilon
+        return scores.masked_fill(_keep_top(remove, scores, self.min_tokens_to_keep), NEG_INF)
+
+
+class EtaLogitsWarper:
+    """Eta sampling: epsilon sampling whose cutoff adapts to the entropy H of each row,
+    min(eta, sqrt(eta) * exp(-H)) with `eta` in (0, 1); keeps at least `min_tokens_to_keep` tokens."""
+
+    score_only = True
+
+    def __init__(self, eta: float, min_tokens_to_keep: int = 1):
+        _check("eta_cutoff", eta, isinstance(eta, (int, float)) and 0 < eta < 1, "expected a number in (0, 1)")
+        self.eta, self.min_tokens_to_keep = float(eta), min_tokens_to_keep
+
+    def __call__(self, input_ids, scores):
+        logp = scores.log_softmax(dim=-1)
+        probs = logp.exp()
+        entropy = -(probs * logp).nan_to_num().sum(dim=-1, keepdim=True)  # 0 * -inf counts as 0
+        cutoff = torch.clamp(math.sqrt(self.eta) * torch.exp(-entropy), max=self.eta)
+        return scores.masked_fill(_keep_top(probs < cutoff, scores, self.min_tokens_to_keep), NEG_INF)
+
+
+class InfNanRemoveLogitsProcessor:
+    """Replaces nan scores with 0 and +-inf with the dtype's largest and smallest finite values
+    (remove_invalid_values=True), so a model that emits them cannot stop generation."""
+
+    score_only = True
+
+    def __call__(self, input_ids, scores):
+        info = torch.finfo(scores.dtype)
+        return torch.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
+
+
+class LogitNormalization:
+    """Log-softmax of the scores (renormalize_logits=True): after the other processors, scores are
+    log-probabilities again."""
+
+    score_only = True
+
+    def __call__(self, input_ids, scores):
+        return scores.log_softmax(dim=-1)
+
+
+class ExponentialDecayLengthPenalty:
+    """After `start` generated tokens (of a prompt of `prompt_length`), raises the EOS scores by
+    |score| * (factor ** steps_past_start - 1), so EOS grows likelier without a hard cutoff.
+    `exponential_decay_length_penalty` = (start: int >= 0, factor: number > 0)."""
+
+    def __init__(self, exponential_decay_length_penalty, eos_token_id: int | Sequence[int], prompt_length: int):
+        start, self.factor = exponential_decay_length_penalty
+        self.start = start + prompt_length
+        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+    def __call__(self, input_ids, scores):
+        past = input_ids.shape[1] - self.start
+        if past <= 0:
+            return scores
+        eos = scores[:, self.eos]
+        boost = (eos.abs() * (self.factor ** past - 1)).masked_fill(~torch.isfinite(eos), 0.0)
+        scores[:, self.eos] = eos + boost
+        return scores
+
+
+class SuppressTokensAtBeginLogitsProcessor:
+    """Sets the scores of `begin_suppress_tokens` to -inf at the first generated position only (the
+    sequence is `begin_index` tokens long)."""
+
+    def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int):
+        self.tokens = torch.tensor(list(begin_suppress_tokens), dtype=torch.long)
+        self.begin_index = begin_index
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] != self.begin_index:
+            return scores
+        return scores.index_fill(-1, self.tokens.to(scores.device), NEG_INF)
+
+
+class PrefixConstrainedLogitsProcessor:
+    """Allows only the tokens `prefix_allowed_tokens_fn(batch_id, sequence)` returns for each row: row r
+    belongs to prompt r // rows_per_prompt (its beams), as in transformers. An empty list is an error."""
+
+    def __init__(self, prefix_allowed_tokens_fn, rows_per_prompt: int = 1):
+        self.fn, self.rows_per_prompt = prefix_allowed_tokens_fn, rows_per_prompt
+
+    def __call__(self, input_ids, scores):
+        allowed = torch.full_like(scores, NEG_INF)
+        for row, sequence in enumerate(input_ids):
+            tokens = list(self.fn(row // self.rows_per_prompt, sequence))
+            if not tokens:
+                raise ValueError(
+                    f"prefix_allowed_tokens_fn returned no allowed token for prompt {row // self.rows_per_prompt} "
+                    f"after {sequence.tolist()}; it must return at least one token id."
+                )
+            allowed[row, tokens] = 0
+        return scores + allowed
+
+
 class RepetitionPenaltyLogitsProcessor:
     """Penalises every token already in the sequence (prompt included): positive scores are divided by
     `penalty` (> 0), negative ones multiplied, so a penalty above 1 always makes a repeat less likely."""

@@ -1,7 +1,7 @@
 """Built-in logits processors (penalties, constraints, sampling warpers), chosen from the generation config.
 
 They run in transformers' order: penalties and constraints first, then the sampling warpers
-(temperature, top-k, top-p, min-p, typical-p).
+(temperature, top-k, top-p, min-p, typical-p, epsilon, eta), and renormalize_logits last.
 """
 
 from ..core import processors as P
@@ -9,13 +9,24 @@ from ..core.config import DEFAULTS
 from ..registry import hookimpl
 
 FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
-          "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "temperature", "top_k", "top_p", "min_p",
-          "typical_p")
+          "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "remove_invalid_values",
+          "exponential_decay_length_penalty", "renormalize_logits", "temperature", "top_k", "top_p", "min_p",
+          "typical_p", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")
 
 
 @hookimpl
 def decodekit_config_fields():
-    return {name: DEFAULTS[name] for name in FIELDS}
+    # prefix_allowed_tokens_fn is an argument of transformers' generate(), not a config field there; here it is
+    # one, so generate(prefix_allowed_tokens_fn=...) reaches this plugin like every other keyword.
+    return {**{name: DEFAULTS[name] for name in FIELDS}, "prefix_allowed_tokens_fn": None}
+
+
+@hookimpl
+def decodekit_validate_config(generation_config):
+    fn = generation_config.prefix_allowed_tokens_fn
+    if fn is not None and not callable(fn):
+        raise generation_config.invalid("prefix_allowed_tokens_fn", "expected a function (batch_id, input_ids) -> "
+                                        "list of allowed token ids, or None")
 
 
 @hookimpl(tryfirst=True)
@@ -35,12 +46,22 @@ def decodekit_logits_processors(generation_config, context):
         out.append(P.MinLengthLogitsProcessor(gc.min_length, eos))
     if eos and gc.min_new_tokens:
         out.append(P.MinNewTokensLengthLogitsProcessor(context.prompt_length, gc.min_new_tokens, eos))
+    if gc.prefix_allowed_tokens_fn is not None:
+        out.append(P.PrefixConstrainedLogitsProcessor(gc.prefix_allowed_tokens_fn, gc.number("num_beams", 1)))
     if gc.forced_bos_token_id is not None:
         out.append(P.ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id, context.prompt_length))
     if gc.forced_eos_token_id is not None:
         out.append(P.ForcedEOSTokenLogitsProcessor(context.max_length, gc.forced_eos_token_id))
+    if gc.remove_invalid_values:
+        out.append(P.InfNanRemoveLogitsProcessor())
+    if gc.exponential_decay_length_penalty is not None and eos:
+        out.append(P.ExponentialDecayLengthPenalty(gc.exponential_decay_length_penalty, eos, context.prompt_length))
     if gc.suppress_tokens:
         out.append(P.SuppressTokensLogitsProcessor(gc.suppress_tokens))
+    if gc.begin_suppress_tokens:
+        # As transformers: a one-token prompt followed by a forced BOS starts one position later.
+        begin = context.prompt_length + (1 if context.prompt_length == 1 and gc.forced_bos_token_id is not None else 0)
+        out.append(P.SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
     if gc.do_sample:
         # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax.
         if gc.temperature not in (None, 1.0):
@@ -56,4 +77,10 @@ def decodekit_logits_processors(generation_config, context):
             out.append(P.MinPLogitsWarper(gc.min_p))
         if gc.typical_p not in (None, 1.0):
             out.append(P.TypicalLogitsWarper(gc.typical_p))
+        if gc.epsilon_cutoff:
+            out.append(P.EpsilonLogitsWarper(gc.epsilon_cutoff))
+        if gc.eta_cutoff:
+            out.append(P.EtaLogitsWarper(gc.eta_cutoff))
+    if gc.renormalize_logits:
+        out.append(P.LogitNormalization())
     return out

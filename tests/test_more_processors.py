@@ -113,3 +113,30 @@ def test_an_empty_allowed_list_is_a_clear_error(pair):
     _, model = pair
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn returned no allowed token for prompt 0"):
         model.generate(PROMPT, max_new_tokens=2, prefix_allowed_tokens_fn=lambda b, s: [])
+
+
+def test_generation_config_round_trips_with_transformers(tmp_path, pair, hub):
+    from decodekit import GenerationConfig
+
+    ours = GenerationConfig(max_new_tokens=7, do_sample=True, top_p=0.8, eos_token_id=[2, 3], num_beams=2,
+                            epsilon_cutoff=0.01, my_plugin_field={"a": 1})
+    ours.save_pretrained(tmp_path / "ours")
+    theirs = transformers.GenerationConfig.from_pretrained(tmp_path / "ours")
+    assert (theirs.max_new_tokens, theirs.top_p, theirs.eos_token_id, theirs.num_beams) == (7, 0.8, [2, 3], 2)
+    assert theirs.epsilon_cutoff == 0.01 and theirs.my_plugin_field == {"a": 1}
+    theirs.save_pretrained(tmp_path / "theirs")
+    back = GenerationConfig.from_pretrained(tmp_path / "theirs")
+    assert (back.max_new_tokens, back.do_sample, back.top_p, back.eos_token_ids, back.my_plugin_field) == \
+        (7, True, 0.8, [2, 3], {"a": 1})
+    hub.repos.push_dir("acme/config", tmp_path / "ours")
+    assert GenerationConfig.from_pretrained("acme/config").max_new_tokens == 7
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn holds a function"):
+        GenerationConfig(prefix_allowed_tokens_fn=lambda b, s: [1]).save_pretrained(tmp_path / "bad")
+    assert not (tmp_path / "bad" / "generation_config.json").exists()
+
+
+def test_no_prompt_starts_from_bos(pair):
+    hf, model = pair
+    out = model.generate(max_new_tokens=4, eos_token_id=None)
+    assert out[0, 0] == model.generation_config.bos_token_id and out.shape == (1, 5)
+    assert torch.equal(out, hf.generate(max_new_tokens=4, eos_token_id=None, do_sample=False, pad_token_id=PAD))

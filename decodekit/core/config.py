@@ -99,6 +99,43 @@ class GenerationConfig:
         base.update({k: v for k, v in fields.items() if v is not None or k not in base})
         return cls(**base)
 
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, config_file_name: str = "generation_config.json",
+                        revision: str | None = None, token=None, local_files_only: bool = False) -> "GenerationConfig":
+        """Reads `config_file_name` from a directory or a Hub repo (transformers' generation_config.json);
+        fields decodekit does not know are kept as attributes."""
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            file = path / config_file_name
+            if not file.is_file():
+                raise FileNotFoundError(f"{path} has no {config_file_name}.")
+        else:
+            from huggingface_hub import hf_hub_download
+
+            file = Path(hf_hub_download(str(name_or_path), config_file_name, revision=revision, token=token,
+                                        local_files_only=local_files_only))
+        return cls.from_file(file)
+
+    def save_pretrained(self, directory: str | Path, config_file_name: str = "generation_config.json") -> Path:
+        """Writes the fields that differ from the defaults (plugin fields and unknown ones included) as JSON that
+        transformers' GenerationConfig.from_pretrained reads. A value JSON cannot hold (a tensor, a model, a
+        function) is a ValueError naming the field; nothing is written then."""
+        from ..registry.manager import config_fields
+
+        defaults = {**config_fields(), **DEFAULTS}
+        fields = {k: v for k, v in self.__dict__.items() if defaults.get(k, object()) != v and v is not None}
+        for name, value in fields.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"generation config: {name} holds a {type(value).__name__}, which "
+                                 "generation_config.json cannot store; set it per call instead.") from None
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / config_file_name
+        target.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return target
+
     def to_dict(self) -> dict[str, Any]:
         # Tensors and models (negative_prompt_ids, assistant_model) are shared, not copied.
         return {k: v if _is_object(v) else copy.deepcopy(v) for k, v in self.__dict__.items()}

@@ -58,7 +58,10 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
-        raise ValueError("generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, return_tensors='pt').")
+        if gc.bos_token_id is None:
+            raise ValueError("generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, "
+                             "return_tensors='pt'); without them it starts from bos_token_id, which is not set.")
+        input_ids = torch.tensor([[gc.bos_token_id]])  # as transformers: no prompt means one row starting at BOS
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int, torch.int32):
         raise ValueError(f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
                          + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else "") + ".")

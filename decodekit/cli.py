@@ -219,13 +219,14 @@ def generation_kwargs(args) -> dict:
 # generate() keywords that have a flag of their own, for messages shown on the command line.
 FLAGS = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "num_beams": "--num-beams", "prompt_lookup_num_tokens": "--prompt-lookup",
-         "penalty_alpha": "--penalty-alpha", "trust_remote_code=True": "--trust-remote-code"}
+         "penalty_alpha": "--penalty-alpha"}
 
 
 def cli_names(message: str) -> str:
     """`message` with the keywords that have a flag written as that flag (top_p=2.0 -> --top-p 2.0)."""
+    message = message.replace("trust_remote_code=True", "--trust-remote-code")
     for name, flag in FLAGS.items():
-        message = message.replace(f"{name}=" if "=" not in name else name, f"{flag} " if "=" not in name else flag)
+        message = message.replace(f"{name}=", f"{flag} ")
     return message
 
 

@@ -101,3 +101,46 @@ def test_bad_arguments(models):
         target.generate(ids, prompt_lookup_num_tokens=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule='sometimes'"):
         target.generate(ids, assistant_model=other, num_assistant_tokens_schedule="sometimes", max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("deep"), num_hidden_layers=4, seed=3)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_self_speculative_greedy_is_plain_greedy(deep, layers):
+    for ids in prompts():
+        plain = deep.generate(ids, max_new_tokens=16, eos_token_id=None)
+        assert torch.equal(deep.generate(ids, max_new_tokens=16, eos_token_id=None, assistant_early_exit=layers), plain)
+
+
+def test_the_early_exit_draft_runs_only_its_layers(deep):
+    from decodekit.plugins.speculative import EarlyExit
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    two = deep(ids, exit_layer=2, use_cache=False).logits
+    assert torch.equal(EarlyExit(deep, 2)(ids, use_cache=False).logits, two)
+    assert not torch.allclose(two, deep(ids, use_cache=False).logits)
+    hidden = deep(ids, use_cache=False, output_hidden_states=True).hidden_states[2]
+    torch.testing.assert_close(two, deep.lm_head(deep.norm(hidden)))  # layers 0-1, then the final norm and head
+
+
+def test_self_speculative_sampling_keeps_the_target_distribution(deep):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    scores = deep(ids, use_cache=False).logits[0, -1].float()
+    top = scores.topk(5)
+    probs = torch.zeros_like(scores).index_put_((top.indices,), torch.softmax(top.values, -1))
+    g = torch.Generator().manual_seed(5)
+    firsts = [int(deep.generate(ids, max_new_tokens=2, do_sample=True, top_k=5, generator=g, eos_token_id=None,
+                                assistant_early_exit=1, num_assistant_tokens=1)[0, 4]) for _ in range(1500)]
+    stat, df = chi_square(torch.bincount(torch.tensor(firsts), minlength=scores.shape[0]).float(), probs)
+    assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_early_exit_errors(deep, models):
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"assistant_early_exit=4 is invalid; expected an integer in \[1, 4\)"):
+        deep.generate(ids, assistant_early_exit=4, max_new_tokens=2)
+    with pytest.raises(ValueError, match="drafts with the model itself"):
+        deep.generate(ids, assistant_early_exit=1, prompt_lookup_num_tokens=2, max_new_tokens=2)

@@ -250,15 +250,18 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool = True,
+        exit_layer: int | None = None,
         **ignored,
     ) -> CausalLMOutput:
+        """`exit_layer`: run only the first `exit_layer` layers, then the final norm and LM head (the draft of
+        self-speculative decoding; its cache then holds those layers only)."""
         cache_position = ignored.pop("cache_position", None)
         unknown = set(ignored) - {"output_attentions"}
         if unknown or ignored.get("output_attentions"):
             raise TypeError(
                 f"forward() got unsupported arguments {sorted(unknown or ['output_attentions=True'])}; it accepts "
                 "input_ids, attention_mask, position_ids, past_key_values, use_cache, output_hidden_states, "
-                "inputs_embeds, logits_to_keep."
+                "inputs_embeds, logits_to_keep, exit_layer."
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("forward() needs exactly one of input_ids or inputs_embeds.")
@@ -288,7 +291,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         masks = build_masks(attention_mask, past, T, self.windows, x.device)
 
         hidden_states = [x] if output_hidden_states else None
-        for layer in self.layers:
+        for layer in self.layers[:exit_layer]:
             x = layer(x, cos, sin, cache, masks)
             if hidden_states is not None:
                 hidden_states.append(x)

@@ -61,6 +61,7 @@ def decodekit_config_fields():
 # Strategies with loops of their own, which run eagerly: (field, is it active, name, why).
 UNFUSED_STRATEGIES = (
     ("assistant_model", lambda v: v is not None, "assisted decoding", "it has data-dependent shapes"),
+    ("assistant_early_exit", lambda v: v is not None, "self-speculative decoding", "it has data-dependent shapes"),
     ("prompt_lookup_num_tokens", lambda v: v is not None, "prompt lookup decoding", "it has data-dependent shapes"),
     ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search", "it has data-dependent shapes"),
 )

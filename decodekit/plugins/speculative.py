@@ -1,4 +1,5 @@
-"""Speculative decoding: assisted decoding (assistant_model=...) and prompt lookup (prompt_lookup_num_tokens=...).
+"""Speculative decoding: assisted decoding (assistant_model=...), self-speculative decoding (assistant_early_exit=N:
+the model's own first N layers draft) and prompt lookup (prompt_lookup_num_tokens=...).
 
 A cheap source proposes several tokens; the target model scores them all in one forward pass and
 keeps the longest prefix it agrees with, plus one token of its own. The result is the target's:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import crop_to
+from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
 from ..registry import hookimpl
 
@@ -25,7 +27,7 @@ SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 @hookimpl
 def decodekit_config_fields():
     return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2}
+            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None}
 
 
 @hookimpl
@@ -34,7 +36,16 @@ def decodekit_validate_config(generation_config, context):
     assistant, lookup = gc.assistant_model, gc.prompt_lookup_num_tokens
     bad = gc.invalid
 
-    if assistant is None and lookup is None:
+    early = gc.assistant_early_exit
+    if early is not None:
+        layers = getattr(context.model.config, "num_hidden_layers", None)
+        if not isinstance(early, int) or isinstance(early, bool) or layers is None or not 1 <= early < layers:
+            raise bad("assistant_early_exit", f"expected an integer in [1, {layers}) for this {layers}-layer model "
+                      "(the number of layers that draft)")
+        if assistant is not None or lookup is not None:
+            raise ValueError("assistant_early_exit drafts with the model itself; pass it without assistant_model and "
+                             "prompt_lookup_num_tokens.")
+    if assistant is None and lookup is None and early is None:
         return
     if assistant is not None and lookup is not None:
         raise bad("prompt_lookup_num_tokens", "use either assistant_model or prompt_lookup_num_tokens, not both")
@@ -67,7 +78,38 @@ def decodekit_validate_config(generation_config, context):
 @hookimpl
 def decodekit_decoding_loop(generation_config):
     gc = generation_config
-    return Speculative() if gc.assistant_model is not None or gc.prompt_lookup_num_tokens is not None else None
+    drafted = gc.assistant_model is not None or gc.assistant_early_exit is not None
+    return Speculative() if drafted or gc.prompt_lookup_num_tokens is not None else None
+
+
+class EarlyExit:
+    """The draft of self-speculative decoding (LayerSkip): the model's first `layers` layers, then its final norm
+    and LM head, with a cache of its own. decodekit's models stop after those layers (`exit_layer`); a transformers
+    model runs with its config's num_hidden_layers lowered for the call, which the Llama-like ones read (others
+    run every layer: still exact, only slower)."""
+
+    def __init__(self, model, layers: int):
+        import copy
+
+        self.model, self.layers = model, layers
+        self.config = copy.copy(model.config)
+        self.config.num_hidden_layers = layers
+        self.generation_config = model.generation_config.copy()  # the heuristic schedule writes to it
+        self.device, self.dtype = model.device, model.dtype
+        self.native = _forward_accepts(model, "exit_layer")
+        if hasattr(model, "make_cache"):
+            self.make_cache = model.make_cache
+
+    def __call__(self, input_ids, **kwargs):
+        if self.native:
+            return self.model(input_ids, exit_layer=self.layers, **kwargs)
+        config = self.model.config
+        full = config.num_hidden_layers
+        config.num_hidden_layers = self.layers
+        try:
+            return self.model(input_ids, **kwargs)
+        finally:
+            config.num_hidden_layers = full
 
 
 def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int, room: int) -> torch.Tensor:
@@ -91,9 +133,9 @@ class Speculative:
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
         if attention_mask is not None:
             raise ValueError("speculative decoding needs an unpadded prompt (batch size 1, attention_mask all ones).")
-        from ..core.generate import _forward_accepts
-
         assistant = gc.assistant_model
+        if gc.assistant_early_exit is not None:
+            assistant = EarlyExit(model, gc.assistant_early_exit)
         cache, max_length = pipeline.cache, context.max_length
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")

@@ -140,3 +140,35 @@ def test_no_prompt_starts_from_bos(pair):
     out = model.generate(max_new_tokens=4, eos_token_id=None)
     assert out[0, 0] == model.generation_config.bos_token_id and out.shape == (1, 5)
     assert torch.equal(out, hf.generate(max_new_tokens=4, eos_token_id=None, do_sample=False, pad_token_id=PAD))
+
+
+def test_hidden_states_and_attentions_in_dict_outputs_equal_transformers():
+    hf = tiny_transformers_model("gpt2")
+    hf.config._attn_implementation = "eager"  # attention weights need the eager kernel, in transformers too
+    model = wrap(hf)
+    batch = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11]])
+    options = dict(attention_mask=(batch != PAD).long(), max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True,
+                   output_hidden_states=True, output_attentions=True)
+    theirs = hf.generate(batch, do_sample=False, pad_token_id=PAD, **options)
+    mine = model.generate(batch, **options)
+    assert torch.equal(mine.sequences, theirs.sequences) and len(mine.hidden_states) == len(theirs.hidden_states) == 4
+    for ours_step, their_step in zip(mine.hidden_states, theirs.hidden_states):
+        for a, b in zip(ours_step, their_step):
+            torch.testing.assert_close(a, b)
+    for ours_step, their_step in zip(mine.attentions, theirs.attentions):
+        for a, b in zip(ours_step, their_step):
+            torch.testing.assert_close(a, b)
+
+
+def test_hidden_states_from_native_models_and_what_is_refused(tmp_path):
+    from decodekit.testing import tiny_model
+
+    native = tiny_model(tmp_path)
+    out = native.generate(PROMPT, max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True)
+    layers = native.config.num_hidden_layers + 1
+    assert [len(step) for step in out.hidden_states] == [layers] * 3
+    assert out.hidden_states[0][0].shape[1] == PROMPT.shape[1] and out.hidden_states[1][0].shape[1] == 1
+    with pytest.raises(ValueError, match="decodekit's native models do not"):
+        native.generate(PROMPT, max_new_tokens=2, output_attentions=True)
+    with pytest.raises(ValueError, match="output_hidden_states=True is supported by greedy decoding and sampling"):
+        native.generate(PROMPT, max_new_tokens=2, output_hidden_states=True, num_beams=2)

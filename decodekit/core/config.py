@@ -53,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     "return_dict_in_generate": False,
     "output_scores": False,
     "output_logits": False,
+    "output_hidden_states": False,
+    "output_attentions": False,
 }
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -268,7 +270,7 @@ class GenerationConfig:
             if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
                 raise bad("stop_strings", "expected a non-empty string or a list of them")
         for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache", "remove_invalid_values",
-                     "renormalize_logits"):
+                     "renormalize_logits", "output_hidden_states", "output_attentions"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected True or False")
         if vocab_size is not None:

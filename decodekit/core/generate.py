@@ -188,6 +188,13 @@ class GenerationMixin:
         # Plugins validate their fields before any of them is used to pick a loop.
         call_hooks("decodekit_validate_config", generation_config=gc, context=context)
         loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)[1] if custom_generate is None else None
+        inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
+        if inner and loop is not None:
+            raise ValueError(f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
+                             "runs another strategy's loop" + (" (compile=True's fused step)" if gc.compile else "") + ".")
+        if gc.output_attentions and getattr(self, "returns_attentions", True) is False:
+            raise ValueError("output_attentions=True needs a model that returns attention weights: decodekit's native "
+                             "models do not; a transformers model through decodekit.wrap (attn_implementation='eager') does.")
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
         check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
@@ -257,10 +264,14 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     cache = pipeline.cache
     use_cache = cache is not None
     extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
-    if pipeline.next_token_logits.needs_hidden_states:
+    if pipeline.next_token_logits.needs_hidden_states or gc.output_hidden_states:
         extra["output_hidden_states"] = True
+    if gc.output_attentions:
+        extra["output_attentions"] = True
     scores_out: list[torch.Tensor] | None = [] if gc.output_scores else None
     logits_out: list[torch.Tensor] | None = [] if gc.output_logits else None
+    hidden_out: list | None = [] if gc.output_hidden_states else None
+    attentions_out: list | None = [] if gc.output_attentions else None
     unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
     pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=input_ids.device)
     if streamer is not None:
@@ -278,6 +289,10 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             past_key_values=cache, use_cache=use_cache, **extra,
         )
         raw = pipeline.next_token_logits(out)
+        if hidden_out is not None:
+            hidden_out.append(out.hidden_states)
+        if attentions_out is not None:
+            attentions_out.append(out.attentions)
         scores = raw.float() if raw.dtype != torch.float32 else raw
         if logits_out is not None:
             logits_out.append(scores.clone())
@@ -301,4 +316,4 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             step_positions = mask_positions(attention_mask) if attention_mask is not None else None
     if streamer is not None:
         streamer.end()
-    return loop_result(gc, input_ids, cache, scores_out, logits_out)
+    return loop_result(gc, input_ids, cache, scores_out, logits_out, hidden_out, attentions_out)

@@ -50,21 +50,30 @@ class GenerateOutput(ModelOutput):
 
     `scores`: one [B, V] tensor per generated token, after the logits processors (output_scores=True).
     `logits`: the same, before processing (output_logits=True).
+    `hidden_states` / `attentions`: per generated token, the model's tuple of per-layer tensors of the forward that
+    produced it (the first holds the whole prompt), as transformers (output_hidden_states / output_attentions=True).
     """
 
     sequences: torch.Tensor | None = None
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     past_key_values: Any = None
 
 
-def loop_result(generation_config, sequences, past_key_values, scores=None, logits=None):
+def loop_result(generation_config, sequences, past_key_values, scores=None, logits=None, hidden_states=None,
+                attentions=None):
     """What a decoding loop returns: the sequences, or a GenerateOutput with return_dict_in_generate.
-    `scores` and `logits` are the per-step lists the loop gathered, or None where not asked for."""
+    The per-step lists are what the loop gathered, or None where not asked for."""
     if not generation_config.return_dict_in_generate:
         return sequences
-    return GenerateOutput(sequences=sequences, scores=None if scores is None else tuple(scores),
-                          logits=None if logits is None else tuple(logits), past_key_values=past_key_values)
+
+    def steps(gathered):
+        return None if gathered is None else tuple(gathered)
+
+    return GenerateOutput(sequences=sequences, scores=steps(scores), logits=steps(logits),
+                          hidden_states=steps(hidden_states), attentions=steps(attentions), past_key_values=past_key_values)
 
 
 @dataclass

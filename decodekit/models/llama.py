@@ -199,6 +199,8 @@ def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> d
 class LlamaForCausalLM(GenerationMixin, nn.Module):
     """A decoder-only Llama-family model with the transformers forward contract."""
 
+    returns_attentions = False  # attention runs fused (SDPA, the C++ stack): no weights to return
+
     def __init__(self, config: ModelConfig, generation_config=None):
         super().__init__()
         from ..core.config import GenerationConfig

@@ -269,3 +269,11 @@ def test_wrap_refuses_what_is_not_a_decoder_only_causal_lm():
                                                                       num_heads=2, d_kv=8))
     with pytest.raises(ValueError, match="encoder-decoder model; decodekit generates with decoder-only models only"):
         wrap(t5)
+
+
+def test_a_wrapped_model_can_be_copied(gpt2):
+    import copy
+
+    hf, model = gpt2
+    twin = copy.copy(model)
+    assert twin.model is hf and torch.equal(ours(twin, PROMPT), ours(model, PROMPT))

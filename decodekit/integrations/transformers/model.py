@@ -104,8 +104,12 @@ class TransformersModel(GenerationMixin):
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        # Only called for names not found on the wrapper: the model's own attributes and methods.
-        return getattr(self.__dict__["model"], name)
+        # Only called for names not found on the wrapper: the model's own attributes and methods. Before __init__
+        # has run (copy, pickle) there is no model yet, and the name is simply missing.
+        model = self.__dict__.get("model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
 
     def __repr__(self) -> str:
         return f"TransformersModel({type(self.model).__name__}, {self.name_or_path!r})"

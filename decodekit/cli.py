@@ -231,10 +231,11 @@ def cli_names(message: str) -> str:
 
 
 class Stats:
-    """A streamer in front of the real one (or none): when the first generated token and the last arrived."""
+    """A streamer in front of the real one (or none): when the first generated token and the last arrived.
+    `on_first` runs once, just before the first generated token is passed on."""
 
-    def __init__(self, inner=None):
-        self.inner = inner
+    def __init__(self, inner=None, on_first=None):
+        self.inner, self.on_first = inner, on_first
         self.prompt_seen = False
         self.first = self.last = None
         self.tokens = 0
@@ -244,6 +245,8 @@ class Stats:
 
         if self.prompt_seen:
             now = time.perf_counter()
+            if self.first is None and self.on_first is not None:
+                self.on_first()
             self.first = self.first or now
             self.last = now
             self.tokens += value.numel()
@@ -254,6 +257,40 @@ class Stats:
     def end(self) -> None:
         if self.inner is not None:
             self.inner.end()
+
+
+class Spinner:
+    """A turning mark after `message` on `stream` while something slow runs (a compile, a kernel build); stop()
+    clears the line. For terminals only: a log or a pipe gets one plain line instead."""
+
+    FRAMES = "|/-\\"
+
+    def __init__(self, message: str, stream=None, interval: float = 0.1):
+        import threading
+
+        self.message, self.stream, self.interval = message, stream or sys.stderr, interval
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._turn, daemon=True)
+
+    def start(self) -> "Spinner":
+        self.thread.start()
+        return self
+
+    def _turn(self) -> None:
+        frame = 0
+        while not self.done.is_set():
+            self.stream.write(f"\r{self.message} {self.FRAMES[frame % len(self.FRAMES)]}")
+            self.stream.flush()
+            frame += 1
+            self.done.wait(self.interval)
+
+    def stop(self) -> None:
+        if self.done.is_set():
+            return
+        self.done.set()
+        self.thread.join()
+        self.stream.write("\r" + " " * (len(self.message) + 2) + "\r")
+        self.stream.flush()
 
 
 def cmd_generate(args) -> int:
@@ -289,24 +326,42 @@ def cmd_generate(args) -> int:
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    stats = Stats(streamer) if args.stats and kwargs.get("num_beams", 1) == 1 else None
     if args.custom_generate:
         from .hub_loader import trusted_revision
 
         kwargs["custom_generate"] = args.custom_generate
         kwargs["trust_remote_code"] = True if args.trust_remote_code else trusted_revision(args.custom_generate)
         kwargs["attention_mask"] = torch.ones_like(input_ids)
+    echo = stream and not args.chat
+    echoed = False
+
+    def show_prompt() -> None:
+        nonlocal echoed
+        if spinner is not None:
+            spinner.stop()
+        if echo and not echoed:
+            print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
+            echoed = True
+
+    spinner = None
     if args.compile:
-        print("decodekit: compiling the decode step on first use; this can take a minute.", file=sys.stderr)
-    echoed = stream and not args.chat
-    if echoed:
-        print(args.prompt, end="", flush=True)  # the prompt as typed, not as re-decoded tokens
+        note = "decodekit: compiling the decode step on first use (this can take a minute)"
+        spinner = Spinner(note).start() if sys.stderr.isatty() else print(note, file=sys.stderr)
+    # The prompt is echoed when the first token arrives while a spinner turns, else at once.
+    can_watch = kwargs.get("num_beams", 1) == 1
+    stats = Stats(streamer, on_first=show_prompt) if can_watch and (args.stats or spinner is not None) else None
+    if spinner is None:
+        show_prompt()
     try:
         out = model.generate(input_ids, streamer=stats or streamer, seed=args.seed, tokenizer=tokenizer, **kwargs)
     except BaseException:
+        if spinner is not None:
+            spinner.stop()
         if echoed:
             print(flush=True)  # an error goes on its own line, not glued to the echoed prompt
         raise
+    if spinner is not None:
+        spinner.stop()
     done = time.perf_counter()
     if not isinstance(out, torch.Tensor):
         out = out.sequences if hasattr(out, "sequences") else out

@@ -65,3 +65,18 @@ def test_list_fits_80_columns_and_verbose_does_not(capsys, monkeypatch):
     assert main(["list", "--verbose"]) == 0
     wide = capsys.readouterr().out.splitlines()
     assert wide[0].split() == ["NAME", "KIND", "SOURCE", "HOOKS", "KWARGS", "DESCRIPTION"] and max(map(len, wide)) > 80
+
+
+def test_the_spinner_turns_then_clears_its_line():
+    import io
+    import time
+
+    from decodekit.cli import Spinner
+
+    out = io.StringIO()
+    spinner = Spinner("compiling", stream=out, interval=0.01).start()
+    time.sleep(0.1)
+    spinner.stop()
+    spinner.stop()  # twice is harmless
+    text = out.getvalue()
+    assert text.count("\rcompiling ") >= 3 and text.endswith("\r" + " " * len("compiling  ") + "\r")

@@ -232,29 +232,48 @@ def cli_names(message: str) -> str:
 
 class Stats:
     """A streamer in front of the real one (or none): when the first generated token and the last arrived.
-    `on_first` runs once, just before the first generated token is passed on."""
+    `on_first` runs once before generated tokens are passed on; with `hold`, the first `hold` tokens are kept back
+    until one more arrives (with compile=True the first comes from the eager prefill, the next after the compile)."""
 
-    def __init__(self, inner=None, on_first=None):
-        self.inner, self.on_first = inner, on_first
+    def __init__(self, inner=None, on_first=None, hold: int = 0):
+        self.inner, self.on_first, self.hold = inner, on_first, hold
         self.prompt_seen = False
         self.first = self.last = None
         self.tokens = 0
+        self.held: list | None = []
 
     def put(self, value) -> None:
         import time
 
-        if self.prompt_seen:
-            now = time.perf_counter()
-            if self.first is None and self.on_first is not None:
-                self.on_first()
-            self.first = self.first or now
-            self.last = now
-            self.tokens += value.numel()
-        self.prompt_seen = True
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            self._pass(value)
+            return
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        self.tokens += value.numel()
+        if self.held is None:
+            self._pass(value)
+            return
+        self.held.append(value)
+        if len(self.held) > self.hold:
+            self._release()
+
+    def _release(self) -> None:
+        held, self.held = self.held or [], None
+        if self.on_first is not None:
+            self.on_first()
+        for value in held:
+            self._pass(value)
+
+    def _pass(self, value) -> None:
         if self.inner is not None:
             self.inner.put(value)
 
     def end(self) -> None:
+        if self.held is not None:
+            self._release()
         if self.inner is not None:
             self.inner.end()
 
@@ -349,7 +368,9 @@ def cmd_generate(args) -> int:
         spinner = Spinner(note).start() if sys.stderr.isatty() else print(note, file=sys.stderr)
     # The prompt is echoed when the first token arrives while a spinner turns, else at once.
     can_watch = kwargs.get("num_beams", 1) == 1
-    stats = Stats(streamer, on_first=show_prompt) if can_watch and (args.stats or spinner is not None) else None
+    stats = None
+    if can_watch and (args.stats or spinner is not None):
+        stats = Stats(streamer, on_first=show_prompt, hold=1 if spinner is not None else 0)
     if spinner is None:
         show_prompt()
     try:

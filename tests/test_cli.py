@@ -80,3 +80,27 @@ def test_the_spinner_turns_then_clears_its_line():
     spinner.stop()  # twice is harmless
     text = out.getvalue()
     assert text.count("\rcompiling ") >= 3 and text.endswith("\r" + " " * len("compiling  ") + "\r")
+
+
+def test_stats_holds_tokens_back_until_the_step_after_the_first():
+    import torch
+
+    from decodekit.cli import Stats
+
+    seen, events = [], []
+
+    class Inner:
+        def put(self, value):
+            seen.append(value.tolist())
+
+        def end(self):
+            events.append("end")
+
+    stats = Stats(Inner(), on_first=lambda: events.append(("first", len(seen))), hold=1)
+    stats.put(torch.tensor([[1, 2]]))  # the prompt goes through at once
+    stats.put(torch.tensor([3]))
+    assert seen == [[[1, 2]]] and events == []
+    stats.put(torch.tensor([4]))
+    stats.put(torch.tensor([5]))
+    stats.end()
+    assert seen == [[[1, 2]], [3], [4], [5]] and events == [("first", 1), "end"] and stats.tokens == 3

@@ -151,3 +151,9 @@ def test_check_unresolved_relative_import(good_repo, capsys):
     assert code == 1
     assert "custom_generate/generate.py:2: relative import '.sub.mod' does not resolve: no custom_generate/sub/mod.py" in out
     assert "helpers" not in out
+
+
+def test_check_reports_requirements_unmet_here(good_repo, capsys):
+    (good_repo / "custom_generate" / "requirements.txt").write_text("numpy>=99\nno-such-package-xyz\ntorch>=1.0\n")
+    code, out = check_output(good_repo, capsys)
+    assert code == 1 and "numpy>=99" in out and "no-such-package-xyz" in out and "torch>=1.0" not in out

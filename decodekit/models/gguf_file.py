@@ -42,11 +42,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def architecture(path: str | Path) -> tuple[str | None, bool]:
-    """(the file's general.architecture, whether decodekit reads it natively)."""
-    from gguf import GGUFReader
-
-    arch = _field(GGUFReader(str(path)), "general.architecture")
-    return arch, arch in _ARCHITECTURES
+    """(the file's general.architecture, whether decodekit reads it natively), from the same parsed file the
+    model and tokenizer then read (open_gguf), so choosing a backend costs no second parse."""
+    model = open_gguf(path)
+    return model.arch, model.native
 
 
 def open_gguf(path: str | Path) -> "GGUFModel":
@@ -72,14 +71,14 @@ class GGUFModel:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         self.reader = GGUFReader(str(self.path))
-        arch = _field(self.reader, "general.architecture")
-        if arch not in _ARCHITECTURES:
-            raise ValueError(
-                f"Unsupported GGUF architecture {arch!r} in {self.path.name}; decodekit reads {sorted(_ARCHITECTURES)}."
-            )
-        self.arch = arch
+        self.arch = _field(self.reader, "general.architecture")
+        self.native = self.arch in _ARCHITECTURES
 
     def config(self) -> dict[str, Any]:
+        if not self.native:
+            raise ValueError(
+                f"Unsupported GGUF architecture {self.arch!r} in {self.path.name}; decodekit reads {sorted(_ARCHITECTURES)}."
+            )
         r, a = self.reader, self.arch
         heads = int(_field(r, f"{a}.attention.head_count"))
         hidden = int(_field(r, f"{a}.embedding_length"))

@@ -6,8 +6,6 @@ code written for transformers reads them; the fields below are the ones this pac
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 # model_type -> what that family adds to plain Llama. Qwen2 always has q/k/v bias; Qwen3 normalises q and k.
@@ -64,11 +62,6 @@ class ModelConfig:
         if merged["hidden_act"] != "silu":
             raise ValueError(f"Unsupported hidden_act {merged['hidden_act']!r}; decodekit supports 'silu'.")
         self.__dict__.update(merged)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        with open(path, encoding="utf-8") as f:
-            return cls(**json.load(f))
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -163,18 +163,20 @@ def choose_backend(backend, model_type, native: bool, label: str) -> str:
     return backend
 
 
-def _model_type(model_dir: Path, gguf_file: str | None) -> tuple[str | None, bool]:
-    """(architecture, whether decodekit builds it natively) from config.json or the GGUF file's metadata."""
+def _architecture(model_dir: Path, gguf_file: str | None) -> tuple[str | None, bool, dict | None]:
+    """(architecture, whether decodekit builds it natively, config.json's fields) from config.json, or from the
+    GGUF file's metadata (no config.json fields then)."""
     if gguf_file is not None:
         from .gguf_file import architecture
 
-        return architecture(model_dir / gguf_file)
+        return (*architecture(model_dir / gguf_file), None)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"{model_dir} has no config.json; a model directory needs config.json and its weights (or pass gguf_file=...)."
         )
-    model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
-    return model_type, model_type in SUPPORTED_MODEL_TYPES
+    fields = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    model_type = fields.get("model_type")
+    return model_type, model_type in SUPPORTED_MODEL_TYPES, fields
 
 
 class AutoModelForCausalLM:
@@ -219,11 +221,12 @@ class AutoModelForCausalLM:
         # First only what decides the backend; each backend then fetches the files it reads.
         probe = [gguf_file] if gguf_file is not None else ["config.json"]
         model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=probe)
-        model_type, native = _model_type(model_dir, gguf_file)
+        model_type, native, config_fields = _architecture(model_dir, gguf_file)
         label = str(name_or_path) + (f" ({gguf_file})" if gguf_file else "")
         if choose_backend(backend, model_type, native, label) == "transformers":
-            return _load_with_transformers(name_or_path, model_dir, gguf_file, label, quantize, dtype, device, revision,
-                                           token, local_files_only, trust_remote_code, transformers_kwargs)
+            return _load_with_transformers(name_or_path, model_dir, gguf_file, config_fields, label, quantize, dtype,
+                                           device, revision, token, local_files_only, trust_remote_code,
+                                           transformers_kwargs)
         if transformers_kwargs:
             raise TypeError(f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
                             f"takes; {label} loads natively (pass backend='transformers' to load it with transformers).")
@@ -236,7 +239,7 @@ class AutoModelForCausalLM:
             state = gguf.state_dict()
         else:
             model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
-            config = ModelConfig.from_file(model_dir / "config.json")
+            config = ModelConfig(**config_fields)
             state = load_safetensors(model_dir)
         gen_path = model_dir / "generation_config.json"
         generation_config = (
@@ -255,17 +258,14 @@ class AutoModelForCausalLM:
         return model
 
 
-def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, label: str, quantize, dtype, device, revision,
-                            token, local_files_only, trust_remote_code, transformers_kwargs):
+def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fields: dict | None, label: str, quantize,
+                            dtype, device, revision, token, local_files_only, trust_remote_code, transformers_kwargs):
     from ..integrations.transformers.loading import load_model
 
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} applies to decodekit's native models; {label} loads through "
                          "transformers: pass its quantization_config=... instead.")
-    config_dtype = None
-    if gguf_file is None:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        config_dtype = config.get("dtype") or config.get("torch_dtype")
+    config_dtype = (config_fields.get("dtype") or config_fields.get("torch_dtype")) if config_fields else None
     # A local directory is read where it is; a Hub repo goes through transformers' own download (same cache).
     source = model_dir if Path(name_or_path).expanduser().is_dir() or gguf_file else name_or_path
     model = load_model(source, dtype=resolve_dtype(dtype, config_dtype), device=device, revision=revision, token=token,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import sys
@@ -55,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
     gen.add_argument("--num-beams", type=_positive_int, metavar="N",
                      help="beam search with N beams (prints the text at the end: beams change until the last step)")
-    gen.add_argument("--prompt-lookup", type=_positive_int, metavar="N",
+    gen.add_argument("--prompt-lookup", dest="prompt_lookup_num_tokens", type=_positive_int, metavar="N",
                      help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
     gen.add_argument("--penalty-alpha", type=float, metavar="A",
                      help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
@@ -176,8 +175,7 @@ class CLIError(ValueError):
 def generation_kwargs(args) -> dict:
     """The generate() keywords the flags and --arg ask for, checked before any model loads: a bad value is reported
     in well under a second, naming the flag."""
-    from .core.config import DEFAULTS, GenerationConfig
-    from .registry.manager import config_fields
+    from .core.config import DEFAULTS, GenerationConfig, accepted_fields, closest
 
     if not args.prompt.strip():
         raise CLIError("the prompt is empty; give the text to continue, e.g. decodekit generate \"Once upon a time\".")
@@ -187,25 +185,21 @@ def generation_kwargs(args) -> dict:
     used = [flag for flag, value in sampling_flags.items() if value is not None]
     if used and not args.do_sample:
         raise CLIError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
-    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for flag, name in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
-                       ("num_beams", "num_beams"), ("prompt_lookup", "prompt_lookup_num_tokens"),
-                       ("penalty_alpha", "penalty_alpha")):
-        if getattr(args, flag) is not None:
-            kwargs[name] = getattr(args, flag)
+    # Each flag of FLAGS stores the generate() keyword it names (argparse dest); unset ones are None.
+    kwargs = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
     if args.penalty_alpha is not None:
         kwargs.setdefault("top_k", 4)
     if args.compile:
         kwargs["compile"] = True
     extra = parse_method_args(args.arg)
-    known = set(DEFAULTS) | set(config_fields())
+    known = accepted_fields()
     if not args.custom_generate:  # a method's own keywords are known only once it is loaded
         for key in extra:
             if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
+                close = closest(key, known)
                 hint = ""
                 if close:
-                    hint = f"; did you mean {FLAGS[close[0]]}?" if close[0] in FLAGS else f"; did you mean --arg {close[0]}=...?"
+                    hint = f"; did you mean {FLAGS[close]}?" if close in FLAGS else f"; did you mean --arg {close}=...?"
                 raise CLIError(f"--arg {key}=... is not a generation config field or a keyword of an installed plugin"
                                f"{hint} (`decodekit list` shows the keywords each plugin takes).")
     kwargs.update(extra)

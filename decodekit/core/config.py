@@ -7,6 +7,7 @@ so that `model.generate(**inputs, my_field=3)` works the same for built-in and o
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import math
 from pathlib import Path
@@ -58,6 +59,28 @@ DEFAULTS: dict[str, Any] = {
 }
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
+
+
+def accepted_fields() -> dict[str, Any]:
+    """Every field generate() accepts, with its default: the built-in ones and those the registered plugins declare."""
+    from ..registry.manager import config_fields
+
+    return {**config_fields(), **DEFAULTS}
+
+
+def add_plugin_fields(gc: "GenerationConfig") -> set[str]:
+    """Gives `gc` each accepted field it lacks (a plugin's, at its default); returns the names of all accepted fields."""
+    accepted = accepted_fields()
+    for name, default in accepted.items():
+        if not hasattr(gc, name):
+            setattr(gc, name, default)
+    return set(accepted)
+
+
+def closest(name: str, names) -> str | None:
+    """The one of `names` most like `name` (what a misspelling meant), or None."""
+    found = difflib.get_close_matches(name, sorted(names), n=1)
+    return found[0] if found else None
 
 
 def _is_object(v: Any) -> bool:
@@ -122,9 +145,7 @@ class GenerationConfig:
         """Writes the fields that differ from the defaults (plugin fields and unknown ones included) as JSON that
         transformers' GenerationConfig.from_pretrained reads. A value JSON cannot hold (a tensor, a model, a
         function) is a ValueError naming the field; nothing is written then."""
-        from ..registry.manager import config_fields
-
-        defaults = {**config_fields(), **DEFAULTS}
+        defaults = accepted_fields()
         fields = {k: v for k, v in self.__dict__.items() if defaults.get(k, object()) != v and v is not None}
         for name, value in fields.items():
             try:

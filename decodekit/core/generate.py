@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import logging
 import os
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .config import DEFAULTS, GenerationConfig
+from .config import GenerationConfig, add_plugin_fields, closest
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
@@ -28,22 +27,16 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     A keyword that is neither a config field (built-in or declared by a plugin) nor a model input is
     an error, so a typo never passes silently.
     """
-    from ..registry.manager import config_fields
-
     base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     if base is not None and not isinstance(base, GenerationConfig):
         raise TypeError(f"generation_config must be a decodekit GenerationConfig, got {type(base).__name__}.")
     gc = base.copy() if base is not None else GenerationConfig()
-    plugin_fields = config_fields()
-    for name, default in plugin_fields.items():
-        if not hasattr(gc, name):
-            setattr(gc, name, default)
+    known = add_plugin_fields(gc)
     model_kwargs = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
-    known = set(DEFAULTS) | set(plugin_fields)
     unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(known | set(MODEL_INPUTS)), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = closest(unknown[0], known | set(MODEL_INPUTS))
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ValueError(
             f"generate() got unknown arguments {unknown}{hint}. It accepts the model inputs {list(MODEL_INPUTS)}, the "
             f"generation config fields {sorted(known)}, and generation_config, logits_processor, stopping_criteria, "

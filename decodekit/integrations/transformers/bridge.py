@@ -13,7 +13,6 @@ are known, and built again when the same lists serve a later generate() call.
 from __future__ import annotations
 
 import contextlib
-import difflib
 from typing import Any, NamedTuple
 
 import torch
@@ -158,21 +157,16 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
 def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None) -> TransformersHooks:
     """The processors and criteria of `chosen` plugins (default: the method alone), `method` being (module,
     plugin name) registered while hooks are called, or None."""
-    from ...core.config import DEFAULTS
-    from ...registry.manager import config_fields
+    from ...core.config import add_plugin_fields, closest
 
     chosen = chosen if chosen is not None else {method[1]}
     with _registered(method):
         gc = config_for(model, generation_config)
-        declared = config_fields()
-        for name, default in declared.items():
-            if not hasattr(gc, name):
-                setattr(gc, name, default)
-        known = set(DEFAULTS) | set(declared)
+        known = add_plugin_fields(gc)
         unknown = sorted(set(fields) - known)
         if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = closest(unknown[0], known)
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise ValueError(f"to_transformers() got unknown fields {unknown}{hint}; it accepts decodekit's generation "
                              "config fields and those the registered plugins declare (`decodekit list` shows them).")
         gc.update(**fields)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...core.config import DEFAULTS, GenerationConfig
+from ...core.config import GenerationConfig, accepted_fields
 from ...core.generate import GenerationMixin
 
 logger = logging.getLogger("decodekit")
@@ -68,9 +68,7 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     """A decodekit GenerationConfig from a transformers GenerationConfig (or None): every field decodekit knows
     that it sets (eos/pad/bos, sampling defaults, max_length), with `model_config`'s special tokens where it has
     none."""
-    from ...registry.manager import config_fields
-
-    known = set(DEFAULTS) | set(config_fields())
+    known = accepted_fields()
     hf = hf_generation_config.to_dict() if hf_generation_config is not None else {}
     fields = {k: v for k, v in hf.items() if k in known and v is not None}
     text_config = model_config.get_text_config(decoder=True)

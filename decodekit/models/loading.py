@@ -134,6 +134,14 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
 
 
 BACKENDS = ("native", "transformers")
+TRANSFORMERS_EXTRA = "pip install 'decodekit[transformers]'"
+
+
+def transformers_installed() -> bool:
+    """Whether the transformers backend can run, found without importing transformers."""
+    from importlib.util import find_spec
+
+    return find_spec("transformers") is not None
 
 
 def check_backend(backend) -> None:
@@ -153,12 +161,9 @@ def choose_backend(backend, model_type, native: bool, label: str) -> str:
         if backend == "native" and not native:
             raise ValueError(f"{label}: model_type {model_type!r} has no native implementation in decodekit (native: "
                              f"{sorted(SUPPORTED_MODEL_TYPES)}); load it with backend='transformers' or backend=None.")
-    if backend == "transformers":
-        from importlib.util import find_spec
-
-        if find_spec("transformers") is None:
-            raise ImportError(f"{label}: {why}, so it loads through transformers, which is not installed; install it "
-                              "with:\n    pip install 'decodekit[transformers]'")
+    if backend == "transformers" and not transformers_installed():
+        raise ImportError(f"{label}: {why}, so it loads through transformers, which is not installed; install it "
+                          f"with:\n    {TRANSFORMERS_EXTRA}")
     logger.info("loading %s with the %s backend: %s", label, backend, why)
     return backend
 

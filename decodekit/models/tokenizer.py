@@ -310,7 +310,7 @@ class AutoTokenizer:
                         local_files_only: bool = False, token: str | bool | None = None, padding_side: str = "left",
                         backend: str | None = None, **transformers_kwargs):
         """`backend`: None picks native where decodekit reads the tokenizer; "native" or "transformers" forces one."""
-        from .loading import check_backend
+        from .loading import TRANSFORMERS_EXTRA, check_backend, transformers_installed
 
         check_backend(backend)
         options = dict(revision=revision, gguf_file=gguf_file, local_files_only=local_files_only, token=token,
@@ -330,11 +330,9 @@ class AutoTokenizer:
         if backend is None:
             label, why = str(name_or_path), "no tokenizer.json (decodekit reads tokenizer.json or a GGUF vocabulary)"
             logger.info("loading the tokenizer of %s with transformers: %s", label, why)
-            from importlib.util import find_spec
-
-            if find_spec("transformers") is None:
+            if not transformers_installed():
                 raise FileNotFoundError(f"{label} has {why}; transformers can read its other formats: install it with\n"
-                                        "    pip install 'decodekit[transformers]'")
+                                        f"    {TRANSFORMERS_EXTRA}")
         from ..integrations.transformers.loading import load_tokenizer
 
         return load_tokenizer(name_or_path, **options, **transformers_kwargs)

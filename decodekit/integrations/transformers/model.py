@@ -16,10 +16,9 @@ import torch
 
 from ...core.config import GenerationConfig, accepted_fields
 from ...core.generate import GenerationMixin
+from ...models.loading import TRANSFORMERS_EXTRA
 
 logger = logging.getLogger("decodekit")
-
-EXTRA = "pip install 'decodekit[transformers]'"
 
 
 def require_transformers():
@@ -27,7 +26,7 @@ def require_transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError(f"This needs transformers, which is not installed; install it with:\n    {EXTRA}") from None
+        raise ImportError(f"This needs transformers, which is not installed; install it with:\n    {TRANSFORMERS_EXTRA}") from None
     return transformers
 
 

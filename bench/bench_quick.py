@@ -72,6 +72,11 @@ def main() -> int:
     text = " The quick brown fox jumps over the lazy dog, and the dog sleeps on." * 120
     long_ids = torch.tensor([tok.encode(text)])
     prompts = {n: long_ids[:, :n] for n in (256, 1024)}
+    # Time to first token: a chat prompt of 1,024 tokens through the chat template, generate() of one token.
+    question = tok.decode(long_ids[0, :1000]) + "\nSummarize the text above in one sentence."
+    chat = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                   return_tensors="pt")
+    chat = torch.as_tensor(chat["input_ids"] if hasattr(chat, "keys") else chat)[:, -1024:]
     paths = chosen_paths(ours["fp32"], ours["bf16"], ours["int8"], long_ids)
 
     jobs = {}
@@ -79,6 +84,7 @@ def main() -> int:
         jobs[f"decode {fmt} eager"] = decode_job(model, ids, args.new_tokens)
         for n, p in prompts.items():
             jobs[f"prefill {n} {fmt}"] = prefill_job(model, p)
+        jobs[f"first token, 1024-token chat {fmt}"] = decode_job(model, chat, 1)
     jobs["decode fp32 compiled"] = decode_job(ours["fp32"], ids, args.new_tokens, compile=True)
     if not args.skip_transformers:
         import transformers
@@ -89,6 +95,7 @@ def main() -> int:
         jobs["decode fp32 eager (transformers)"] = decode_job(ref, ids, args.new_tokens)
         for n, p in prompts.items():
             jobs[f"prefill {n} fp32 (transformers)"] = prefill_job(ref, p)
+        jobs["first token, 1024-token chat fp32 (transformers)"] = decode_job(ref, chat, 1)
     start = time.perf_counter()
     timings = interleaved(jobs, args.runs)
     rows = {}
@@ -100,9 +107,9 @@ def main() -> int:
         for fmt in ours:
             rows[f"decode {fmt} eager"]["speedup_vs_transformers_fp32"] = round(
                 timings.ratio("decode fp32 eager (transformers)", f"decode {fmt} eager"), 3)
-            for n in prompts:
-                rows[f"prefill {n} {fmt}"]["speedup_vs_transformers_fp32"] = round(
-                    timings.ratio(f"prefill {n} fp32 (transformers)", f"prefill {n} {fmt}"), 3)
+            for row in [f"prefill {n}" for n in prompts] + ["first token, 1024-token chat"]:
+                rows[f"{row} {fmt}"]["speedup_vs_transformers_fp32"] = round(
+                    timings.ratio(f"{row} fp32 (transformers)", f"{row} {fmt}"), 3)
         rows["decode fp32 compiled"]["speedup_vs_transformers_fp32"] = round(
             timings.ratio("decode fp32 eager (transformers)", "decode fp32 compiled"), 3)
     for name, row in rows.items():

@@ -99,7 +99,7 @@ def test_forced_answers_are_restored_afterwards():
     assert cpu._answers == before
 
 
-@pytest.mark.parametrize("route", ["int8pack", "float32"])
+@pytest.mark.parametrize("route", ["int8_split", "int8pack", "float32"])
 def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
     from decodekit.models import choices
 
@@ -109,6 +109,7 @@ def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
     with choices.forced(int8_many_rows=route):
         assert relative_error(logits(model, LONG), expected) < 0.03
         assert (calls(lambda: logits(model, LONG), "aten::_weight_int8pack_mm") > 0) == (route == "int8pack")
+        assert (calls(lambda: logits(model, LONG), "aten::_int_mm") > 0) == (route == "int8_split")
 
 
 def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypatch, caplog):
@@ -132,12 +133,20 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == 6  # a warm-up and 5 timed
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6  # remembered in this process
     stored = json.loads((tmp_path / "choices.json").read_text())
-    assert stored == {cpu.signature(): {"demo": "fast"}}
+    assert stored == {cpu.signature(): {"demo(fast,slow)": "fast"}}
     monkeypatch.setattr(choices, "_made", {})  # a new process on the same machine reads the file
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6
+    monkeypatch.setattr(choices, "_made", {})  # a later version offers one more route: measured, not skipped
+    runs["faster"] = 0
+    with_new = {**candidates, "faster": candidate("faster", 0.0)}
+    choices.choose("demo", with_new)
+    assert runs["faster"] == 6 and runs["slow"] == 12
+    candidates = {"slow": candidates["slow"], "fast": candidates["fast"]}
+    monkeypatch.setattr(choices, "_made", {})
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 12  # the old set's entry is kept
     monkeypatch.setattr(choices, "_made", {})
     monkeypatch.setenv("DECODEKIT_CHOICES", "measure")
-    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 12
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 18
     choices.clear()
     assert not (tmp_path / "choices.json").exists() and choices._made == {}
     with choices.forced(demo="slow"):

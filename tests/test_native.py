@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decodekit.core.cache import StaticCache
-from decodekit.models import llama, native
+from decodekit.models import choices, llama, native
 from decodekit.models.linear import Linear
 from decodekit.models.packed import plain_weights
 from decodekit.models.quantize import Int8Linear, quantize
@@ -119,10 +119,14 @@ def test_eager_products_of_up_to_16_rows_go_through_the_kernels_too():
         bf16(torch.randn(17, 64, dtype=torch.bfloat16))  # more rows: the library's matmul
         int8(torch.randn(1, 64))
         int8(torch.randn(3, 64))
-        int8(torch.randn(20, 64))
+        with choices.forced(int8_many_rows="int8pack"):  # more rows: the route measured for the CPU, here forced
+            int8(torch.randn(20, 64))
+        with choices.forced(int8_many_rows="int8_split"):
+            int8(torch.randn(20, 64))
     calls = {e.key: e.count for e in profile.key_averages()}
     assert calls.get("decodekit::row_product") == 2 and calls.get("decodekit::row_product_int8") == 2
-    assert calls.get("aten::_weight_int8pack_mm") == 1
+    assert calls.get("aten::_weight_int8pack_mm") == 1 and calls.get("aten::_int_mm") == 1
+    assert calls.get("decodekit::split_rows") == 1 and calls.get("decodekit::join_sums") == 1
 
 
 def test_with_autograd_recording_products_keep_the_library_kernels_and_have_gradients():

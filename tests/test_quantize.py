@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from decodekit import AutoModelForCausalLM
-from decodekit.models.quantize import Int8Linear
+from decodekit.models.quantize import Int8Linear, many_rows_route
 from decodekit.testing import write_tiny_model
 
 
@@ -24,13 +24,14 @@ def test_int8_linear_is_close_to_fp32():
 def test_few_row_products_are_float32_and_more_rows_use_the_library_kernel():
     # Up to 16 rows on CPU (decode steps, short prompts) are multiplied in float32 by decodekit's kernel,
     # eager or compiled; without it, one row in a compiled step by quantize.one_row_int8. More rows (a
-    # longer prompt) go through torch._weight_int8pack_mm, which takes the rows in bfloat16, as do the
-    # eager rows when the kernel is not built.
+    # longer prompt) take the route measured for this CPU (quantize.many_rows_route); one of them,
+    # torch._weight_int8pack_mm, takes the rows in bfloat16, as do the eager rows when the kernel is not built.
     from decodekit.models import native
 
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(576, 96, bias=False))
     built = native.load()  # before tracing, as FusedStep does: compiled code cannot build it
+    many_rows_route()  # the same: compiled code cannot measure the route of many rows
     compiled = torch.compile(q, fullgraph=True)
 
     def error(y, x):
@@ -44,7 +45,12 @@ def test_few_row_products_are_float32_and_more_rows_use_the_library_kernel():
         assert torch.equal(eager, fused) and error(q(x3), x3) < 1e-6
     else:
         assert 1e-4 < error(eager, x) < 1e-2
-    assert 1e-4 < error(q(many), many) < 1e-2  # bfloat16 rows and product
+    from decodekit.models import choices
+
+    with choices.forced(int8_many_rows="int8pack"):
+        assert 1e-4 < error(q(many), many) < 1e-2  # bfloat16 rows and product
+    with choices.forced(int8_many_rows="int8_split"):
+        assert error(q(many), many) < 1e-4  # rows split into two int8 parts
     assert torch.equal(compiled(x3), q(x3)) and torch.equal(compiled(many), q(many))
     exact = x.double() @ q.dequantized().double().t()
     with torch.no_grad():
@@ -111,3 +117,31 @@ def test_the_float32_view_of_the_weights_follows_the_buffer():
     q.weight_int8 = q.weight_int8.clone()
     q.to("cpu")
     assert q.lanes.data_ptr() == q.weight_int8.data_ptr()
+
+
+@pytest.mark.parametrize("width", [96, 66])  # interleaved columns, plain columns
+def test_split_int8_rows_keep_fourteen_bits_where_bfloat16_rows_keep_eight(width):
+    # The int8_split prefill route: its error against the exact product of the int8 weight is about 40x
+    # smaller than that of rows rounded to bfloat16, as PyTorch's int8-weight kernel takes them; zero rows stay
+    # zero; decodekit's kernels and the library operations give the same values.
+    from decodekit.models import cpu
+    from decodekit.models.quantize import split_int8_product
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, width, generator=generator) * torch.logspace(-3, 3, 40)[:, None]  # rows of any scale
+    rows[7] = 0.0
+    q = Int8Linear(nn.Linear(width, 24, bias=False))
+    interleaved = q.input_order is not None
+    assert interleaved == (width % 4 == 0)
+    plain = q.weight_int8 if not interleaved else q.weight_int8[:, torch.argsort(q.input_order)]
+    exact = rows.double() @ plain.double().t()
+
+    def error(y):
+        return float((y.double() - exact).norm(dim=1).div(exact.norm(dim=1).clamp(min=1e-300)).max())
+
+    split = split_int8_product(rows, q.weight_int8, interleaved)
+    with cpu.forced(native_kernels=False):
+        library = split_int8_product(rows, q.weight_int8, interleaved)
+    assert split.dtype == torch.float32 and torch.all(split[7] == 0)
+    assert error(split) < 2e-4 and torch.allclose(split, library, rtol=1e-6, atol=0)
+    assert error(rows.bfloat16().double() @ plain.double().t()) > 1e-3  # the rows int8pack takes (any width)

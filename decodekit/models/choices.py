@@ -47,17 +47,23 @@ def _read() -> dict:
         return {}
 
 
-def _write(name: str, choice: str) -> None:
+def _key(name: str, candidates) -> str:
+    # The candidates are part of the key: a route added in a later version is measured, not passed over
+    # because the winner among the old ones is still offered.
+    return f"{name}({','.join(sorted(candidates))})"
+
+
+def _write(key: str, choice: str) -> None:
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         stored = _read()
-        stored.setdefault(cpu.signature(), {})[name] = choice
+        stored.setdefault(cpu.signature(), {})[key] = choice
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
         os.replace(scratch, path)  # never a half-written file for another process
     except OSError as error:
-        logger.info("could not cache the choice %s=%s (%s)", name, choice, error)
+        logger.info("could not cache the choice %s=%s (%s)", key, choice, error)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -86,13 +92,13 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
             return _made[name]
         remeasure = os.environ.get(VARIABLE) == "measure"
         stored = {} if remeasure else _read().get(cpu.signature(), {})
-        choice = stored.get(name)
+        choice = stored.get(_key(name, candidates))
         if choice not in candidates:
             timings = {label: median_seconds(fn) for label, fn in candidates.items()}
             choice = min(timings, key=timings.get)
             logger.info("%s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
                         ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))
-            _write(name, choice)
+            _write(_key(name, candidates), choice)
         _made[name] = choice
         return choice
 

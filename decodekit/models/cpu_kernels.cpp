@@ -2,7 +2,8 @@
 // - row_product / row_product_int8: out[M, N] = rows[M, K] @ W[N, K]^T for M = 1 to 16, the shapes of decode
 //   steps and short prompts;
 // - decode_layers (with bind_weights / unbind_weights): the decoder layers of the Llama family for a
-//   fixed-shape decode step, in one call.
+//   fixed-shape decode step, in one call;
+// - split_rows / join_sums: a prompt's rows to and from the int8 x int8 products of its int8 prefill.
 //
 // A decode step of one token reads every weight once, so the products are written to keep the memory bus
 // busy: one weight row at a time (one sequential stream per thread), four independent accumulators for one
@@ -26,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -238,6 +240,107 @@ at::Tensor row_product(const at::Tensor& rows, const at::Tensor& weight) {
 at::Tensor row_product_int8(const at::Tensor& rows, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kChar, "row_product_int8: weight must be int8, not ", weight.scalar_type());
   return product(rows, weight, "row_product_int8");
+}
+
+// ---- Rows of a prompt for int8 x int8 products (quantize.split_int8_product), one pass each way. ----
+
+float largest_magnitude(const float* x, int64_t K) {
+  __m256 top = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  float largest = *std::max_element(lanes, lanes + 8);
+  for (; k < K; ++k) largest = std::max(largest, std::fabs(x[k]));
+  return largest;
+}
+
+// rows [M, K] float32 -> parts [2M, K] int8 (the high parts of the M rows, then their low parts) and scales
+// [M], with row m = scales[m] * (high + low / 127). With `interleaved`, the parts' columns are in the stored
+// order of an interleaved int8 weight: column 4c + j holds input column j * K/4 + c.
+std::tuple<at::Tensor, at::Tensor> split_rows(const at::Tensor& rows, bool interleaved) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2,
+              "split_rows: rows must be a contiguous float32 [rows, in] matrix on the CPU");
+  const int64_t M = rows.size(0), K = rows.size(1), Q = K / 4;
+  TORCH_CHECK(!interleaved || K % 4 == 0, "split_rows: interleaved columns need a width that is a multiple of 4");
+  at::Tensor parts = at::empty({2 * M, K}, rows.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M}, rows.options());
+  const float* x = rows.data_ptr<float>();
+  int8_t* out = parts.data_ptr<int8_t>();
+  float* scale = scales.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      const float top = std::max(largest_magnitude(row, K), 1e-30f);
+      const float inverse = 127.0f / top;
+      scale[m] = top / 127.0f;
+      int8_t* high = out + m * K;
+      int8_t* low = out + (M + m) * K;
+      int64_t c = 0;
+      if (interleaved) {  // eight columns c of each quarter j at a time: 32 output bytes of each part
+        const __m256 by = _mm256_set1_ps(inverse);
+        for (; c + 8 <= Q; c += 8) {
+          __m256i h = _mm256_setzero_si256(), l = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(row + j * Q + c), by);
+            const __m256 rh = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 rl = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, rh), _mm256_set1_ps(127.0f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i byte = _mm256_set1_epi32(0xff);  // byte j of each 32-bit lane
+            h = _mm256_or_si256(h, _mm256_slli_epi32(_mm256_and_si256(_mm256_cvtps_epi32(rh), byte), 8 * j));
+            l = _mm256_or_si256(l, _mm256_slli_epi32(_mm256_and_si256(_mm256_cvtps_epi32(rl), byte), 8 * j));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + 4 * c), h);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + 4 * c), l);
+        }
+      }
+      const auto put = [&](int64_t k, int64_t at) {  // the columns the vector loop left (all of a plain row)
+        const float t = row[k] * inverse;
+        const float h = std::nearbyint(t);  // half to even, as torch.round and _mm256_round_ps
+        high[at] = static_cast<int8_t>(h);
+        low[at] = static_cast<int8_t>(std::nearbyint((t - h) * 127.0f));
+      };
+      if (interleaved) {
+        for (; c < Q; ++c) {
+          for (int64_t j = 0; j < 4; ++j) put(j * Q + c, 4 * c + j);
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) put(k, k);
+      }
+    }
+  });
+  return {parts, scales};
+}
+
+// sums [2M, N] int32 (the products of split_rows' parts) -> [M, N] float32: (high + low / 127) * scales[m].
+at::Tensor join_sums(const at::Tensor& sums, const at::Tensor& scales) {
+  TORCH_CHECK(sums.device().is_cpu() && sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.dim() == 2 &&
+                  sums.size(0) % 2 == 0,
+              "join_sums: sums must be a contiguous int32 [2 * rows, out] matrix on the CPU");
+  const int64_t M = sums.size(0) / 2, N = sums.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == M,
+              "join_sums: scales must be float32 [", M, "]");
+  at::Tensor out = at::empty({M, N}, scales.options());
+  const int32_t* s = sums.data_ptr<int32_t>();
+  const float* scale = scales.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int32_t* high = s + m * N;
+      const int32_t* low = s + (M + m) * N;
+      const float coarse = scale[m], fine = scale[m] / 127.0f;
+      float* to = y + m * N;
+      int64_t n = 0;
+      for (; n + 8 <= N; n += 8) {
+        const __m256 h = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + n)));
+        const __m256 l = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + n)));
+        _mm256_storeu_ps(to + n, _mm256_fmadd_ps(l, _mm256_set1_ps(fine), _mm256_mul_ps(h, _mm256_set1_ps(coarse))));
+      }
+      for (; n < N; ++n) to[n] = std::fma(static_cast<float>(low[n]), fine, static_cast<float>(high[n]) * coarse);
+    }
+  });
+  return out;
 }
 
 // ---- The decoder layers of the Llama family for a decode step: M rows of one new token each. ----
@@ -591,10 +694,14 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("bind_weights(int handle, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, Tensor?[] norms) -> ()",
         &bind_weights);
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
+  m.def("split_rows(Tensor rows, bool interleaved) -> (Tensor, Tensor)");
+  m.def("join_sums(Tensor sums, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("row_product", &row_product);
   m.impl("row_product_int8", &row_product_int8);
   m.impl("decode_layers", &decode_layers);
+  m.impl("split_rows", &split_rows);
+  m.impl("join_sums", &join_sums);
 }

@@ -153,6 +153,14 @@ def _register_fakes() -> None:
     def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps, rows=None):
         return torch.empty_like(x)
 
+    def split_rows(rows, interleaved):
+        return rows.new_empty((2 * rows.shape[0], rows.shape[1]), dtype=torch.int8), rows.new_empty(rows.shape[0])
+
+    def join_sums(sums, scales):
+        return scales.new_empty((sums.shape[0] // 2, sums.shape[1]))
+
+    torch.library.register_fake("decodekit::split_rows")(split_rows)
+    torch.library.register_fake("decodekit::join_sums")(join_sums)
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
     torch.library.register_fake("decodekit::decode_layers")(decode_layers)

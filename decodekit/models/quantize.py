@@ -92,27 +92,69 @@ class Int8Linear(nn.Module):
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
-            if self.input_order is not None:
-                flat = flat[:, self.input_order]
-            route = many_rows_route() if flat.device.type == "cpu" and flat.shape[0] > native.MAX_ROWS else "int8pack"
-            # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
-            # wrong sums or crashed (torch 2.13).
-            if route == "int8pack" and flat.device.type == "cpu" and self.in_features % 8 == 0:
-                y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
-            elif route == "float32":
-                y = flat.float() @ self.weight_int8.float().t()
-            else:  # a width PyTorch's kernel does not take: convert, then matmul
-                y = flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()
+            y = self._many_rows(flat)
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
+    def _many_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """The unscaled product of more rows than the few-row kernels take (a prompt), by this CPU's route."""
+        route = many_rows_route() if flat.device.type == "cpu" and flat.shape[0] > native.MAX_ROWS else "int8pack"
+        interleaved = self.input_order is not None
+        if route == "int8_split":
+            return split_int8_product(flat, self.weight_int8, interleaved)
+        if interleaved:
+            flat = stored_order(flat)
+        # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
+        # wrong sums or crashed (torch 2.13).
+        if route == "int8pack" and flat.device.type == "cpu" and self.in_features % 8 == 0:
+            return torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.unit_scales)
+        if route == "float32":
+            return flat.float() @ self.weight_int8.float().t()
+        return flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()  # a width int8pack does not take
+
+
+def stored_order(rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] with their columns in the stored order of an interleaved int8 weight (interleaved_columns),
+    as a strided copy (indexing with the order was 3x slower)."""
+    width = rows.shape[-1]
+    return rows.reshape(-1, 4, width // 4).transpose(1, 2).reshape(-1, width)
+
+
+def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """rows [M, in] @ weight_int8^T [out, in] as int8 x int8 products (torch._int_mm: oneDNN's VNNI or AMX
+    kernels where the CPU has them), in float32 [M, out]; `interleaved`: the weight's columns are stored
+    interleaved (interleaved_columns) and the rows are given in the input's order.
+
+    Each row is split into two int8 parts, row = s * (high + low / 127) with s = max|row| / 127, so the
+    activations keep about 14 bits where the bfloat16 rows of torch._weight_int8pack_mm keep 8 (relative
+    error of the product against the exact one 6e-5 against 2.3e-3), and the int32 sums are exact. One
+    int8 part alone would be faster still but 3x less exact than the bfloat16 rows. decodekit's kernels
+    (split_rows, join_sums) make the parts and join the sums in one pass each; the library operations
+    below compute the same values in about ten.
+    """
+    rows = rows.float().contiguous()
+    if native.ready(rows):
+        parts, scales = torch.ops.decodekit.split_rows(rows, interleaved)
+        return torch.ops.decodekit.join_sums(torch._int_mm(parts, weight_int8.t()), scales)
+    if interleaved:
+        rows = stored_order(rows)
+    top = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    scaled = rows * (127.0 / top)
+    high = torch.round(scaled)
+    low = torch.round((scaled - high) * 127.0)
+    sums = torch._int_mm(torch.cat([high, low]).to(torch.int8), weight_int8.t()).float()
+    count, scale = rows.shape[0], top / 127.0
+    return sums[:count] * scale + sums[count:] * (scale / 127.0)
+
+
 def many_rows_route() -> str:
     """How an int8 product of many rows (a prompt's prefill) runs on this CPU, measured once (choices.py):
-    "int8pack" (PyTorch's int8-weight kernel) or "float32" (the weight converted, then the fp32 matmul; one pass
-    over the weight, which a few hundred rows repay where int8pack is slow). A third route, converting to bf16
-    for oneDNN's bf16 matmul, was faster still on an AVX512-BF16 CPU but lost precision: the default model's
-    int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack) and 1.6% (float32), so it is not offered."""
+    "int8_split" (the rows split into two int8 parts, int8 x int8 products; split_int8_product), "int8pack"
+    (PyTorch's int8-weight kernel, rows in bfloat16) or "float32" (the weight converted, then the fp32
+    matmul; one pass over the weight, which a few hundred rows repay where the others are slow). A fourth
+    route, converting to bf16 for oneDNN's bf16 matmul, rounds each product to bfloat16: the default
+    model's int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack), so it is not offered."""
     name = "int8_many_rows"
     known = choices.made(name)
     if known is not None:
@@ -124,6 +166,7 @@ def many_rows_route() -> str:
     weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
     ones = torch.ones(1536, dtype=torch.bfloat16)
     candidates = {
+        "int8_split": lambda: split_int8_product(x, weight),
         "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
         "float32": lambda: x @ weight.float().t(),
     }

@@ -34,6 +34,7 @@ from ..core.outputs import loop_result
 from ..core.selectors import GreedySelector, SamplingSelector, race
 from ..models import native
 from ..models.packed import pack_linears, plain_weights
+from ..models.quantize import many_rows_route
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -233,6 +234,8 @@ class FusedStep:
         self.compiled_once = False
         if model.device.type == "cpu":
             native.load()  # before tracing: the products of a few rows read whether the kernels are there
+            if batch > native.MAX_ROWS and getattr(model, "quantization", None) == "int8":
+                many_rows_route()  # measured here, outside the trace, which cannot time anything
         self.cache = StaticCache.for_model(model, batch, length)
         model.rotary.ensure(length, model.device, model.dtype)
         step = make(model, self.cache)

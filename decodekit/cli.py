@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
     gen.add_argument("--assistant", metavar="NAME_OR_PATH",
                      help="assisted (speculative) decoding with this smaller model of the same tokenizer")
+    gen.add_argument("--json-schema", metavar="FILE",
+                     help="output JSON that matches the JSON schema in FILE (needs decodekit[structured])")
+    gen.add_argument("--regex", metavar="PATTERN", help="output text that matches PATTERN as a whole")
+    gen.add_argument("--grammar", metavar="FILE", help="output text that follows the Lark or GBNF grammar in FILE")
+    gen.add_argument("--choice", action="append", metavar="TEXT",
+                     help="output exactly one of the choices (repeat the flag for each choice)")
     gen.add_argument("--stats", action="store_true",
                      help="print load time, time to first token, tokens/s and the tokens generated, on stderr")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
@@ -189,6 +195,9 @@ def generation_kwargs(args) -> dict:
     kwargs = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
     if args.penalty_alpha is not None:
         kwargs.setdefault("top_k", 4)
+    for name in ("json_schema", "grammar"):  # these flags name a file; generate() takes its text
+        if name in kwargs:
+            kwargs[name] = _read_flag_file(FLAGS[name], kwargs[name], as_json=name == "json_schema")
     if args.compile:
         kwargs["compile"] = True
     extra = parse_method_args(args.arg)
@@ -210,10 +219,27 @@ def generation_kwargs(args) -> dict:
     return kwargs
 
 
+def _read_flag_file(flag: str, path: str, as_json: bool):
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise CLIError(f"{flag} {path}: cannot read the file ({error.strerror or error}).") from None
+    if not as_json:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CLIError(f"{flag} {path}: not JSON ({error}).") from None
+
+
 # generate() keywords that have a flag of their own, for messages shown on the command line.
 FLAGS = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "num_beams": "--num-beams", "prompt_lookup_num_tokens": "--prompt-lookup",
-         "penalty_alpha": "--penalty-alpha"}
+         "penalty_alpha": "--penalty-alpha", "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar",
+         "choice": "--choice"}
 
 
 def cli_names(message: str) -> str:

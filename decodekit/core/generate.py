@@ -194,17 +194,17 @@ class GenerationMixin:
         context = dataclasses.replace(context, batch_size=input_ids.shape[0])
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
-            return loop(self, input_ids, attention_mask, pipeline, gc, streamer, context)
+            return finished(pipeline, loop(self, input_ids, attention_mask, pipeline, gc, streamer, context))
         if custom_generate is not None:
             # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
             if "token_selector" in inspect.signature(custom_generate).parameters:
                 method_extras["token_selector"] = pipeline.selector
-            return custom_generate(
+            return finished(pipeline, custom_generate(
                 self, input_ids, pipeline.processors, pipeline.stopping, gc, streamer=streamer,
                 attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
                 past_key_values=pipeline.cache, use_cache=gc.use_cache, **method_extras,
-            )
-        return decode(self, input_ids, attention_mask, pipeline, gc, streamer)
+            ))
+        return finished(pipeline, decode(self, input_ids, attention_mask, pipeline, gc, streamer))
 
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
@@ -226,6 +226,16 @@ class GenerationMixin:
         tokens = sequences[:, sequences.shape[1] - length :]
         step = torch.arange(length, device=steps.device)[None, :].expand_as(rows)
         return torch.where(valid, steps[step, rows, tokens], torch.zeros((), dtype=steps.dtype, device=steps.device))
+
+
+def finished(pipeline: Pipeline, result):
+    """generate()'s result, after each processor with a `finish(result)` method has seen it (structured output
+    reports rows cut off before their constraint allowed an end)."""
+    for processor in pipeline.processors:
+        finish = getattr(processor, "finish", None)
+        if callable(finish):
+            finish(result)
+    return result
 
 
 # What a custom_generate callable always receives; anything else it declares is taken from generate()'s kwargs.

@@ -52,6 +52,8 @@ class GenerateOutput(ModelOutput):
     `logits`: the same, before processing (output_logits=True).
     `hidden_states` / `attentions`: per generated token, the model's tuple of per-layer tensors of the forward that
     produced it (the first holds the whole prompt), as transformers (output_hidden_states / output_attentions=True).
+    `constraint_complete`: with structured output (json_schema=, regex=, ...), whether each row ended where the
+    constraint allows an end (False: cut off by max_new_tokens, the output is partial).
     """
 
     sequences: torch.Tensor | None = None
@@ -60,6 +62,7 @@ class GenerateOutput(ModelOutput):
     hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
     attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     past_key_values: Any = None
+    constraint_complete: torch.Tensor | None = None
 
 
 def loop_result(generation_config, sequences, past_key_values, scores=None, logits=None, hidden_states=None,
@@ -91,3 +94,4 @@ class GenerateBeamOutput(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
     beam_indices: torch.Tensor | None = None
     past_key_values: Any = None
+    constraint_complete: torch.Tensor | None = None

@@ -117,7 +117,22 @@ def bucket(length: int) -> int:
     return -(-length // BUCKET) * BUCKET
 
 
-def unfusable_reason(model, pipeline, gc) -> str | None:
+def host_mask(processor) -> bool:
+    """Gives its effect as a mask computed on the host from the sequence so far (`host_mask = True` and
+    `step_mask(input_ids) -> bool [B, V]`, what may come next): a fused loop that takes such masks feeds it
+    to the step as an input, so the step stays compiled (structured output's grammar masks)."""
+    return bool(getattr(processor, "host_mask", False))
+
+
+def host_block(processors, sequences: torch.LongTensor, width: int) -> torch.Tensor:
+    """The scores' additive mask [B, V] of the host-mask `processors` for the next token of `sequences`."""
+    block = torch.zeros(sequences.shape[0], width, device=sequences.device)
+    for p in processors:
+        block.masked_fill_(~p.step_mask(sequences)[:, :width].to(block.device), -float("inf"))
+    return block
+
+
+def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str | None:
     from ..models.llama import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM):
@@ -125,7 +140,10 @@ def unfusable_reason(model, pipeline, gc) -> str | None:
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
     for p in pipeline.processors:
-        if not (score_only(p) or isinstance(p, P.MinLengthLogitsProcessor)):
+        if host_mask(p) and not takes_host_masks:
+            name = getattr(p, "__qualname__", type(p).__name__)
+            return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
+        if not (score_only(p) or host_mask(p) or isinstance(p, P.MinLengthLogitsProcessor)):
             name = getattr(p, "__qualname__", type(p).__name__)
             return (f"the logits processor {name} may read the whole sequence "
                     "(one that reads only the scores can declare score_only = True)")
@@ -259,8 +277,10 @@ class FusedLoop:
     sampling) is below, beam search's is in beam_search.py.
     """
 
+    takes_host_masks = False  # whether `run` applies host-mask processors (host_mask) as a step input
+
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        reason = unfusable_reason(model, pipeline, gc)
+        reason = unfusable_reason(model, pipeline, gc, self.takes_host_masks)
         if reason is not None:
             logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
@@ -354,9 +374,12 @@ class FusedTokens(FusedLoop):
 
         return decode(model, input_ids, attention_mask, pipeline, gc, streamer)
 
+    takes_host_masks = True
+
     def kind(self, pipeline, gc) -> tuple:
         sampling = isinstance(pipeline.selector, SamplingSelector)
-        return ("sampling" if sampling else "greedy", processors_key(step_processors(pipeline)))
+        masked = any(host_mask(p) for p in pipeline.processors)  # eos_block is then [B, V], not [V]
+        return ("sampling" if sampling else "greedy", processors_key(step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
         procs = step_processors(pipeline)
@@ -397,6 +420,7 @@ class FusedTokens(FusedLoop):
             scores_out.append(first)
         min_length = min_length_of(pipeline)
         no_block, block = eos_blocks(first.shape[-1], eos, dev)
+        host = [p for p in pipeline.processors if host_mask(p)]
         generated = [nxt]
         alive = [unfinished]
         if streamer is not None:
@@ -410,7 +434,11 @@ class FusedTokens(FusedLoop):
             mask[:, slot] = 1
             positions = positions + 1
             slots = torch.tensor([slot], device=dev)
-            nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, block if cur < min_length else no_block,
+            eos_block = block if cur < min_length else no_block
+            if host:
+                eos_block = eos_block + host_block(host, torch.cat((input_ids, torch.stack(generated, dim=1)), dim=1),
+                                                   eos_block.shape[-1])
+            nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, eos_block,
                                                  noise_key, unfinished, pad, eos_ids)
             fused.compiled_once = True
             generated.append(nxt)

@@ -302,6 +302,8 @@ class GrammarLogitsProcessor:
     def _source(self, tokens: tuple[int, ...]) -> tuple[int | None, int]:
         best, best_length = None, -1
         for index, row in enumerate(self.states):
+            if row.matcher.is_error():
+                continue  # a matcher never leaves its error state, so it cannot be rolled back to a good one
             n = _common_prefix(row.tokens, tokens)
             if n > best_length or (n == best_length and len(row.tokens) == n):
                 best, best_length = index, n

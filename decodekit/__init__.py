@@ -7,6 +7,7 @@ from .core.processors import LogitsProcessorList
 from .core.stopping import StoppingCriteriaList
 from .core.streamers import TextIteratorStreamer, TextStreamer
 from .models import AutoModelForCausalLM, AutoTokenizer
+from .plugins.watermark import WatermarkDetector, WatermarkingConfig
 from .registry import get_plugin_manager, hookimpl, register, unregister
 
 __version__ = "0.1.0"
@@ -23,5 +24,5 @@ def wrap(model):
 __all__ = [
     "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "GenerateOutput", "DynamicCache", "StaticCache",
     "LogitsProcessorList", "StoppingCriteriaList", "TextStreamer", "TextIteratorStreamer",
-    "get_plugin_manager", "hookimpl", "register", "unregister", "wrap",
+    "get_plugin_manager", "hookimpl", "register", "unregister", "wrap", "WatermarkingConfig", "WatermarkDetector",
 ]

@@ -1,12 +1,14 @@
 """Built-in logits processors (penalties, constraints, sampling warpers), chosen from the generation config.
 
 They run in transformers' order: penalties and constraints first, then the sampling warpers
-(temperature, top-k, top-p, min-p, typical-p, epsilon, eta), and renormalize_logits last.
+(temperature, top-k, top-p, min-p, typical-p, epsilon, eta), the watermark (plugins/watermark.py owns its
+field), and renormalize_logits last.
 """
 
 from ..core import processors as P
 from ..core.config import DEFAULTS
 from ..registry import hookimpl
+from .watermark import processor_for
 
 FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
           "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "remove_invalid_values",
@@ -81,6 +83,9 @@ def decodekit_logits_processors(generation_config, context):
             out.append(P.EpsilonLogitsWarper(gc.epsilon_cutoff))
         if gc.eta_cutoff:
             out.append(P.EtaLogitsWarper(gc.eta_cutoff))
+    watermark = processor_for(gc, context)  # the watermark plugin's, after the warpers as in transformers
+    if watermark is not None:
+        out.append(watermark)
     if gc.renormalize_logits:
         out.append(P.LogitNormalization())
     return out

@@ -1,0 +1,75 @@
+"""Green-list watermarking (decodekit/plugins/watermark.py): the processor equals transformers' on the same
+scores, watermarked text is detected and plain text is not, the detector agrees with transformers', bad
+settings are clear errors."""
+
+import math
+
+import pytest
+import torch
+
+from decodekit import WatermarkDetector, WatermarkingConfig
+from decodekit.plugins.watermark import WatermarkLogitsProcessor
+
+transformers = pytest.importorskip("transformers")
+
+SETTINGS = [WatermarkingConfig(), WatermarkingConfig(seeding_scheme="selfhash", context_width=2, bias=1.5),
+            WatermarkingConfig(greenlist_ratio=0.5, hashing_key=42, context_width=3)]
+
+
+@pytest.mark.parametrize("config", SETTINGS, ids=["lefthash", "selfhash", "lefthash-wide"])
+def test_the_processor_equals_transformers_on_the_same_scores(config):
+    vocab = 500
+    generator = torch.Generator().manual_seed(0)
+    ids, scores = torch.randint(0, vocab, (3, 9), generator=generator), torch.randn(3, vocab, generator=generator)
+    theirs = transformers.WatermarkLogitsProcessor(vocab_size=vocab, device="cpu", **config.to_dict())
+    ours = WatermarkLogitsProcessor(vocab, config)
+    expected = theirs(ids, scores.clone())
+    assert torch.equal(ours(ids, scores.clone()), expected)
+    assert int((expected != scores).sum(dim=1).min()) > 0  # every row got a green list
+
+
+@pytest.mark.parametrize("config", SETTINGS[:2], ids=["lefthash", "selfhash"])
+def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, config):
+    model, tok = default_model
+    prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
+    n = prompt.shape[1]
+    kwargs = dict(max_new_tokens=200, min_new_tokens=200, do_sample=True, seed=0)
+    marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
+    plain = model.generate(prompt, **kwargs)[:, n:]
+    detector = WatermarkDetector(model.config, "cpu", config)
+    found, clean = detector(marked), detector(plain)
+    assert found.z_score[0] > 4 and found.prediction == [True]
+    assert clean.z_score[0] < 2 and clean.prediction == [False]
+    assert found.num_tokens_scored[0] == 200 - (config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1)
+    their_config = transformers.LlamaConfig(vocab_size=model.config.vocab_size, bos_token_id=model.config.bos_token_id)
+    theirs = transformers.WatermarkDetector(model_config=their_config, device="cpu", watermarking_config=config.to_dict())
+    reference = theirs(torch.cat((marked, plain)), return_dict=True)
+    assert [math.isclose(a, b) for a, b in zip(reference.z_score, found.z_score + clean.z_score)] == [True, True]
+    assert list(reference.num_green_tokens) == found.num_green_tokens + clean.num_green_tokens
+
+
+def test_transformers_config_and_dicts_are_accepted(default_model):
+    model, tok = default_model
+    prompt = tok(["The weather today"], return_tensors="pt")["input_ids"]
+    ours = model.generate(prompt, watermarking_config=WatermarkingConfig(bias=4.0), max_new_tokens=8)
+    assert torch.equal(model.generate(prompt, watermarking_config={"bias": 4.0}, max_new_tokens=8), ours)
+    assert torch.equal(model.generate(prompt, watermarking_config=transformers.WatermarkingConfig(bias=4.0), max_new_tokens=8), ours)
+    assert not torch.equal(model.generate(prompt, max_new_tokens=8), ours)  # a bias of 4 changes greedy text
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"bias": float("nan")}, "bias=nan is invalid; expected a finite number"),
+    ({"greenlist_ratio": 1.5}, "greenlist_ratio=1.5 is invalid; expected a number in (0, 1)"),
+    ({"seeding_scheme": "righthash"}, "seeding_scheme='righthash' is invalid; expected one of ['lefthash', 'selfhash']"),
+    ({"context_width": 0}, "context_width=0 is invalid; expected an integer >= 1"),
+    ({"hashing_key": 1.5}, "hashing_key=1.5 is invalid; expected an integer"),
+    ({"green": 0.3}, "unknown field 'green'"),
+    ("strong", "expected a WatermarkingConfig or a dict of its fields"),
+])
+def test_bad_settings_are_clear_errors(default_model, value, message):
+    model, _ = default_model
+    with pytest.raises(ValueError) as error:
+        model.generate(torch.tensor([[1, 2, 3]]), watermarking_config=value, max_new_tokens=2)
+    assert message in str(error.value)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        WatermarkDetector(model.config, "cpu", WatermarkingConfig())(torch.tensor([[5]]))

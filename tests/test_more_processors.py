@@ -142,6 +142,29 @@ def test_no_prompt_starts_from_bos(pair):
     assert torch.equal(out, hf.generate(max_new_tokens=4, eos_token_id=None, do_sample=False, pad_token_id=PAD))
 
 
+@pytest.mark.parametrize("lengths, config, total", [
+    ({}, {}, 25), ({"max_length": 9}, {}, 9), ({"max_new_tokens": 3}, {}, 8), ({"max_length": 9, "max_new_tokens": 3}, {}, 8),
+    ({"max_length": 9}, {"max_new_tokens": 6}, 11), ({}, {"max_length": 7}, 7),
+], ids=["defaults", "max-length", "max-new-tokens", "both", "config-max-new-tokens", "config-max-length"])
+def test_length_precedence_equals_transformers(pair, lengths, config, total):
+    # Neither set: 20 new tokens; max_new_tokens wins wherever it is set (the call or the model's config), with a
+    # warning when max_length was passed too; max_length otherwise.
+    hf, model = pair
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    saved = (hf.generation_config.max_new_tokens, hf.generation_config.max_length,
+             model.generation_config.max_new_tokens, model.generation_config.max_length)
+    try:
+        for gc in (hf.generation_config, model.generation_config):
+            for name, value in config.items():
+                setattr(gc, name, value)
+        theirs = hf.generate(prompt, eos_token_id=None, do_sample=False, pad_token_id=PAD, **lengths)
+        assert torch.equal(model.generate(prompt, eos_token_id=None, **lengths), theirs)
+    finally:
+        (hf.generation_config.max_new_tokens, hf.generation_config.max_length,
+         model.generation_config.max_new_tokens, model.generation_config.max_length) = saved
+    assert theirs.shape[1] == total  # the prompt has 5 tokens
+
+
 def test_hidden_states_and_attentions_in_dict_outputs_equal_transformers():
     hf = tiny_transformers_model("gpt2")
     hf.config._attn_implementation = "eager"  # attention weights need the eager kernel, in transformers too

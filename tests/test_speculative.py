@@ -115,6 +115,27 @@ def test_self_speculative_greedy_is_plain_greedy(deep, layers):
         assert torch.equal(deep.generate(ids, max_new_tokens=16, eos_token_id=None, assistant_early_exit=layers), plain)
 
 
+def test_the_draft_reuses_the_targets_cache(deep, monkeypatch):
+    # The draft's layers are the target's first ones, so it drafts on the target's cache: it never feeds the
+    # prompt or the tokens the target accepted again, one token per draft forward; the output stays plain greedy.
+    import functools
+
+    fed = []
+    forward = type(deep).forward
+
+    @functools.wraps(forward)  # keeps the signature, which tells the draft it may pass exit_layer
+    def spy(self, input_ids, *args, **kwargs):
+        fed.append((kwargs.get("exit_layer"), input_ids.shape[1]))
+        return forward(self, input_ids, *args, **kwargs)
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    plain = deep.generate(ids, max_new_tokens=12, eos_token_id=None)
+    monkeypatch.setattr(type(deep), "forward", spy)
+    assert torch.equal(deep.generate(ids, max_new_tokens=12, eos_token_id=None, assistant_early_exit=2), plain)
+    drafts = [length for layers, length in fed if layers == 2]
+    assert drafts and set(drafts) == {1}
+
+
 def test_the_early_exit_draft_runs_only_its_layers(deep):
     from decodekit.plugins.speculative import EarlyExit
 

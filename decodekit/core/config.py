@@ -13,9 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+DEFAULT_NEW_TOKENS = 20  # transformers' default when neither max_new_tokens nor max_length is set
 DEFAULTS: dict[str, Any] = {
     # length
-    "max_length": 20,
+    "max_length": None,  # None: DEFAULT_NEW_TOKENS after the prompt (max_length_for)
     "max_new_tokens": None,
     "min_length": 0,
     "min_new_tokens": None,
@@ -185,11 +186,16 @@ class GenerationConfig:
             return []
         return [eos] if _is_int(eos) else list(eos)
 
-    def max_length_for(self, prompt_length: int) -> int:
-        """The total length (prompt + new) at which generation stops."""
+    def max_length_for(self, prompt_length: int, max_positions: int | None = None) -> int:
+        """The total length (prompt + new) at which generation stops, as transformers decides it:
+        max_new_tokens wherever it is set (call, config or the model's config), else max_length where it is
+        set, else DEFAULT_NEW_TOKENS after the prompt (at most `max_positions`, the model's context)."""
         if self.max_new_tokens is not None:
             return prompt_length + self.max_new_tokens
-        return self.max_length
+        if self.max_length is not None:
+            return self.max_length
+        total = prompt_length + DEFAULT_NEW_TOKENS
+        return min(total, max_positions) if max_positions else total
 
     def min_length_for(self, prompt_length: int) -> int:
         if self.min_new_tokens is not None:
@@ -219,7 +225,7 @@ class GenerationConfig:
             if not _is_int(v) or v < low:
                 raise bad(name, f"expected an integer >= {low}" + (" or None" if optional else ""))
 
-        int_at_least("max_length", 1)
+        int_at_least("max_length", 1, optional=True)
         int_at_least("max_new_tokens", 1, optional=True)
         int_at_least("min_length", 0)
         int_at_least("min_new_tokens", 0, optional=True)

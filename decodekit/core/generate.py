@@ -42,9 +42,10 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
             f"generation config fields {sorted(known)}, and generation_config, logits_processor, stopping_criteria, "
             "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
         )
-    if "max_new_tokens" not in kwargs and "max_length" in kwargs:
-        kwargs["max_new_tokens"] = None  # an explicit max_length wins over the config's max_new_tokens
     gc.update(**kwargs)
+    if gc.max_new_tokens is not None and gc.max_length is not None and "max_length" in kwargs:
+        logger.warning("Both max_new_tokens (=%s) and max_length (=%s) are set; max_new_tokens takes precedence, as in "
+                       "transformers.", gc.max_new_tokens, gc.max_length)
     return gc, model_kwargs
 
 
@@ -162,7 +163,7 @@ class GenerationMixin:
             gc.pad_token_id = gc.eos_token_ids[0]
         input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
         prompt_length = input_ids.shape[1]
-        max_length = gc.max_length_for(prompt_length)
+        max_length = gc.max_length_for(prompt_length, getattr(getattr(self, "config", None), "max_position_embeddings", None))
         if max_length <= prompt_length:
             raise ValueError(
                 f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "

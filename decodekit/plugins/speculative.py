@@ -84,7 +84,7 @@ def decodekit_decoding_loop(generation_config):
 
 class EarlyExit:
     """The draft of self-speculative decoding (LayerSkip): the model's first `layers` layers, then its final norm
-    and LM head, with a cache of its own. decodekit's models stop after those layers (`exit_layer`); a transformers
+    and LM head, on the model's own cache (Speculative crops what it drafted there). decodekit's models stop after those layers (`exit_layer`); a transformers
     model runs with its config's num_hidden_layers lowered for the call, which the Llama-like ones read (others
     run every layer: still exact, only slower)."""
 
@@ -140,7 +140,11 @@ class Speculative:
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
         a_cache = None
-        if assistant is not None:
+        if isinstance(assistant, EarlyExit):
+            # The draft's layers are the target's first layers: it drafts on the target's cache, whose entries for
+            # those layers it would compute alike, and the drafted positions are cropped before the target verifies.
+            a_cache = cache
+        elif assistant is not None:
             from ..core.pipeline import GenerationContext
 
             a_context = GenerationContext(model=assistant, batch_size=1, prompt_length=context.prompt_length,
@@ -165,6 +169,8 @@ class Speculative:
             room = max_length - cur - 1  # candidates beyond this could never be kept
             if assistant is not None:
                 candidates, q = self._propose(assistant, a_cache, input_ids, min(n_assist, room), pipeline, gc, context)
+                if a_cache is cache:
+                    crop_to(cache, cur - 1)  # the draft's entries go; the target's forward writes them again
             else:
                 candidates = prompt_lookup_candidates(input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room)
                 q = None
@@ -200,7 +206,7 @@ class Speculative:
                     streamer.put(t.view(1).cpu())
             # Keep what the target saw and agreed with: all but the newest token.
             crop_to(cache, input_ids.shape[1] - 1)
-            if a_cache is not None:
+            if a_cache is not None and a_cache is not cache:
                 crop_to(a_cache, min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does

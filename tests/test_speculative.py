@@ -165,3 +165,112 @@ def test_early_exit_errors(deep, models):
         deep.generate(ids, assistant_early_exit=4, max_new_tokens=2)
     with pytest.raises(ValueError, match="drafts with the model itself"):
         deep.generate(ids, assistant_early_exit=1, prompt_lookup_num_tokens=2, max_new_tokens=2)
+
+
+# ---- universal assisted decoding: an assistant with a vocabulary of its own ----
+
+CHARS = " abcdefghijklmnopqrstuvwxyz.,"
+
+
+def char_tokenizer(chars: str, extra: int = 0):
+    """A character tokenizer: token i is chars[i], then `extra` tokens no text maps to."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    from decodekit.models.tokenizer import Tokenizer
+
+    vocab = {c: i for i, c in enumerate(chars)} | {f"<x{j}>": len(chars) + j for j in range(extra)}
+    backend = Backend(models.WordLevel(vocab, unk_token=chars[0]))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    return Tokenizer(backend)
+
+
+@pytest.fixture(scope="module")
+def translated(tmp_path_factory):
+    """(target, its tokenizer, assistant, its tokenizer): the assistant is the target with its vocabulary
+    reordered and three tokens added, so it predicts what the target predicts, in other token ids."""
+    from safetensors.torch import load_file, save_file
+
+    from decodekit import AutoModelForCausalLM
+    from decodekit.testing import write_tiny_model
+
+    d = tmp_path_factory.mktemp("uad")
+    order = torch.randperm(len(CHARS), generator=torch.Generator().manual_seed(5))
+    target_path = write_tiny_model(d / "target", vocab_size=len(CHARS), eos_token_id=None, seed=4)
+    assistant_path = write_tiny_model(d / "assistant", vocab_size=len(CHARS) + 3, eos_token_id=None, seed=4)
+    weights = load_file(str(target_path / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = weights[name][order]  # assistant token k is the target's token order[k]
+        weights[name] = torch.cat((rows, torch.zeros(3, rows.shape[1])))
+    save_file(weights, str(assistant_path / "model.safetensors"))
+    target, assistant = AutoModelForCausalLM.from_pretrained(target_path), AutoModelForCausalLM.from_pretrained(assistant_path)
+    for model in (target, assistant):
+        model.generation_config.eos_token_id = None
+    return target, char_tokenizer(CHARS), assistant, char_tokenizer("".join(CHARS[i] for i in order), extra=3)
+
+
+def char_prompts(tok, n=12):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        yield torch.tensor([tok.encode("".join(CHARS[i] for i in torch.randint(1, len(CHARS), (6,), generator=g)))])
+
+
+def test_universal_assisted_greedy_is_plain_greedy_and_drafts_are_kept(translated):
+    target, tok, assistant, assistant_tok = translated
+    forwards = []
+    target.register_forward_hook(lambda module, args, out: forwards.append(1))
+    for ids in char_prompts(tok):
+        plain = target.generate(ids, max_new_tokens=16)
+        forwards.clear()
+        assisted = target.generate(ids, max_new_tokens=16, assistant_model=assistant, tokenizer=tok,
+                                   assistant_tokenizer=assistant_tok, num_assistant_tokens=5)
+        assert torch.equal(assisted, plain)
+        assert len(forwards) <= 6  # the prompt, then about one forward per 5 accepted tokens, not 16
+
+
+def test_universal_assisted_decoding_with_unrelated_vocabularies(translated, tmp_path):
+    # A random assistant of another vocabulary: its drafts are mostly rejected, the output is still the target's.
+    target, tok, _, _ = translated
+    other_tok = char_tokenizer(CHARS[::-1] + "0123456789", extra=1)
+    assistants = [tiny_model(tmp_path, vocab_size=40, seed=9)]
+    transformers = pytest.importorskip("transformers")
+    import decodekit
+
+    torch.manual_seed(0)
+    assistants.append(decodekit.wrap(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1)).eval()))  # a transformers assistant, through its own DynamicCache
+    for other in assistants:
+        for ids in char_prompts(tok, 4):
+            plain = target.generate(ids, max_new_tokens=12)
+            assert torch.equal(target.generate(ids, max_new_tokens=12, assistant_model=other, tokenizer=tok,
+                                               assistant_tokenizer=other_tok), plain)
+
+
+def test_universal_assisted_sampling_keeps_the_target_distribution():
+    V = 6
+    g = torch.Generator().manual_seed(11)
+    target_table = torch.randn(V, V, generator=g)
+    target, assistant = TableModel(target_table), TableModel(torch.randn(V + 2, V + 2, generator=g) * 2)
+    kwargs = dict(assistant_model=assistant, num_assistant_tokens=2, tokenizer=char_tokenizer("abcdef"),
+                  assistant_tokenizer=char_tokenizer("fedcba", extra=2))
+    samples = first_two_tokens(target, 2500, **kwargs)
+    stat, df = chi_square(torch.bincount(samples[:, 0], minlength=V).float(), torch.softmax(target_table[3], -1))
+    assert stat < chi_square_critical(df), (stat, df)
+    common = int(samples[:, 0].mode().values)
+    second = torch.bincount(samples[samples[:, 0] == common, 1], minlength=V).float()
+    stat, df = chi_square(second, torch.softmax(target_table[common], -1))
+    assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_universal_assisted_decoding_errors(translated):
+    target, tok, assistant, assistant_tok = translated
+    ids = torch.tensor([tok.encode("abc")])
+    with pytest.raises(ValueError, match=r"pass the two tokenizers \(tokenizer= and assistant_tokenizer=\)"):
+        target.generate(ids, assistant_model=assistant, max_new_tokens=2)
+    with pytest.raises(ValueError, match="needs the model's own tokenizer too: pass tokenizer="):
+        target.generate(ids, assistant_model=assistant, assistant_tokenizer=assistant_tok, max_new_tokens=2)
+    with pytest.raises(ValueError, match="assistant_tokenizer is the tokenizer of assistant_model; pass assistant_model"):
+        target.generate(ids, assistant_tokenizer=assistant_tok, tokenizer=tok, max_new_tokens=2)
+    with pytest.raises(ValueError, match="assistant_tokenizer must be a tokenizer with encode"):
+        target.generate(ids, assistant_model=assistant, assistant_tokenizer="gpt2", tokenizer=tok, max_new_tokens=2)

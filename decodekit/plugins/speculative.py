@@ -1,5 +1,6 @@
-"""Speculative decoding: assisted decoding (assistant_model=...), self-speculative decoding (assistant_early_exit=N:
-the model's own first N layers draft) and prompt lookup (prompt_lookup_num_tokens=...).
+"""Speculative decoding: assisted decoding (assistant_model=...; with assistant_tokenizer= and tokenizer= an assistant
+of another vocabulary: universal assisted decoding), self-speculative decoding (assistant_early_exit=N: the model's
+own first N layers draft) and prompt lookup (prompt_lookup_num_tokens=...).
 
 A cheap source proposes several tokens; the target model scores them all in one forward pass and
 keeps the longest prefix it agrees with, plus one token of its own. The result is the target's:
@@ -27,7 +28,8 @@ SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 @hookimpl
 def decodekit_config_fields():
     return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None}
+            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None,
+            "assistant_tokenizer": None}
 
 
 @hookimpl
@@ -45,6 +47,7 @@ def decodekit_validate_config(generation_config, context):
         if assistant is not None or lookup is not None:
             raise ValueError("assistant_early_exit drafts with the model itself; pass it without assistant_model and "
                              "prompt_lookup_num_tokens.")
+    _check_assistant_tokenizer(gc, context)
     if assistant is None and lookup is None and early is None:
         return
     if assistant is not None and lookup is not None:
@@ -68,11 +71,26 @@ def decodekit_validate_config(generation_config, context):
         if not callable(assistant) or not hasattr(assistant, "config"):
             raise bad("assistant_model", "expected a model with the forward contract (e.g. from AutoModelForCausalLM)")
         ours, theirs = context.model.config.vocab_size, assistant.config.vocab_size
-        if ours != theirs:
+        if ours != theirs and gc.assistant_tokenizer is None:
             raise ValueError(
-                f"assistant_model has a vocabulary of {theirs} tokens, the model {ours}: speculative decoding needs "
-                "the same tokenizer and vocabulary size for both."
+                f"assistant_model has a vocabulary of {theirs} tokens, the model {ours}: pass the two tokenizers "
+                "(tokenizer= and assistant_tokenizer=) for universal assisted decoding, or use an assistant that "
+                "shares the model's tokenizer."
             )
+
+
+def _check_assistant_tokenizer(gc, context) -> None:
+    if gc.assistant_tokenizer is None:
+        return
+    if gc.assistant_model is None:
+        raise ValueError("assistant_tokenizer is the tokenizer of assistant_model; pass assistant_model too.")
+    if context.tokenizer is None:
+        raise ValueError("universal assisted decoding (assistant_tokenizer=) needs the model's own tokenizer too: "
+                         "pass tokenizer= to generate().")
+    for name, tok in (("tokenizer", context.tokenizer), ("assistant_tokenizer", gc.assistant_tokenizer)):
+        if not (callable(getattr(tok, "encode", None)) and callable(getattr(tok, "decode", None))):
+            raise ValueError(f"{name} must be a tokenizer with encode(text, add_special_tokens=...) and decode(ids, "
+                             f"skip_special_tokens=...); got {type(tok).__name__}.")
 
 
 @hookimpl
@@ -112,6 +130,55 @@ class EarlyExit:
             config.num_hidden_layers = full
 
 
+class Translator:
+    """The draft of universal assisted decoding: an assistant with a tokenizer of its own. Each round it reads
+    the text of the target's tokens in its own tokens (its cache keeps what it read before: only the part that
+    differs is fed), drafts greedily, and hands the drafted text over as the target's tokens of it, tokenized
+    after the text of the target's last LOOKBEHIND tokens so that a word cut at the boundary tokenizes as the
+    target would. The target verifies as for any candidates without a distribution, so greedy output is the
+    target's own and sampling keeps its distribution."""
+
+    LOOKBEHIND = 10
+
+    def __init__(self, assistant, cache, assistant_tokenizer, tokenizer):
+        self.assistant, self.cache, self.theirs, self.ours = assistant, cache, assistant_tokenizer, tokenizer
+        self.fed: list[int] = []  # the assistant tokens the cache holds
+        self.ends = set(assistant.generation_config.eos_token_ids or ()) if hasattr(assistant, "generation_config") else set()
+
+    def propose(self, input_ids: torch.LongTensor, n: int) -> torch.LongTensor:
+        ids = self.theirs.encode(self.ours.decode(input_ids[0], skip_special_tokens=True))
+        keep = _common_prefix(self.fed, ids)
+        keep = min(keep, len(ids) - 1)  # at least one token to feed
+        crop_to(self.cache, keep)
+        held, feed, drafted = ids[:keep], ids[keep:], []
+        for _ in range(max(n, 0)):
+            out = self.assistant(torch.tensor([feed], device=input_ids.device), past_key_values=self.cache, use_cache=True)
+            held = held + feed
+            token = int(out.logits[0, -1].argmax())
+            if token in self.ends:
+                break
+            drafted.append(token)
+            feed = [token]
+        self.fed = held
+        if not drafted:
+            return input_ids[0, :0]
+        tail = self.ours.decode(input_ids[0, -self.LOOKBEHIND:], skip_special_tokens=True)
+        before = self.ours.encode(tail, add_special_tokens=False)
+        after = self.ours.encode(tail + self.theirs.decode(drafted, skip_special_tokens=True), add_special_tokens=False)
+        if after[: len(before)] != before:  # the boundary tokenizes differently: no guess this round
+            return input_ids[0, :0]
+        return torch.tensor(after[len(before):][:n], dtype=torch.long, device=input_ids.device)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int, room: int) -> torch.Tensor:
     """Continues the longest n-gram (n <= max_ngram) at the end of `ids` [T] with what followed its first
     earlier occurrence: up to min(num_tokens, room) tokens; empty when nothing matches."""
@@ -139,7 +206,7 @@ class Speculative:
         cache, max_length = pipeline.cache, context.max_length
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
-        a_cache = None
+        a_cache = translator = None
         if isinstance(assistant, EarlyExit):
             # The draft's layers are the target's first layers: it drafts on the target's cache, whose entries for
             # those layers it would compute alike, and the drafted positions are cropped before the target verifies.
@@ -152,6 +219,8 @@ class Speculative:
             from ..registry.manager import call_first
 
             a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
+            if gc.assistant_tokenizer is not None:
+                translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer)
         keep_all = _forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
@@ -167,7 +236,9 @@ class Speculative:
         while not done:
             cur = input_ids.shape[1]
             room = max_length - cur - 1  # candidates beyond this could never be kept
-            if assistant is not None:
+            if translator is not None:
+                candidates, q = translator.propose(input_ids, min(n_assist, room)), None
+            elif assistant is not None:
                 candidates, q = self._propose(assistant, a_cache, input_ids, min(n_assist, room), pipeline, gc, context)
                 if a_cache is cache:
                     crop_to(cache, cur - 1)  # the draft's entries go; the target's forward writes them again
@@ -206,7 +277,7 @@ class Speculative:
                     streamer.put(t.view(1).cpu())
             # Keep what the target saw and agreed with: all but the newest token.
             crop_to(cache, input_ids.shape[1] - 1)
-            if a_cache is not None and a_cache is not cache:
+            if a_cache is not None and a_cache is not cache and translator is None:  # the translator crops its own
                 crop_to(a_cache, min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does

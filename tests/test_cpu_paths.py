@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from decodekit.models import cpu, native
+from decodekit.models import choices, cpu, native
 from decodekit.models.packed import PackedLinear
 from decodekit.models.quantize import quantize
 from decodekit.testing import cpu_path_settings, tiny_model
@@ -38,7 +38,7 @@ def relative_error(a, b):
 def test_bfloat16_paths(tmp_path, setting):
     reference = tiny_model(tmp_path, "qwen3")
     expected = {ids.shape: logits(reference, ids) for ids in (PROMPT, LONG)}
-    with cpu.forced(**setting):
+    with cpu.forced(**setting), choices.forced(eager_weights_bfloat16="packed"):  # packing where oneDNN can
         model = tiny_model(tmp_path, "qwen3").to(torch.bfloat16)
         for ids in (PROMPT, LONG):  # few rows and a prefill's many rows
             assert relative_error(logits(model, ids), expected[ids.shape]) < 0.03
@@ -101,7 +101,6 @@ def test_forced_answers_are_restored_afterwards():
 
 @pytest.mark.parametrize("route", ["int8_split", "int8pack", "float32"])
 def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
-    from decodekit.models import choices
 
     reference = tiny_model(tmp_path, "llama", intermediate_size=128)
     expected = logits(reference, LONG)
@@ -115,7 +114,6 @@ def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
 def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypatch, caplog):
     import logging
 
-    from decodekit.models import choices
 
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choices, "_made", {})

@@ -7,11 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from decodekit.models import cpu
+from decodekit.models import choices, cpu
 from decodekit.models.packed import PackedLinear, pack_linears, unpack_linears
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+
+
+@pytest.fixture(autouse=True)
+def packing_chosen():
+    """These tests check the packed layout; whether a CPU uses it is measured (packing_pays), so it is forced here."""
+    with choices.forced(eager_weights_float32="packed", eager_weights_bfloat16="packed"):
+        yield
 
 IDS = torch.tensor([[3, 17, 4, 9, 22, 5], [8, 1, 30, 2, 7, 11]])
 
@@ -162,3 +169,12 @@ def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_
     assert product(wide) == [torch.float32] and product(narrow) == [dtype]
     monkeypatch.setitem(cpu._answers, probe, True)  # a CPU with bf16/fp16 matmul
     assert product(wide) == [dtype]
+
+
+def test_where_plain_weights_measure_faster_they_stay_plain_with_the_same_logits(tied):
+    with choices.forced(eager_weights_float32="plain"):
+        plain = logits(tied)
+        assert linears(tied, PackedLinear) == [] and not pack_linears(tied)
+    unpack_linears(tied)  # the next forward decides afresh
+    packed = logits(tied)
+    assert linears(tied, PackedLinear) and relative_error(packed, plain) < 1e-5

@@ -9,7 +9,8 @@ and bfloat16 alike (bench/bench_generate.py measures the whole token).
 
 `pack_linears(model)` replaces each nn.Linear by a PackedLinear holding the packed copy; a weight
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
-Packing is skipped off CPU, for dtypes oneDNN cannot run here, and for quantized models.
+Packing is skipped off CPU, for dtypes oneDNN cannot run here, for quantized models, and where plain weights
+measured faster on this CPU (packing_pays, a choice cached by CPU signature).
 
 A compiled step of up to 16 rows multiplies plain weights faster itself (the C++ layer stack and row
 products, linear.one_row), so it holds the model unpacked while it runs (`plain_weights`); the next
@@ -58,12 +59,44 @@ def _(x, packed, bias, out_features):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """True where oneDNN runs a packed linear for this weight: CPU, float32, or bfloat16 on CPUs with bf16 support."""
+    """True where oneDNN runs a packed linear for this weight (CPU, float32, or bfloat16 on CPUs with bf16
+    support) and packing pays on this CPU (packing_pays)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and cpu.has("onednn_bf16")
+    if weight.dtype == torch.bfloat16 and not cpu.has("onednn_bf16"):
+        return False
+    return weight.dtype in (torch.float32, torch.bfloat16) and packing_pays(weight.dtype)
+
+
+def packing_pays(dtype: torch.dtype) -> bool:
+    """Whether eager calls run faster on packed weights than on plain ones on this CPU, measured once per dtype
+    (choices.py) on a default-model-sized layer over what a typical call does: a 256-token prompt, then 64
+    one-row decode steps. Plain weights take decodekit's row kernel for the steps and the library's matmul
+    for the prompt. Packed won on the AVX512-BF16 machine of 2026-11-23 (the steps alike, the prompt 2.3x
+    faster); oneDNN's packed one-row product was 2x slower than the kernels on an AVX2 machine before."""
+    from . import choices, native
+
+    name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
+    known = choices.made(name)
+    if known is not None:
+        return known == "packed"
+    if torch.compiler.is_compiling():
+        return True  # no measuring inside a trace; an eager forward decides first
+    native.load()
+    generator = torch.Generator().manual_seed(0)
+    plain = Linear(576, 1536, bias=False, dtype=dtype)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(1536, 576, generator=generator))
+    packed = PackedLinear(plain, keep_weight=True)
+    prompt, step = torch.randn(256, 576, generator=generator).to(dtype), torch.randn(1, 576, generator=generator).to(dtype)
+
+    def typical_call(layer):
+        layer(prompt)
+        for _ in range(64):
+            layer(step)
+
+    with torch.inference_mode():
+        return choices.choose(name, {"packed": lambda: typical_call(packed), "plain": lambda: typical_call(plain)}) == "packed"
 
 
 class PackedLinear(nn.Module):

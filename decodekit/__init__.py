@@ -7,7 +7,8 @@ from .core.processors import LogitsProcessorList
 from .core.stopping import StoppingCriteriaList
 from .core.streamers import TextIteratorStreamer, TextStreamer
 from .models import AutoModelForCausalLM, AutoTokenizer
-from .plugins.watermark import WatermarkDetector, WatermarkingConfig
+from .plugins.watermark import (SynthIDTextWatermarkDetector, SynthIDTextWatermarkingConfig, WatermarkDetector,
+                                WatermarkingConfig)
 from .registry import get_plugin_manager, hookimpl, register, unregister
 
 __version__ = "0.1.0"
@@ -25,4 +26,5 @@ __all__ = [
     "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "GenerateOutput", "DynamicCache", "StaticCache",
     "LogitsProcessorList", "StoppingCriteriaList", "TextStreamer", "TextIteratorStreamer",
     "get_plugin_manager", "hookimpl", "register", "unregister", "wrap", "WatermarkingConfig", "WatermarkDetector",
+    "SynthIDTextWatermarkingConfig", "SynthIDTextWatermarkDetector",
 ]

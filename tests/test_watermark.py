@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from decodekit import WatermarkDetector, WatermarkingConfig
+from decodekit import SynthIDTextWatermarkDetector, SynthIDTextWatermarkingConfig, WatermarkDetector, WatermarkingConfig
 from decodekit.plugins.watermark import WatermarkLogitsProcessor
 
 transformers = pytest.importorskip("transformers")
@@ -73,3 +73,56 @@ def test_bad_settings_are_clear_errors(default_model, value, message):
     assert message in str(error.value)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         WatermarkDetector(model.config, "cpu", WatermarkingConfig())(torch.tensor([[5]]))
+
+
+# ---- SynthID Text ----
+
+SYNTHID = dict(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57], ngram_len=4, context_history_size=16)
+
+
+def test_synthid_scores_and_g_values_equal_transformers():
+    from decodekit.plugins.watermark import SynthIDGValues, SynthIDLogitsProcessor
+
+    config = SynthIDTextWatermarkingConfig(**SYNTHID)
+    theirs = transformers.SynthIDTextWatermarkingConfig(**SYNTHID).construct_processor(300, "cpu")
+    ours = SynthIDLogitsProcessor(config)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (2, 5), generator=generator)
+    for step in range(6):  # the state moves along; a repeated context appears by step 5
+        scores = torch.randn(2, 300, generator=generator)
+        if step == 4:
+            ids = torch.cat((ids, ids[:, -3:]), dim=1)  # repeat a context
+        expected = theirs(ids, scores.clone())
+        assert torch.equal(ours(ids, scores.clone()), expected)
+        ids = torch.cat((ids, torch.randint(0, 300, (2, 1), generator=generator)), dim=1)
+    assert torch.equal(SynthIDGValues(config).of_sequences(ids), theirs.compute_g_values(ids))
+
+
+def test_synthid_text_is_detected_and_plain_text_is_not(default_model):
+    model, tok = default_model
+    prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
+    n = prompt.shape[1]
+    kwargs = dict(max_new_tokens=200, min_new_tokens=200, do_sample=True, seed=0)
+    config = SynthIDTextWatermarkingConfig(**SYNTHID)
+    marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
+    plain = model.generate(prompt, **kwargs)[:, n:]
+    detector = SynthIDTextWatermarkDetector(config, eos_token_id=tok.eos_token_id)
+    found, clean = detector(marked), detector(plain)
+    assert found.mean_g_value[0] > 0.52 and found.z_score[0] > 4 and found.prediction == [True]
+    assert abs(clean.z_score[0]) < 3 and clean.prediction == [False]
+    assert torch.equal(model.generate(prompt, watermarking_config=transformers.SynthIDTextWatermarkingConfig(**SYNTHID),
+                                      **kwargs)[:, n:], marked)  # transformers' config is taken as it is
+
+
+@pytest.mark.parametrize("value, others, message", [
+    ({"keys": []}, {}, "keys=[] is invalid; expected a non-empty list of integers"),
+    ({"keys": [1, 2], "ngram_len": 1}, {}, "ngram_len=1 is invalid; expected an integer >= 2"),
+    ({"keys": [1], "sampling_table_size": 2**25}, {}, "sampling_table_size=33554432 is invalid"),
+    ({"keys": [1, 2]}, {"num_beams": 2}, "SynthID keeps one state per generated token"),
+    ({"keys": [1, 2]}, {"prompt_lookup_num_tokens": 2}, "not prompt_lookup_num_tokens"),
+])
+def test_bad_synthid_settings_are_clear_errors(default_model, value, others, message):
+    model, _ = default_model
+    with pytest.raises(ValueError) as error:
+        model.generate(torch.tensor([[1, 2, 3]]), watermarking_config=value, max_new_tokens=2, **others)
+    assert message in str(error.value)

@@ -1,12 +1,23 @@
-"""Green-list watermarking (Kirchenbauer et al., 2023): `watermarking_config=WatermarkingConfig(...)` biases a
-pseudo-random "green" part of the vocabulary at every step, and `WatermarkDetector` finds the excess of green
-tokens in a text.
+"""Text watermarks, as `watermarking_config=`: the green list (Kirchenbauer et al., 2023) and SynthID Text
+(Dathathri et al., 2024).
+
+Green list: `WatermarkingConfig(...)` biases a pseudo-random "green" part of the vocabulary at every step, and
+`WatermarkDetector` finds the excess of green tokens in a text.
 
 The green list of a step is a permutation of the vocabulary drawn from a seed that hashes the previous
 tokens ("lefthash": the last token; "selfhash": the context and the candidate token itself, checked for the
 40 most likely candidates), with the same seeding and the same draws as transformers' WatermarkLogitsProcessor,
-so that text watermarked by either is detected by either's detector. The processor runs after the sampling
-warpers and before renormalize_logits, as in transformers (plugins/processors.py places it).
+so that text watermarked by either is detected by either's detector.
+
+SynthID: `SynthIDTextWatermarkingConfig(keys=[...], ngram_len=...)` reweights the distribution by tournament
+over pseudo-random g-values of each candidate n-gram, one round per key, skipping contexts already seen; the
+same hashing and g-value table as transformers' SynthIDTextWatermarkLogitsProcessor, so the scores equal
+theirs. `SynthIDTextWatermarkDetector` scores a text by its mean g-value against the 0.5 of text without
+the watermark (a z-score; transformers' detector is a Bayesian model trained per key set instead). It keeps
+one state per step, so it runs with greedy decoding and sampling, not beam search or speculative decoding.
+
+Either processor runs after the sampling warpers and before renormalize_logits, as in transformers
+(plugins/processors.py places it).
 """
 
 from __future__ import annotations
@@ -83,6 +94,60 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+@dataclass
+class SynthIDTextWatermarkingConfig:
+    """SynthID Text's settings; give the same ones to the detector.
+
+    keys: the secret, a non-empty list of integers (one tournament round each; transformers' examples use 9 to 30).
+    ngram_len: the n-gram whose first n-1 tokens seed each candidate's g-values, an integer >= 2.
+    context_history_size: how many past contexts are remembered so a repeated one is not watermarked again (>= 1).
+    sampling_table_seed / sampling_table_size: the table of g-values the hashes index (size in [1, 2**24]).
+    skip_first_ngram_calls: leave the first ngram_len - 1 steps alone.
+    """
+
+    keys: list
+    ngram_len: int = 5
+    context_history_size: int = 1024
+    sampling_table_seed: int = 0
+    sampling_table_size: int = 2**16
+    skip_first_ngram_calls: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, value) -> "SynthIDTextWatermarkingConfig":
+        fields = value if isinstance(value, dict) else {k: getattr(value, k) for k in cls.__dataclass_fields__ if hasattr(value, k)}
+        config = cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        def bad(name, accepted):
+            return ValueError(f"watermarking_config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+
+        def integer(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.keys, (list, tuple)) or not self.keys or not all(integer(k) for k in self.keys):
+            raise bad("keys", "expected a non-empty list of integers")
+        if not integer(self.ngram_len) or self.ngram_len < 2:
+            raise bad("ngram_len", "expected an integer >= 2")
+        if not integer(self.context_history_size) or self.context_history_size < 1:
+            raise bad("context_history_size", "expected an integer >= 1")
+        if not integer(self.sampling_table_size) or not 1 <= self.sampling_table_size <= 2**24:
+            raise bad("sampling_table_size", "expected an integer in [1, 2**24]")
+        if not integer(self.sampling_table_seed):
+            raise bad("sampling_table_seed", "expected an integer")
+
+
+def watermark_config(value):
+    """`watermarking_config` checked: a green-list or a SynthID config (ours, a dict, or transformers')."""
+    synthid = isinstance(value, SynthIDTextWatermarkingConfig) or type(value).__name__ == "SynthIDTextWatermarkingConfig" or (
+        isinstance(value, dict) and "keys" in value)
+    return SynthIDTextWatermarkingConfig.of(value) if synthid else WatermarkingConfig.of(value)
+
+
 @hookimpl
 def decodekit_config_fields():
     return {"watermarking_config": None}
@@ -90,8 +155,16 @@ def decodekit_config_fields():
 
 @hookimpl
 def decodekit_validate_config(generation_config):
-    if generation_config.watermarking_config is not None:
-        generation_config.watermarking_config = WatermarkingConfig.of(generation_config.watermarking_config)
+    gc = generation_config
+    if gc.watermarking_config is None:
+        return
+    gc.watermarking_config = watermark_config(gc.watermarking_config)
+    if isinstance(gc.watermarking_config, SynthIDTextWatermarkingConfig):
+        others = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                  if getattr(gc, name, None) is not None]
+        if gc.number("num_beams", 1) > 1 or others:
+            raise ValueError("SynthID keeps one state per generated token: it runs with greedy decoding or sampling, "
+                             f"not {'beam search' if not others else others[0]}.")
 
 
 def processor_for(generation_config, context):
@@ -99,10 +172,13 @@ def processor_for(generation_config, context):
     config = generation_config.watermarking_config
     if config is None:
         return None
+    config = watermark_config(config)
+    if isinstance(config, SynthIDTextWatermarkingConfig):
+        return SynthIDLogitsProcessor(config, context.device)
     vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
     if not vocab:
         raise ValueError("watermarking_config needs the model's vocabulary size (config.vocab_size).")
-    return WatermarkLogitsProcessor(int(vocab), WatermarkingConfig.of(config), context.device)
+    return WatermarkLogitsProcessor(int(vocab), config, context.device)
 
 
 class GreenLists:
@@ -220,3 +296,124 @@ class WatermarkDetector:
         return WatermarkDetection(
             num_tokens_scored=scored, num_green_tokens=greens, green_fraction=[g / t for g, t in zip(greens, scored)],
             z_score=z, p_value=[0.5 * math.erfc(v / math.sqrt(2)) for v in z], prediction=[v > z_threshold for v in z])
+
+
+# ---- SynthID Text ----
+
+HASH_MULTIPLIER = 6364136223846793005  # a linear congruential generator's; int64 products wrap, as transformers'
+
+
+def _hash(state: torch.LongTensor, data: torch.LongTensor) -> torch.LongTensor:
+    """`state` [...] folded with each of data's last-dimension values in turn."""
+    for i in range(data.shape[-1]):
+        state = (state + data[..., i]) * HASH_MULTIPLIER + 1
+    return state
+
+
+class SynthIDGValues:
+    """The g-values of n-grams: a hash of the n-gram, then of each key, indexes a table of random bits."""
+
+    def __init__(self, config: SynthIDTextWatermarkingConfig, device=None):
+        self.config = config
+        self.keys = torch.tensor(config.keys, device=device)
+        generator = torch.Generator(device=device or "cpu").manual_seed(config.sampling_table_seed)
+        self.table = torch.randint(0, 2, (config.sampling_table_size,), generator=generator, device=device)
+
+    def of_keys(self, hashes: torch.LongTensor) -> torch.LongTensor:
+        """hashes [...] -> g-values [..., depth] (one per key)."""
+        return self.table[_hash(hashes[..., None], self.keys[:, None]) % self.table.numel()]
+
+    def context_hash(self, context: torch.LongTensor) -> torch.LongTensor:
+        return _hash(torch.ones(context.shape[:-1], dtype=torch.long, device=context.device), context)
+
+    def of_sequences(self, ids: torch.LongTensor) -> torch.LongTensor:
+        """ids [B, T] -> the g-values of each n-gram [B, T - ngram_len + 1, depth]."""
+        ngrams = ids.unfold(1, self.config.ngram_len, 1)
+        return self.of_keys(_hash(torch.ones(ngrams.shape[:-1], dtype=torch.long, device=ids.device), ngrams))
+
+
+class SynthIDLogitsProcessor:
+    """SynthID Text: the distribution is reweighted by one tournament round per key over the candidates'
+    g-values; a row whose context was seen within the last context_history_size steps is left as it is.
+    Returns log-probabilities. One call per generated token (it keeps the context itself)."""
+
+    def __init__(self, config: SynthIDTextWatermarkingConfig, device=None):
+        self.config, self.g = config, SynthIDGValues(config, device)
+        self.context = self.history = None
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, vocab = scores.shape
+        if self.context is None:  # as transformers: the first context is all zeros, then the tokens follow
+            self.context = torch.zeros(rows, self.config.ngram_len - 1, dtype=torch.long, device=scores.device)
+            self.history = torch.zeros(rows, self.config.context_history_size, dtype=torch.long, device=scores.device)
+        else:
+            self.context = torch.cat((self.context[:, 1:], input_ids[:, -1:]), dim=1)
+        self.calls += 1
+        if self.config.skip_first_ngram_calls and self.calls < self.config.ngram_len:
+            return scores
+        seen = self.g.context_hash(self.context)
+        candidates = torch.arange(vocab, device=scores.device)
+        g = self.g.of_keys((seen[:, None] + candidates[None, :]) * HASH_MULTIPLIER + 1)  # [rows, vocab, depth]
+        probs = torch.softmax(scores, dim=1)
+        for depth in range(g.shape[-1]):
+            layer = g[:, :, depth]
+            probs = probs * (1 + layer - (layer * probs).sum(dim=1, keepdim=True))
+        logs = torch.log(probs)
+        logs = torch.where(torch.isfinite(logs), logs, torch.finfo(logs.dtype).min)
+        repeated = (self.history == seen[:, None]).any(dim=1, keepdim=True)
+        self.history = torch.cat((seen[:, None], self.history[:, :-1]), dim=1)
+        return torch.where(repeated, scores, logs)
+
+
+@dataclass
+class SynthIDDetection:
+    """Per sequence: n-grams scored (repeated contexts and n-grams after an EOS left out), their mean
+    g-value, its z-score against the 0.5 of text without the watermark, the one-sided p-value, and whether
+    the z-score is above the threshold."""
+
+    num_ngrams_scored: list[int]
+    mean_g_value: list[float]
+    z_score: list[float]
+    p_value: list[float]
+    prediction: list[bool]
+
+
+class SynthIDTextWatermarkDetector:
+    """Finds the SynthID Text watermark by the mean of its g-values.
+
+    watermarking_config: the settings used when generating; eos_token_id: n-grams from the first EOS on are
+    not scored (None: all are). Call it on the generated ids without the prompt: `detector(ids)`.
+    """
+
+    def __init__(self, watermarking_config, eos_token_id: int | None = None, device=None):
+        self.config = SynthIDTextWatermarkingConfig.of(watermarking_config)
+        self.g = SynthIDGValues(self.config, device)
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, input_ids: torch.LongTensor, z_threshold: float = 3.0) -> SynthIDDetection:
+        n = self.config.ngram_len
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < n:
+            raise ValueError(f"SynthIDTextWatermarkDetector takes token ids [batch, length >= ngram_len={n}].")
+        g = self.g.of_sequences(input_ids).float()  # [B, N, depth]
+        keep = self._fresh_contexts(input_ids)
+        if self.eos_token_id is not None:
+            ended = (input_ids == self.eos_token_id).long().cumsum(dim=1) > 0
+            keep &= ~ended[:, n - 1:]
+        depth = g.shape[-1]
+        counts = keep.sum(dim=1)
+        means = (g * keep[..., None]).sum(dim=(1, 2)) / (counts * depth).clamp(min=1)
+        z = [(float(m) - 0.5) / (0.5 / math.sqrt(int(c) * depth)) if c else 0.0 for m, c in zip(means, counts)]
+        return SynthIDDetection(num_ngrams_scored=counts.tolist(), mean_g_value=means.tolist(), z_score=z,
+                                p_value=[0.5 * math.erfc(v / math.sqrt(2)) for v in z], prediction=[v > z_threshold for v in z])
+
+    def _fresh_contexts(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """bool [B, N]: the n-grams whose context was not seen among the previous context_history_size."""
+        hashes = self.g.context_hash(input_ids[:, :-1].unfold(1, self.config.ngram_len - 1, 1))  # [B, N]
+        fresh = torch.ones_like(hashes, dtype=torch.bool)
+        for row in range(hashes.shape[0]):
+            recent: list[int] = []
+            for i, h in enumerate(hashes[row].tolist()):
+                fresh[row, i] = h not in recent
+                recent = [h, *recent][: self.config.context_history_size]
+        return fresh

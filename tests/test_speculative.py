@@ -75,9 +75,14 @@ def test_speculative_sampling_keeps_the_target_distribution(source):
     else:
         target_table[3] += torch.nn.functional.one_hot(torch.tensor(3), V) * 1.5  # make 3 -> 3 repeats (lookup hits) common
         kwargs = dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
-    samples = first_two_tokens(target, 2500, **kwargs)
-    first = torch.bincount(samples[:, 0], minlength=V).float()
-    stat, df = chi_square(first, torch.softmax(target_table[3], -1))
+    assert_first_two_tokens_follow(target_table, first_two_tokens(target, 2500, **kwargs))
+
+
+def assert_first_two_tokens_follow(target_table, samples):
+    """The first sampled token (after token 3) and the second (after the most common first) follow the target's
+    distributions: a chi-square test each."""
+    V = target_table.shape[0]
+    stat, df = chi_square(torch.bincount(samples[:, 0], minlength=V).float(), torch.softmax(target_table[3], -1))
     assert stat < chi_square_critical(df), (stat, df)
     common = int(samples[:, 0].mode().values)
     second = torch.bincount(samples[samples[:, 0] == common, 1], minlength=V).float()
@@ -254,13 +259,7 @@ def test_universal_assisted_sampling_keeps_the_target_distribution():
     target, assistant = TableModel(target_table), TableModel(torch.randn(V + 2, V + 2, generator=g) * 2)
     kwargs = dict(assistant_model=assistant, num_assistant_tokens=2, tokenizer=char_tokenizer("abcdef"),
                   assistant_tokenizer=char_tokenizer("fedcba", extra=2))
-    samples = first_two_tokens(target, 2500, **kwargs)
-    stat, df = chi_square(torch.bincount(samples[:, 0], minlength=V).float(), torch.softmax(target_table[3], -1))
-    assert stat < chi_square_critical(df), (stat, df)
-    common = int(samples[:, 0].mode().values)
-    second = torch.bincount(samples[samples[:, 0] == common, 1], minlength=V).float()
-    stat, df = chi_square(second, torch.softmax(target_table[common], -1))
-    assert stat < chi_square_critical(df), (stat, df)
+    assert_first_two_tokens_follow(target_table, first_two_tokens(target, 2500, **kwargs))
 
 
 def test_universal_assisted_decoding_errors(translated):

@@ -126,3 +126,23 @@ def test_bad_synthid_settings_are_clear_errors(default_model, value, others, mes
     with pytest.raises(ValueError) as error:
         model.generate(torch.tensor([[1, 2, 3]]), watermarking_config=value, max_new_tokens=2, **others)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("make", [lambda: WatermarkingConfig(bias=3.0, seeding_scheme="selfhash", context_width=2),
+                                  lambda: SynthIDTextWatermarkingConfig(**SYNTHID)], ids=["green-list", "synthid"])
+def test_a_wrapped_transformers_model_watermarks_as_transformers_does(make):
+    # decodekit's loop on a transformers model and transformers' own generate(), same config, same greedy text.
+    import decodekit
+    from tiny_transformers import PAD, tiny_transformers_model
+
+    hf = tiny_transformers_model("opt")
+    config = make()
+    theirs_config = (transformers.WatermarkingConfig if isinstance(config, WatermarkingConfig)
+                     else transformers.SynthIDTextWatermarkingConfig)(**config.to_dict())
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    ours = decodekit.wrap(hf).generate(prompt, watermarking_config=config, max_new_tokens=12, eos_token_id=None)
+    theirs = hf.generate(prompt, watermarking_config=theirs_config, max_new_tokens=12, eos_token_id=None,
+                         do_sample=False, pad_token_id=PAD)
+    assert torch.equal(ours, theirs)
+    plain = hf.generate(prompt, max_new_tokens=12, eos_token_id=None, do_sample=False, pad_token_id=PAD)
+    assert not torch.equal(theirs, plain)  # the watermark changed the greedy text

@@ -20,6 +20,7 @@ import torch
 from ..core.cache import crop_to
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
+from ..core.tokens import common_prefix
 from ..registry import hookimpl
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -147,7 +148,7 @@ class Translator:
 
     def propose(self, input_ids: torch.LongTensor, n: int) -> torch.LongTensor:
         ids = self.theirs.encode(self.ours.decode(input_ids[0], skip_special_tokens=True))
-        keep = _common_prefix(self.fed, ids)
+        keep = common_prefix(self.fed, ids)
         keep = min(keep, len(ids) - 1)  # at least one token to feed
         crop_to(self.cache, keep)
         held, feed, drafted = ids[:keep], ids[keep:], []
@@ -168,15 +169,6 @@ class Translator:
         if after[: len(before)] != before:  # the boundary tokenizes differently: no guess this round
             return input_ids[0, :0]
         return torch.tensor(after[len(before):][:n], dtype=torch.long, device=input_ids.device)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int, room: int) -> torch.Tensor:

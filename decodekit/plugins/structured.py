@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.tokens import common_prefix
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -230,6 +231,8 @@ class GrammarLogitsProcessor:
     grammar (a token forced past the mask by something else) is not masked further.
     """
 
+    host_mask = True  # a compiled step (compile=True) takes step_mask's result as an input (fused.host_mask)
+
     def __init__(self, template, prompt_length: int, vocab_size: int, eos=(), field: str = "constraint"):
         self.template, self.prompt_length, self.vocab_size, self.field = template, prompt_length, vocab_size, field
         self.eos = [t for t in eos if 0 <= t < vocab_size]
@@ -237,8 +240,6 @@ class GrammarLogitsProcessor:
         self.words = -(-vocab_size // 32)
         self.shifts = torch.arange(32, dtype=torch.int32)
         self.warned = False
-
-    host_mask = True  # a compiled step (compile=True) takes step_mask's result as an input (fused.host_mask)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         allowed = self.step_mask(input_ids)
@@ -304,7 +305,7 @@ class GrammarLogitsProcessor:
         for index, row in enumerate(self.states):
             if row.matcher.is_error():
                 continue  # a matcher never leaves its error state, so it cannot be rolled back to a good one
-            n = _common_prefix(row.tokens, tokens)
+            n = common_prefix(row.tokens, tokens)
             if n > best_length or (n == best_length and len(row.tokens) == n):
                 best, best_length = index, n
         return best, max(best_length, 0)
@@ -341,14 +342,3 @@ class _Row:
     matcher: object  # its llguidance matcher, which has consumed tokens[:fed]
     fed: int
     ended: bool  # tokens[fed] is an EOS the constraint allowed: the row is over, what follows is padding
-
-
-def _common_prefix(a: tuple, b: tuple) -> int:
-    if len(a) <= len(b) and b[: len(a)] == a:
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

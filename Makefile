@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo test bench clean
+.PHONY: venv install install-dev demo test test-ray bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: install
 
 test: install-dev
 	$(PY) -m pytest -q tests
+
+# Ray is an extra: its tests run here (a local cluster of 2 CPUs); `make test` skips them without it.
+test-ray: install-dev
+	$(PIP) install -q -e '.[ray]'
+	$(PY) -m pytest -q tests/test_ray.py tests/test_batch.py
 
 bench: install-dev
 	$(PY) bench/bench_generate.py

@@ -117,7 +117,43 @@ def build_parser() -> argparse.ArgumentParser:
                                      "relative imports. Prints each problem as FILE:LINE: what to do; exits 1 if any.")
     chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
     chk.set_defaults(func=cmd_check)
+
+    bat = sub.add_parser("batch", help="generate for every prompt of a JSON Lines file",
+                         description="Generate for each row of INPUT (JSON Lines, one object per line with a prompt and "
+                                     "optionally an id) and append it to OUTPUT with generated_text and "
+                                     "generated_token_ids. Rows already in OUTPUT are skipped, so an interrupted run "
+                                     "goes on where it stopped. Runs here, or on Ray with --ray.")
+    bat.add_argument("input", metavar="INPUT.jsonl")
+    bat.add_argument("output", metavar="OUTPUT.jsonl")
+    bat.add_argument("--model", metavar="NAME_OR_PATH", help="a directory, Hub repo id or .gguf file (default: the embedded model)")
+    bat.add_argument("--backend", choices=["native", "transformers"])
+    bat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    bat.add_argument("--quantize", choices=["int8"])
+    bat.add_argument("--method", metavar="DIR_OR_REPO", help="a custom_generate method (hook-only or full loop) for every row")
+    bat.add_argument("--trust-remote-code", action="store_true", help="allow --method's code to run (or pin its revision)")
+    bat.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N")
+    bat.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user message")
+    bat.add_argument("--prompt-key", default="prompt", metavar="KEY", help="the key of the prompt in each row (default: prompt)")
+    bat.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                     help="a generate() keyword for every row (a config field or the method's); VALUE read as JSON when it parses")
+    bat.add_argument("--ray", metavar="ADDRESS", help="run on Ray: 'local' starts a cluster here, else a cluster's address")
+    bat.add_argument("--concurrency", type=_positive_int, default=1, metavar="N", help="Ray actors, each with the model (default 1)")
+    bat.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bat.set_defaults(func=cmd_batch)
     return parser
+
+
+def cmd_batch(args) -> int:
+    from .batch import BatchSettings, run_batch
+
+    generation = {"max_new_tokens": args.max_new_tokens, **parse_method_args(args.arg)}
+    settings = BatchSettings(model=args.model, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
+                             method=args.method, trust_remote_code=args.trust_remote_code, generation=generation,
+                             chat=args.chat, prompt_key=args.prompt_key)
+    written, skipped = run_batch(args.input, args.output, settings, ray_address=args.ray,
+                                 progress=not args.no_progress, concurrency=args.concurrency)
+    print(f"decodekit batch: {written} rows generated, {skipped} already in {args.output}", file=sys.stderr)
+    return 0
 
 
 def cmd_new(args) -> int:

@@ -1,0 +1,94 @@
+"""`decodekit batch` and decodekit.batch: every row equals generate() on its prompt alone, with built-in fields,
+a hook-only method and a full-loop method; an interrupted run goes on where it stopped and loses nothing; bad
+input names the file and line."""
+
+import json
+
+import pytest
+import torch
+
+from decodekit.batch import BatchSettings, RowGenerator, run_batch
+from decodekit.cli import main
+
+from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "The best way to learn is"]
+
+
+def write_input(path, prompts=PROMPTS):
+    rows = [{"prompt": p, **({"id": f"row-{i}"} if i % 2 else {})} for i, p in enumerate(prompts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def direct(model, tok, prompt, **kwargs):
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    return model.generate(ids, tokenizer=tok, **kwargs)[0, ids.shape[1]:].tolist()
+
+
+def read_output(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_row_equals_generate_alone_and_a_stopped_run_resumes(default_model, tmp_path, capsys):
+    model, tok = default_model
+    rows = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--max-new-tokens", "6", "--no-progress"]) == 0
+    assert "4 rows generated, 0 already in" in capsys.readouterr().err
+    results = read_output(out)
+    assert [r["id"] for r in results] == [1, "row-1", 3, "row-3"]  # the line number where a row has no id
+    for row, result in zip(rows, results):
+        assert result["prompt"] == row["prompt"]
+        assert result["generated_token_ids"] == direct(model, tok, row["prompt"], max_new_tokens=6)
+        assert result["generated_text"] == tok.decode(result["generated_token_ids"], skip_special_tokens=True)
+    # Stopped after two rows, the third cut off mid-write: the two stay as they were, the rest is generated.
+    kept = "".join(json.dumps(r) + "\n" for r in results[:2])
+    out.write_text(kept + json.dumps(results[2])[:25])
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--max-new-tokens", "6", "--no-progress"]) == 0
+    assert "2 rows generated, 2 already in" in capsys.readouterr().err
+    assert out.read_text().startswith(kept) and read_output(out) == results
+
+
+@pytest.mark.parametrize("method, extra", [(HOOK_METHOD, {"banned_token": 7042}), (TRANSFORMERS_STYLE_GREEDY, {})],
+                         ids=["hook-only", "full-loop"])
+def test_a_method_runs_for_every_row(default_model, tmp_path, method, extra):
+    model, tok = default_model
+    repo = write_method(tmp_path / "method", method)
+    write_input(tmp_path / "in.jsonl", PROMPTS[:2])
+    settings = BatchSettings(method=str(repo), trust_remote_code=True, generation={"max_new_tokens": 5, **extra})
+    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, progress=False) == (2, 0)
+    for prompt, result in zip(PROMPTS, read_output(tmp_path / "out.jsonl")):
+        expected = direct(model, tok, prompt, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=5, **extra)
+        assert result["generated_token_ids"] == expected
+    if extra:  # the hook-only method banned " Paris", which the first prompt continues with otherwise
+        assert 7042 not in read_output(tmp_path / "out.jsonl")[0]["generated_token_ids"]
+
+
+def test_a_row_generator_takes_the_chat_template(default_model):
+    model, tok = default_model
+    generator = RowGenerator.__new__(RowGenerator)  # the loaded default model, not a second copy
+    generator.settings, generator.model, generator.tokenizer = BatchSettings(chat=True, generation={"max_new_tokens": 4}), model, tok
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt")
+    ids = torch.as_tensor(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert generator("Hi")["generated_token_ids"] == model.generate(ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "a"}', "not json"], "in.jsonl:2: not JSON"),
+    (['{"text": "a"}'], "in.jsonl:1: expected a JSON object with a string under 'prompt'"),
+    (['{"prompt": "a", "id": 5}', '{"prompt": "b", "id": 5}'], "in.jsonl:2: id 5 appears twice"),
+], ids=["not-json", "no-prompt", "duplicate-id"])
+def test_bad_input_names_the_file_and_line(tmp_path, capsys, lines, message):
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_untrusted_method_is_refused_before_any_row(default_model, tmp_path, capsys):
+    repo = write_method(tmp_path / "method", HOOK_METHOD)
+    write_input(tmp_path / "in.jsonl", PROMPTS[:1])
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--method", str(repo), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "was not run: it is code from outside decodekit" in err and "pass --trust-remote-code" in err
+    assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text() == ""  # no row

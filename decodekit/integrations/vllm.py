@@ -1,8 +1,8 @@
 """decodekit methods inside vLLM: `DecodekitLogitsProcessor`, a logits processor for vLLM's V1 model runner
 (the one vLLM 0.32's CPU build runs) that applies decodekit hook methods per request.
 
-A request chooses with `SamplingParams(extra_args={"decodekit": {"method": NAME, **fields}})` (REST:
-`"vllm_xargs": {"decodekit": ...}`). NAME is an installed decodekit plugin (entry-point group `decodekit`) or a
+A request chooses with `SamplingParams(extra_args={"decodekit": {"method": NAME, **fields}})`; over HTTP, where
+`vllm_xargs` values cannot be objects, with the object's JSON text: `"vllm_xargs": {"decodekit": "{...}"}`. NAME is an installed decodekit plugin (entry-point group `decodekit`) or a
 hook-only method the operator allowed when the engine started, never one named by a request:
 
     DECODEKIT_VLLM_METHODS="./my_method@<content hash>,org/repo@<commit>" vllm serve MODEL \\
@@ -25,6 +25,7 @@ build), and batching score-only processors across requests (each request's proce
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -97,8 +98,14 @@ def parse(params, model=None) -> Request | None:
     spec = extra.get(KEY)
     if spec is None:
         return None
+    if isinstance(spec, str):  # over HTTP: vllm_xargs values cannot be objects, so the object comes as JSON text
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            pass
     if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
-        raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}}; got {spec!r}.')
+        raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}} (or its JSON text); '
+                         f"got {spec!r}.")
     fields = {k: v for k, v in spec.items() if k != "method"}
     name, methods, plugins = spec["method"], allowed_methods(), outside_plugins()
     if name in methods:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.pipeline import GenerationContext
+from ..core.processors import LogitsProcessorList
+from ..core.stopping import StoppingCriteriaList
 from ..registry.manager import call_hooks
 
 
@@ -24,3 +26,14 @@ def check_chosen(chosen: set[str], args: dict[str, Any], engine: str, refused: d
         for owner, _ in call_hooks(hook, only=chosen, **args):
             raise ValueError(f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine} "
                              f"cannot take: {advice}")
+
+
+def chosen_hooks(chosen: set[str], args: dict[str, Any]) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
+    """The logits processors (each tagged with its plugin) and stopping criteria the `chosen` plugins contribute."""
+    processors = LogitsProcessorList()
+    for owner, contributed in call_hooks("decodekit_logits_processors", only=chosen, **args):
+        processors.extend_from(owner, contributed)
+    criteria = StoppingCriteriaList()
+    for _, contributed in call_hooks("decodekit_stopping_criteria", only=chosen, **args):
+        criteria.extend(contributed)
+    return processors, criteria

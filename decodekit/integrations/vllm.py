@@ -40,10 +40,8 @@ import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from ..core.config import GenerationConfig, add_plugin_fields, closest
-from ..core.processors import LogitsProcessorList
-from ..core.stopping import StoppingCriteriaList
-from ..registry.manager import call_first, call_hooks, outside_plugins
-from .hooks import check_chosen, hook_arguments
+from ..registry.manager import call_first, outside_plugins
+from .hooks import check_chosen, chosen_hooks, hook_arguments
 
 METHODS_VARIABLE = "DECODEKIT_VLLM_METHODS"
 KEY = "decodekit"
@@ -151,12 +149,7 @@ class RequestHooks:
         self.eos = eos
         with request.registered():
             args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
-            self.processors = LogitsProcessorList()
-            for owner, contributed in call_hooks("decodekit_logits_processors", only=request.chosen, **args):
-                self.processors.extend_from(owner, contributed)
-            self.criteria = StoppingCriteriaList()
-            for _, contributed in call_hooks("decodekit_stopping_criteria", only=request.chosen, **args):
-                self.criteria.extend(contributed)
+            self.processors, self.criteria = chosen_hooks(request.chosen, args)
             self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
 
     def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:

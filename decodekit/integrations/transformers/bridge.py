@@ -18,15 +18,13 @@ from typing import Any, NamedTuple
 import torch
 import transformers
 
-from ...core.processors import LogitsProcessorList as HookProcessors
-from ...core.stopping import StoppingCriteriaList as HookCriteria
 from ...registry.hookspecs import LOOP_ONLY_HOOKS
-from ...registry.manager import call_hooks
-from ..hooks import check_chosen, hook_arguments
+from ..hooks import check_chosen, chosen_hooks, hook_arguments
 from .model import generation_config_from
 
 REFUSAL_ADVICE = ("only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
                   "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...).")
+
 
 class TransformersHooks(NamedTuple):
     """What to pass to transformers' generate(): `hf_model.generate(**inputs, **hooks._asdict())`."""
@@ -62,12 +60,7 @@ class _Pipeline:
         with _registered(self.method):
             args = hook_arguments(self.model, self.gc, prompt.shape[0], prompt.shape[1], prompt.device)
             check_chosen(self.chosen, args, "transformers' generate()", LOOP_ONLY_HOOKS, REFUSAL_ADVICE)
-            self.processors = HookProcessors()
-            for owner, contributed in call_hooks("decodekit_logits_processors", only=self.chosen, **args):
-                self.processors.extend_from(owner, contributed)
-            self.criteria = HookCriteria()
-            for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.chosen, **args):
-                self.criteria.extend(contributed)
+            self.processors, self.criteria = chosen_hooks(self.chosen, args)
         self.prompt = prompt.clone()
 
 

@@ -60,10 +60,10 @@ def decodekit_validate_config(generation_config, context):
         return
     if context.tokenizer is None:
         raise ValueError(f"{field}= needs the model's tokenizer to compile the constraint: pass tokenizer= to generate().")
-    engine = require_engine(field)
-    error = engine.LLMatcher.validate_grammar(grammar, llg_tokenizer(context.tokenizer, vocab_size(context), eos_ids(gc)))
-    if error:
-        raise gc.invalid(field, f"the grammar engine says: {error.strip()}")
+    try:  # compiled now, into the cache the processor then takes it from
+        compiled(llg_tokenizer(context.tokenizer, vocab_size(context), eos_ids(gc)), grammar)
+    except GrammarError as error:
+        raise gc.invalid(field, f"the grammar engine says: {str(error).strip()}") from None
 
 
 @hookimpl(tryfirst=True)
@@ -207,14 +207,19 @@ def llg_tokenizer(tokenizer, vocab: int, eos: tuple[int, ...] = ()):
     return _kept(_tokenizers, (id(tokenizer), vocab, eos), KEEP_TOKENIZERS, make)
 
 
+class GrammarError(ValueError):
+    """The grammar engine's reason a constraint does not compile."""
+
+
 def compiled(llg_tok, grammar: str):
-    """A matcher for `grammar` in its start state, compiled once per (tokenizer, grammar); rows copy it."""
+    """A matcher for `grammar` in its start state, compiled once per (tokenizer, grammar); rows copy it. A
+    constraint that does not compile is a GrammarError with the engine's reason (and is not kept)."""
     engine = require_engine()
 
     def make():
         matcher = engine.LLMatcher(llg_tok, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured output: the constraint does not compile: {matcher.get_error()}")
+            raise GrammarError(matcher.get_error())
         return llg_tok, matcher
 
     return _kept(_grammars, (id(llg_tok), grammar), KEEP_GRAMMARS, make)

@@ -90,17 +90,18 @@ def _is_object(v: Any) -> bool:
     return isinstance(v, (torch.Tensor, torch.nn.Module))
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An integer that is not a bool (True is an int to Python, never a count to a user)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     """A finite real number: nan and inf are refused wherever a field does not say what they mean."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _token_list(v: Any) -> bool:
-    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(t) and t >= 0 for t in v)
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(t) and t >= 0 for t in v)
 
 
 class GenerationConfig:
@@ -184,7 +185,7 @@ class GenerationConfig:
         eos = self.eos_token_id
         if eos is None:
             return []
-        return [eos] if _is_int(eos) else list(eos)
+        return [eos] if is_int(eos) else list(eos)
 
     def max_length_for(self, prompt_length: int, max_positions: int | None = None) -> int:
         """The total length (prompt + new) at which generation stops, as transformers decides it:
@@ -208,7 +209,7 @@ class GenerationConfig:
         """Field `name` where it is a finite number, else `default`: for a plugin reading a field another plugin
         owns, before that plugin has validated it (the owner's validation then reports a bad value)."""
         value = getattr(self, name, default)
-        return value if _is_number(value) else default
+        return value if is_number(value) else default
 
     def invalid(self, name: str, accepted: str) -> ValueError:
         """The error for field `name`: its value and what is accepted. Plugins' validate_config hooks use it too."""
@@ -222,7 +223,7 @@ class GenerationConfig:
             v = getattr(self, name)
             if v is None and optional:
                 return
-            if not _is_int(v) or v < low:
+            if not is_int(v) or v < low:
                 raise bad(name, f"expected an integer >= {low}" + (" or None" if optional else ""))
 
         int_at_least("max_length", 1, optional=True)
@@ -232,36 +233,36 @@ class GenerationConfig:
         int_at_least("num_return_sequences", 1)
         int_at_least("top_k", 0, optional=True)
         int_at_least("no_repeat_ngram_size", 0, optional=True)
-        if self.max_time is not None and (not _is_number(self.max_time) or self.max_time <= 0):
+        if self.max_time is not None and (not is_number(self.max_time) or self.max_time <= 0):
             raise bad("max_time", "expected a number of seconds > 0 or None")
         if not isinstance(self.do_sample, bool):
             raise bad("do_sample", "expected True or False")
         if self.temperature is not None:
-            if not _is_number(self.temperature) or self.temperature < 0:
+            if not is_number(self.temperature) or self.temperature < 0:
                 raise bad("temperature", "expected a number > 0")
             if self.do_sample and self.temperature == 0:
                 raise bad("temperature", "sampling needs temperature > 0 (use do_sample=False for greedy decoding)")
-        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+        if self.top_p is not None and (not is_number(self.top_p) or not 0 < self.top_p <= 1):
             raise bad("top_p", "expected a number in (0, 1]")
-        if self.min_p is not None and (not _is_number(self.min_p) or not 0 <= self.min_p <= 1):
+        if self.min_p is not None and (not is_number(self.min_p) or not 0 <= self.min_p <= 1):
             raise bad("min_p", "expected a number in [0, 1] or None")
-        if self.typical_p is not None and (not _is_number(self.typical_p) or not 0 < self.typical_p <= 1):
+        if self.typical_p is not None and (not is_number(self.typical_p) or not 0 < self.typical_p <= 1):
             raise bad("typical_p", "expected a number in (0, 1]")
         if self.repetition_penalty is not None and (
-            not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
+            not is_number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "expected a number > 0 (1.0 means no penalty)")
         for name in ("epsilon_cutoff", "eta_cutoff"):
             v = getattr(self, name)
-            if v is not None and (not _is_number(v) or not 0 <= v < 1):
+            if v is not None and (not is_number(v) or not 0 <= v < 1):
                 raise bad(name, "expected a number in (0, 1) (0 or None: off)")
         decay = self.exponential_decay_length_penalty
-        if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2 and _is_int(decay[0])
-                                      and decay[0] >= 0 and _is_number(decay[1]) and decay[1] > 0):
+        if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2 and is_int(decay[0])
+                                      and decay[0] >= 0 and is_number(decay[1]) and decay[1] > 0):
             raise bad("exponential_decay_length_penalty", "expected (start: int >= 0, decay factor: number > 0), "
                       "e.g. (10, 1.5)")
         if self.begin_suppress_tokens is not None and not (
-            isinstance(self.begin_suppress_tokens, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
+            isinstance(self.begin_suppress_tokens, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
         ):
             raise bad("begin_suppress_tokens", "expected a list of token ids")
         if self.encoder_repetition_penalty not in (None, 1.0):
@@ -273,7 +274,7 @@ class GenerationConfig:
             raise bad("cache_implementation", f"expected one of {list(self._cache_names())} or None")
         for name in ("eos_token_id", "pad_token_id", "bos_token_id", "forced_bos_token_id", "forced_eos_token_id"):
             v = getattr(self, name)
-            ok = v is None or (_is_int(v) and v >= 0) or (name in ("eos_token_id", "forced_eos_token_id") and _token_list(v))
+            ok = v is None or (is_int(v) and v >= 0) or (name in ("eos_token_id", "forced_eos_token_id") and _token_list(v))
             if not ok:
                 raise bad(name, "expected a token id (int >= 0)" + (" or a list of them" if "eos" in name else "") + " or None")
         if self.bad_words_ids is not None and (
@@ -281,13 +282,13 @@ class GenerationConfig:
         ):
             raise bad("bad_words_ids", "expected a list of non-empty lists of token ids, e.g. [[12], [7, 8]]")
         if self.suppress_tokens is not None and not (
-            isinstance(self.suppress_tokens, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.suppress_tokens)
+            isinstance(self.suppress_tokens, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.suppress_tokens)
         ):
             raise bad("suppress_tokens", "expected a list of token ids")
         if self.sequence_bias is not None:
             items = self.sequence_bias.items() if isinstance(self.sequence_bias, dict) else self.sequence_bias
             try:
-                ok = all(_token_list(list(seq)) and _is_number(b) for seq, b in items)
+                ok = all(_token_list(list(seq)) and is_number(b) for seq, b in items)
             except (TypeError, ValueError):
                 ok = False
             if not ok:
@@ -313,7 +314,7 @@ class GenerationConfig:
         ids += [("suppress_tokens", t) for t in self.suppress_tokens or []]
         ids += [("begin_suppress_tokens", t) for t in self.begin_suppress_tokens or []]
         forced_eos = self.forced_eos_token_id
-        ids += [("forced_eos_token_id", t) for t in ([forced_eos] if _is_int(forced_eos) else forced_eos or [])]
+        ids += [("forced_eos_token_id", t) for t in ([forced_eos] if is_int(forced_eos) else forced_eos or [])]
         if self.sequence_bias is not None:
             items = self.sequence_bias.items() if isinstance(self.sequence_bias, dict) else self.sequence_bias
             ids += [("sequence_bias", t) for seq, _ in items for t in seq]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .config import GenerationConfig, add_plugin_fields, closest
+from .config import GenerationConfig, add_plugin_fields, closest, is_int
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
@@ -169,7 +169,7 @@ class GenerationMixin:
                 f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
                 "Set max_new_tokens (tokens to generate after the prompt)."
             )
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
+        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
             raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)

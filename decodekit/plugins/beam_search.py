@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import reorder_rows
+from ..core.config import is_int
 from ..core.generate import _forward_accepts, mask_positions
 from ..core.outputs import GenerateBeamOutput
 from ..core.selectors import draw_key, race_noise
@@ -43,9 +44,9 @@ def decodekit_validate_config(generation_config):
     nb, groups = gc.num_beams, gc.num_beam_groups
     bad = gc.invalid
 
-    if not isinstance(nb, int) or isinstance(nb, bool) or nb < 1:
+    if not is_int(nb) or nb < 1:
         raise bad("num_beams", "expected an integer >= 1")
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+    if not is_int(groups) or groups < 1:
         raise bad("num_beam_groups", "expected an integer >= 1")
     if nb > 1 and gc.number("num_return_sequences", 1) > nb:
         raise bad("num_return_sequences", f"beam search returns at most num_beams={nb} sequences per prompt")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import grows, new_cache, reorder_rows
+from ..core.config import is_number
 from ..core.generate import mask_positions
 from ..core.outputs import loop_result
 from ..registry import hookimpl
@@ -28,7 +29,7 @@ def decodekit_validate_config(generation_config):
     alpha = gc.penalty_alpha
     if alpha is None:
         return
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+    if not is_number(alpha) or not 0 <= alpha <= 1:
         raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and gc.number("top_k", 0) <= 1:
         raise ValueError(

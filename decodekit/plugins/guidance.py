@@ -8,11 +8,11 @@ its own cache. It runs first among the processors, as in transformers.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ..core.cache import new_cache
+from ..core.config import is_number
 from ..core.generate import mask_positions
 from ..registry import hookimpl
 
@@ -29,7 +29,7 @@ def decodekit_validate_config(generation_config, context):
         if gc.negative_prompt_ids is not None:
             raise ValueError("negative_prompt_ids only applies with guidance_scale > 1; set guidance_scale.")
         return
-    if not isinstance(gc.guidance_scale, (int, float)) or isinstance(gc.guidance_scale, bool) or not 0 <= gc.guidance_scale < math.inf:
+    if not is_number(gc.guidance_scale) or gc.guidance_scale < 0:
         raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
     neg = gc.negative_prompt_ids
     if neg is not None:

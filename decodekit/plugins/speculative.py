@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import crop_to
+from ..core.config import is_int
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
 from ..core.tokens import common_prefix
@@ -42,7 +43,7 @@ def decodekit_validate_config(generation_config, context):
     early = gc.assistant_early_exit
     if early is not None:
         layers = getattr(context.model.config, "num_hidden_layers", None)
-        if not isinstance(early, int) or isinstance(early, bool) or layers is None or not 1 <= early < layers:
+        if not is_int(early) or layers is None or not 1 <= early < layers:
             raise bad("assistant_early_exit", f"expected an integer in [1, {layers}) for this {layers}-layer model "
                       "(the number of layers that draft)")
         if assistant is not None or lookup is not None:
@@ -53,7 +54,7 @@ def decodekit_validate_config(generation_config, context):
         return
     if assistant is not None and lookup is not None:
         raise bad("prompt_lookup_num_tokens", "use either assistant_model or prompt_lookup_num_tokens, not both")
-    if lookup is not None and (not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 1):
+    if lookup is not None and (not is_int(lookup) or lookup < 1):
         raise bad("prompt_lookup_num_tokens", "expected an integer >= 1")
     if not isinstance(gc.max_matching_ngram_size, int) or gc.max_matching_ngram_size < 1:
         raise bad("max_matching_ngram_size", "expected an integer >= 1")

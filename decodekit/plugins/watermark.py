@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 
+from ..core.config import is_int, is_number
 from ..registry import hookimpl
 
 SEEDING_SCHEMES = ("lefthash", "selfhash")
@@ -76,22 +77,22 @@ class WatermarkingConfig:
 
     def check(self) -> None:
         def bad(name, accepted):
-            return ValueError(f"watermarking_config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+            return _invalid(self, name, accepted)
 
-        if not _is_number(self.greenlist_ratio) or not 0 < self.greenlist_ratio < 1:
+        if not is_number(self.greenlist_ratio) or not 0 < self.greenlist_ratio < 1:
             raise bad("greenlist_ratio", "expected a number in (0, 1)")
-        if not _is_number(self.bias) or not math.isfinite(self.bias):
+        if not is_number(self.bias):
             raise bad("bias", "expected a finite number")
-        if not isinstance(self.hashing_key, int) or isinstance(self.hashing_key, bool):
+        if not is_int(self.hashing_key):
             raise bad("hashing_key", "expected an integer")
         if self.seeding_scheme not in SEEDING_SCHEMES:
             raise bad("seeding_scheme", f"expected one of {list(SEEDING_SCHEMES)}")
-        if not isinstance(self.context_width, int) or isinstance(self.context_width, bool) or self.context_width < 1:
+        if not is_int(self.context_width) or self.context_width < 1:
             raise bad("context_width", "expected an integer >= 1")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+def _invalid(config, name: str, accepted: str) -> ValueError:
+    return ValueError(f"watermarking_config: {name}={getattr(config, name)!r} is invalid; {accepted}.")
 
 
 @dataclass
@@ -124,20 +125,17 @@ class SynthIDTextWatermarkingConfig:
 
     def check(self) -> None:
         def bad(name, accepted):
-            return ValueError(f"watermarking_config: {name}={getattr(self, name)!r} is invalid; {accepted}.")
+            return _invalid(self, name, accepted)
 
-        def integer(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not isinstance(self.keys, (list, tuple)) or not self.keys or not all(integer(k) for k in self.keys):
+        if not isinstance(self.keys, (list, tuple)) or not self.keys or not all(is_int(k) for k in self.keys):
             raise bad("keys", "expected a non-empty list of integers")
-        if not integer(self.ngram_len) or self.ngram_len < 2:
+        if not is_int(self.ngram_len) or self.ngram_len < 2:
             raise bad("ngram_len", "expected an integer >= 2")
-        if not integer(self.context_history_size) or self.context_history_size < 1:
+        if not is_int(self.context_history_size) or self.context_history_size < 1:
             raise bad("context_history_size", "expected an integer >= 1")
-        if not integer(self.sampling_table_size) or not 1 <= self.sampling_table_size <= 2**24:
+        if not is_int(self.sampling_table_size) or not 1 <= self.sampling_table_size <= 2**24:
             raise bad("sampling_table_size", "expected an integer in [1, 2**24]")
-        if not integer(self.sampling_table_seed):
+        if not is_int(self.sampling_table_seed):
             raise bad("sampling_table_seed", "expected an integer")
 
 
@@ -234,6 +232,11 @@ class WatermarkLogitsProcessor:
         return torch.stack(green) if green else candidates[:0]
 
 
+def p_value(z: float) -> float:
+    """The one-sided p-value of a z-score: how likely a text without the watermark scores at least this."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
 @dataclass
 class WatermarkDetection:
     """Per sequence: tokens scored, green tokens among them, their fraction, the z-score against the green
@@ -295,7 +298,7 @@ class WatermarkDetector:
         z = [(g - ratio * t) / math.sqrt(t * ratio * (1 - ratio)) for g, t in zip(greens, scored)]
         return WatermarkDetection(
             num_tokens_scored=scored, num_green_tokens=greens, green_fraction=[g / t for g, t in zip(greens, scored)],
-            z_score=z, p_value=[0.5 * math.erfc(v / math.sqrt(2)) for v in z], prediction=[v > z_threshold for v in z])
+            z_score=z, p_value=[p_value(v) for v in z], prediction=[v > z_threshold for v in z])
 
 
 # ---- SynthID Text ----
@@ -405,7 +408,7 @@ class SynthIDTextWatermarkDetector:
         means = (g * keep[..., None]).sum(dim=(1, 2)) / (counts * depth).clamp(min=1)
         z = [(float(m) - 0.5) / (0.5 / math.sqrt(int(c) * depth)) if c else 0.0 for m, c in zip(means, counts)]
         return SynthIDDetection(num_ngrams_scored=counts.tolist(), mean_g_value=means.tolist(), z_score=z,
-                                p_value=[0.5 * math.erfc(v / math.sqrt(2)) for v in z], prediction=[v > z_threshold for v in z])
+                                p_value=[p_value(v) for v in z], prediction=[v > z_threshold for v in z])
 
     def _fresh_contexts(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """bool [B, N]: the n-grams whose context was not seen among the previous context_history_size."""

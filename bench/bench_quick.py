@@ -64,6 +64,7 @@ def main() -> int:
     args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=64))
 
     from decodekit import AutoModelForCausalLM
+    from decodekit.models.tokenizer import prompt_ids
 
     ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
     ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
@@ -74,9 +75,7 @@ def main() -> int:
     prompts = {n: long_ids[:, :n] for n in (256, 1024)}
     # Time to first token: a chat prompt of 1,024 tokens through the chat template, generate() of one token.
     question = tok.decode(long_ids[0, :1000]) + "\nSummarize the text above in one sentence."
-    chat = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                   return_tensors="pt")
-    chat = torch.as_tensor(chat["input_ids"] if hasattr(chat, "keys") else chat)[:, -1024:]
+    chat = prompt_ids(tok, question, chat=True)[:, -1024:]
     paths = chosen_paths(ours["fp32"], ours["bf16"], ours["int8"], long_ids)
 
     jobs = {}

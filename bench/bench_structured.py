@@ -25,13 +25,13 @@ from bench_grammar_engines import SCHEMA
 def main() -> int:
     args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=0))
     from decodekit import AutoModelForCausalLM
+    from decodekit.models.tokenizer import prompt_ids
     from decodekit.plugins import structured
 
     eager = AutoModelForCausalLM.from_pretrained(path)
     compiled = AutoModelForCausalLM.from_pretrained(path)
     request = "Reply with JSON for a user of a web site: name, age, email, role, score, active, tags, address, joined."
-    prompt = tok.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True, return_tensors="pt")
-    prompt = torch.as_tensor(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = prompt_ids(tok, request, chat=True)
 
     def constrained(model, **kw):
         return model.generate(prompt, json_schema=SCHEMA, tokenizer=tok, max_new_tokens=200, **kw)

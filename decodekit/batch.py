@@ -53,13 +53,10 @@ class RowGenerator:
     def __call__(self, prompt: str) -> dict[str, Any]:
         import torch
 
+        from .models.tokenizer import prompt_ids
+
         tok, settings = self.tokenizer, self.settings
-        if settings.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_tensors="pt")
-            ids = torch.as_tensor(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = tok(prompt, return_tensors="pt")["input_ids"]
+        ids = prompt_ids(tok, prompt, chat=settings.chat)
         method = {"custom_generate": settings.method, "trust_remote_code": settings.trust_remote_code} if settings.method else {}
         out = self.model.generate(ids, tokenizer=tok, **method, **settings.generation)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -376,6 +376,7 @@ def cmd_generate(args) -> int:
     from .core.streamers import TextStreamer
     from .models import AutoModelForCausalLM, AutoTokenizer
     from .models.default import default_model_path
+    from .models.tokenizer import prompt_ids
 
     kwargs = generation_kwargs(args)
     stream = not args.no_stream
@@ -392,14 +393,7 @@ def cmd_generate(args) -> int:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype)
     loaded = time.perf_counter()
 
-    if args.chat:
-        input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt"
-        )
-        if not isinstance(input_ids, torch.Tensor):  # transformers' tokenizers return a BatchEncoding
-            input_ids = input_ids["input_ids"]
-    else:
-        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    input_ids = prompt_ids(tokenizer, args.prompt, chat=args.chat)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     if args.custom_generate:
         from .hub_loader import trusted_revision

@@ -51,9 +51,8 @@ SCHEMAS = [
 
 
 def chat(tok, request: str) -> torch.Tensor:
-    ids = tok.apply_chat_template([{"role": "user", "content": f"Reply with JSON for {request}."}],
-                                  add_generation_prompt=True, return_tensors="pt")
-    return torch.as_tensor(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tok.apply_chat_template([{"role": "user", "content": f"Reply with JSON for {request}."}],
+                                   add_generation_prompt=True, return_tensors="pt")
 
 
 def text_of(tok, out, prompt) -> str:

@@ -252,6 +252,16 @@ class Tokenizer:
         return encoded if return_dict else encoded["input_ids"]
 
 
+def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
+    """`text` as input_ids [1, length] for `tokenizer` (decodekit's or a transformers one); with `chat`, as a user
+    message through the tokenizer's chat template, ready for the assistant's reply."""
+    if not chat:
+        return tokenizer(text, return_tensors="pt")["input_ids"]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        return_tensors="pt")
+    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]  # transformers' tokenizers: a BatchEncoding
+
+
 def render_chat_template(template: str, **context) -> str:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -37,8 +37,8 @@ ENTRY_POINT_GROUP = "decodekit"
 # Built-in strategies, registered exactly as an outside plugin is: (name, module).
 BUILTIN_PLUGINS = (
     ("processors", "decodekit.plugins.processors"),
-    ("structured", "decodekit.plugins.structured"),
-    ("watermark", "decodekit.plugins.watermark"),  # after processors: its tryfirst mask runs before them
+    ("structured", "decodekit.plugins.structured"),  # after processors: its tryfirst mask runs before them
+    ("watermark", "decodekit.plugins.watermark"),  # its processor is placed by processors, after the warpers
     ("guidance", "decodekit.plugins.guidance"),  # after structured: its tryfirst hook then runs first of all
     ("stopping", "decodekit.plugins.stopping"),
     ("caches", "decodekit.plugins.caches"),

@@ -21,12 +21,15 @@ OUTPUT_KEYS = ("generated_text", "generated_token_ids")
 
 @dataclass
 class BatchSettings:
-    """What every row is generated with. `model`: a directory, Hub repo or .gguf file (None: the default model);
+    """What every row is generated with. `model`: a directory, Hub repo or .gguf file (None: the default model),
+    with `gguf_file` and `revision` as in from_pretrained;
     `method`: a custom_generate directory or Hub repo, run with `trust_remote_code` (or a pinned revision);
     `generation`: generate() keywords (max_new_tokens, do_sample, a plugin's fields, ...); `chat`: wrap each
     prompt in the chat template as a user message."""
 
     model: str | None = None
+    gguf_file: str | None = None
+    revision: str | None = None
     backend: str | None = None
     dtype: str = "float32"
     quantize: str | None = None
@@ -46,9 +49,9 @@ class RowGenerator:
 
         self.settings = settings
         source = settings.model or default_model_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(source, backend=settings.backend)
-        self.model = AutoModelForCausalLM.from_pretrained(source, backend=settings.backend, dtype=settings.dtype,
-                                                          quantize=settings.quantize)
+        load = {"revision": settings.revision, "gguf_file": settings.gguf_file, "backend": settings.backend}
+        self.tokenizer = AutoTokenizer.from_pretrained(source, **load)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=settings.dtype, quantize=settings.quantize, **load)
 
     def __call__(self, prompt: str) -> dict[str, Any]:
         import torch

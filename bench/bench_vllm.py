@@ -4,7 +4,7 @@ interleaved rounds (run in vLLM's environment: `make test-vllm` builds it).
 
     .venv-vllm/bin/python bench/bench_vllm.py [--runs 3] [--requests 32] [--new-tokens 128]
 
-The model is converted to a transformers directory first (tests/test_vllm.py's conversion). Prints one JSON
+The model is converted to a transformers directory first (decodekit.testing.default_model_as_transformers). Prints one JSON
 object: generated tokens/s of each, and the ratio (median of per-round ratios).
 """
 
@@ -19,29 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-SCORE_ONLY = '''
-"""A processor that reads only the scores (it subtracts their maximum, which changes no choice)."""
-from decodekit import hookimpl
-
-
-@hookimpl
-def decodekit_config_fields():
-    return {"centered": False}
-
-
-@hookimpl
-def decodekit_logits_processors(generation_config):
-    if not generation_config.centered:
-        return []
-
-    def center(input_ids, scores):
-        return scores - scores.max(dim=-1, keepdim=True).values
-
-    center.score_only = True
-    return [center]
-'''
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -49,17 +26,17 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from methods import write_method
-    from test_vllm import transformers_directory
+    from methods import SCORE_ONLY, write_method
 
     from decodekit.hub_loader.source import resolve
+    from decodekit.testing import default_model_as_transformers
 
     root = Path(tempfile.mkdtemp())
     method = write_method(root / "center", SCORE_ONLY)
     os.environ["DECODEKIT_VLLM_METHODS"] = f"{method}@{resolve(str(method)).revision}"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(transformers_directory(root / "model")), enforce_eager=True, dtype="float32",
+    llm = LLM(model=str(default_model_as_transformers(root / "model")), enforce_eager=True, dtype="float32",
               max_model_len=512, gpu_memory_utilization=0.3)
     prompts = [f"Write a story about the number {i}." for i in range(args.requests)]
 

@@ -139,3 +139,22 @@ def cpu_path_settings(*probes: str) -> list:
         marks = [pytest.mark.skip(reason=f"this CPU lacks {', '.join(missing)}")] if missing else []
         params.append(pytest.param(setting, id=label, marks=marks))
     return params
+
+
+def default_model_as_transformers(path: Path) -> Path:
+    """The default model written to `path` as a plain fp32 transformers checkpoint, for engines that read neither
+    its GGUF Q4 file nor decodekit's (vLLM). Needs transformers, accelerate and gguf."""
+    import transformers
+
+    from .models.default import default_model_path
+
+    gguf = default_model_path()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = transformers.LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    loaded.generation_config.save_pretrained(path)
+    return path

@@ -61,6 +61,62 @@ def decodekit_logits_processors(generation_config):
 '''
 
 
+# Methods for the engines' adapters (tests/test_vllm.py, bench/bench_vllm.py).
+CACHE_METHOD = '''
+"""Brings its own cache when asked to: decodekit's loop can take that, vLLM cannot."""
+from decodekit import DynamicCache, hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"own_cache": False}
+
+
+@hookimpl
+def decodekit_cache(generation_config):
+    return DynamicCache() if generation_config.own_cache else None
+'''
+
+SELECTOR_METHOD = '''
+"""Picks the second most likely token: a selector, which vLLM takes as a processor keeping only that token."""
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"second_best": False}
+
+
+@hookimpl
+def decodekit_token_selector(generation_config):
+    if not generation_config.second_best:
+        return None
+    return lambda input_ids, scores: scores.topk(2, dim=-1).indices[:, 1]
+'''
+
+SCORE_ONLY = '''
+"""A processor that reads only the scores (it subtracts their maximum, which changes no choice)."""
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"centered": False}
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    if not generation_config.centered:
+        return []
+
+    def center(input_ids, scores):
+        return scores - scores.max(dim=-1, keepdim=True).values
+
+    center.score_only = True
+    return [center]
+'''
+
+
 def write_method(root: Path, generate_py: str, requirements: str | None = None, extra: dict[str, str] | None = None,
                  readme: str = "---\ntags:\n- custom_generate\n---\n# a method\n") -> Path:
     method = root / "custom_generate"

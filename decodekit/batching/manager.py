@@ -1,0 +1,390 @@
+"""ContinuousBatchingManager: requests added at any time, each with its own generation config and decoding
+method, stepped together by a background thread, and generate_batch over it (what batching.mixin gives every
+decodekit model).
+
+    with model.init_continuous_batching(max_new_tokens=64) as manager:
+        rid = manager.add_request(prompt_ids, do_sample=True, seed=3)
+        result = manager.get_result(rid, timeout=60)     # GenerationOutput
+
+A request is validated when it is added (ValueError, in the caller's thread); a full queue raises QueueFull.
+A request that fails later (a plugin's processor raising) fails alone: its result has status FAILED and the
+error, and the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+
+from ..core.limits import available_bytes, bytes_per_position, human_size
+from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
+from .runner import CacheRunner, PagedRunner, supports_paged
+from .mixin import MANAGER_OPTIONS
+from .scheduler import Scheduler
+
+logger = logging.getLogger("decodekit")
+
+DEFAULT_CACHE_BYTES = 2 * 1024**3
+
+
+class QueueFull(RuntimeError):
+    """The manager's queue of requests not yet running is at max_queue_size."""
+
+
+class MethodCache:
+    """custom_generate of a request: a hook-only method, loaded once through the trust gate and registered while
+    the request's pipeline is built. `allowed`: {name: LoadedMethod} a server loaded at start; with it, requests
+    may name only those (never load code of their own choosing)."""
+
+    def __init__(self, allowed: dict[str, Any] | None = None):
+        self.allowed = allowed
+        self.loaded: dict[tuple, Any] = {}
+        self.lock = threading.Lock()
+
+    def get(self, spec, trust):
+        if spec is None:
+            return None
+        from ..hub_loader.method import LoadedMethod, load_method, registered_for_call
+
+        if isinstance(spec, LoadedMethod):
+            method = spec
+        elif self.allowed is not None:
+            if spec not in self.allowed:
+                raise ValueError(f"custom_generate={spec!r} is not one of the methods allowed here: {sorted(self.allowed)}.")
+            method = self.allowed[spec]
+        elif isinstance(spec, (str, os.PathLike)):
+            with self.lock:
+                key = (os.fspath(spec), trust)
+                if key not in self.loaded:
+                    self.loaded[key] = load_method(spec, trust)
+                method = self.loaded[key]
+        else:
+            raise ValueError(f"custom_generate={spec!r} is invalid for continuous batching; it accepts a Hub repo id or "
+                             "a local directory holding a hook-only method (a callable owns the whole loop).")
+        if method.generate is not None:
+            raise ValueError(f"custom_generate {method.source.label!r} replaces the whole decoding loop; continuous "
+                             "batching runs hook-only methods (processors, a selector, stopping criteria). Use generate().")
+        return _Registered(method, registered_for_call)
+
+
+class _Registered:
+    def __init__(self, method, registered_for_call):
+        self.method, self._registered = method, registered_for_call
+
+    def registered(self):
+        return self._registered(self.method)
+
+
+
+
+class ContinuousBatchingManager:
+    """Schedules requests over one model in a background thread (see the module docstring).
+
+    `generation_config`: the defaults every request starts from (else the model's); `block_size`: positions per
+    cache block; `max_cache_bytes`: the paged cache's size (default: see default_cache_bytes); `max_batch_tokens`: tokens per step (decode rows plus prefill chunks); `min_prefill`: prefill
+    tokens a step takes even when decode rows fill the budget; `max_running`: requests in the cache at once;
+    `max_queue_size`: requests waiting beyond those (0: no limit); `methods`: a MethodCache.
+    """
+
+    def __init__(self, model, generation_config=None, max_queue_size: int = 0, block_size: int = 16,
+                 max_cache_bytes: int | None = None, max_batch_tokens: int = 256, max_running: int = 64,
+                 min_prefill: int = 32, methods: MethodCache | None = None):
+        for name, value, low in (("max_queue_size", max_queue_size, 0), ("block_size", block_size, 1),
+                                 ("max_batch_tokens", max_batch_tokens, 1), ("max_running", max_running, 1),
+                                 ("min_prefill", min_prefill, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
+        self.model = model
+        self.generation_config = generation_config
+        self.max_queue_size = max_queue_size
+        self.methods = methods or MethodCache()
+        if supports_paged(model):
+            per_block = bytes_per_position(model) * block_size
+            budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
+            if not isinstance(budget, int) or budget < per_block:
+                raise ValueError(f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
+                                 f"takes {per_block} bytes for this model.")
+            self.runner = PagedRunner(model, budget // per_block, block_size)
+            logger.info("continuous batching: paged cache of %d blocks of %d positions (%s)", budget // per_block,
+                        block_size, human_size(budget // per_block * per_block))
+        else:
+            self.runner = CacheRunner(model, max_running)
+            logger.info("continuous batching: %s has no paged path; each request keeps a cache of its own and runs "
+                        "its own forward each step", type(model).__name__)
+        self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._cancels: set[str] = set()
+        self._active: set[str] = set()  # added, not yet published as done
+        self._results: dict[str, GenerationOutput] = {}
+        self._order: deque[str] = deque()
+        self._streams: dict[str, queue.Queue] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        if self.is_running():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="decodekit-batching", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stops the thread; requests not finished yet end CANCELLED (their waiters get that result)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if block:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "ContinuousBatchingManager":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(block=True)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.runner.free_blocks
+
+    @property
+    def total_blocks(self) -> int:
+        return self.runner.total_blocks
+
+    # ---- requests ----
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, **fields) -> str:
+        """Queues one prompt (a list of token ids) with its own generation config fields and decoding method
+        (custom_generate=, trust_remote_code=, seed=, logits_processor=, stopping_criteria=, logprobs=). Returns
+        the request id. ValueError if anything is invalid; QueueFull if max_queue_size requests already wait."""
+        if request_id is None:
+            request_id = new_request_id()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} is invalid; expected a non-empty string.")
+        if max_new_tokens is not None:
+            fields["max_new_tokens"] = max_new_tokens
+        request = prepare_request(self.model, input_ids, self.generation_config, request_id, streaming, fields,
+                                  self.methods)
+        need = self.runner.blocks_needed(request)
+        if need > self.runner.total_blocks:
+            raise ValueError(
+                f"The request needs {need} cache blocks ({request.rows} row(s) up to max_length={request.max_length}) "
+                f"and the cache has {self.runner.total_blocks}: lower max_new_tokens, or give the manager more cache "
+                "(max_cache_bytes).")
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("The manager is stopped; start() it again before adding requests.")
+            if request_id in self._active or request_id in self._results:
+                raise ValueError(f"request_id={request_id!r} is already in use.")
+            waiting = len(self._incoming) + len(self.scheduler.waiting)
+            if self.max_queue_size and waiting >= self.max_queue_size:
+                raise QueueFull(f"{waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later.")
+            if streaming:
+                self._streams[request_id] = queue.Queue()
+            self._active.add(request_id)
+            self._incoming.append(request)
+            self._cv.notify_all()
+        return request_id
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancels a queued or running request: its blocks are freed at the next step, and its result (status
+        CANCELLED, the tokens so far) is published. Nothing happens for an unknown or finished request."""
+        with self._cv:
+            if request_id in self._active:
+                self._cancels.add(request_id)
+                self._cv.notify_all()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The result of `request_id` (or of whichever request finishes first, without one), waiting up to
+        `timeout` seconds (None: as long as it takes); None on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if request_id is None and self._order:
+                    return self._results.pop(self._order.popleft())
+                if request_id is not None and request_id in self._results:
+                    self._order.remove(request_id)
+                    return self._results.pop(request_id)
+                if request_id is not None and request_id not in self._active:
+                    raise KeyError(f"No request {request_id!r} is running or waiting to be collected.")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                if not self.is_running() and not self._incoming and not self._order:
+                    return None
+                self._cv.wait(left if left is not None else 0.5)
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The outputs of a streaming request as its tokens come (each with every token so far), the last one
+        finished; of a request added without streaming, only its result."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            result = self.get_result(request_id)
+            if result is not None:
+                yield result
+            return
+        while True:
+            output = stream.get()
+            yield output
+            if output.is_finished():
+                with self._cv:
+                    self._streams.pop(request_id, None)
+                    if request_id in self._results:
+                        self._order.remove(request_id)
+                        self._results.pop(request_id)
+                return
+
+    # ---- the thread ----
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._loop_once():
+                    pass
+        except BaseException as error:  # a bug of ours: fail every request rather than leave waiters hanging
+            logger.exception("continuous batching stopped on an error")
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._fail(request, error)
+            with self._cv:
+                incoming, self._incoming = self._incoming, []
+            for request in incoming:
+                self._fail(request, error)
+            raise
+
+    def _loop_once(self) -> bool:
+        with self._cv:
+            while not self._stopping and not self._incoming and not self._cancels and self.scheduler.idle:
+                self._cv.wait(0.5)
+            incoming, self._incoming = self._incoming, []
+            cancels, self._cancels = self._cancels, set()
+            stopping = self._stopping
+        for request in incoming:
+            self.scheduler.waiting.append(request)
+        if stopping:
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._end(request, RequestStatus.CANCELLED)
+            return False
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.id in cancels:
+                self._end(request, RequestStatus.CANCELLED)
+        self.scheduler.admit()
+        works = self.scheduler.plan()
+        if not works:
+            return True
+        try:
+            logits = self.runner.forward(works)
+        except Exception as error:
+            for work in works:
+                self._fail(work.request, error)
+            return True
+        self.steps += 1
+        for work in works:
+            request = work.request
+            if work.prefill:
+                request.prefilled = work.end
+            if request.id not in logits:
+                continue
+            try:
+                request.status = RequestStatus.DECODING
+                request.apply(logits[request.id])
+            except Exception as error:
+                self._fail(request, error)
+                continue
+            if request.status == RequestStatus.FINISHED:
+                self._end(request, RequestStatus.FINISHED)
+            elif request.streaming:
+                self._streams[request.id].put(request.output())
+        return True
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.error = f"{type(error).__name__}: {error}"
+        logger.info("continuous batching: request %s failed: %s", request.id, request.error)
+        self._end(request, RequestStatus.FAILED)
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        output = request.output()
+        with self._cv:
+            self._active.discard(request.id)
+            self._results[request.id] = output
+            self._order.append(request.id)
+            stream = self._streams.get(request.id)
+            self._cv.notify_all()
+        if stream is not None:
+            stream.put(output)
+
+
+def default_cache_bytes(model, max_running: int) -> int:
+    """The smaller of 2 GiB, half the memory available, and what max_running requests at the model's full
+    context would take."""
+    free = available_bytes(model.device)
+    context = getattr(model.config, "max_position_embeddings", None) or 4096
+    needed = max_running * (context + 16) * bytes_per_position(model)
+    return min(DEFAULT_CACHE_BYTES, needed, *([free // 2] if free is not None else []))
+
+
+def generate_batch(model, inputs: list, generation_config=None, progress_bar: bool = True, **kwargs) -> dict[str, GenerationOutput]:
+    """model.generate_batch(): every prompt of `inputs` (lists of token ids) through continuous batching; {request id: GenerationOutput}
+    in the order of `inputs`. kwargs: generation config fields and request arguments for every prompt, and
+    the manager's options. A prompt that is invalid fails alone (status FAILED, the error in `error`)."""
+    if not isinstance(inputs, (list, tuple)):
+        raise ValueError(f"generate_batch() takes a list of prompts (lists of token ids), got {type(inputs).__name__}.")
+    options = {k: kwargs.pop(k) for k in MANAGER_OPTIONS if k in kwargs}
+    results: dict[str, GenerationOutput] = {}
+    with ContinuousBatchingManager(model, generation_config, **options) as manager:
+        ids = []
+        for prompt in inputs:
+            request_id = new_request_id()
+            ids.append(request_id)
+            try:
+                manager.add_request(prompt, request_id=request_id, **kwargs)
+            except ValueError as error:
+                results[request_id] = GenerationOutput(
+                    request_id=request_id, prompt_ids=list(prompt) if isinstance(prompt, (list, tuple)) else [],
+                    generated_tokens=[], sequences=[], status=RequestStatus.FAILED, error=str(error))
+        bar = _progress(progress_bar, len(ids))
+        for request_id in ids:
+            if request_id not in results:
+                results[request_id] = manager.get_result(request_id)
+            bar.update(1)
+        bar.close()
+    return {request_id: results[request_id] for request_id in ids}
+
+
+def _progress(enabled: bool, total: int):
+    if enabled:
+        with contextlib.suppress(ImportError):
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, desc="generate_batch", unit="request")
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["ContinuousBatchingManager", "GenerationOutput", "QueueFull", "RequestStatus", "DONE"]

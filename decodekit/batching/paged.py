@@ -1,0 +1,147 @@
+"""The paged KV cache of continuous batching: fixed-size blocks, a block table per request row, blocks freed when
+a request ends and reused by the next.
+
+Each layer's keys and values are one pool [blocks * block_size, kv_heads, head_dim]: position j of a row whose
+block table is `table` lives in slot table[j // block_size] * block_size + j % block_size. A forward over the
+tokens of many requests at once (prefill chunks and one-token decode steps side by side) gets a `PagedBatch` as
+its `past_key_values`: the model's attention writes the new keys and values at their slots and attends through
+the tables (llama.Attention), with decodekit's C++ kernel where it is loaded and gathered SDPA where not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models import native
+
+
+class OutOfBlocks(Exception):
+    """Fewer free blocks than asked for; the scheduler waits for running requests to free theirs."""
+
+
+class BlockAllocator:
+    """Block numbers with reference counts: a row of a request shares its prompt's full blocks with the other rows."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low numbers first
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks asked, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
+
+
+class PagedCache:
+    """The pools of every layer and their allocator, for `model` (a config with num_hidden_layers,
+    num_key_value_heads and head_dim)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        c = model.config
+        shape = (num_blocks * block_size, c.num_key_value_heads, c.head_dim)
+        # Uninitialised: a slot is read only after it is written, and untouched pages take no memory.
+        self.keys = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        self.values = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Block `target` becomes a copy of block `source` in every layer (a row's own copy of a shared last block)."""
+        bs = self.block_size
+        for pool in (*self.keys, *self.values):
+            pool[target * bs:(target + 1) * bs] = pool[source * bs:(source + 1) * bs]
+
+
+@dataclass
+class Segment:
+    """Tokens start:end of a batch: consecutive positions first.. of the request row `row` of the tables."""
+
+    start: int
+    end: int
+    row: int
+    first: int
+
+
+class PagedBatch:
+    """The `past_key_values` of one forward over the tokens of several request rows, flattened into one
+    sequence [1, N]: which table row each token belongs to (`owner`), its position, and the slot its key and
+    value are written to."""
+
+    paged = True  # what llama.Attention and the model's forward look for
+
+    def __init__(self, cache: PagedCache, tables: list[list[int]], segments: list[Segment]):
+        self.cache = cache
+        self.segments = segments
+        width = max(len(t) for t in tables)
+        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        owner, positions = [], []
+        for s in segments:
+            owner += [s.row] * (s.end - s.start)
+            positions += range(s.first, s.first + s.end - s.start)
+        self.owner = torch.tensor(owner, dtype=torch.long)
+        self.positions = torch.tensor(positions, dtype=torch.long)
+        bs = cache.block_size
+        self.slots = self.tables[self.owner, self.positions // bs] * bs + self.positions % bs
+        device = cache.keys[0].device
+        self.position_ids = self.positions.to(device)[None]
+        self._slots = self.slots.to(device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are given per token (position_ids); nothing is read from the cache's length
+
+    def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
+        """Writes k, v [1, KV, N, D] at the tokens' slots and returns the attention of q [1, H, N, D] over each
+        token's request row, [1, H, N, D]."""
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(0, self._slots, k[0].transpose(0, 1).to(keys.dtype))
+        values.index_copy_(0, self._slots, v[0].transpose(0, 1).to(values.dtype))
+        tokens = q[0].transpose(0, 1)  # [N, H, D]
+        if tokens.device.type == "cpu" and tokens.dtype in (torch.float32, torch.bfloat16) and native.ready(tokens):
+            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), keys, values, self.tables, self.owner,
+                                                      self.positions, self.cache.block_size, window or 0)
+        else:
+            out = self.gathered_attention(tokens, keys, values, window)
+        return out.transpose(0, 1)[None]
+
+    def gathered_attention(self, tokens, keys, values, window) -> torch.Tensor:
+        """The same attention through SDPA, one segment at a time over its row's gathered keys and values."""
+        from ..models.llama import visible
+
+        bs = self.cache.block_size
+        out = torch.empty_like(tokens)
+        for s in self.segments:
+            length = s.first + s.end - s.start
+            j = torch.arange(length)
+            slots = (self.tables[s.row, j // bs] * bs + j % bs).to(keys.device)
+            k = keys[slots].transpose(0, 1)[None].to(tokens.dtype)  # [1, KV, L, D]
+            v = values[slots].transpose(0, 1)[None].to(tokens.dtype)
+            q = tokens[s.start:s.end].transpose(0, 1)[None]  # [1, H, t, D]
+            q_pos = torch.arange(s.first, length, device=keys.device)[:, None]
+            mask = visible(q_pos, torch.arange(length, device=keys.device)[None, :], window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out[s.start:s.end] = y[0].transpose(0, 1)
+        return out

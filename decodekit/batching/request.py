@@ -1,0 +1,231 @@
+"""One request of continuous batching: its prompt, its own generation config and decoding method (the pipeline
+generate() would build for it alone), its rows' tokens so far, and what it returns.
+
+A request is prepared exactly as generate() prepares one prompt (the same config merge, validation, plugin
+hooks and pipeline), so its result equals that prompt run alone through generate(). Strategies whose loop owns
+several rows or the whole loop are refused here, before the request is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.config import GenerationConfig, is_int
+from ..core.generate import merge_config
+from ..plugins.fused import FusedTokens
+from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
+
+
+class RequestStatus(str, enum.Enum):
+    PENDING = "pending"  # queued, no cache blocks yet
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+DONE = (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+@dataclass
+class GenerationOutput:
+    """A request's result (or, while streaming, its state so far).
+
+    `generated_tokens`: the tokens after the prompt of its first row; `sequences`: every row's (more than one
+    with num_return_sequences), EOS included where a row stopped on it, no padding after. `finish_reason`:
+    "stop" (EOS or a stopping criterion), "length" (max_new_tokens / max_length), else None. `logprobs`: with
+    logprobs=True, the log-probability of each generated token of the first row under the scores it was chosen
+    from. `error`: why a failed request failed."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int]
+    sequences: list[list[int]]
+    status: RequestStatus
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    created_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def is_finished(self) -> bool:
+        return self.status in DONE
+
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req_{next(_ids)}"
+
+
+# Fields decodekit's continuous batching takes besides the generation config (the rest of generate()'s arguments).
+REQUEST_ARGUMENTS = ("custom_generate", "trust_remote_code", "seed", "logits_processor", "stopping_criteria", "tokenizer",
+                     "logprobs")
+
+
+@dataclass(eq=False)  # identity: requests are found in lists by being the same one
+class Request:
+    id: str
+    prompt: list[int]
+    config: GenerationConfig
+    pipeline: Pipeline
+    max_length: int
+    streaming: bool
+    logprobs: bool
+    sequences: torch.Tensor  # [rows, tokens so far], as generate()'s input_ids
+    unfinished: torch.Tensor  # [rows] bool
+    pad: torch.Tensor
+    status: RequestStatus = RequestStatus.PENDING
+    prefilled: int = 0  # prompt tokens in the cache (row 0)
+    tables: list[list[int]] = field(default_factory=list)  # block table per row
+    token_logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    stopped_by_length: bool = False
+    created_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    cancel_requested: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """One step of generate()'s loop on this request's rows, given their next-token logits [rows, V]:
+        processors, selector, stopping. Returns the new tokens [rows]."""
+        p = self.pipeline
+        scores = logits.float()
+        scores = p.processors(self.sequences, scores)
+        chosen = p.selector(self.sequences, scores)
+        if self.logprobs:
+            self.token_logprobs.append(float(torch.log_softmax(scores[0], dim=-1)[chosen[0]]))
+        tokens = torch.where(self.unfinished, chosen, self.pad)
+        self.sequences = torch.cat((self.sequences, tokens[:, None]), dim=-1)
+        self.unfinished = self.unfinished & ~p.stopping(self.sequences, scores)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if not bool(self.unfinished.any()):
+            self.stopped_by_length = self.sequences.shape[1] >= self.max_length and not self._ended_on_eos()
+            self.status = RequestStatus.FINISHED
+        return tokens
+
+    def _ended_on_eos(self) -> bool:
+        eos = self.config.eos_token_ids
+        return bool(eos) and int(self.sequences[0, -1]) in eos
+
+    def output(self) -> GenerationOutput:
+        rows = []
+        for row in self.sequences[:, self.prompt_length:].tolist():
+            rows.append(trim_after_end(row, self.config.eos_token_ids, self.config.pad_token_id))
+        reason = None
+        if self.status == RequestStatus.FINISHED:
+            reason = "length" if self.stopped_by_length else "stop"
+        return GenerationOutput(
+            request_id=self.id, prompt_ids=list(self.prompt), generated_tokens=rows[0], sequences=rows,
+            status=self.status, finish_reason=reason, error=self.error,
+            logprobs=self.token_logprobs[:len(rows[0])] if self.logprobs else None, created_time=self.created_time,
+            first_token_time=self.first_token_time, finished_time=self.finished_time,
+        )
+
+
+def trim_after_end(row: list[int], eos: list[int], pad: int | None) -> list[int]:
+    """A row's generated tokens up to and including its first EOS (the padding generate() adds after it dropped)."""
+    for i, token in enumerate(row):
+        if token in eos:
+            return row[: i + 1]
+    return row
+
+
+def prompt_list(model, input_ids) -> list[int]:
+    """The prompt as a list of token ids, checked: a non-empty list (or 1-D tensor) of ids inside the vocabulary."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be one prompt: a list of token ids or a 1-D integer tensor, got a tensor of "
+                             f"shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}.")
+        input_ids = input_ids.tolist()
+    if not isinstance(input_ids, (list, tuple)) or not all(is_int(t) for t in input_ids):
+        raise ValueError(f"input_ids must be a list of token ids (ints), got {type(input_ids).__name__}"
+                         + (f" holding {type(next(t for t in input_ids if not is_int(t))).__name__}"
+                            if isinstance(input_ids, (list, tuple)) else "") + ".")
+    if not input_ids:
+        raise ValueError("input_ids is empty; a prompt needs at least one token, e.g. the BOS token.")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and not all(0 <= t < vocab for t in input_ids):
+        bad = next(t for t in input_ids if not 0 <= t < vocab)
+        raise ValueError(f"input_ids contains the token id {bad}, outside the vocabulary [0, {vocab}).")
+    return [int(t) for t in input_ids]
+
+
+def prepare_request(model, input_ids, generation_config: GenerationConfig | None, request_id: str, streaming: bool,
+                    options: dict[str, Any], methods) -> Request:
+    """A Request for one prompt, prepared as generate() prepares a call (ValueError for anything invalid).
+
+    `options`: generation config fields and REQUEST_ARGUMENTS; `methods`: loads custom_generate specs once
+    (the manager's MethodCache)."""
+    options = dict(options)
+    extras = {k: options.pop(k) for k in REQUEST_ARGUMENTS if k in options}
+    prompt = prompt_list(model, input_ids)
+    method = methods.get(extras.get("custom_generate"), extras.get("trust_remote_code"))
+    with method.registered() if method is not None else contextlib.nullcontext():
+        gc, model_kwargs = merge_config(model, generation_config, options)
+        if model_kwargs:
+            raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        gc.validate(vocab)
+        if gc.pad_token_id is None and gc.eos_token_ids:
+            gc.pad_token_id = gc.eos_token_ids[0]
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_length = gc.max_length_for(len(prompt), max_positions)
+        if max_length <= len(prompt):
+            raise ValueError(f"The prompt has {len(prompt)} tokens and max_length is {max_length}: nothing to generate. "
+                             "Set max_new_tokens (tokens to generate after the prompt).")
+        seed = extras.get("seed")
+        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
+            raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
+        logprobs = extras.get("logprobs", False)
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
+        generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+        from ..registry.manager import call_first, call_hooks
+
+        rows = gc.num_return_sequences
+        context = GenerationContext(model=model, batch_size=rows, prompt_length=len(prompt), max_length=max_length,
+                                    device=model.device, tokenizer=extras.get("tokenizer"), generator=generator)
+        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+        owner, loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)
+        if loop is not None and not isinstance(loop, FusedTokens):  # compile=True: the batch's own step serves it
+            raise ValueError(
+                f"Continuous batching runs one token per row and step; the decoding loop of plugin {owner!r} "
+                "(beam search, contrastive search, assisted or self-speculative decoding, prompt lookup, DoLa or a "
+                "method's own loop) cannot share the step with other requests. Run it with generate().")
+        for name in ("output_hidden_states", "output_attentions", "return_dict_in_generate"):
+            if getattr(gc, name, False):
+                raise ValueError(f"{name}=True is not available with continuous batching (its results are token ids, "
+                                 "and logprobs=True); use generate().")
+        pipeline = build_pipeline(gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"), cache=None)
+    pipeline.cache = None  # the batch's paged cache (or the runner's) serves every request
+    if pipeline.next_token_logits is not last_position_logits:
+        raise ValueError("This configuration reads next-token logits another way (a plugin's decodekit_next_token_logits, "
+                         "e.g. DoLa); continuous batching reads the last position's logits only.")
+    sequences = torch.tensor([prompt] * rows, dtype=torch.long, device=model.device)
+    return Request(
+        id=request_id, prompt=prompt, config=gc, pipeline=pipeline, max_length=max_length, streaming=streaming,
+        logprobs=logprobs, sequences=sequences, unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
+        pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
+    )

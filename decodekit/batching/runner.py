@@ -1,0 +1,170 @@
+"""What runs the model for a scheduler step: the tokens of many requests in one forward over the paged cache
+(decodekit's own models), or, for any other model, one forward per request over a cache of its own.
+
+A step is a list of `Work`: a chunk of a request's prompt (prefill, its first row only: the other rows share the
+prompt's blocks afterwards) or one token for each of a request's rows (decode). `forward` returns, per request
+whose step ends at a next token, the logits of its rows [rows, V].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.cache import new_cache
+from .paged import PagedBatch, PagedCache, Segment
+from .request import Request
+
+
+@dataclass
+class Work:
+    request: Request
+    start: int = 0  # prefill: prompt tokens start:end; decode: start == end == 0
+    end: int = 0
+
+    @property
+    def prefill(self) -> bool:
+        return self.end > self.start
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start if self.prefill else self.request.rows
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.prefill and self.end == self.request.prompt_length
+
+
+def supports_paged(model) -> bool:
+    """Whether `model` runs a paged batch (decodekit's Llama family)."""
+    from ..models.llama import LlamaForCausalLM
+
+    return isinstance(model, LlamaForCausalLM)
+
+
+class PagedRunner:
+    """Every step's tokens in one forward of the model over a PagedCache (batching/paged.py)."""
+
+    paged = True
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self.model = model
+        self.cache = PagedCache(model, num_blocks, block_size)
+
+    @property
+    def total_blocks(self) -> int:
+        return self.cache.allocator.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.cache.allocator.free_blocks
+
+    def blocks_needed(self, request: Request) -> int:
+        """Blocks a request holds from admission to its end: every row's positions up to max_length, the prompt's
+        full blocks counted once (the rows share them)."""
+        per_row = self.cache.blocks_for(request.max_length)
+        shared = request.prompt_length // self.cache.block_size
+        return per_row + (request.rows - 1) * (per_row - shared)
+
+    def admit(self, request: Request) -> bool:
+        """Reserves the request's blocks; False (nothing taken) if too few are free now."""
+        if self.blocks_needed(request) > self.free_blocks:
+            return False
+        alloc = self.cache.allocator
+        per_row = self.cache.blocks_for(request.max_length)
+        first = alloc.allocate(per_row)
+        shared = first[: request.prompt_length // self.cache.block_size]
+        request.tables = [first]
+        for _ in range(request.rows - 1):
+            alloc.share(shared)
+            request.tables.append(shared + alloc.allocate(per_row - len(shared)))
+        return True
+
+    def release(self, request: Request) -> None:
+        for table in request.tables:
+            self.cache.allocator.free(table)
+        request.tables = []
+
+    def forward(self, works: list[Work]) -> dict[str, torch.Tensor]:
+        tables, segments, tokens, keep, owners = [], [], [], [], []
+        for work in works:
+            r = work.request
+            if work.prefill:
+                segments.append(Segment(len(tokens), len(tokens) + work.tokens, len(tables), work.start))
+                tables.append(r.tables[0])
+                tokens += r.prompt[work.start:work.end]
+                if work.ends_prompt:
+                    keep.append(len(tokens) - 1)
+                    owners.append((r.id, 1))
+                continue
+            position = r.sequences.shape[1] - 1
+            for row in range(r.rows):
+                segments.append(Segment(len(tokens), len(tokens) + 1, len(tables), position))
+                tables.append(r.tables[row])
+                tokens.append(int(r.sequences[row, -1]))
+                keep.append(len(tokens) - 1)
+            owners.append((r.id, r.rows))
+        batch = PagedBatch(self.cache, tables, segments)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        keep_index = torch.tensor(keep, dtype=torch.long)
+        out = self.model(ids, position_ids=batch.position_ids, past_key_values=batch, use_cache=True,
+                         logits_to_keep=keep_index)
+        logits = out.logits[0]
+        result, at = {}, 0
+        for request_id, rows in owners:
+            result[request_id] = logits[at:at + rows]
+            at += rows
+        for work in works:
+            if work.ends_prompt:
+                self._share_prompt(work.request)
+                result[work.request.id] = result[work.request.id].expand(work.request.rows, -1)
+        return result
+
+    def _share_prompt(self, request: Request) -> None:
+        """After the prompt's prefill: every other row gets its own copy of the prompt's last, partly filled block."""
+        bs = self.cache.block_size
+        if request.prompt_length % bs:
+            last = request.prompt_length // bs
+            for table in request.tables[1:]:
+                self.cache.copy_block(request.tables[0][last], table[last])
+
+
+class CacheRunner:
+    """For a model without a paged path (a wrapped transformers model): a cache of its own per request (its rows
+    as one batch) and one forward per request and step; the scheduling is the same, the steps are not shared."""
+
+    paged = False
+
+    def __init__(self, model, max_running: int):
+        self.model = model
+        self.total_blocks = max_running  # one "block" per running request
+        self.free_blocks = max_running
+        self.caches: dict[str, object] = {}
+
+    def blocks_needed(self, request: Request) -> int:
+        return 1
+
+    def admit(self, request: Request) -> bool:
+        if self.free_blocks < 1:
+            return False
+        self.free_blocks -= 1
+        self.caches[request.id] = new_cache(self.model, "dynamic", request.rows, request.max_length)
+        return True
+
+    def release(self, request: Request) -> None:
+        if self.caches.pop(request.id, None) is not None:
+            self.free_blocks += 1
+
+    def forward(self, works: list[Work]) -> dict[str, torch.Tensor]:
+        result = {}
+        for work in works:
+            r = work.request
+            if work.prefill:
+                ids = r.sequences[:, work.start:work.end]
+            else:
+                ids = r.sequences[:, -1:]
+            out = self.model(ids, past_key_values=self.caches[r.id], use_cache=True)
+            if not work.prefill or work.ends_prompt:
+                result[r.id] = out.logits[:, -1, :]
+        return result

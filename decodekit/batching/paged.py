@@ -117,13 +117,14 @@ class PagedBatch:
         """Writes k, v [1, KV, N, D] at the tokens' slots and returns the attention of q [1, H, N, D] over each
         token's request row, [1, H, N, D]."""
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys.index_copy_(0, self._slots, k[0].transpose(0, 1).to(keys.dtype))
-        values.index_copy_(0, self._slots, v[0].transpose(0, 1).to(values.dtype))
         tokens = q[0].transpose(0, 1)  # [N, H, D]
-        if tokens.device.type == "cpu" and tokens.dtype in (torch.float32, torch.bfloat16) and native.ready(tokens):
-            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), keys, values, self.tables, self.owner,
-                                                      self.positions, self.cache.block_size, window or 0)
+        k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
+        if tokens.device.type == "cpu" and tokens.dtype == keys.dtype in (torch.float32, torch.bfloat16) and native.ready(tokens):
+            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), k, v, keys, values, self.slots, self.tables,
+                                                      self.owner, self.positions, self.cache.block_size, window or 0)
         else:
+            keys.index_copy_(0, self._slots, k)
+            values.index_copy_(0, self._slots, v)
             out = self.gathered_attention(tokens, keys, values, window)
         return out.transpose(0, 1)[None]
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -699,24 +700,37 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
   const A* ks = keys.data_ptr<A>();
   const A* vs = values.data_ptr<A>();
   A* os = out.data_ptr<A>();
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t per_group = H / KV;
+  // One task per (token, kv head): the slot offsets of its positions are computed once for the heads sharing it.
+  at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(D), result(D), scores;
+    std::vector<int64_t> offsets;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / H, h = task % H, g = h / (H / KV), p = positions[i];
+      const int64_t i = task / KV, g = task % KV, p = positions[i];
       const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       const int64_t* table = tables + owner[i] * per_row;
       scores.resize(p + 1);
-      for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qs[task * D + d]);
-      const auto at = [=](int64_t j) { return ((table[j / block_size] * block_size + j % block_size) * KV + g) * D; };
-      attend(query.data(), ks, vs, at, [=](int64_t j) { return j >= first; }, p + 1, D, scores.data(), result.data());
-      for (int64_t d = 0; d < D; ++d) os[task * D + d] = static_cast<A>(result[d]);
+      offsets.resize(p + 1);
+      for (int64_t j = first; j <= p;) {  // block by block: no division per position
+        const int64_t block = j / block_size, stop = std::min(p + 1, (block + 1) * block_size);
+        const int64_t base = (table[block] * block_size - block * block_size) * KV + g;
+        for (; j < stop; ++j) offsets[j] = (base + j * KV) * D;
+      }
+      const int64_t* at_offset = offsets.data();
+      for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h) {
+        const int64_t at_q = (i * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qs[at_q + d]);
+        attend(query.data(), ks, vs, [=](int64_t j) { return at_offset[j]; }, [=](int64_t j) { return j >= first; }, p + 1,
+               D, scores.data(), result.data());
+        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(result[d]);
+      }
     }
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& tables, const at::Tensor& owner, const at::Tensor& positions,
-                           int64_t block_size, int64_t window) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& slots, const at::Tensor& tables,
+                           const at::Tensor& owner, const at::Tensor& positions, int64_t block_size, int64_t window) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: q must be float32 or bfloat16, not ", dtype);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
@@ -726,9 +740,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
                     pool->sizes() == keys.sizes(),
                 "paged_attention: keys and values must be contiguous [slots, kv_heads, head_dim] pools of q's dtype");
   }
-  const int64_t N = q.size(0), KV = keys.size(1), slots = keys.size(0);
+  const int64_t N = q.size(0), KV = keys.size(1), slots_in_pool = keys.size(0);
   TORCH_CHECK(KV >= 1 && q.size(1) % KV == 0, "paged_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_size >= 1 && slots % block_size == 0, "paged_attention: the pools must hold whole blocks of ",
+  TORCH_CHECK(block_size >= 1 && slots_in_pool % block_size == 0, "paged_attention: the pools must hold whole blocks of ",
               block_size, " slots");
   TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   for (const at::Tensor* t : {&tables, &owner, &positions}) {
@@ -737,7 +751,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
   }
   TORCH_CHECK(tables.dim() == 2 && owner.numel() == N && positions.numel() == N,
               "paged_attention: tables must be [requests, blocks], owner and positions one value per token");
-  const int64_t R = tables.size(0), per_row = tables.size(1), blocks = slots / block_size;
+  const int64_t R = tables.size(0), per_row = tables.size(1), blocks = slots_in_pool / block_size;
   const int64_t *table = tables.data_ptr<int64_t>(), *own = owner.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) {  // every block a token reads must be in the pool
     TORCH_CHECK(own[i] >= 0 && own[i] < R, "paged_attention: owner ", own[i], " is not a row of tables");
@@ -747,6 +761,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
       const int64_t block = table[own[i] * per_row + b];
       TORCH_CHECK(block >= 0 && block < blocks, "paged_attention: block ", block, " is outside the pool of ", blocks);
     }
+  }
+  // The tokens' own keys and values first (k, v [tokens, kv_heads, head_dim] at `slots`): they attend to themselves.
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k.size(0) == N && k.size(1) == KV && k.size(2) == q.size(2) &&
+                  k.scalar_type() == dtype && v.scalar_type() == dtype && slots.scalar_type() == at::kLong &&
+                  slots.numel() == N && slots.is_contiguous(),
+              "paged_attention: k and v must be [tokens, kv_heads, head_dim] of q's dtype, slots one int64 per token");
+  const int64_t* at_slot = slots.data_ptr<int64_t>();
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const int64_t row = KV * q.size(2), bytes = row * kc.element_size();
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(at_slot[i] >= 0 && at_slot[i] < slots_in_pool, "paged_attention: slot ", at_slot[i], " is outside the pool");
+    std::memcpy(static_cast<char*>(keys.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(kc.data_ptr()) + i * bytes, bytes);
+    std::memcpy(static_cast<char*>(values.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(vc.data_ptr()) + i * bytes, bytes);
   }
   at::Tensor out = at::empty_like(q);
   if (dtype == at::kBFloat16) {
@@ -772,8 +799,8 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
   m.def("split_rows(Tensor rows, bool interleaved) -> (Tensor, Tensor)");
   m.def("join_sums(Tensor sums, Tensor scales) -> Tensor");
-  m.def("paged_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor owner, Tensor positions, "
-        "int block_size, int window) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
+        "Tensor owner, Tensor positions, int block_size, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {

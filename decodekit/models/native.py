@@ -164,4 +164,4 @@ def _register_fakes() -> None:
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
     torch.library.register_fake("decodekit::decode_layers")(decode_layers)
-    torch.library.register_fake("decodekit::paged_attention")(lambda q, *rest: torch.empty_like(q))
+    torch.library.register_fake("decodekit::paged_attention")(lambda q, *rest: torch.empty_like(q))  # writes keys, values

@@ -1,0 +1,205 @@
+"""Continuous batching: the paged cache's attention, and the manager's results against generate() run alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from decodekit.batching import QueueFull, RequestStatus
+from decodekit.batching.paged import PagedBatch, PagedCache, Segment
+from decodekit.models import cpu
+from decodekit.testing import tiny_model
+
+from methods import HOOK_METHOD, write_method
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("batching"), "llama").eval()
+
+
+def alone(model, prompt, **kwargs) -> list[list[int]]:
+    """generate() on one prompt: its rows' generated tokens, the padding after an EOS dropped."""
+    out = model.generate(torch.tensor([prompt]), **kwargs)[:, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_ids
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])  # mistral's tiny config has a sliding window
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-kernel", "gathered-sdpa"])
+def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
+    if native and not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine")
+    m = tiny_model(tmp_path, model_type).eval()
+    ids = torch.randint(0, m.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), cpu.forced(native_kernels=native):
+        expected = m(ids).logits[0]
+        cache = PagedCache(m, num_blocks=16, block_size=4)
+        table = cache.allocator.allocate(6)[::-1]  # blocks out of order: positions go through the table
+        chunks = []
+        for a, b in [(0, 7), (7, 14), (14, 20), (20, 21)]:
+            batch = PagedBatch(cache, [table], [Segment(0, b - a, 0, a)])
+            chunks.append(m(ids[:, a:b], position_ids=batch.position_ids, past_key_values=batch).logits[0])
+    torch.testing.assert_close(torch.cat(chunks), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_allocator_reuses_freed_blocks_and_counts_shares():
+    from decodekit.batching.paged import BlockAllocator, OutOfBlocks
+
+    alloc = BlockAllocator(4)
+    first = alloc.allocate(3)
+    alloc.share(first[:1])
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(2)
+    alloc.free(first)
+    assert alloc.free_blocks == 3  # the shared block is still held once
+    alloc.free(first[:1])
+    assert alloc.free_blocks == 4 and sorted(alloc.allocate(4)) == [0, 1, 2, 3]
+
+
+CONFIGS = [
+    {},
+    {"do_sample": True, "seed": 11},
+    {"do_sample": True, "seed": 12, "temperature": 0.7, "top_k": 20},
+    {"repetition_penalty": 1.3},
+    {"do_sample": True, "seed": 13, "num_return_sequences": 2},
+    {"no_repeat_ngram_size": 2},
+    {"min_new_tokens": 5, "do_sample": True, "seed": 14, "top_p": 0.9},
+]
+
+
+def test_twenty_requests_arriving_over_time_equal_generate_alone(model, tmp_path):
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    rng = random.Random(0)
+    requests = []
+    for i in range(20):
+        prompt = [rng.randrange(1, model.config.vocab_size) for _ in range(rng.randrange(1, 40))]
+        fields = dict(CONFIGS[i % len(CONFIGS)], max_new_tokens=rng.randrange(1, 24))
+        if i % 5 == 4:  # a hook-only method of its own for some requests
+            fields.update(custom_generate=str(method), trust_remote_code=True, banned_token=prompt[0])
+        requests.append((prompt, fields))
+    manager = model.init_continuous_batching(block_size=4, max_batch_tokens=24, min_prefill=8)
+    blocks = manager.free_blocks
+    ids = {}
+
+    def feed():  # arrivals spread over the run, while earlier requests are running
+        for n, (prompt, fields) in enumerate(requests):
+            ids[n] = manager.add_request(prompt, request_id=f"r{n}", **fields)
+            time.sleep(0.002 * (n % 4))
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    with manager:  # steps in a background thread here; results are the same in run()
+        feeder.join()
+        results = {n: manager.get_result(rid, timeout=120) for n, rid in ids.items()}
+    assert manager.steps > 1
+    for n, (prompt, fields) in enumerate(requests):
+        out = results[n]
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.sequences == alone(model, prompt, **fields), (n, fields)
+        assert out.finish_reason in ("stop", "length") and out.prompt_ids == prompt
+    assert manager.free_blocks == blocks  # every block came back
+
+
+def test_generate_batch_returns_results_in_input_order_and_fails_bad_prompts_alone(model):
+    prompts = [[5, 6, 7], [], [8] * 30, [model.config.vocab_size + 3]]
+    results = list(model.generate_batch(prompts, max_new_tokens=6, progress_bar=False).values())
+    assert [r.status for r in results] == [RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FINISHED,
+                                           RequestStatus.FAILED]
+    assert "empty" in results[1].error and "outside the vocabulary" in results[3].error
+    assert results[0].generated_tokens == alone(model, [5, 6, 7], max_new_tokens=6)[0]
+    assert results[2].generated_tokens == alone(model, [8] * 30, max_new_tokens=6)[0]
+
+
+def test_cancelling_frees_the_blocks_and_returns_the_tokens_so_far(model):
+    manager = model.init_continuous_batching(block_size=4)
+    start = manager.free_blocks
+    with manager:
+        rid = manager.add_request([1, 2, 3], max_new_tokens=400, streaming=True, eos_token_id=None)
+        first = next(manager.request_id_iter(rid))
+        assert manager.free_blocks < start and not first.is_finished()
+        manager.cancel_request(rid)
+        last = list(manager.request_id_iter(rid))[-1]
+    assert last.status == RequestStatus.CANCELLED and 1 <= len(last.generated_tokens) < 400
+    assert manager.free_blocks == start
+
+
+def test_streaming_yields_every_token_in_order(model):
+    with model.init_continuous_batching() as manager:
+        rid = manager.add_request([4, 5, 6], max_new_tokens=8, streaming=True, eos_token_id=None)
+        outputs = list(manager.request_id_iter(rid))
+    lengths = [len(o.generated_tokens) for o in outputs]
+    assert lengths == list(range(1, 9)) and outputs[-1].is_finished() and outputs[-1].finish_reason == "length"
+    assert outputs[-1].generated_tokens == alone(model, [4, 5, 6], max_new_tokens=8, eos_token_id=None)[0]
+
+
+def test_a_request_failing_mid_generation_fails_alone(model):
+    calls = []
+
+    def breaks_on_third_step(input_ids, scores):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("processor broke")
+        return scores
+
+    with model.init_continuous_batching() as manager:
+        bad = manager.add_request([1, 2], max_new_tokens=6, logits_processor=[breaks_on_third_step])
+        good = manager.add_request([3, 4], max_new_tokens=6)
+        bad_out, good_out = manager.get_result(bad, timeout=60), manager.get_result(good, timeout=60)
+    assert bad_out.status == RequestStatus.FAILED and "processor broke" in bad_out.error
+    assert good_out.status == RequestStatus.FINISHED and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    assert manager.free_blocks == manager.total_blocks
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_beams": 2}, "beam_search"),
+    ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive"),
+    ({"temperature": -1.0, "do_sample": True}, "temperature"),
+    ({"max_new_token": 3}, "did you mean 'max_new_tokens'"),
+    ({"output_hidden_states": True}, "output_hidden_states"),
+    ({"max_new_tokens": 10**6}, "cache blocks"),
+    ({"custom_generate": lambda model, input_ids, **kw: input_ids}, "callable owns the whole loop"),
+])
+def test_invalid_requests_are_refused_when_added(model, fields, message):
+    manager = model.init_continuous_batching(max_cache_bytes=2**20)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        manager.add_request([1, 2, 3], **fields)
+
+
+def test_a_full_queue_refuses_more(model):
+    manager = model.init_continuous_batching(max_queue_size=2)  # not started: nothing leaves the queue
+    manager.add_request([1])
+    manager.add_request([2])
+    with pytest.raises(QueueFull, match="max_queue_size=2"):
+        manager.add_request([3])
+    other = model.init_continuous_batching()
+    other.add_request([1], request_id="same")
+    with pytest.raises(ValueError, match="'same' is already in use"):
+        other.add_request([2], request_id="same")
+
+
+def test_bad_manager_options_name_the_option(model):
+    with pytest.raises(ValueError, match="block_size=0"):
+        model.init_continuous_batching(block_size=0)
+    with pytest.raises(ValueError, match="unknown options \\['max_batch'\\]"):
+        model.init_continuous_batching(max_batch=3)
+
+
+def test_a_wrapped_transformers_model_batches_with_a_cache_per_request(tmp_path):
+    pytest.importorskip("transformers")
+    import decodekit
+    from transformers import AutoModelForCausalLM
+
+    from decodekit.testing import write_tiny_model
+
+    hf = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path, "llama"))
+    model = decodekit.wrap(hf)
+    prompts = [[1, 2, 3], [4] * 9, [7, 8]]
+    results = list(model.generate_batch(prompts, max_new_tokens=5, do_sample=True, seed=3, progress_bar=False).values())
+    for prompt, result in zip(prompts, results):
+        assert result.status == RequestStatus.FINISHED
+        assert result.generated_tokens == alone(model, prompt, max_new_tokens=5, do_sample=True, seed=3)[0]

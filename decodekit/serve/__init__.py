@@ -1,0 +1,89 @@
+"""`decodekit serve`: an OpenAI-compatible HTTP server over continuous batching (app.py holds the API).
+
+The HTTP side (uvicorn, FastAPI) runs in a background thread and the model's steps in the thread that calls
+`Server.run_steps()` (the main thread for `decodekit serve`): on CPU, torch work belongs in one thread (see
+ContinuousBatchingManager.run). Needs the `serve` extra: pip install 'decodekit[serve]'.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import importlib.util
+
+logger = logging.getLogger("decodekit")
+
+for _module in ("fastapi", "uvicorn"):
+    if importlib.util.find_spec(_module) is None:
+        raise ImportError(f"decodekit serve needs {_module}, which is not installed: pip install 'decodekit[serve]'")
+
+import uvicorn  # noqa: E402
+
+from .app import ServerSettings, create_app  # noqa: E402
+
+
+class Server:
+    """The HTTP server of `manager` on host:port (port 0: a free one, read back from `port` after start())."""
+
+    def __init__(self, manager, tokenizer, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000):
+        self.manager = manager
+        self.app = create_app(manager, tokenizer, settings)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.host, self.port = host, port
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        """Starts answering HTTP (in a background thread) and returns once the socket listens."""
+        self.thread = threading.Thread(target=self.server.run, name="decodekit-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP server did not start on {self.host}:{self.port} (is the port in use?)")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def run_steps(self) -> None:
+        """The model's steps in this thread until stop() (or Ctrl-C)."""
+        try:
+            self.manager.run()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self.manager.stop(block=False)
+        self.server.should_exit = True
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+
+
+def allowed_methods(specs: list[str]) -> dict:
+    """{spec: LoadedMethod} for the operator's `--method SPEC@REVISION` entries, through the trust gate at the
+    pinned revision; hook-only methods only."""
+    from ..hub_loader.method import load_method
+
+    methods = {}
+    for entry in specs:
+        spec, sep, revision = entry.rpartition("@")
+        if not sep or not spec or not revision:
+            raise ValueError(f"--method {entry!r} is invalid; expected SPEC@REVISION (a local directory or Hub repo and "
+                             "the revision its code is trusted at; the trust error for SPEC alone prints it).")
+        method = load_method(spec, trust_remote_code=revision)
+        if method.generate is not None:
+            raise ValueError(f"--method {spec!r} replaces the whole decoding loop; the server runs hook-only methods "
+                             "(logits processors, a selector, stopping criteria) side by side in one batch.")
+        methods[spec] = method
+    return methods
+
+
+__all__ = ["Server", "ServerSettings", "allowed_methods", "create_app"]

@@ -123,6 +123,8 @@ class ContinuousBatchingManager:
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._cancels: set[str] = set()
+        self._discard: set[str] = set()  # cancelled by a client that went away: nobody collects the result
+        self.counts = {s.value: 0 for s in DONE}  # requests ended, by status
         self._active: set[str] = set()  # added, not yet published as done
         self._results: dict[str, GenerationOutput] = {}
         self._order: deque[str] = deque()
@@ -235,17 +237,23 @@ class ContinuousBatchingManager:
             self._cv.notify_all()
         return request_id
 
-    def cancel_request(self, request_id: str) -> None:
+    def cancel_request(self, request_id: str, keep_result: bool = True) -> None:
         """Cancels a queued or running request: its blocks are freed at the next step, and its result (status
-        CANCELLED, the tokens so far) is published. Nothing happens for an unknown or finished request."""
+        CANCELLED, the tokens so far) is published, unless `keep_result` is False (a client that went away).
+        Nothing happens for an unknown or finished request."""
         with self._cv:
             if request_id in self._active:
                 self._cancels.add(request_id)
+                if not keep_result:
+                    self._discard.add(request_id)
                 self._cv.notify_all()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The result of `request_id` (or of whichever request finishes first, without one), waiting up to
-        `timeout` seconds (None: as long as it takes); None on timeout."""
+        `timeout` seconds (None: as long as it takes); None on timeout. Streaming requests end in their stream
+        (request_id_iter), not here."""
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"Request {request_id!r} streams: read its outputs with request_id_iter().")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
@@ -274,14 +282,12 @@ class ContinuousBatchingManager:
             return
         while True:
             output = stream.get()
-            yield output
             if output.is_finished():
                 with self._cv:
                     self._streams.pop(request_id, None)
-                    if request_id in self._results:
-                        self._order.remove(request_id)
-                        self._results.pop(request_id)
+                yield output
                 return
+            yield output
 
     # ---- the steps ----
     def _loop_once(self) -> bool:
@@ -342,10 +348,16 @@ class ContinuousBatchingManager:
         request.finished_time = time.monotonic()
         output = request.output()
         with self._cv:
+            self.counts[status.value] += 1
             self._active.discard(request.id)
-            self._results[request.id] = output
-            self._order.append(request.id)
             stream = self._streams.get(request.id)
+            if request.id in self._discard:
+                self._discard.discard(request.id)
+                self._streams.pop(request.id, None)
+                stream = None
+            elif stream is None:  # a streaming request's result is the last item of its stream
+                self._results[request.id] = output
+                self._order.append(request.id)
             self._cv.notify_all()
         if stream is not None:
             stream.put(output)

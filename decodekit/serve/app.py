@@ -280,10 +280,10 @@ class Job:
             while output is None:
                 output = await run_in_threadpool(self.manager.get_result, self.request_id, 0.25)
                 if output is None and await request.is_disconnected():
-                    self.manager.cancel_request(self.request_id)
+                    self.manager.cancel_request(self.request_id, keep_result=False)
                     return JSONResponse({}, status_code=499)
         except asyncio.CancelledError:
-            self.manager.cancel_request(self.request_id)
+            self.manager.cancel_request(self.request_id, keep_result=False)
             raise
         return self.whole(output)
 
@@ -322,15 +322,15 @@ class Job:
                 if choices:
                     yield _sse(self.envelope(choices, chunk=True))
                 if len(closed) == len(texts):
-                    if not output.is_finished():
-                        self.manager.cancel_request(self.request_id)  # stop strings ended every row: free the blocks
+                    if not output.is_finished():  # stop strings ended every row: free the blocks
+                        self.manager.cancel_request(self.request_id, keep_result=False)
                     if self.include_usage:
                         yield _sse({**self.envelope([], chunk=True), "usage": self.usage(output)})
                     break
             yield "data: [DONE]\n\n"
         finally:
             if len(closed) < max(len(sent), 1):  # the client went away (or the stream broke): free the request's blocks
-                self.manager.cancel_request(self.request_id)
+                self.manager.cancel_request(self.request_id, keep_result=False)
 
 
 def _sse(payload: dict) -> str:

@@ -1,0 +1,228 @@
+"""decodekit serve, driven with the official openai client over a loopback port."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve] (make test installs it)")
+pytest.importorskip("uvicorn", reason="decodekit serve needs decodekit[serve] (make test installs it)")
+openai = pytest.importorskip("openai", reason="the server's tests use the openai client (decodekit[dev])")
+
+from decodekit.batching import RequestStatus  # noqa: E402
+from decodekit.hub_loader.source import resolve  # noqa: E402
+from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
+
+from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method  # noqa: E402
+
+NAME = "smol"
+KEY = "secret-key"
+
+
+@pytest.fixture(scope="module")
+def method_dir(tmp_path_factory):
+    return write_method(tmp_path_factory.mktemp("methods") / "ban", HOOK_METHOD)
+
+
+@pytest.fixture(scope="module")
+def server(default_model, method_dir):
+    model, tok = default_model
+    manager = model.init_continuous_batching(max_queue_size=64, max_cache_bytes=256 * 2**20)
+    spec = f"{method_dir}@{resolve(str(method_dir)).revision}"
+    settings = ServerSettings(model_name=NAME, api_key=KEY, max_tokens_limit=64, max_request_bytes=20_000,
+                              methods=allowed_methods([spec]))
+    srv = Server(manager, tok, settings, port=0).start()
+    manager.start()  # the tests' own thread stays free to be the clients
+    yield srv
+    srv.stop()
+    manager.join(timeout=30)
+    assert not srv.thread.is_alive() and not manager.is_running()  # a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def expected(default_model, ids: list[int], **kwargs) -> str:
+    model, tok = default_model
+    out = model.generate(torch.tensor([ids]), **kwargs)[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_ids
+    out = out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    with urllib.request.urlopen(f"{server.url}/health") as response:
+        assert json.load(response) == {"status": "ok"}
+
+
+def test_completion_equals_generate_alone(default_model, client):
+    _, tok = default_model
+    prompt = "The capital of France is"
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == expected(default_model, tok.encode(prompt), max_new_tokens=10)
+    assert r.usage.prompt_tokens == len(tok.encode(prompt)) and r.usage.completion_tokens == 10
+    assert r.choices[0].finish_reason == "length" and r.object == "text_completion"
+
+
+def test_chat_applies_the_template_and_samples_with_a_seed(default_model, client):
+    _, tok = default_model
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0.8, top_p=0.9,
+                                       seed=7, n=2)
+    rows = [c.message.content for c in r.choices]
+    model, _ = default_model
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, top_k=0,
+                         seed=7, num_return_sequences=2)[:, len(ids):]
+    eos = model.generation_config.eos_token_ids
+    want = [tok.decode([t for t in row if t not in eos][: next((i for i, t in enumerate(row) if t in eos), len(row))],
+                       skip_special_tokens=True) for row in out.tolist()]
+    assert rows == want and r.choices[0].message.role == "assistant"
+
+
+def test_streaming_gives_the_same_text_and_usage(default_model, client):
+    _, tok = default_model
+    messages = [{"role": "user", "content": "Count to five."}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    r = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=30, temperature=0, stop=["."])
+    assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_are_those_of_the_chosen_tokens(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens and all(e.logprob <= 0 for e in entries)
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
+
+
+def test_a_request_chooses_an_allowed_method(default_model, client, method_dir):
+    _, tok = default_model
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+    banned = tok.encode(" Paris")[0]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"decodekit": {"method": str(method_dir), "banned_token": banned}})
+    assert r.choices[0].text != plain.choices[0].text
+    assert r.choices[0].text == expected(default_model, tok.encode(prompt), max_new_tokens=6,
+                                         custom_generate=str(method_dir), trust_remote_code=True, banned_token=banned)
+    installed = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                          extra_body={"decodekit": {"method": "processors", "repetition_penalty": 1.5}})
+    assert installed.choices[0].text == expected(default_model, tok.encode(prompt), max_new_tokens=6, repetition_penalty=1.5)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"decodekit": {"method": "not-installed"}}, "not-installed"),
+    ({"decodekit": {"repetition_penalty": -1}}, "repetition_penalty=-1"),
+    ({"decodekit": {"method": "processors", "no_such_field": 1}}, "no_such_field"),
+    ({"decodekit": {"custom_generate": "org/evil", "trust_remote_code": True}}, "cannot be set by a request"),
+    ({"decodekit": {"num_beams": 3}}, "beam_search"),
+    ({"max_tokens": 65}, "max_tokens=65"),
+    ({"temperature": 3}, "temperature=3"),
+    ({"prompt": "x" * 30_000}, "bytes"),
+])
+def test_bad_requests_are_400_with_decodekit_message(client, extra, words):
+    body = {"max_tokens": 3, "temperature": 0, **extra}
+    prompt = body.pop("prompt", "Hello")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt=prompt, extra_body=body)
+    assert words in caught.value.message
+
+
+def test_an_api_key_is_required(server):
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_a_full_queue_answers_429(default_model):
+    model, tok = default_model
+    manager = model.init_continuous_batching(max_queue_size=1, max_cache_bytes=64 * 2**20)  # never started
+    manager.add_request([1, 2, 3], max_new_tokens=2)
+    srv = Server(manager, tok, ServerSettings(model_name=NAME), port=0).start()
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.RateLimitError, match="max_queue_size=1"):
+            c.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server, client):
+    manager = server.manager
+    cancelled = manager.counts["cancelled"]
+    stream = client.completions.create(model=NAME, prompt="Tell me a long story.", max_tokens=64, temperature=0,
+                                       stream=True, extra_body={"decodekit": {"eos_token_id": None}})
+    next(iter(stream))
+    assert manager.free_blocks < manager.total_blocks
+    stream.close()
+    deadline = time.monotonic() + 30
+    while manager.free_blocks != manager.total_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.free_blocks == manager.total_blocks and manager.counts["cancelled"] == cancelled + 1
+    assert not manager._results and not manager._streams  # nothing kept for a client that went away
+
+
+def test_thirty_two_concurrent_streaming_clients(default_model, client):
+    _, tok = default_model
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+    want = {p: expected(default_model, tok.encode(p), max_new_tokens=12) for p in prompts}
+    got, errors = {}, []
+
+    def one(i):
+        try:
+            prompt = prompts[i % len(prompts)]
+            chunks = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+            got[i] = (prompt, "".join(c.choices[0].text for c in chunks))
+        except Exception as error:  # noqa: BLE001 - reported below with the client's index
+            errors.append((i, error))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and len(got) == 32
+    assert all(text == want[prompt] for prompt, text in got.values())
+
+
+def test_v1_without_a_key_header_is_401(server):
+    request = urllib.request.Request(f"{server.url}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request)
+    assert caught.value.code == 401
+
+
+def test_serve_refuses_an_unpinned_or_full_loop_method(tmp_path):
+    with pytest.raises(ValueError, match="SPEC@REVISION"):
+        allowed_methods([str(tmp_path)])
+    full = write_method(tmp_path / "full", TRANSFORMERS_STYLE_GREEDY)
+    with pytest.raises(ValueError, match="replaces the whole decoding loop"):
+        allowed_methods([f"{full}@{resolve(str(full)).revision}"])
+
+
+def test_cancelled_results_name_their_status(default_model):
+    model, _ = default_model
+    manager = model.init_continuous_batching(max_cache_bytes=64 * 2**20)
+    rid = manager.add_request([1, 2, 3], max_new_tokens=5)
+    manager.stop()  # stopping before any step cancels what waits
+    manager.run()
+    assert manager.get_result(rid, timeout=1).status == RequestStatus.CANCELLED

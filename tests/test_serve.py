@@ -226,3 +226,10 @@ def test_cancelled_results_name_their_status(default_model):
     manager.stop()  # stopping before any step cancels what waits
     manager.run()
     assert manager.get_result(rid, timeout=1).status == RequestStatus.CANCELLED
+
+
+def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
+    from decodekit.cli import main
+
+    assert main(["serve", "--method", str(tmp_path)]) == 2
+    assert "SPEC@REVISION" in capsys.readouterr().err

@@ -221,9 +221,10 @@ class Job:
         self.model = settings.model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        arguments = {**fields, **method_fields(body, settings), "logprobs": self.logprobs}
-        if self.stops:  # generation stops at a stop string; texts() cuts it off
-            arguments.update(stop_strings=self.stops, tokenizer=tokenizer)
+        # The tokenizer serves stop strings (generation stops at one; texts() cuts it off) and structured output.
+        arguments = {**fields, **method_fields(body, settings), "logprobs": self.logprobs, "tokenizer": tokenizer}
+        if self.stops:
+            arguments["stop_strings"] = self.stops
         try:
             self.request_id = manager.add_request(ids, request_id=self.id, streaming=self.stream, **arguments)
         except QueueFull as error:

@@ -109,32 +109,53 @@ class PagedBatch:
         device = cache.keys[0].device
         self.position_ids = self.positions.to(device)[None]
         self._slots = self.slots.to(device)
+        self.chunks = [s for s in segments if s.end - s.start > 1]
+        self.singles = [s.start for s in segments if s.end - s.start == 1]
+        self._chunk_tokens = torch.tensor([i for s in self.chunks for i in range(s.start, s.end)], dtype=torch.long)
+        self._single_tokens = torch.tensor(self.singles, dtype=torch.long)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are given per token (position_ids); nothing is read from the cache's length
 
     def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
         """Writes k, v [1, KV, N, D] at the tokens' slots and returns the attention of q [1, H, N, D] over each
-        token's request row, [1, H, N, D]."""
+        token's request row, [1, H, N, D].
+
+        One-token segments (decode rows) go through decodekit::paged_attention, which reads each row's blocks
+        in place; prompt chunks through SDPA over their row's gathered keys and values, whose fused kernel
+        beats a per-query loop once a chunk has more than a few tokens (the gather is one copy per chunk)."""
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         tokens = q[0].transpose(0, 1)  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
-        if tokens.device.type == "cpu" and tokens.dtype == keys.dtype in (torch.float32, torch.bfloat16) and native.ready(tokens):
-            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), k, v, keys, values, self.slots, self.tables,
-                                                      self.owner, self.positions, self.cache.block_size, window or 0)
-        else:
+        native_ok = tokens.device.type == "cpu" and tokens.dtype == keys.dtype in (torch.float32, torch.bfloat16)
+        if not (native_ok and native.ready(tokens)):
             keys.index_copy_(0, self._slots, k)
             values.index_copy_(0, self._slots, v)
-            out = self.gathered_attention(tokens, keys, values, window)
+            return self.gathered_attention(tokens, keys, values, window, self.segments).transpose(0, 1)[None]
+        if not self.chunks:  # decode rows only: the common step
+            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), k, v, keys, values, self.slots, self.tables,
+                                                      self.owner, self.positions, self.cache.block_size, window or 0)
+            return out.transpose(0, 1)[None]
+        out = torch.empty_like(tokens)
+        chunk_at = self._chunk_tokens.to(keys.device)
+        keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])
+        values.index_copy_(0, self._slots[chunk_at], v[chunk_at])
+        self.gathered_attention(tokens, keys, values, window, self.chunks, out)
+        if len(self.singles):
+            at = self._single_tokens
+            out[at] = torch.ops.decodekit.paged_attention(
+                tokens[at].contiguous(), k[at], v[at], keys, values, self.slots[at], self.tables, self.owner[at],
+                self.positions[at], self.cache.block_size, window or 0)
         return out.transpose(0, 1)[None]
 
-    def gathered_attention(self, tokens, keys, values, window) -> torch.Tensor:
-        """The same attention through SDPA, one segment at a time over its row's gathered keys and values."""
+    def gathered_attention(self, tokens, keys, values, window, segments, out=None) -> torch.Tensor:
+        """Attention through SDPA for `segments`, one at a time over its row's gathered keys and values (written
+        already); fills `out` [N, H, D] at their tokens."""
         from ..models.llama import visible
 
         bs = self.cache.block_size
-        out = torch.empty_like(tokens)
-        for s in self.segments:
+        out = torch.empty_like(tokens) if out is None else out
+        for s in segments:
             length = s.first + s.end - s.start
             j = torch.arange(length)
             slots = (self.tables[s.row, j // bs] * bs + j % bs).to(keys.device)

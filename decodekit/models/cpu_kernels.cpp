@@ -423,27 +423,53 @@ void add_scaled(float* out, float p, const A* v, int64_t D) {
   for (; d < D; ++d) out[d] += p * static_cast<float>(v[d]);
 }
 
-// Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing.
-// `at(j)`: where slot j's entry starts in keys/values (its row's, or the row a shared-rows cache names).
+// exp of eight floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r keeps its bits), exp(r) by its
+// Taylor polynomial to r^6 (relative error under 1e-7 there), 2^n put into the exponent bits. Inputs below -87
+// give about 1e-38: a masked score (-inf) weighs nothing.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing
+// but their place in the softmax's vector pass. `at(j)`: where slot j's entry starts in keys/values (its row's,
+// or the row a shared-rows cache names, or its block's in a paged cache).
 template <typename A, typename At, typename Visible>
 void attend(const float* q, const A* keys, const A* values, At at, Visible visible, int64_t L, int64_t D,
             float* scores, float* out) {
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  float best = -std::numeric_limits<float>::infinity();
+  const float masked = -std::numeric_limits<float>::infinity();
+  float best = masked;
   for (int64_t j = 0; j < L; ++j) {
-    if (!visible(j)) continue;
-    scores[j] = dot(q, keys + at(j), D) * scale;
+    scores[j] = visible(j) ? dot(q, keys + at(j), D) * scale : masked;
     best = std::max(best, scores[j]);
   }
   std::fill(out, out + D, 0.f);
-  float total = 0.f;
-  for (int64_t j = 0; j < L; ++j) {
-    if (!visible(j)) continue;
-    const float p = std::exp(scores[j] - best);
-    total += p;
-    add_scaled(out, p, values + at(j), D);
+  if (best == masked) return;  // no visible slot: zeros, never read (see llama.py)
+  const __m256 top = _mm256_set1_ps(best);
+  int64_t j = 0;
+  __m256 sum8 = _mm256_setzero_ps();
+  for (; j + 8 <= L; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
+    _mm256_storeu_ps(scores + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible slot: zeros, never read (see llama.py)
+  float total = horizontal_sum(sum8);
+  for (; j < L; ++j) {
+    scores[j] = std::exp(scores[j] - best);
+    total += scores[j];
+  }
+  for (j = 0; j < L; ++j) {
+    if (visible(j)) add_scaled(out, scores[j], values + at(j), D);
+  }
+  const float inv = 1.f / total;
   for (int64_t d = 0; d < D; ++d) out[d] = round_to<A>(out[d] * inv);
 }
 

@@ -185,8 +185,16 @@ def test_a_full_queue_refuses_more(model):
 def test_bad_manager_options_name_the_option(model):
     with pytest.raises(ValueError, match="block_size=0"):
         model.init_continuous_batching(block_size=0)
-    with pytest.raises(ValueError, match="unknown options \\['max_batch'\\]"):
+    with pytest.raises(ValueError, match="unknown options \\['max_batch'\\] \\(did you mean 'max_batch_tokens'\\?\\)"):
         model.init_continuous_batching(max_batch=3)
+    with pytest.raises(ValueError, match="temperature"):
+        model.init_continuous_batching(temperature=-2.0, do_sample=True)
+
+
+def test_manager_defaults_apply_to_every_request(model):
+    with model.init_continuous_batching(max_new_tokens=3, eos_token_id=None) as manager:
+        out = manager.get_result(manager.add_request([1, 2]), timeout=60)
+    assert len(out.generated_tokens) == 3
 
 
 def test_a_wrapped_transformers_model_batches_with_a_cache_per_request(tmp_path):

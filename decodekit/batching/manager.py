@@ -1,5 +1,5 @@
 """ContinuousBatchingManager: requests added at any time, each with its own generation config and decoding
-method, stepped together by a background thread, and generate_batch over it (what batching.mixin gives every
+method, stepped together in one thread, and generate_batch over it (what batching.mixin gives every
 decodekit model).
 
     with model.init_continuous_batching(max_new_tokens=64) as manager:
@@ -86,12 +86,13 @@ class _Registered:
 
 
 class ContinuousBatchingManager:
-    """Schedules requests over one model in a background thread (see the module docstring).
+    """Schedules requests over one model; its steps run in run() or, after start(), in a background thread.
 
     `generation_config`: the defaults every request starts from (else the model's); `block_size`: positions per
-    cache block; `max_cache_bytes`: the paged cache's size (default: see default_cache_bytes); `max_batch_tokens`: tokens per step (decode rows plus prefill chunks); `min_prefill`: prefill
-    tokens a step takes even when decode rows fill the budget; `max_running`: requests in the cache at once;
-    `max_queue_size`: requests waiting beyond those (0: no limit); `methods`: a MethodCache.
+    cache block; `max_cache_bytes`: the paged cache's size (default: see default_cache_bytes); `max_batch_tokens`:
+    tokens per step (decode rows plus prefill chunks); `min_prefill`: prefill tokens a step takes even when decode
+    rows fill the budget; `max_running`: requests in the cache at once; `max_queue_size`: requests waiting beyond
+    those (0: no limit); `methods`: a MethodCache.
     """
 
     def __init__(self, model, generation_config=None, max_queue_size: int = 0, block_size: int = 16,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.config import GenerationConfig, is_int
-from ..core.generate import merge_config
+from ..core.generate import call_limits, merge_config, settle_config
 from ..plugins.fused import FusedTokens
 from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
 
@@ -130,7 +130,7 @@ class Request:
     def output(self) -> GenerationOutput:
         rows = []
         for row in self.sequences[:, self.prompt_length:].tolist():
-            rows.append(trim_after_end(row, self.config.eos_token_ids, self.config.pad_token_id))
+            rows.append(trim_after_end(row, self.config.eos_token_ids))
         reason = None
         if self.status == RequestStatus.FINISHED:
             reason = "length" if self.stopped_by_length else "stop"
@@ -142,7 +142,7 @@ class Request:
         )
 
 
-def trim_after_end(row: list[int], eos: list[int], pad: int | None) -> list[int]:
+def trim_after_end(row: list[int], eos: list[int]) -> list[int]:
     """A row's generated tokens up to and including its first EOS (the padding generate() adds after it dropped)."""
     for i, token in enumerate(row):
         if token in eos:
@@ -186,22 +186,11 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
         gc, model_kwargs = merge_config(model, generation_config, options)
         if model_kwargs:
             raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        gc.validate(vocab)
-        if gc.pad_token_id is None and gc.eos_token_ids:
-            gc.pad_token_id = gc.eos_token_ids[0]
-        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        max_length = gc.max_length_for(len(prompt), max_positions)
-        if max_length <= len(prompt):
-            raise ValueError(f"The prompt has {len(prompt)} tokens and max_length is {max_length}: nothing to generate. "
-                             "Set max_new_tokens (tokens to generate after the prompt).")
-        seed = extras.get("seed")
-        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
-            raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
+        settle_config(model, gc)
+        max_length, generator = call_limits(model, gc, len(prompt), extras.get("seed"), None)
         logprobs = extras.get("logprobs", False)
         if not isinstance(logprobs, bool):
             raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
-        generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
         from ..registry.manager import call_first, call_hooks
 
         rows = gc.num_return_sequences

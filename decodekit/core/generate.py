@@ -49,6 +49,30 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     return gc, model_kwargs
 
 
+def settle_config(model, gc: GenerationConfig) -> None:
+    """Validates the call's config for the model's vocabulary and, as transformers does, pads with the first EOS
+    where no pad_token_id is set."""
+    gc.validate(getattr(getattr(model, "config", None), "vocab_size", None))
+    if gc.pad_token_id is None and gc.eos_token_ids:
+        gc.pad_token_id = gc.eos_token_ids[0]
+
+
+def call_limits(model, gc: GenerationConfig, prompt_length: int, seed, generator):
+    """(max_length, generator) of a call on a prompt of `prompt_length` tokens: ValueError if nothing would be
+    generated or the seed is invalid; a generator seeded with `seed` where none is given."""
+    max_length = gc.max_length_for(prompt_length, getattr(getattr(model, "config", None), "max_position_embeddings", None))
+    if max_length <= prompt_length:
+        raise ValueError(
+            f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
+            "Set max_new_tokens (tokens to generate after the prompt)."
+        )
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
+        raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+    return max_length, generator
+
+
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
@@ -158,21 +182,10 @@ class GenerationMixin:
                 raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
             kwargs["input_ids"] = inputs
         gc, model_kwargs = merge_config(self, generation_config, kwargs)
-        gc.validate(getattr(getattr(self, "config", None), "vocab_size", None))
-        if gc.pad_token_id is None and gc.eos_token_ids:
-            gc.pad_token_id = gc.eos_token_ids[0]
+        settle_config(self, gc)
         input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
         prompt_length = input_ids.shape[1]
-        max_length = gc.max_length_for(prompt_length, getattr(getattr(self, "config", None), "max_position_embeddings", None))
-        if max_length <= prompt_length:
-            raise ValueError(
-                f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
-                "Set max_new_tokens (tokens to generate after the prompt)."
-            )
-        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
-            raise ValueError(f"seed={seed!r} is invalid; expected an integer in [0, 2**64).")
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        max_length, generator = call_limits(self, gc, prompt_length, seed, generator)
         from ..registry.manager import call_first, call_hooks
 
         context = GenerationContext(

@@ -13,7 +13,6 @@ error, and the others go on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -404,20 +403,9 @@ def generate_batch(model, inputs: list, generation_config=None, progress_bar: bo
 
 
 def _progress(enabled: bool, total: int):
-    if enabled:
-        with contextlib.suppress(ImportError):
-            from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # huggingface_hub's dependency, so always there
 
-            return tqdm(total=total, desc="generate_batch", unit="request")
-    return _NoBar()
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    return tqdm(total=total, desc="generate_batch", unit="request", disable=not enabled)
 
 
 __all__ = ["ContinuousBatchingManager", "GenerationOutput", "QueueFull", "RequestStatus", "DONE"]

@@ -60,11 +60,14 @@ class PagedRunner:
     def free_blocks(self) -> int:
         return self.cache.allocator.free_blocks
 
+    def _row_blocks(self, request: Request) -> tuple[int, int]:
+        """(blocks of one row up to max_length, of those the prompt's full blocks, which the rows share)."""
+        return self.cache.blocks_for(request.max_length), request.prompt_length // self.cache.block_size
+
     def blocks_needed(self, request: Request) -> int:
         """Blocks a request holds from admission to its end: every row's positions up to max_length, the prompt's
-        full blocks counted once (the rows share them)."""
-        per_row = self.cache.blocks_for(request.max_length)
-        shared = request.prompt_length // self.cache.block_size
+        full blocks counted once."""
+        per_row, shared = self._row_blocks(request)
         return per_row + (request.rows - 1) * (per_row - shared)
 
     def admit(self, request: Request) -> bool:
@@ -72,13 +75,12 @@ class PagedRunner:
         if self.blocks_needed(request) > self.free_blocks:
             return False
         alloc = self.cache.allocator
-        per_row = self.cache.blocks_for(request.max_length)
+        per_row, shared = self._row_blocks(request)
         first = alloc.allocate(per_row)
-        shared = first[: request.prompt_length // self.cache.block_size]
         request.tables = [first]
         for _ in range(request.rows - 1):
-            alloc.share(shared)
-            request.tables.append(shared + alloc.allocate(per_row - len(shared)))
+            alloc.share(first[:shared])
+            request.tables.append(first[:shared] + alloc.allocate(per_row - shared))
         return True
 
     def release(self, request: Request) -> None:

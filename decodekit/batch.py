@@ -44,14 +44,12 @@ class RowGenerator:
     """The model and tokenizer of `settings`, loaded once; `generator(prompt) -> {"generated_text", "generated_token_ids"}`."""
 
     def __init__(self, settings: BatchSettings):
-        from .models import AutoModelForCausalLM, AutoTokenizer
-        from .models.default import default_model_path
+        from .models.default import load_model
 
         self.settings = settings
-        source = settings.model or default_model_path()
-        load = {"revision": settings.revision, "gguf_file": settings.gguf_file, "backend": settings.backend}
-        self.tokenizer = AutoTokenizer.from_pretrained(source, **load)
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=settings.dtype, quantize=settings.quantize, **load)
+        self.model, self.tokenizer = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
+                                                revision=settings.revision, gguf_file=settings.gguf_file,
+                                                backend=settings.backend)
 
     def __call__(self, prompt: str) -> dict[str, Any]:
         import torch

@@ -140,15 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from .models import AutoModelForCausalLM, AutoTokenizer
-    from .models.default import DEFAULT_MODEL_NAME, default_model_path
+    from .models.default import DEFAULT_MODEL_NAME
     from .serve import Server, ServerSettings, allowed_methods
 
-    source = args.model or default_model_path()
-    load = {"revision": args.revision, "gguf_file": args.gguf_file, "backend": args.backend}
-    methods = allowed_methods(args.method)
-    tokenizer = AutoTokenizer.from_pretrained(source, **load)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, quantize=args.quantize, **load)
+    methods = allowed_methods(args.method)  # before the model loads: a bad --method fails at once
+    model, tokenizer = load_model_of(args)
     manager = model.init_continuous_batching(
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None)
@@ -181,6 +177,14 @@ def _model_flags(parser, generation: bool = True) -> None:
                         help="how many tokens to generate at most (default: 64)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the model's chat template as a user message")
+
+
+def load_model_of(args):
+    """(model, tokenizer) that the _model_flags in `args` choose."""
+    from .models.default import load_model
+
+    return load_model(args.model, dtype=args.dtype, quantize=args.quantize, revision=args.revision,
+                      gguf_file=args.gguf_file, backend=args.backend)
 
 
 def _method_flags(parser) -> None:
@@ -429,8 +433,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .core.streamers import TextStreamer
-    from .models import AutoModelForCausalLM, AutoTokenizer
-    from .models.default import default_model_path
+    from .models import AutoModelForCausalLM
     from .models.tokenizer import prompt_ids
 
     kwargs = generation_kwargs(args)
@@ -440,10 +443,7 @@ def cmd_generate(args) -> int:
               "at the end.", file=sys.stderr)
         stream = False
     began = time.perf_counter()
-    source = args.model or default_model_path()
-    load = {"revision": args.revision, "gguf_file": args.gguf_file, "backend": args.backend}
-    tokenizer = AutoTokenizer.from_pretrained(source, **load)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=args.dtype, quantize=args.quantize, **load)
+    model, tokenizer = load_model_of(args)
     if args.assistant:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype)
     loaded = time.perf_counter()

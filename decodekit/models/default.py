@@ -39,8 +39,16 @@ def default_model_path() -> Path:
 
 def load_default(dtype=None, device=None):
     """(model, tokenizer) for the default model."""
+    return load_model(None, dtype=dtype, device=device)
+
+
+def load_model(source=None, dtype=None, quantize=None, device=None, revision=None, gguf_file=None, backend=None):
+    """(model, tokenizer) from `source` (a model directory, a Hub repo id or a .gguf file; the default model when
+    None), with from_pretrained's options: what the command line and batch jobs load."""
     from .loading import AutoModelForCausalLM
     from .tokenizer import AutoTokenizer
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device=device), AutoTokenizer.from_pretrained(path)
+    path = source or default_model_path()
+    load = {"revision": revision, "gguf_file": gguf_file, "backend": backend}
+    tokenizer = AutoTokenizer.from_pretrained(path, **load)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantize=quantize, device=device, **load), tokenizer

@@ -257,9 +257,15 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
     message through the tokenizer's chat template, ready for the assistant's reply."""
     if not chat:
         return tokenizer(text, return_tensors="pt")["input_ids"]
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        return_tensors="pt")
-    return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]  # transformers' tokenizers: a BatchEncoding
+    return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
+
+
+def chat_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    if not isinstance(ids, list):  # transformers' tokenizers: a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def render_chat_template(template: str, **context) -> str:

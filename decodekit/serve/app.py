@@ -23,6 +23,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
+from ..models.tokenizer import chat_ids
 
 
 @dataclass
@@ -187,13 +188,11 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
                 raise BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": \"...\"} objects.",
                                  "messages")
             try:
-                ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                                    add_generation_prompt=True)
+                ids = chat_ids(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
             except ValueError as error:
                 raise BadRequest(str(error), "messages") from None
-            ids = ids if isinstance(ids, list) else list(ids[0]) if hasattr(ids, "__getitem__") else ids
             fields = generation_fields(body, settings, settings.default_max_tokens)
-            job = Job(manager, tokenizer, body, settings, [int(t) for t in ids], fields, chat=True)
+            job = Job(manager, tokenizer, body, settings, ids, fields, chat=True)
             return await job.respond(request)
         except BadRequest as error:
             return error_response(error)

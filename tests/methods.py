@@ -117,6 +117,30 @@ def decodekit_logits_processors(generation_config):
 '''
 
 
+# Reads the sequence: bans the two tokens it ends with (an engine adapter must pass the right ids in order).
+RECENT_TOKENS_BAN = '''
+"""Bans repeating either of the sequence's last two tokens."""
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"ban_recent": False}
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    if not generation_config.ban_recent:
+        return []
+
+    def ban(input_ids, scores):
+        scores[:, input_ids[0, -2:]] = -float("inf")
+        return scores
+
+    return [ban]
+'''
+
+
 def write_method(root: Path, generate_py: str, requirements: str | None = None, extra: dict[str, str] | None = None,
                  readme: str = "---\ntags:\n- custom_generate\n---\n# a method\n") -> Path:
     method = root / "custom_generate"

@@ -23,7 +23,10 @@ Each request's processors run on its own row. Running requests that share score-
 of their rows was tried and measured slower on CPU (32 rows of a 49,152-token vocabulary: 5.1 ms a step
 against 2.0 ms row by row; engine throughput 0.86-0.91x of plain against 0.977x), so it is not done.
 
-Not yet: vLLM's V2 model runner (slot-keyed processor API; custom processors need the V1 runner on this build).
+The V2 model runner (the default where Triton is installed, i.e. vLLM's GPU builds) has a slot-keyed processor
+API and refuses entry-point classes without it; `DecodekitLogitsProcessor` serves both runners (a
+`SlotProcessor` under V2). The V2 path is tested against its interface with constructed batches only: its
+runner needs Triton, which this project's CPU machines lack, so no V2 engine has run it.
 """
 
 from __future__ import annotations
@@ -56,26 +59,33 @@ _lock = threading.Lock()
 _allowed: dict[str, Any] | None = None
 
 
+def load_allowed(entries: str | list[str]) -> dict[str, Any]:
+    """{name: loaded method} of hook-only methods given as SPEC@REVISION entries (a list, or one comma-separated
+    string), each loaded through decodekit's trust gate at the revision the operator pinned."""
+    from ..hub_loader.method import load_method
+
+    if isinstance(entries, str):
+        entries = entries.split(",")
+    loaded = {}
+    for entry in filter(None, (e.strip() for e in entries)):
+        spec, sep, revision = entry.rpartition("@")
+        if not sep or not spec or not revision:
+            raise ValueError(f"{METHODS_VARIABLE}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
+                             "directory or Hub repo and the revision its code is trusted at).")
+        method = load_method(spec, trust_remote_code=revision)
+        if not method.hooks:
+            raise ValueError(f"{METHODS_VARIABLE}: {spec!r} replaces the whole decoding loop; vLLM can only run "
+                             "hook-only methods (logits processors, a selector, stopping criteria).")
+        loaded[spec] = method
+    return loaded
+
+
 def allowed_methods() -> dict[str, Any]:
-    """{name: loaded method} of the hook-only methods the operator allowed in $DECODEKIT_VLLM_METHODS
-    (comma-separated SPEC@REVISION), loaded once per process through decodekit's trust gate."""
+    """The methods the operator allowed in $DECODEKIT_VLLM_METHODS, loaded once per process."""
     global _allowed
     with _lock:
         if _allowed is None:
-            from ..hub_loader.method import load_method
-
-            loaded = {}
-            for entry in filter(None, (e.strip() for e in os.environ.get(METHODS_VARIABLE, "").split(","))):
-                spec, sep, revision = entry.rpartition("@")
-                if not sep or not spec or not revision:
-                    raise ValueError(f"{METHODS_VARIABLE}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
-                                     "directory or Hub repo and the revision its code is trusted at).")
-                method = load_method(spec, trust_remote_code=revision)
-                if not method.hooks:
-                    raise ValueError(f"{METHODS_VARIABLE}: {spec!r} replaces the whole decoding loop; vLLM can only run "
-                                     "hook-only methods (logits processors, a selector, stopping criteria).")
-                loaded[spec] = method
-            _allowed = loaded
+            _allowed = load_allowed(os.environ.get(METHODS_VARIABLE, ""))
         return _allowed
 
 
@@ -94,8 +104,9 @@ class Request:
         return registered_module(*self.method) if self.method is not None else contextlib.nullcontext()
 
 
-def parse(params, model=None) -> Request | None:
-    """The decodekit choice of a request's SamplingParams, validated (ValueError with decodekit's message), or None."""
+def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request | None:
+    """The decodekit choice of a request's SamplingParams, validated (ValueError with decodekit's message), or None;
+    `methods` are the allowed ones (the engine's, from $DECODEKIT_VLLM_METHODS, unless given)."""
     extra = getattr(params, "extra_args", None) or {}
     spec = extra.get(KEY)
     if spec is None:
@@ -109,7 +120,8 @@ def parse(params, model=None) -> Request | None:
         raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}} (or its JSON text); '
                          f"got {spec!r}.")
     fields = {k: v for k, v in spec.items() if k != "method"}
-    name, methods, plugins = spec["method"], allowed_methods(), outside_plugins()
+    name, plugins = spec["method"], outside_plugins()
+    methods = allowed_methods() if methods is None else methods
     if name in methods:
         method = (methods[name].module, methods[name].plugin_name)
         chosen = {methods[name].plugin_name}
@@ -169,17 +181,97 @@ def _only(row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     return kept
 
 
+def _engine_facts(vllm_config) -> tuple[_StandIn, list[int], int]:
+    """What hooks may read of the engine's model (a stand-in), its EOS ids and its longest sequence."""
+    model_config = vllm_config.model_config
+    eos = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
+    return (_StandIn(model_config.get_vocab_size(), eos),
+            [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), model_config.max_model_len)
+
+
+def _max_tokens(params, max_model_len: int) -> int:
+    return getattr(params, "max_tokens", None) or max_model_len
+
+
+try:  # vLLM's V2 model runner and its slot-keyed processor interface (vLLM >= 0.32)
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as SlotInterface
+except ImportError:
+    SlotInterface = None
+
+
+class SlotProcessor(SlotInterface or object):
+    """The same per-request hooks for vLLM's V2 model runner, whose processors keep state per request slot and
+    see the whole batch at once (rows reordered every step; under speculative decoding a request has one row per
+    draft token). A row's sequence is its request's committed tokens before the row's first position, then the
+    tokens fed at the request's rows up to this one; a row still reading its prompt, or the prompt and outputs it
+    is refilled with after preemption (chunked prefill), is left alone."""
+
+    def __init__(self, vllm_config, req_states):
+        self.states = req_states
+        self.model, self.eos, self.max_model_len = _engine_facts(vllm_config)
+        self.requests: dict[int, tuple[Request, int]] = {}
+        self.hooks: dict[int, RequestHooks] = {}
+        allowed_methods()
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        parse(sampling_params)
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        self.hooks.pop(req_idx, None)  # slots are recycled: nothing of the previous occupant stays
+        request = parse(sampling_params, self.model)
+        if request is None:
+            self.requests.pop(req_idx, None)
+            return False
+        self.requests[req_idx] = (request, _max_tokens(sampling_params, self.max_model_len))
+        return True
+
+    def apply_staged_writes(self) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        if not self.requests:
+            return logits
+        rows_of: dict[int, list[int]] = {}
+        for row, slot in enumerate(ctx.expanded_idx_mapping.tolist()):
+            if slot in self.requests:
+                rows_of.setdefault(slot, []).append(row)
+        if not rows_of:
+            return logits
+        local, positions, fed = (ctx.expanded_local_pos.tolist(), ctx.pos.tolist(), ctx.input_ids.tolist())
+        for slot, rows in rows_of.items():
+            rows.sort(key=local.__getitem__)
+            start, prompt_length = positions[rows[0]], int(self.states.prompt_len.np[slot])
+            if start + 1 < int(self.states.prefill_len.np[slot]):
+                continue  # a chunk of the (re)filled tokens: nothing is sampled from it
+            hooks = self.hooks.get(slot)
+            if hooks is None:
+                request, max_tokens = self.requests[slot]
+                hooks = self.hooks[slot] = RequestHooks(request, self.model, prompt_length,
+                                                        prompt_length + max_tokens, self.eos)
+            sequence = self.states.all_token_ids.gpu[slot, :start].tolist()
+            for row in rows:
+                sequence.append(fed[row])
+                logits[row] = hooks(sequence[:prompt_length], sequence[prompt_length:], logits[row])
+        return logits
+
+
 class DecodekitLogitsProcessor(AdapterLogitsProcessor):
-    """vLLM logits processor running decodekit hook methods per request (see the module's docstring)."""
+    """vLLM logits processor running decodekit hook methods per request (see the module's docstring).
+
+    vLLM loads every class of the entry-point group for whichever model runner it starts, and the V2 runner
+    refuses classes without its interface: so this one class serves both. Constructed with the V1 runner's
+    arguments (vllm_config, device, is_pin_memory) it is the V1 processor below; with the V2 runner's
+    (vllm_config, req_states) it gives a SlotProcessor."""
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        if len(args) == 1 and hasattr(args[0], "all_token_ids"):
+            return SlotProcessor(vllm_config, args[0])
+        return super().__new__(cls)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         super().__init__(vllm_config, device, is_pin_memory)
-        model_config = vllm_config.model_config
-        hf = getattr(model_config, "hf_config", None)
-        eos = getattr(hf, "eos_token_id", None)
-        self.eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.model = _StandIn(model_config.get_vocab_size(), eos)
-        self.max_model_len = model_config.max_model_len
+        self.model, self.eos, self.max_model_len = _engine_facts(vllm_config)
         allowed_methods()  # the operator's methods load (and fail) when the engine starts, not at a request
 
     @classmethod
@@ -193,7 +285,7 @@ class DecodekitLogitsProcessor(AdapterLogitsProcessor):
         request = parse(params, self.model)
         if request is None:
             return None
-        max_tokens = getattr(params, "max_tokens", None) or self.max_model_len
+        max_tokens = _max_tokens(params, self.max_model_len)
         hooks_for_prompt = {}
 
         def run(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -204,3 +296,7 @@ class DecodekitLogitsProcessor(AdapterLogitsProcessor):
             return hooks(prompt_ids, output_ids, logits)
 
         return run
+
+
+if SlotInterface is not None:
+    SlotInterface.register(DecodekitLogitsProcessor)

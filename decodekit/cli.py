@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch-tokens", type=_positive_int, default=256, metavar="N",
                      help="tokens per step: decode rows plus prefill chunks (default: 256)")
     srv.add_argument("--cache-mb", type=_positive_int, metavar="MB", help="paged KV cache size (default: up to 2 GiB)")
+    srv.add_argument("--compile", action="store_true",
+                     help="run decode steps compiled with torch.compile, once per row bucket (the first steps of each "
+                          "bucket compile; about 10%% faster steps for up to 16 rows on CPU)")
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -147,7 +150,7 @@ def cmd_serve(args) -> int:
     model, tokenizer = load_model_of(args)
     manager = model.init_continuous_batching(
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None)
+        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, **({"compile": True} if args.compile else {}))
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                               max_request_bytes=args.max_request_bytes, methods=methods)

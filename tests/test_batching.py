@@ -105,6 +105,35 @@ def test_twenty_requests_arriving_over_time_equal_generate_alone(model, tmp_path
     assert manager.free_blocks == blocks  # every block came back
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "kernels-off-eager"])
+def test_compiled_decode_steps_equal_generate_alone(model, native):
+    # compile=True on the manager: steps whose rows all decode run compiled, once per row bucket; as requests
+    # end, the rows fall from 6 (bucket 8) to 1. Without decodekit's C++ kernels every step runs eagerly.
+    if native and not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    requests = [([5, 6, 7], {"max_new_tokens": 3}), ([9] * 13, {"max_new_tokens": 17}),
+                ([4, 2], {"max_new_tokens": 9, "do_sample": True, "seed": 3}),
+                ([8, 1, 8, 1, 3], {"max_new_tokens": 6, "num_return_sequences": 2, "do_sample": True, "seed": 4}),
+                ([3] * 21, {"max_new_tokens": 12, "repetition_penalty": 1.3})]
+    with cpu.forced(native_kernels=native):
+        manager = model.init_continuous_batching(compile=True, block_size=4)
+        blocks = manager.free_blocks
+        ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
+        manager.run(until_idle=True)
+        results = [manager.get_result(rid, timeout=0) for rid in ids]
+    for (prompt, fields), out in zip(requests, results):
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.sequences == alone(model, prompt, **fields), fields
+    compiled = manager.runner.compiled
+    assert compiled.broken is None and manager.free_blocks == blocks
+    assert sorted(compiled.buckets) == ([1, 2, 4, 8] if native else [])
+
+
+def test_compile_settings_are_checked_when_the_manager_is_made(model):
+    with pytest.raises(ValueError, match="compile_config"):
+        model.init_continuous_batching(compile=True, compile_config={"modes": "max-autotune"})
+
+
 def test_generate_batch_returns_results_in_input_order_and_fails_bad_prompts_alone(model):
     prompts = [[5, 6, 7], [], [8] * 30, [model.config.vocab_size + 3]]
     results = list(model.generate_batch(prompts, max_new_tokens=6, progress_bar=False).values())

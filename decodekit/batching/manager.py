@@ -84,6 +84,22 @@ class _Registered:
 
 
 
+STEP_FIELDS = ("compile", "compile_config")
+
+
+def step_compile_options(model, generation_config) -> dict | None:
+    """The batch's step is compiled when the manager's own generation config (its requests' defaults) says
+    compile=True: its compile_config then, else None. A request's own compile field cannot change a step that
+    other requests share."""
+    gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if not getattr(gc, "compile", False):
+        return None
+    from ..plugins.fused import decodekit_validate_config as check_compile_fields
+
+    check_compile_fields(generation_config=gc)  # now, not at each request: every request would fail on it
+    return dict(gc.compile_config or {})
+
+
 class ContinuousBatchingManager:
     """Schedules requests over one model; its steps run in run() or, after start(), in a background thread.
 
@@ -112,10 +128,12 @@ class ContinuousBatchingManager:
             if not isinstance(budget, int) or budget < per_block:
                 raise ValueError(f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
                                  f"takes {per_block} bytes for this model.")
-            self.runner = PagedRunner(model, budget // per_block, block_size)
+            self.runner = PagedRunner(model, budget // per_block, block_size, step_compile_options(model, generation_config))
             logger.info("continuous batching: paged cache of %d blocks of %d positions (%s)", budget // per_block,
                         block_size, human_size(budget // per_block * per_block))
         else:
+            if step_compile_options(model, generation_config) is not None:
+                logger.info("continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__)
             self.runner = CacheRunner(model, max_running)
             logger.info("continuous batching: %s has no paged path; each request keeps a cache of its own and runs "
                         "its own forward each step", type(model).__name__)
@@ -379,7 +397,10 @@ def generate_batch(model, inputs: list, generation_config=None, progress_bar: bo
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch() takes a list of prompts (lists of token ids), got {type(inputs).__name__}.")
     options = {k: kwargs.pop(k) for k in MANAGER_OPTIONS if k in kwargs}
-    manager = ContinuousBatchingManager(model, generation_config, **options)
+    # compile and compile_config decide the batch's shared step: they become the manager's defaults.
+    step = {k: kwargs.pop(k) for k in STEP_FIELDS if k in kwargs}
+    manager = (model.init_continuous_batching(generation_config, **options, **step) if step
+               else ContinuousBatchingManager(model, generation_config, **options))
     results: dict[str, GenerationOutput] = {}
     ids = []
     for prompt in inputs:

@@ -48,9 +48,16 @@ class PagedRunner:
 
     paged = True
 
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, compile_options: dict | None = None):
+        """compile_options: None for eager steps, else compile_config (a dict, maybe empty): steps whose rows
+        all decode then run compiled (batching/compiled.py)."""
         self.model = model
         self.cache = PagedCache(model, num_blocks, block_size)
+        self.compiled = None
+        if compile_options is not None:
+            from .compiled import CompiledDecode
+
+            self.compiled = CompiledDecode(model, self.cache, compile_options, model.config.max_position_embeddings)
 
     @property
     def total_blocks(self) -> int:
@@ -107,12 +114,15 @@ class PagedRunner:
                 tokens.append(int(r.sequences[row, -1]))
                 keep.append(len(tokens) - 1)
             owners.append((r.id, r.rows))
-        batch = PagedBatch(self.cache, tables, segments)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        keep_index = torch.tensor(keep, dtype=torch.long)
-        out = self.model(ids, position_ids=batch.position_ids, past_key_values=batch, use_cache=True,
-                         logits_to_keep=keep_index)
-        logits = out.logits[0]
+        logits = None
+        if self.compiled is not None and not any(work.prefill for work in works):
+            logits = self.compiled(tokens, tables, [s.first for s in segments])
+        if logits is None:
+            batch = PagedBatch(self.cache, tables, segments)
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+            out = self.model(ids, position_ids=batch.position_ids, past_key_values=batch, use_cache=True,
+                             logits_to_keep=torch.tensor(keep, dtype=torch.long))
+            logits = out.logits[0]
         result, at = {}, 0
         for request_id, rows in owners:
             result[request_id] = logits[at:at + rows]

@@ -301,7 +301,8 @@ class LlamaForCausalLM(GenerationMixin, ContinuousMixin, nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
-        cos, sin = self.rotary.lookup(position_ids, x.dtype)
+        # Code being compiled cannot grow the table: its caller ensure()s it for every position first.
+        cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=not torch.compiler.is_compiling())
         paged = getattr(cache, "paged", False)  # its attention masks by itself
         masks = {} if paged else build_masks(attention_mask, past, T, self.windows, x.device)
 

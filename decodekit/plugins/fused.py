@@ -256,15 +256,20 @@ class FusedStep:
                 many_rows_route()  # measured here, outside the trace, which cannot time anything
         self.cache = StaticCache.for_model(model, batch, length)
         model.rotary.ensure(length, model.device, model.dtype)
-        step = make(model, self.cache)
-        # Each step gets a code object of its own: dynamo counts recompilations per code object, and
-        # a long-lived process with many processor settings would otherwise hit its limit.
-        FusedStep.made += 1
-        code = step.__code__.replace(co_name=f"decodekit_step_{FusedStep.made}")
-        own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-        self.step = torch.compile(own, **compile_arguments(options))
+        self.step = compile_own(make(model, self.cache), options)
 
-    made = 0
+
+def compile_own(step, options: dict):
+    """torch.compile(step) (options: compile_config, see compile_arguments) on a code object of its own: dynamo
+    counts recompilations per code object, and a long-lived process with many steps would otherwise hit its
+    limit."""
+    compile_own.made += 1
+    code = step.__code__.replace(co_name=f"decodekit_step_{compile_own.made}")
+    own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+    return torch.compile(own, **compile_arguments(options))
+
+
+compile_own.made = 0
 
 
 class FusedLoop:

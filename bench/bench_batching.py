@@ -1,12 +1,16 @@
 """Continuous batching throughput and time to first token on the default model: decodekit against its own static
 batch, transformers' generate_batch on the same weights, and vLLM's CPU build (in its own environment).
 
-Two loads, the same token ids for every engine, greedy, EOS ignored so every engine generates the same counts:
+Three loads, the same token ids for every engine, greedy, EOS ignored so every engine generates the same counts:
 - uniform: 32 requests of 128 new tokens, all at once;
+- few: 4 requests of 128 new tokens, all at once (where a compiled step pays most);
 - mixed: 32 requests, prompts of 16-1,024 tokens and 16-256 new tokens (seeded), arriving over about 8 s
   (exponential gaps; the same schedule for every engine).
 
-    python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--skip-transformers]
+    python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--skip-transformers] [--compile]
+
+--compile adds decodekit with compile=True (decode-only steps compiled per row bucket, every bucket compiled
+by manager.warm_up() before the clock starts).
 
 The vLLM rows come from running this file with --engine vllm in vLLM's environment (`make test-vllm` builds it),
 which runs the loads on vllm's AsyncLLM engine. Prints one JSON object: generated tokens/s, time to first token
@@ -42,7 +46,7 @@ def loads(tokenizer) -> dict[str, list[dict]]:
         start = rng.randrange(0, len(base) - length)
         mixed.append({"ids": base[start:start + length], "new_tokens": rng.randint(16, 256), "arrival": round(at, 3)})
         at += rng.expovariate(1 / 0.25)
-    return {"uniform": uniform, "mixed": mixed}
+    return {"uniform": uniform, "few": uniform[:4], "mixed": mixed}
 
 
 def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
@@ -52,8 +56,9 @@ def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
             "ttft_p95_s": round(p95, 3), "seconds": round(seconds, 2)}
 
 
-def run_decodekit(model, requests: list[dict]) -> dict:
-    manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20)
+def run_decodekit(model, requests: list[dict], compile: bool = False) -> dict:
+    manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20, compile=compile)
+    manager.warm_up()  # with compile=True: every row bucket compiled before the clock starts, as serve --compile does
     ids, added = {}, {}
     start = time.monotonic()
 
@@ -154,6 +159,7 @@ def main() -> int:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--vllm-python", help="vLLM's environment's python (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
     args = parser.parse_args()
     from decodekit.models.default import load_default
 
@@ -173,6 +179,10 @@ def main() -> int:
     result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit": {}}
     for name, requests in all_loads.items():
         result["decodekit"][name] = run_decodekit(model, requests)
+    if args.compile:
+        result["decodekit compiled"] = {}
+        for name, requests in all_loads.items():
+            result["decodekit compiled"][name] = run_decodekit(model, requests, compile=True)
     with torch.inference_mode():
         result["decodekit static batch"] = {"uniform": run_static(model, all_loads["uniform"])}
     if not args.skip_transformers:
@@ -194,6 +204,11 @@ def main() -> int:
         for name, row in result.get(engine, {}).items():
             if isinstance(row, dict) and row.get("tokens_per_s"):
                 ratios[f"{name} over {engine}"] = ours[name]["tokens_per_s"] / row["tokens_per_s"]
+                if "decodekit compiled" in result:
+                    ratios[f"{name} compiled over {engine}"] = (result["decodekit compiled"][name]["tokens_per_s"]
+                                                               / row["tokens_per_s"])
+    for name, row in result.get("decodekit compiled", {}).items():
+        ratios[f"{name} compiled over eager"] = row["tokens_per_s"] / ours[name]["tokens_per_s"]
     result["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
     json.dump(result, sys.stdout, indent=2)
     print()

@@ -129,6 +129,22 @@ def test_compiled_decode_steps_equal_generate_alone(model, native):
     assert sorted(compiled.buckets) == ([1, 2, 4, 8] if native else [])
 
 
+def test_warm_up_compiles_every_bucket_before_any_request(model):
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    manager = model.init_continuous_batching(compile=True, max_running=5, block_size=4)
+    blocks = manager.free_blocks
+    assert manager.warm_up() == [1, 2, 4, 8]
+    steps = dict(model._paged_decode_steps)
+    ids = [manager.add_request([7, i + 1], max_new_tokens=4 + i) for i in range(5)]
+    manager.run(until_idle=True)
+    assert model._paged_decode_steps == steps  # no step compiled after the warm-up
+    for i, rid in enumerate(ids):
+        assert manager.get_result(rid, timeout=0).generated_tokens == alone(model, [7, i + 1], max_new_tokens=4 + i)[0]
+    assert manager.free_blocks == blocks
+    assert model.init_continuous_batching().warm_up() == []  # eager steps: nothing to compile
+
+
 def test_compile_settings_are_checked_when_the_manager_is_made(model):
     with pytest.raises(ValueError, match="compile_config"):
         model.init_continuous_batching(compile=True, compile_config={"modes": "max-autotune"})

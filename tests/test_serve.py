@@ -233,3 +233,30 @@ def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
 
     assert main(["serve", "--method", str(tmp_path)]) == 2
     assert "SPEC@REVISION" in capsys.readouterr().err
+
+
+def test_serve_compile_compiles_every_bucket_before_listening(default_model, tmp_path, monkeypatch):
+    import decodekit.cli as cli
+    import decodekit.serve as serve
+    from decodekit.models import cpu
+    from decodekit.testing import tiny_model
+
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    order = []
+
+    class Listening:  # stands in for the HTTP server: records what was ready when it would start
+        def __init__(self, manager, tokenizer, settings, host, port):
+            self.manager, self.url = manager, f"http://{host}:{port}"
+
+        def start(self):
+            order.append(sorted(self.manager.runner.compiled.buckets))
+            return self
+
+        def run_steps(self):
+            order.append("steps")
+
+    monkeypatch.setattr(cli, "load_model_of", lambda args: (tiny_model(tmp_path, "llama").eval(), default_model[1]))
+    monkeypatch.setattr(serve, "Server", Listening)
+    assert cli.main(["serve", "--compile", "--max-running", "3", "--port", "0"]) == 0
+    assert order == [[1, 2, 4], "steps"]

@@ -221,6 +221,13 @@ class ContinuousBatchingManager:
         return self.runner.total_blocks
 
     # ---- requests ----
+    def warm_up(self) -> list[int]:
+        """With compile=True: compiles the decode step for every row bucket up to max_running now (a server calls
+        it before taking requests), not at the first step of each size; returns the buckets, [] where steps are
+        not compiled. Call it from the thread that will run the steps."""
+        compiled = getattr(self.runner, "compiled", None)
+        return [] if compiled is None else compiled.warm_up(self.scheduler.max_running)
+
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, **fields) -> str:
         """Queues one prompt (a list of token ids) with its own generation config fields and decoding method

@@ -8,6 +8,7 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
   (exponential gaps; the same schedule for every engine).
 
     python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--skip-transformers] [--compile]
+                                   [--max-batch-tokens N]
 
 --compile adds decodekit with compile=True (decode-only steps compiled per row bucket, every bucket compiled
 by manager.warm_up() before the clock starts).
@@ -56,8 +57,8 @@ def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
             "ttft_p95_s": round(p95, 3), "seconds": round(seconds, 2)}
 
 
-def run_decodekit(model, requests: list[dict], compile: bool = False) -> dict:
-    manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20, compile=compile)
+def run_decodekit(model, requests: list[dict], compile: bool = False, **options) -> dict:
+    manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20, compile=compile, **options)
     manager.warm_up()  # with compile=True: every row bucket compiled before the clock starts, as serve --compile does
     ids, added = {}, {}
     start = time.monotonic()
@@ -160,6 +161,7 @@ def main() -> int:
     parser.add_argument("--vllm-python", help="vLLM's environment's python (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
+    parser.add_argument("--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)")
     args = parser.parse_args()
     from decodekit.models.default import load_default
 
@@ -177,12 +179,13 @@ def main() -> int:
     with torch.inference_mode():
         model.generate_batch([r["ids"] for r in all_loads["uniform"][:4]], max_new_tokens=4, progress_bar=False)
     result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit": {}}
+    options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
     for name, requests in all_loads.items():
-        result["decodekit"][name] = run_decodekit(model, requests)
+        result["decodekit"][name] = run_decodekit(model, requests, **options)
     if args.compile:
         result["decodekit compiled"] = {}
         for name, requests in all_loads.items():
-            result["decodekit compiled"][name] = run_decodekit(model, requests, compile=True)
+            result["decodekit compiled"][name] = run_decodekit(model, requests, compile=True, **options)
     with torch.inference_mode():
         result["decodekit static batch"] = {"uniform": run_static(model, all_loads["uniform"])}
     if not args.skip_transformers:

@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests waiting beyond the running ones before the server answers 429 (default: 256)")
     srv.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
                      help="requests in the KV cache at once (default: 64)")
-    srv.add_argument("--max-batch-tokens", type=_positive_int, default=256, metavar="N",
-                     help="tokens per step: decode rows plus prefill chunks (default: 256)")
+    srv.add_argument("--max-batch-tokens", type=_positive_int, default=512, metavar="N",
+                     help="tokens per step: decode rows plus prefill chunks (default: 512)")
     srv.add_argument("--cache-mb", type=_positive_int, metavar="MB", help="paged KV cache size (default: up to 2 GiB)")
     srv.add_argument("--compile", action="store_true",
                      help="run decode steps compiled with torch.compile, one function per power-of-two row bucket, all "

@@ -111,7 +111,7 @@ class ContinuousBatchingManager:
     """
 
     def __init__(self, model, generation_config=None, max_queue_size: int = 0, block_size: int = 16,
-                 max_cache_bytes: int | None = None, max_batch_tokens: int = 256, max_running: int = 64,
+                 max_cache_bytes: int | None = None, max_batch_tokens: int = 512, max_running: int = 64,
                  min_prefill: int = 32, methods: MethodCache | None = None):
         for name, value, low in (("max_queue_size", max_queue_size, 0), ("block_size", block_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1), ("max_running", max_running, 1),

@@ -129,6 +129,23 @@ def test_compiled_decode_steps_equal_generate_alone(model, native):
     assert sorted(compiled.buckets) == ([1, 2, 4, 8] if native else [])
 
 
+@pytest.mark.parametrize("weights", [{"dtype": torch.bfloat16}, {"quantize": "int8"}], ids=["bf16", "int8"])
+def test_compiled_decode_steps_of_bf16_and_int8_models(tmp_path, weights):
+    from decodekit import AutoModelForCausalLM
+    from decodekit.testing import write_tiny_model
+
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    m = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "tiny", "llama", 0), **weights).eval()
+    requests = [([5, 6, 7], 3), ([9] * 13, 10), ([4, 2], 6)]
+    manager = m.init_continuous_batching(compile=True, block_size=4)
+    ids = [manager.add_request(prompt, max_new_tokens=n) for prompt, n in requests]
+    manager.run(until_idle=True)
+    for (prompt, n), rid in zip(requests, ids):
+        assert manager.get_result(rid, timeout=0).generated_tokens == alone(m, prompt, max_new_tokens=n)[0]
+    assert manager.runner.compiled.broken is None and sorted(manager.runner.compiled.buckets) == [1, 2, 4]
+
+
 def test_warm_up_compiles_every_bucket_before_any_request(model):
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")

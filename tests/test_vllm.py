@@ -126,29 +126,34 @@ def test_the_openai_server_runs_a_method_per_request(engine):
 
 
 
-def test_ray_data_llm_processor_applies_a_method_to_every_row(engine):
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat-template"])
+def test_ray_data_llm_processor_applies_a_method_to_every_row(engine, chat):
     # decodekit.integrations.ray.vllm_processor: ray.data.llm's vLLM stage on a local 2-CPU cluster, the
     # decodekit processor attached through the entry point and the method allowed through the runtime env.
     ray = pytest.importorskip("ray", reason="ray is not installed in vLLM's environment: `make test-vllm` installs it")
     from decodekit.integrations.ray import vllm_processor
+    from decodekit.models.tokenizer import prompt_ids
 
     _, methods, model = engine
     allowed = [f"{methods['ban']}@{resolve(methods['ban']).revision}"]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         processor = vllm_processor(model, method=methods["ban"], fields={"banned_token": 7042}, allowed=allowed,
-                                   sampling={"max_tokens": 8, "ignore_eos": True}, batch_size=4,
+                                   sampling={"max_tokens": 8, "ignore_eos": True}, batch_size=4, chat=chat,
                                    engine_kwargs={"enforce_eager": True, "dtype": "float32", "max_model_len": 512,
                                                   "gpu_memory_utilization": 0.3})
-        rows = [{"prompt": PROMPTS[i % 2], "id": i} for i in range(8)]
+        rows = [{"prompt": PROMPTS[i % 2], "id": i} for i in range(8 if not chat else 2)]
         out = sorted(processor(ray.data.from_items(rows)).take_all(), key=lambda row: row["id"])
     finally:
         ray.shutdown()
     assert [(row["id"], row["prompt"]) for row in out] == [(row["id"], row["prompt"]) for row in rows]
+    ours(PROMPTS[0], tokens=1)  # loads ours.model / ours.tok
     for row in out:
-        expected = ours(row["prompt"], custom_generate=methods["ban"], banned_token=7042)
+        ids = prompt_ids(ours.tok, row["prompt"], chat=chat)
+        expected = ours.model.generate(ids, max_new_tokens=8, eos_token_id=None, trust_remote_code=True,
+                                       custom_generate=methods["ban"], banned_token=7042)[0, ids.shape[1]:].tolist()
         assert list(row["generated_token_ids"]) == expected and row["generated_text"] == ours.tok.decode(expected)
-    assert 7042 not in out[0]["generated_token_ids"]
+        assert 7042 not in expected
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from ..models import native
+from ..models.quantize import many_rows_route
 from .paged import PagedBatch, PagedCache, Segment
 
 logger = logging.getLogger("decodekit")
@@ -67,6 +68,8 @@ class CompiledDecode:
         self.broken: str | None = None
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
+        if model.device.type == "cpu" and getattr(model, "quantization", None) == "int8":
+            many_rows_route()  # measured here, outside any trace (which cannot time anything), as FusedStep does
 
     def usable(self) -> bool:
         keys = self.cache.keys[0]

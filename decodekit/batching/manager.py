@@ -122,17 +122,18 @@ class ContinuousBatchingManager:
         self.generation_config = generation_config
         self.max_queue_size = max_queue_size
         self.methods = methods or MethodCache()
+        compile_options = step_compile_options(model, generation_config)
         if supports_paged(model):
             per_block = bytes_per_position(model) * block_size
             budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
             if not isinstance(budget, int) or budget < per_block:
                 raise ValueError(f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
                                  f"takes {per_block} bytes for this model.")
-            self.runner = PagedRunner(model, budget // per_block, block_size, step_compile_options(model, generation_config))
+            self.runner = PagedRunner(model, budget // per_block, block_size, compile_options)
             logger.info("continuous batching: paged cache of %d blocks of %d positions (%s)", budget // per_block,
                         block_size, human_size(budget // per_block * per_block))
         else:
-            if step_compile_options(model, generation_config) is not None:
+            if compile_options is not None:
                 logger.info("continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__)
             self.runner = CacheRunner(model, max_running)
             logger.info("continuous batching: %s has no paged path; each request keeps a cache of its own and runs "

@@ -92,6 +92,7 @@ def _plain(value):
 
 DEVICES = ("cpu", "cuda")
 INPUT = "decodekit_input."
+LIGHT_CPUS = 0.25
 
 
 def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, Any] | None = None,
@@ -120,7 +121,7 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
         raise ValueError("fields are a method's fields: give the method they belong to as method=.")
     choice = None if method is None else json.dumps({"method": method, **(fields or {})})
     if choice is not None:
-        parse(SimpleNamespace(extra_args={KEY: choice}), methods=load_allowed(list(allowed)))
+        parse(SimpleNamespace(extra_args={KEY: choice}), methods=load_allowed(list(allowed), source="allowed"))
     require_ray()
     try:
         from ray.data.llm import build_processor, vLLMEngineProcessorConfig
@@ -136,13 +137,16 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
     config.setdefault("log_engine_metrics", False)  # True needs ray[serve] (Ray's metrics export), not ray[data]
     if device == "cpu":
         config.setdefault("placement_group_config", {"bundles": [{"CPU": cpus}]})
-    # The engine tokenizes and detokenizes itself; ray.data.llm's separate stages would each hold a CPU actor.
+    # The engine tokenizes and detokenizes itself; ray.data.llm's separate stages would each hold a CPU actor. The
+    # chat template's stage and the row functions are light: a quarter CPU each, so a 2-CPU cluster fits them
+    # beside an engine (with a whole CPU each they would wait for one another forever).
     processor_config = vLLMEngineProcessorConfig(
         model_source=model, engine_kwargs=engine_kwargs, concurrency=concurrency, batch_size=batch_size,
-        runtime_env=runtime_env, chat_template_stage=chat, tokenize_stage=False, detokenize_stage=False, **config)
+        runtime_env=runtime_env, chat_template_stage={"enabled": chat, "num_cpus": LIGHT_CPUS},
+        tokenize_stage=False, detokenize_stage=False, **config)
     params = {"temperature": 0.0, "max_tokens": 64, **(sampling or {})}
     if choice is not None:
-        params["extra_args"] = {KEY: choice}  # JSON text: rows of one dataset share one Arrow schema
+        params["extra_args"] = {**(params.get("extra_args") or {}), KEY: choice}  # JSON text: one Arrow schema
 
     # The input row's columns travel under a prefix, so the stages' own columns (prompt, messages, metrics...)
     # neither clash with them nor reach the output.
@@ -155,7 +159,9 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
         return {**{k[len(INPUT):]: v for k, v in row.items() if k.startswith(INPUT)},
                 "generated_text": row["generated_text"], "generated_token_ids": _plain(row["generated_tokens"])}
 
-    return build_processor(processor_config, preprocess=preprocess, postprocess=postprocess)
+    light = {"num_cpus": LIGHT_CPUS}
+    return build_processor(processor_config, preprocess=preprocess, postprocess=postprocess,
+                           preprocess_map_kwargs=light, postprocess_map_kwargs=light)
 
 
 def _processor_installed() -> bool:

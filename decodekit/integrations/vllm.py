@@ -59,9 +59,10 @@ _lock = threading.Lock()
 _allowed: dict[str, Any] | None = None
 
 
-def load_allowed(entries: str | list[str]) -> dict[str, Any]:
+def load_allowed(entries: str | list[str], source: str = METHODS_VARIABLE) -> dict[str, Any]:
     """{name: loaded method} of hook-only methods given as SPEC@REVISION entries (a list, or one comma-separated
-    string), each loaded through decodekit's trust gate at the revision the operator pinned."""
+    string), each loaded through decodekit's trust gate at the revision the operator pinned; `source` names
+    where the entries came from in errors."""
     from ..hub_loader.method import load_method
 
     if isinstance(entries, str):
@@ -70,11 +71,11 @@ def load_allowed(entries: str | list[str]) -> dict[str, Any]:
     for entry in filter(None, (e.strip() for e in entries)):
         spec, sep, revision = entry.rpartition("@")
         if not sep or not spec or not revision:
-            raise ValueError(f"{METHODS_VARIABLE}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
+            raise ValueError(f"{source}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
                              "directory or Hub repo and the revision its code is trusted at).")
         method = load_method(spec, trust_remote_code=revision)
         if not method.hooks:
-            raise ValueError(f"{METHODS_VARIABLE}: {spec!r} replaces the whole decoding loop; vLLM can only run "
+            raise ValueError(f"{source}: {spec!r} replaces the whole decoding loop; vLLM can only run "
                              "hook-only methods (logits processors, a selector, stopping criteria).")
         loaded[spec] = method
     return loaded
@@ -213,9 +214,7 @@ class SlotProcessor(SlotInterface or object):
         self.hooks: dict[int, RequestHooks] = {}
         allowed_methods()
 
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        parse(sampling_params)
+    # validate_params: vLLM calls the entry-point class's (DecodekitLogitsProcessor's), not this one's.
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         self.hooks.pop(req_idx, None)  # slots are recycled: nothing of the previous occupant stays

@@ -162,23 +162,27 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
     parser.add_argument("--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)")
+    parser.add_argument("--weights", choices=["float32", "bfloat16", "int8"], default="float32",
+                        help="decodekit's weight format (vLLM and transformers run float32 whatever this says)")
     args = parser.parse_args()
-    from decodekit.models.default import load_default
+    import torch
 
-    model, tokenizer = load_default()
+    from decodekit.models.default import load_model
+
+    model, tokenizer = load_model(dtype=torch.bfloat16 if args.weights == "bfloat16" else None,
+                                  quantize="int8" if args.weights == "int8" else None)
     all_loads = loads(tokenizer)
     if args.engine == "vllm":
         json.dump(run_vllm(Path(args.model_dir), all_loads), sys.stdout)
         return 0
-    import torch
-
     from decodekit.models import cpu
     from decodekit.testing import default_model_as_transformers
 
     directory = default_model_as_transformers(Path(tempfile.mkdtemp()) / "model")
     with torch.inference_mode():
         model.generate_batch([r["ids"] for r in all_loads["uniform"][:4]], max_new_tokens=4, progress_bar=False)
-    result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit": {}}
+    result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit weights": args.weights,
+                    "decodekit": {}}
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
     for name, requests in all_loads.items():
         result["decodekit"][name] = run_decodekit(model, requests, **options)

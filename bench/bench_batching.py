@@ -119,14 +119,14 @@ def run_transformers(directory: Path, requests: list[dict]) -> dict:
             "note": "all requests at once, each to the load's largest new-token count"}
 
 
-def run_vllm(directory: Path, all_loads: dict) -> dict:
+def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32") -> dict:
     import asyncio
 
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(directory), enforce_eager=True, dtype="float32",
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(directory), enforce_eager=True, dtype=dtype,
                                                        max_model_len=2048, gpu_memory_utilization=0.3))
 
     async def one(n, r, start, firsts, counts):
@@ -163,7 +163,8 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
     parser.add_argument("--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)")
     parser.add_argument("--weights", choices=["float32", "bfloat16", "int8"], default="float32",
-                        help="decodekit's weight format (vLLM and transformers run float32 whatever this says)")
+                        help="decodekit's weight format; vLLM runs bfloat16 too for bfloat16, float32 otherwise "
+                             "(it has no int8 of these weights); transformers runs float32")
     args = parser.parse_args()
     import torch
 
@@ -173,7 +174,8 @@ def main() -> int:
                                   quantize="int8" if args.weights == "int8" else None)
     all_loads = loads(tokenizer)
     if args.engine == "vllm":
-        json.dump(run_vllm(Path(args.model_dir), all_loads), sys.stdout)
+        json.dump(run_vllm(Path(args.model_dir), all_loads, "bfloat16" if args.weights == "bfloat16" else "float32"),
+                  sys.stdout)
         return 0
     from decodekit.models import cpu
     from decodekit.testing import default_model_as_transformers
@@ -198,7 +200,8 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - reported, the other rows stand
             result["transformers generate_batch"] = {"error": f"{type(error).__name__}: {error}"[:300]}
     if args.vllm_python:
-        done = subprocess.run([args.vllm_python, __file__, "--engine", "vllm", "--model-dir", str(directory)],
+        done = subprocess.run([args.vllm_python, __file__, "--engine", "vllm", "--model-dir", str(directory),
+                               "--weights", "bfloat16" if args.weights == "bfloat16" else "float32"],
                               capture_output=True, text=True)
         if done.returncode == 0:
             result["vllm cpu"] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -3,9 +3,10 @@
 A JSON Lines file in, one object per line with a prompt (key "prompt" unless told otherwise) and optionally an
 "id"; a JSON Lines file out, each input row with "generated_text" and "generated_token_ids" added. Rows already
 in the output (by id; the line number where a row has none) are skipped, so a run that stopped goes on where
-it was; a line cut off by a crash is the only thing ever removed from the output. Each prompt is generated on
-its own, so a row's output is what generate() gives for that prompt alone, whatever decoding method it uses
-(built-in fields, a hook-only method or a full-loop custom_generate).
+it was; a line cut off by a crash is the only thing ever removed from the output. A row's output is what
+generate() gives for that prompt alone, whatever decoding method it uses (built-in fields, a hook-only method
+or a full-loop custom_generate): rows share continuous batching's steps where the method allows it (its
+results equal generate() alone), else each prompt runs on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 OUTPUT_KEYS = ("generated_text", "generated_token_ids")
+CHUNK_ROWS = 32  # rows generated together (continuous batching) before they are written
 
 
 @dataclass
@@ -41,28 +43,84 @@ class BatchSettings:
 
 
 class RowGenerator:
-    """The model and tokenizer of `settings`, loaded once; `generator(prompt) -> {"generated_text", "generated_token_ids"}`."""
+    """The model and tokenizer of `settings`, loaded once; `generator(prompt) -> {"generated_text",
+    "generated_token_ids"}`, and `generator.many(prompts)` for several."""
 
     def __init__(self, settings: BatchSettings):
         from .models.default import load_model
 
-        self.settings = settings
-        self.model, self.tokenizer = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
-                                                revision=settings.revision, gguf_file=settings.gguf_file,
-                                                backend=settings.backend)
+        model, tokenizer = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
+                                      revision=settings.revision, gguf_file=settings.gguf_file, backend=settings.backend)
+        self._start(settings, model, tokenizer)
+
+    @classmethod
+    def around(cls, settings: BatchSettings, model, tokenizer) -> "RowGenerator":
+        """A generator over a model and tokenizer already loaded (settings' model fields are not read)."""
+        generator = cls.__new__(cls)
+        generator._start(settings, model, tokenizer)
+        return generator
+
+    def _start(self, settings: BatchSettings, model, tokenizer) -> None:
+        self.settings, self.model, self.tokenizer = settings, model, tokenizer
+        self.batched: bool | None = None  # whether many() batches; known after its first call
+        self._manager = None
+
+    def _arguments(self) -> dict[str, Any]:
+        s = self.settings
+        method = {"custom_generate": s.method, "trust_remote_code": s.trust_remote_code} if s.method else {}
+        return {"tokenizer": self.tokenizer, **method, **s.generation}
 
     def __call__(self, prompt: str) -> dict[str, Any]:
         import torch
 
         from .models.tokenizer import prompt_ids
 
-        tok, settings = self.tokenizer, self.settings
-        ids = prompt_ids(tok, prompt, chat=settings.chat)
-        method = {"custom_generate": settings.method, "trust_remote_code": settings.trust_remote_code} if settings.method else {}
-        out = self.model.generate(ids, tokenizer=tok, **method, **settings.generation)
+        ids = prompt_ids(self.tokenizer, prompt, chat=self.settings.chat)
+        out = self.model.generate(ids, **self._arguments())
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        new = sequences[0, ids.shape[1]:]
-        return {"generated_text": tok.decode(new, skip_special_tokens=True), "generated_token_ids": new.tolist()}
+        return self._row(sequences[0, ids.shape[1]:].tolist())
+
+    def _row(self, tokens: list[int]) -> dict[str, Any]:
+        return {"generated_text": self.tokenizer.decode(tokens, skip_special_tokens=True), "generated_token_ids": tokens}
+
+    def many(self, prompts: list[str]) -> list[dict[str, Any]]:
+        """The rows of `prompts`, in order. They share continuous batching's steps where the settings allow it
+        (each result is still what generate() gives for that prompt alone); a method or strategy that owns the
+        loop (a full-loop custom_generate, beam search, assisted decoding, ...) runs one generate() per prompt."""
+        if self.batched is not False and prompts:
+            rows = self._batched(prompts)
+            if rows is not None:
+                return rows
+        return [self(prompt) for prompt in prompts]
+
+    def _batched(self, prompts: list[str]) -> list[dict[str, Any]] | None:
+        from .models.tokenizer import prompt_ids
+
+        if not hasattr(self.model, "init_continuous_batching"):
+            self.batched = False
+            return None
+        if self._manager is None:
+            self._manager = self.model.init_continuous_batching()
+        manager, arguments = self._manager, self._arguments()
+        ids = [prompt_ids(self.tokenizer, prompt, chat=self.settings.chat)[0].tolist() for prompt in prompts]
+        if self.batched is None:
+            try:  # what continuous batching refuses runs one prompt at a time; other errors surface there
+                first = manager.add_request(ids[0], **arguments)
+            except ValueError:
+                self.batched = False
+                return None
+            self.batched = True
+            requests = [first] + [manager.add_request(i, **arguments) for i in ids[1:]]
+        else:
+            requests = [manager.add_request(i, **arguments) for i in ids]
+        manager.run(until_idle=True)
+        rows = []
+        for prompt, request in zip(prompts, requests):
+            out = manager.get_result(request, timeout=0)
+            if out.error is not None:
+                raise RuntimeError(f"generating for the prompt {prompt[:60]!r} failed: {out.error}")
+            rows.append(self._row(list(out.generated_tokens)))
+        return rows
 
 
 def read_rows(path: Path, prompt_key: str) -> list[dict]:
@@ -151,6 +209,8 @@ def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, set
 
 def _here(rows: list[dict], settings: BatchSettings) -> Iterator[dict]:
     generator = RowGenerator(settings)
-    for row in rows:
-        yield {**row, **generator(row[settings.prompt_key])}
+    for start in range(0, len(rows), CHUNK_ROWS):  # written chunk by chunk: a stop loses at most one chunk
+        chunk = rows[start:start + CHUNK_ROWS]
+        for row, result in zip(chunk, generator.many([row[settings.prompt_key] for row in chunk])):
+            yield {**row, **result}
 

@@ -66,10 +66,31 @@ def test_a_method_runs_for_every_row(default_model, tmp_path, method, extra):
 
 def test_a_row_generator_takes_the_chat_template(default_model):
     model, tok = default_model
-    generator = RowGenerator.__new__(RowGenerator)  # the loaded default model, not a second copy
-    generator.settings, generator.model, generator.tokenizer = BatchSettings(chat=True, generation={"max_new_tokens": 4}), model, tok
+    generator = RowGenerator.around(BatchSettings(chat=True, generation={"max_new_tokens": 4}), model, tok)
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt")
-    assert generator("Hi")["generated_token_ids"] == model.generate(ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+    assert generator("Hi")["generated_token_ids"] == expected
+    assert generator.many(["Hi", "Hi"]) == [generator("Hi")] * 2 and generator.batched
+
+
+@pytest.mark.parametrize("method, fields, batched", [
+    (None, {"do_sample": True, "seed": 5, "top_k": 20}, True),
+    (HOOK_METHOD, {"banned_token": 7042}, True),
+    (None, {"num_beams": 2}, False),  # beam search owns its rows: one prompt at a time
+    (TRANSFORMERS_STYLE_GREEDY, {}, False),
+], ids=["seeded-sampling", "hook-only", "beam-search", "full-loop"])
+def test_rows_share_steps_where_the_method_allows_and_equal_generate_alone(default_model, tmp_path, method, fields,
+                                                                           batched):
+    model, tok = default_model
+    repo = write_method(tmp_path / "method", method) if method else None
+    generation = {"max_new_tokens": 6, **fields}
+    settings = BatchSettings(method=str(repo) if repo else None, trust_remote_code=True, generation=generation)
+    generator = RowGenerator.around(settings, model, tok)
+    rows = generator.many(PROMPTS)
+    assert generator.batched is batched
+    method_args = {"custom_generate": str(repo), "trust_remote_code": True} if repo else {}
+    for prompt, row in zip(PROMPTS, rows):
+        assert row["generated_token_ids"] == direct(model, tok, prompt, **method_args, **generation), prompt
 
 
 @pytest.mark.parametrize("lines, message", [

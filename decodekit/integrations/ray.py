@@ -56,7 +56,7 @@ class BatchGenerator:
         self.rows = RowGenerator(self.settings)
 
     def __call__(self, batch: dict) -> dict:
-        results = [self.rows(str(prompt)) for prompt in batch[self.settings.prompt_key]]
+        results = self.rows.many([str(prompt) for prompt in batch[self.settings.prompt_key]])
         return {**{k: list(v) for k, v in batch.items()},
                 "generated_text": [r["generated_text"] for r in results],
                 "generated_token_ids": [r["generated_token_ids"] for r in results]}

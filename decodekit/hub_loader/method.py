@@ -64,6 +64,24 @@ def load_method(spec, trust_remote_code=None, revision=None, token=None, local_f
     return load(sources.resolve(spec, revision=revision, token=token, local_files_only=local_files_only), trust_remote_code)
 
 
+def load_pinned(entries: list[str], source: str, engine: str) -> dict[str, LoadedMethod]:
+    """{spec: LoadedMethod} of the hook-only methods an operator allows, given as SPEC@REVISION entries (a local
+    directory or Hub repo and the revision its code is trusted at), each loaded through the trust gate at that
+    revision. `source` names where the entries came from and `engine` what runs them, in the errors."""
+    methods = {}
+    for entry in filter(None, (e.strip() for e in entries)):
+        spec, sep, revision = entry.rpartition("@")
+        if not sep or not spec or not revision:
+            raise ValueError(f"{source}: {entry!r} is invalid; each entry is SPEC@REVISION (a local directory or Hub "
+                             "repo and the revision its code is trusted at; the trust error for SPEC alone prints it).")
+        method = load_method(spec, trust_remote_code=revision)
+        if method.generate is not None:
+            raise ValueError(f"{source}: {spec!r} replaces the whole decoding loop; {engine} runs hook-only methods "
+                             "(logits processors, a selector, stopping criteria).")
+        methods[spec] = method
+    return methods
+
+
 _registration_lock = threading.RLock()
 
 

@@ -63,22 +63,9 @@ def load_allowed(entries: str | list[str], source: str = METHODS_VARIABLE) -> di
     """{name: loaded method} of hook-only methods given as SPEC@REVISION entries (a list, or one comma-separated
     string), each loaded through decodekit's trust gate at the revision the operator pinned; `source` names
     where the entries came from in errors."""
-    from ..hub_loader.method import load_method
+    from ..hub_loader.method import load_pinned
 
-    if isinstance(entries, str):
-        entries = entries.split(",")
-    loaded = {}
-    for entry in filter(None, (e.strip() for e in entries)):
-        spec, sep, revision = entry.rpartition("@")
-        if not sep or not spec or not revision:
-            raise ValueError(f"{source}: {entry!r} is invalid; each entry is SPEC@REVISION (a local "
-                             "directory or Hub repo and the revision its code is trusted at).")
-        method = load_method(spec, trust_remote_code=revision)
-        if not method.hooks:
-            raise ValueError(f"{source}: {spec!r} replaces the whole decoding loop; vLLM can only run "
-                             "hook-only methods (logits processors, a selector, stopping criteria).")
-        loaded[spec] = method
-    return loaded
+    return load_pinned(entries.split(",") if isinstance(entries, str) else entries, source, "vLLM")
 
 
 def allowed_methods() -> dict[str, Any]:

@@ -69,21 +69,10 @@ class Server:
 
 def allowed_methods(specs: list[str]) -> dict:
     """{spec: LoadedMethod} for the operator's `--method SPEC@REVISION` entries, through the trust gate at the
-    pinned revision; hook-only methods only."""
-    from ..hub_loader.method import load_method
+    pinned revision; hook-only methods only (they run side by side in one batch)."""
+    from ..hub_loader.method import load_pinned
 
-    methods = {}
-    for entry in specs:
-        spec, sep, revision = entry.rpartition("@")
-        if not sep or not spec or not revision:
-            raise ValueError(f"--method {entry!r} is invalid; expected SPEC@REVISION (a local directory or Hub repo and "
-                             "the revision its code is trusted at; the trust error for SPEC alone prints it).")
-        method = load_method(spec, trust_remote_code=revision)
-        if method.generate is not None:
-            raise ValueError(f"--method {spec!r} replaces the whole decoding loop; the server runs hook-only methods "
-                             "(logits processors, a selector, stopping criteria) side by side in one batch.")
-        methods[spec] = method
-    return methods
+    return load_pinned(specs, "--method", "the server")
 
 
 __all__ = ["Server", "ServerSettings", "allowed_methods", "create_app"]

@@ -22,7 +22,7 @@ import torch
 
 from ..models import native
 from ..models.quantize import many_rows_route
-from .paged import PagedBatch, PagedCache, Segment
+from .paged import DecodeRows, PagedBatch, PagedCache, Segment
 
 logger = logging.getLogger("decodekit")
 
@@ -31,29 +31,6 @@ MIN_WIDTH = 2  # a dynamic dimension of size 1 would be specialised by the compi
 
 def bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
-
-
-class DecodeRows:
-    """The past_key_values of a compiled decode step: one token per row, each row's keys and values found and
-    written through its block table (tensor-only, unlike PagedBatch, so the compiler can trace it)."""
-
-    paged = True
-
-    def __init__(self, keys, values, slots, tables, positions, block_size: int):
-        self.keys, self.values, self.slots, self.tables = keys, values, slots, tables
-        self.positions, self.block_size = positions, block_size
-        self.owner = torch.arange(positions.shape[0], device=positions.device)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
-        k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
-        out = torch.ops.decodekit.paged_attention(tokens, k, v, keys, values, self.slots, self.tables, self.owner,
-                                                  self.positions, self.block_size, window or 0)
-        return out.transpose(0, 1)[None]
 
 
 class CompiledDecode:

@@ -86,6 +86,31 @@ class Segment:
     first: int
 
 
+class DecodeRows:
+    """Attention for tokens that each decode one row (tensor-only, so the compiler can trace it; PagedBatch uses it
+    for its decode rows): decodekit::paged_attention writes each token's key and value at its slot and attends
+    through its row's block table in place. `owner` [N]: each token's row of `tables` (default: token i, row i)."""
+
+    paged = True
+
+    def __init__(self, keys, values, slots, tables, positions, block_size: int, owner=None):
+        self.keys, self.values, self.slots, self.tables = keys, values, slots, tables
+        self.positions, self.block_size = positions, block_size
+        self.owner = torch.arange(positions.shape[0], device=positions.device) if owner is None else owner
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
+        """q [1, H, N, D], k, v [1, KV, N, D] -> [1, H, N, D]."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
+        k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
+        out = torch.ops.decodekit.paged_attention(tokens, k, v, keys, values, self.slots, self.tables, self.owner,
+                                                  self.positions, self.block_size, window or 0)
+        return out.transpose(0, 1)[None]
+
+
 class PagedBatch:
     """The `past_key_values` of one forward over the tokens of several request rows, flattened into one
     sequence [1, N]: which table row each token belongs to (`owner`), its position, and the slot its key and
@@ -125,17 +150,16 @@ class PagedBatch:
         in place; prompt chunks through SDPA over their row's gathered keys and values, whose fused kernel
         beats a per-query loop once a chunk has more than a few tokens (the gather is one copy per chunk)."""
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        native_ok = q.device.type == "cpu" and q.dtype == keys.dtype in (torch.float32, torch.bfloat16) and native.ready(q)
+        if native_ok and not self.chunks:  # decode rows only: the common step
+            return DecodeRows(self.cache.keys, self.cache.values, self.slots, self.tables, self.positions,
+                              self.cache.block_size, self.owner).attend(q, k, v, layer_idx, window)
         tokens = q[0].transpose(0, 1)  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
-        native_ok = tokens.device.type == "cpu" and tokens.dtype == keys.dtype in (torch.float32, torch.bfloat16)
-        if not (native_ok and native.ready(tokens)):
+        if not native_ok:
             keys.index_copy_(0, self._slots, k)
             values.index_copy_(0, self._slots, v)
             return self.gathered_attention(tokens, keys, values, window, self.segments).transpose(0, 1)[None]
-        if not self.chunks:  # decode rows only: the common step
-            out = torch.ops.decodekit.paged_attention(tokens.contiguous(), k, v, keys, values, self.slots, self.tables,
-                                                      self.owner, self.positions, self.cache.block_size, window or 0)
-            return out.transpose(0, 1)[None]
         out = torch.empty_like(tokens)
         chunk_at = self._chunk_tokens.to(keys.device)
         keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])

@@ -150,7 +150,7 @@ def cmd_serve(args) -> int:
     model, tokenizer = load_model_of(args)
     manager = model.init_continuous_batching(
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, **({"compile": True} if args.compile else {}))
+        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, compile=args.compile)
     if args.compile:
         print(f"decodekit serve: compiling the decode step for up to {args.max_running} rows ...", file=sys.stderr,
               flush=True)

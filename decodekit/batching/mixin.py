@@ -19,15 +19,14 @@ class ContinuousMixin:
         fields = {k: options.pop(k) for k in list(options) if k not in MANAGER_OPTIONS and k != "methods"}
         if fields:
             base = generation_config if generation_config is not None else self.generation_config
-            known = add_plugin_fields(base.copy())
+            generation_config = base.copy()
+            known = add_plugin_fields(generation_config)
             unknown = sorted(set(fields) - known)
             if unknown:
                 close = closest(unknown[0], known | set(MANAGER_OPTIONS))
                 raise ValueError(f"init_continuous_batching() got unknown options {unknown}"
                                  + (f" (did you mean {close!r}?)" if close else "") + f"; it accepts generation_config, "
                                  f"{', '.join(MANAGER_OPTIONS)}, methods, and generation config fields.")
-            generation_config = base.copy()
-            add_plugin_fields(generation_config)
             generation_config.update(**fields)
             generation_config.validate(getattr(self.config, "vocab_size", None))
         return ContinuousBatchingManager(self, generation_config, **options)

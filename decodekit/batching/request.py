@@ -94,7 +94,6 @@ class Request:
     created_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
-    cancel_requested: bool = False
 
     @property
     def rows(self) -> int:

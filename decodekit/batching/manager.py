@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..core.config import is_int
 from ..core.limits import available_bytes, bytes_per_position, human_size
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
@@ -116,7 +117,7 @@ class ContinuousBatchingManager:
         for name, value, low in (("max_queue_size", max_queue_size, 0), ("block_size", block_size, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1), ("max_running", max_running, 1),
                                  ("min_prefill", min_prefill, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
         self.model = model
         self.generation_config = generation_config
@@ -126,7 +127,7 @@ class ContinuousBatchingManager:
         if supports_paged(model):
             per_block = bytes_per_position(model) * block_size
             budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
-            if not isinstance(budget, int) or budget < per_block:
+            if not is_int(budget) or budget < per_block:
                 raise ValueError(f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
                                  f"takes {per_block} bytes for this model.")
             self.runner = PagedRunner(model, budget // per_block, block_size, compile_options)
@@ -407,8 +408,7 @@ def generate_batch(model, inputs: list, generation_config=None, progress_bar: bo
     options = {k: kwargs.pop(k) for k in MANAGER_OPTIONS if k in kwargs}
     # compile and compile_config decide the batch's shared step: they become the manager's defaults.
     step = {k: kwargs.pop(k) for k in STEP_FIELDS if k in kwargs}
-    manager = (model.init_continuous_batching(generation_config, **options, **step) if step
-               else ContinuousBatchingManager(model, generation_config, **options))
+    manager = model.init_continuous_batching(generation_config, **options, **step)
     results: dict[str, GenerationOutput] = {}
     ids = []
     for prompt in inputs:

@@ -33,6 +33,7 @@ from dataclasses import asdict
 from typing import Any, Iterator, Sequence
 
 from ..batch import OUTPUT_KEYS, BatchSettings, RowGenerator
+from ..core.config import is_int
 
 INSTALL = "pip install 'ray[data]'"
 ROW = "_decodekit_row"
@@ -113,7 +114,7 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
 
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}; got {device!r}.")
-    if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
+    if not is_int(cpus) or cpus < 1:
         raise ValueError(f"cpus must be a positive integer; got {cpus!r}.")
     if isinstance(allowed, str):
         raise TypeError(f"allowed must be a list of SPEC@REVISION entries, not one string; got {allowed!r}.")

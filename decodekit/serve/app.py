@@ -23,6 +23,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
+from ..core.config import is_int
 from ..models.tokenizer import chat_ids
 
 
@@ -168,7 +169,7 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 ids = tokenizer.encode(prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
                 ids = prompt
             else:
                 raise BadRequest("prompt must be a string or a list of token ids (one prompt per request).", "prompt")

@@ -103,16 +103,16 @@ class RowGenerator:
             self._manager = self.model.init_continuous_batching()
         manager, arguments = self._manager, self._arguments()
         ids = [prompt_ids(self.tokenizer, prompt, chat=self.settings.chat)[0].tolist() for prompt in prompts]
-        if self.batched is None:
-            try:  # what continuous batching refuses runs one prompt at a time; other errors surface there
-                first = manager.add_request(ids[0], **arguments)
+        requests = []
+        for prompt in ids:
+            try:
+                requests.append(manager.add_request(prompt, **arguments))
             except ValueError:
-                self.batched = False
+                if self.batched:
+                    raise
+                self.batched = False  # what continuous batching refuses runs one prompt at a time, errors and all
                 return None
             self.batched = True
-            requests = [first] + [manager.add_request(i, **arguments) for i in ids[1:]]
-        else:
-            requests = [manager.add_request(i, **arguments) for i in ids]
         manager.run(until_idle=True)
         rows = []
         for prompt, request in zip(prompts, requests):

@@ -47,6 +47,49 @@ def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
     torch.testing.assert_close(torch.cat(chunks), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [2, 9], ids=["split-by-kv-head", "whole-token"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype, tokens, window):
+    # With one thread, 2 tokens split each token's kv heads into tasks and 9 keep them whole (the kernel's two
+    # task layouts); rows at different positions, blocks out of order and shared, keys written by the call.
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine")
+    from decodekit.models import native
+    from decodekit.models.llama import visible
+
+    native.load()
+    gen = torch.Generator().manual_seed(1)
+    H, KV, D, bs, blocks = 6, 3, 16, 4, 40
+    keys, values = (torch.randn(blocks * bs, KV, D, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:8] for _ in range(tokens)])
+    tables[-1, :2] = tables[0, :2]  # a shared prompt block
+    positions = torch.randint(0, 8 * bs, (tokens,), generator=gen)
+    owner = torch.arange(tokens).flip(0)
+    positions[0] = 0  # a row's first token sees only itself
+    slots = tables[owner, positions // bs] * bs + positions % bs
+    q = torch.randn(tokens, H, D, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, KV, D, generator=gen).to(dtype) for _ in range(2))
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[slots], expected_values[slots] = k, v
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = torch.ops.decodekit.paged_attention(q, k, v, keys, values, slots, tables, owner, positions, bs, window)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    for i in range(tokens):
+        p = int(positions[i])
+        j = torch.arange(p + 1)
+        at = tables[owner[i], j // bs] * bs + j % bs
+        kk, vv = (pool[at].transpose(0, 1).float().repeat_interleave(H // KV, 0) for pool in (keys, values))
+        scores = (q[i].float()[:, None] @ kk.transpose(1, 2))[:, 0] / D ** 0.5  # [H, p + 1]
+        scores[:, ~visible(torch.tensor(p), j, window or None)] = float("-inf")
+        want = (scores.softmax(-1)[:, None] @ vv)[:, 0]
+        torch.testing.assert_close(out[i].float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
 def test_allocator_reuses_freed_blocks_and_counts_shares():
     from decodekit.batching.paged import BlockAllocator, OutOfBlocks
 

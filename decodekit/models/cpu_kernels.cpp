@@ -717,6 +717,14 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 // row r of `tables` is in slot tables[r, j / block_size] * block_size + j % block_size. Token i (query q[i],
 // of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
 // to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
+// How many positions ahead the paged attention's passes prefetch a slot's row: blocks sit anywhere in the pool,
+// so the hardware prefetcher loses the stream at every block boundary.
+constexpr int64_t kSlotsAhead = 4;
+
+// Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every
+// thread busy): a slot's keys and values for those heads are one contiguous row, read once for all the query
+// heads they serve, position by position (a pass per head read each row in thirds, from memory three times
+// over when it had left the cache). Per head the arithmetic is attend()'s, in its order, so results are the same.
 template <typename A>
 void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
                         int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
@@ -727,28 +735,62 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
   const A* vs = values.data_ptr<A>();
   A* os = out.data_ptr<A>();
   const int64_t per_group = H / KV;
-  // One task per (token, kv head): the slot offsets of its positions are computed once for the heads sharing it.
-  at::parallel_for(0, N * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(D), result(D), scores;
-    std::vector<int64_t> offsets;
+  const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;  // kv-head ranges a token is split into
+  const int64_t groups = KV / parts;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float masked = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(groups * per_group * D), result(groups * per_group * D), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / KV, g = task % KV, p = positions[i];
+      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], L = p + 1;
       const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       const int64_t* table = tables + owner[i] * per_row;
-      scores.resize(p + 1);
-      offsets.resize(p + 1);
-      for (int64_t j = first; j <= p;) {  // block by block: no division per position
-        const int64_t block = j / block_size, stop = std::min(p + 1, (block + 1) * block_size);
-        const int64_t base = (table[block] * block_size - block * block_size) * KV + g;
-        for (; j < stop; ++j) offsets[j] = (base + j * KV) * D;
+      const int64_t heads = groups * per_group, h0 = g0 * per_group;
+      // Where position j's row for this task's heads starts, in elements of the pools.
+      const auto row = [=](int64_t j) {
+        return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D;
+      };
+      const auto prefetch_row = [=](const A* pool, int64_t j) {
+        if (j <= p) prefetch_block<0>(pool + row(j), groups * D * static_cast<int64_t>(sizeof(A)));
+      };
+      for (int64_t e = 0; e < heads * D; ++e) query[e] = static_cast<float>(qs[(i * H + h0) * D + e]);
+      scores.assign(heads * L, masked);
+      for (int64_t j = first; j <= p; ++j) {
+        prefetch_row(ks, j + kSlotsAhead);
+        const A* key = ks + row(j);
+        for (int64_t h = 0; h < heads; ++h)
+          scores[h * L + j] = dot(query.data() + h * D, key + h / per_group * D, D) * scale;
       }
-      const int64_t* at_offset = offsets.data();
-      for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h) {
-        const int64_t at_q = (i * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qs[at_q + d]);
-        attend(query.data(), ks, vs, [=](int64_t j) { return at_offset[j]; }, [=](int64_t j) { return j >= first; }, p + 1,
-               D, scores.data(), result.data());
-        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(result[d]);
+      std::fill(result.begin(), result.end(), 0.f);
+      std::vector<float> inverse(heads);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * L;
+        float best = masked;
+        for (int64_t j = 0; j < L; ++j) best = std::max(best, s[j]);
+        const __m256 top = _mm256_set1_ps(best);
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top));
+          _mm256_storeu_ps(s + j, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        float total = horizontal_sum(sum8);
+        for (; j < L; ++j) {
+          s[j] = std::exp(s[j] - best);
+          total += s[j];
+        }
+        inverse[h] = 1.f / total;
+      }
+      for (int64_t j = first; j <= p; ++j) {
+        prefetch_row(vs, j + kSlotsAhead);
+        const A* value = vs + row(j);
+        for (int64_t h = 0; h < heads; ++h)
+          add_scaled(result.data() + h * D, scores[h * L + j], value + h / per_group * D, D);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at_q = (i * H + h0 + h) * D;
+        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse[h]));
       }
     }
   });

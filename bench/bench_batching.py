@@ -7,11 +7,13 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
 - mixed: 32 requests, prompts of 16-1,024 tokens and 16-256 new tokens (seeded), arriving over about 8 s
   (exponential gaps; the same schedule for every engine).
 
-    python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--skip-transformers] [--compile]
-                                   [--max-batch-tokens N]
+    python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--vllm-compiled] [--skip-transformers]
+                                   [--compile] [--max-batch-tokens N] [--repeat N]
 
---compile adds decodekit with compile=True (decode-only steps compiled per row bucket, every bucket compiled
-by manager.warm_up() before the clock starts).
+--compile adds decodekit with compile=True (decode-only steps compiled, by manager.warm_up() before the clock
+starts). --repeat N runs every load N times per engine, one after another in the same process, and reports the
+run of median throughput (this machine's run-to-run spread is about 10%). vLLM runs with enforce_eager=True
+unless --vllm-compiled (its default: an inductor-compiled model, warmed up before the clock).
 
 The vLLM rows come from running this file with --engine vllm in vLLM's environment (`make test-vllm` builds it),
 which runs the loads on vllm's AsyncLLM engine. Prints one JSON object: generated tokens/s, time to first token
@@ -119,14 +121,23 @@ def run_transformers(directory: Path, requests: list[dict]) -> dict:
             "note": "all requests at once, each to the load's largest new-token count"}
 
 
-def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32") -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput, with every run's throughput beside it."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    middle = dict(ordered[(len(ordered) - 1) // 2])
+    if len(runs) > 1:
+        middle["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    return middle
+
+
+def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32", repeat: int = 1, compiled: bool = False) -> dict:
     import asyncio
 
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(directory), enforce_eager=True, dtype=dtype,
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(directory), enforce_eager=not compiled, dtype=dtype,
                                                        max_model_len=2048, gpu_memory_utilization=0.3))
 
     async def one(n, r, start, firsts, counts):
@@ -146,7 +157,7 @@ def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32") -> dict:
 
     async def everything():
         await load(all_loads["uniform"][:4])  # warm-up
-        return {name: await load(requests) for name, requests in all_loads.items()}
+        return {name: median_run([await load(requests) for _ in range(repeat)]) for name, requests in all_loads.items()}
 
     try:
         return asyncio.run(everything())
@@ -162,6 +173,8 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
     parser.add_argument("--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every load per engine; the median is reported")
+    parser.add_argument("--vllm-compiled", action="store_true", help="vLLM with its compiled model, not enforce_eager")
     parser.add_argument("--weights", choices=["float32", "bfloat16", "int8"], default="float32",
                         help="decodekit's weight format; vLLM runs bfloat16 too for bfloat16, float32 otherwise "
                              "(it has no int8 of these weights); transformers runs float32")
@@ -174,8 +187,8 @@ def main() -> int:
                                   quantize="int8" if args.weights == "int8" else None)
     all_loads = loads(tokenizer)
     if args.engine == "vllm":
-        json.dump(run_vllm(Path(args.model_dir), all_loads, "bfloat16" if args.weights == "bfloat16" else "float32"),
-                  sys.stdout)
+        json.dump(run_vllm(Path(args.model_dir), all_loads, "bfloat16" if args.weights == "bfloat16" else "float32",
+                           args.repeat, args.vllm_compiled), sys.stdout)
         return 0
     from decodekit.models import cpu
     from decodekit.testing import default_model_as_transformers
@@ -187,11 +200,12 @@ def main() -> int:
                     "decodekit": {}}
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
     for name, requests in all_loads.items():
-        result["decodekit"][name] = run_decodekit(model, requests, **options)
+        result["decodekit"][name] = median_run([run_decodekit(model, requests, **options) for _ in range(args.repeat)])
     if args.compile:
         result["decodekit compiled"] = {}
         for name, requests in all_loads.items():
-            result["decodekit compiled"][name] = run_decodekit(model, requests, compile=True, **options)
+            result["decodekit compiled"][name] = median_run(
+                [run_decodekit(model, requests, compile=True, **options) for _ in range(args.repeat)])
     with torch.inference_mode():
         result["decodekit static batch"] = {"uniform": run_static(model, all_loads["uniform"])}
     if not args.skip_transformers:
@@ -201,7 +215,8 @@ def main() -> int:
             result["transformers generate_batch"] = {"error": f"{type(error).__name__}: {error}"[:300]}
     if args.vllm_python:
         done = subprocess.run([args.vllm_python, __file__, "--engine", "vllm", "--model-dir", str(directory),
-                               "--weights", "bfloat16" if args.weights == "bfloat16" else "float32"],
+                               "--weights", "bfloat16" if args.weights == "bfloat16" else "float32",
+                               "--repeat", str(args.repeat)] + (["--vllm-compiled"] if args.vllm_compiled else []),
                               capture_output=True, text=True)
         if done.returncode == 0:
             result["vllm cpu"] = json.loads(done.stdout.strip().splitlines()[-1])

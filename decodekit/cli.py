@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per step: decode rows plus prefill chunks (default: 512)")
     srv.add_argument("--cache-mb", type=_positive_int, metavar="MB", help="paged KV cache size (default: up to 2 GiB)")
     srv.add_argument("--compile", action="store_true",
-                     help="run decode steps compiled with torch.compile, one function per power-of-two row bucket, all "
-                          "compiled before the server listens (minutes for the default model)")
+                     help="run decode steps compiled with torch.compile (one function for every row count), compiled "
+                          "before the server listens (about a minute for the default model)")
     srv.set_defaults(func=cmd_serve)
     return parser
 

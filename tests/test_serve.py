@@ -235,7 +235,7 @@ def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
     assert "SPEC@REVISION" in capsys.readouterr().err
 
 
-def test_serve_compile_compiles_every_bucket_before_listening(default_model, tmp_path, monkeypatch):
+def test_serve_compile_compiles_the_step_before_listening(default_model, tmp_path, monkeypatch):
     import decodekit.cli as cli
     import decodekit.serve as serve
     from decodekit.models import cpu
@@ -250,7 +250,7 @@ def test_serve_compile_compiles_every_bucket_before_listening(default_model, tmp
             self.manager, self.url = manager, f"http://{host}:{port}"
 
         def start(self):
-            order.append(sorted(self.manager.runner.compiled.buckets))
+            order.append(self.manager.runner.compiled.steps)  # warm-up's steps
             return self
 
         def run_steps(self):
@@ -259,4 +259,4 @@ def test_serve_compile_compiles_every_bucket_before_listening(default_model, tmp
     monkeypatch.setattr(cli, "load_model_of", lambda args: (tiny_model(tmp_path, "llama").eval(), default_model[1]))
     monkeypatch.setattr(serve, "Server", Listening)
     assert cli.main(["serve", "--compile", "--max-running", "3", "--port", "0"]) == 0
-    assert order == [[1, 2, 4], "steps"]
+    assert order == [2, "steps"]  # at 1 and 3 rows

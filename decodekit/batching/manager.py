@@ -224,9 +224,9 @@ class ContinuousBatchingManager:
 
     # ---- requests ----
     def warm_up(self) -> list[int]:
-        """With compile=True: compiles the decode step for every row bucket up to max_running now (a server calls
-        it before taking requests), not at the first step of each size; returns the buckets, [] where steps are
-        not compiled. Call it from the thread that will run the steps."""
+        """With compile=True: compiles the decode step now (a server calls it before taking requests), not at the
+        first decode step, and runs it at 1 and max_running rows; returns those row counts, [] where steps are not
+        compiled. Call it from the thread that will run the steps."""
         compiled = getattr(self.runner, "compiled", None)
         return [] if compiled is None else compiled.warm_up(self.scheduler.max_running)
 

@@ -12,7 +12,8 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
 
 --compile adds decodekit with compile=True (decode-only steps compiled, by manager.warm_up() before the clock
 starts). --repeat N runs every load N times per engine, one after another in the same process, and reports the
-run of median throughput (this machine's run-to-run spread is about 10%). vLLM runs with enforce_eager=True
+run of median throughput (this machine's run-to-run spread is about 10%); each repeat's prompts start with a
+marker of their own, or vLLM would serve the later runs' prompts from its prefix cache. vLLM runs with enforce_eager=True
 unless --vllm-compiled (its default: an inductor-compiled model, warmed up before the clock).
 
 The vLLM rows come from running this file with --engine vllm in vLLM's environment (`make test-vllm` builds it),
@@ -37,17 +38,25 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
         "between the coast and the mountains. Over the centuries it grew into a market town, then a capital. ")
 
 
-def loads(tokenizer) -> dict[str, list[dict]]:
-    """{load: [{"ids", "new_tokens", "arrival"}]}: the same requests for every engine."""
+def loads(tokenizer, run: int = 0) -> dict[str, list[dict]]:
+    """{load: [{"ids", "new_tokens", "arrival"}]}: the same requests for every engine. Runs after the first (run > 0)
+    begin every prompt with a marker of their own in place of its first tokens, so that no prompt shares a prefix
+    with an earlier run's (vLLM caches prefixes across requests by default) and the lengths stay the same."""
+    marker = tokenizer.encode(f"Draft {run}.") if run else []
+
+    def marked(ids: list[int]) -> list[int]:
+        return (marker + ids[len(marker):])[:len(ids)]
+
     base = tokenizer.encode(TEXT * 80)
-    uniform = [{"ids": tokenizer.encode(f"Write a story about the number {i}."), "new_tokens": 128, "arrival": 0.0}
-               for i in range(32)]
+    uniform = [{"ids": marked(tokenizer.encode(f"Write a story about the number {i}.")), "new_tokens": 128,
+                "arrival": 0.0} for i in range(32)]
     rng = random.Random(0)
     mixed, at = [], 0.0
     for i in range(32):
         length = int(16 * (64 ** rng.random()))  # 16 to 1,024, log-uniform
         start = rng.randrange(0, len(base) - length)
-        mixed.append({"ids": base[start:start + length], "new_tokens": rng.randint(16, 256), "arrival": round(at, 3)})
+        mixed.append({"ids": marked(base[start:start + length]), "new_tokens": rng.randint(16, 256),
+                      "arrival": round(at, 3)})
         at += rng.expovariate(1 / 0.25)
     return {"uniform": uniform, "few": uniform[:4], "mixed": mixed}
 
@@ -130,7 +139,8 @@ def median_run(runs: list[dict]) -> dict:
     return middle
 
 
-def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32", repeat: int = 1, compiled: bool = False) -> dict:
+def run_vllm(directory: Path, runs: list[dict], dtype: str = "float32", compiled: bool = False) -> dict:
+    """Every load of `runs` (loads() of run 0, 1, ...) on vLLM's AsyncLLM engine; the median run per load."""
     import asyncio
 
     from vllm import SamplingParams
@@ -155,9 +165,12 @@ def run_vllm(directory: Path, all_loads: dict, dtype: str = "float32", repeat: i
         await asyncio.gather(*(one(n, r, start, firsts, counts) for n, r in enumerate(requests)))
         return summary(sum(counts.values()), time.monotonic() - start, list(firsts.values()))
 
+    # Warm-up prompts reversed: none of the measured prompts may find its prefix cached.
+    warm_up = [dict(r, ids=r["ids"][::-1]) for r in runs[0]["uniform"][:4]]
+
     async def everything():
-        await load(all_loads["uniform"][:4])  # warm-up
-        return {name: median_run([await load(requests) for _ in range(repeat)]) for name, requests in all_loads.items()}
+        await load(warm_up)
+        return {name: median_run([await load(run[name]) for run in runs]) for name in runs[0]}
 
     try:
         return asyncio.run(everything())
@@ -185,10 +198,11 @@ def main() -> int:
 
     model, tokenizer = load_model(dtype=torch.bfloat16 if args.weights == "bfloat16" else None,
                                   quantize="int8" if args.weights == "int8" else None)
-    all_loads = loads(tokenizer)
+    runs = [loads(tokenizer, run) for run in range(args.repeat)]
+    all_loads = runs[0]
     if args.engine == "vllm":
-        json.dump(run_vllm(Path(args.model_dir), all_loads, "bfloat16" if args.weights == "bfloat16" else "float32",
-                           args.repeat, args.vllm_compiled), sys.stdout)
+        json.dump(run_vllm(Path(args.model_dir), runs, "bfloat16" if args.weights == "bfloat16" else "float32",
+                           args.vllm_compiled), sys.stdout)
         return 0
     from decodekit.models import cpu
     from decodekit.testing import default_model_as_transformers
@@ -199,13 +213,13 @@ def main() -> int:
     result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit weights": args.weights,
                     "decodekit": {}}
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
-    for name, requests in all_loads.items():
-        result["decodekit"][name] = median_run([run_decodekit(model, requests, **options) for _ in range(args.repeat)])
+    for name in all_loads:
+        result["decodekit"][name] = median_run([run_decodekit(model, run[name], **options) for run in runs])
     if args.compile:
         result["decodekit compiled"] = {}
-        for name, requests in all_loads.items():
+        for name in all_loads:
             result["decodekit compiled"][name] = median_run(
-                [run_decodekit(model, requests, compile=True, **options) for _ in range(args.repeat)])
+                [run_decodekit(model, run[name], compile=True, **options) for run in runs])
     with torch.inference_mode():
         result["decodekit static batch"] = {"uniform": run_static(model, all_loads["uniform"])}
     if not args.skip_transformers:

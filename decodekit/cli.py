@@ -152,9 +152,8 @@ def cmd_serve(args) -> int:
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, compile=args.compile)
     if args.compile:
-        print(f"decodekit serve: compiling the decode step for up to {args.max_running} rows ...", file=sys.stderr,
-              flush=True)
-        manager.warm_up()
+        print("decodekit serve: compiling the decode step ...", file=sys.stderr, flush=True)
+    manager.warm_up()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                               max_request_bytes=args.max_request_bytes, methods=methods)

@@ -208,6 +208,17 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(model)
     assert model.init_continuous_batching().warm_up() == []  # eager steps: nothing to compile
 
 
+def test_warm_up_writes_every_page_of_the_cache_before_any_step(model):
+    # Writing the pools is what takes their memory now (an untouched page is not resident until a step writes
+    # it); whatever they held before (NaN here) is overwritten everywhere.
+    manager = model.init_continuous_batching(max_cache_bytes=8 * 2**20)
+    pools = manager.runner.cache.keys + manager.runner.cache.values
+    for pool in pools:
+        pool.fill_(float("nan"))
+    manager.warm_up()
+    assert all(not pool.isnan().any() for pool in pools)
+
+
 def test_compile_settings_are_checked_when_the_manager_is_made(model):
     with pytest.raises(ValueError, match="compile_config"):
         model.init_continuous_batching(compile=True, compile_config={"modes": "max-autotune"})

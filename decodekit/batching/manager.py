@@ -224,11 +224,11 @@ class ContinuousBatchingManager:
 
     # ---- requests ----
     def warm_up(self) -> list[int]:
-        """With compile=True: compiles the decode step now (a server calls it before taking requests), not at the
-        first decode step, and runs it at 1 and max_running rows; returns those row counts, [] where steps are not
-        compiled. Call it from the thread that will run the steps."""
-        compiled = getattr(self.runner, "compiled", None)
-        return [] if compiled is None else compiled.warm_up(self.scheduler.max_running)
+        """Does now what the first requests would otherwise pay for (a server calls it before taking requests):
+        writes the paged cache once, so its memory (max_cache_bytes) is taken now rather than page by page during
+        steps, and with compile=True compiles the decode step and runs it at 1 and max_running rows. Returns
+        those row counts, [] where steps are not compiled. Call it from the thread that will run the steps."""
+        return self.runner.warm_up(self.scheduler.max_running)
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, **fields) -> str:

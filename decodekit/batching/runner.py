@@ -63,6 +63,11 @@ class PagedRunner:
     def total_blocks(self) -> int:
         return self.cache.allocator.num_blocks
 
+    def warm_up(self, max_rows: int) -> list[int]:
+        """The cache's memory taken now, and with compiled steps the step compiled (CompiledDecode.warm_up)."""
+        self.cache.commit()
+        return [] if self.compiled is None else self.compiled.warm_up(max_rows)
+
     @property
     def free_blocks(self) -> int:
         return self.cache.allocator.free_blocks
@@ -156,6 +161,9 @@ class CacheRunner:
 
     def blocks_needed(self, request: Request) -> int:
         return 1
+
+    def warm_up(self, max_rows: int) -> list[int]:
+        return []  # each request's cache is made when it is admitted
 
     def admit(self, request: Request) -> bool:
         if self.free_blocks < 1:

@@ -438,6 +438,24 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
+// scores[j] = exp(scores[j] - best) for j < L, in place; returns their sum (eight lanes, then the tail).
+inline float exp_and_sum(float* scores, int64_t L, float best) {
+  const __m256 top = _mm256_set1_ps(best);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
+    _mm256_storeu_ps(scores + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = horizontal_sum(sum8);
+  for (; j < L; ++j) {
+    scores[j] = std::exp(scores[j] - best);
+    total += scores[j];
+  }
+  return total;
+}
+
 // Attention of one query head over the visible slots of its row's cache, in float32; masked slots cost nothing
 // but their place in the softmax's vector pass. `at(j)`: where slot j's entry starts in keys/values (its row's,
 // or the row a shared-rows cache names, or its block's in a paged cache).
@@ -453,20 +471,8 @@ void attend(const float* q, const A* keys, const A* values, At at, Visible visib
   }
   std::fill(out, out + D, 0.f);
   if (best == masked) return;  // no visible slot: zeros, never read (see llama.py)
-  const __m256 top = _mm256_set1_ps(best);
-  int64_t j = 0;
-  __m256 sum8 = _mm256_setzero_ps();
-  for (; j + 8 <= L; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
-    _mm256_storeu_ps(scores + j, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float total = horizontal_sum(sum8);
-  for (; j < L; ++j) {
-    scores[j] = std::exp(scores[j] - best);
-    total += scores[j];
-  }
-  for (j = 0; j < L; ++j) {
+  const float total = exp_and_sum(scores, L, best);
+  for (int64_t j = 0; j < L; ++j) {
     if (visible(j)) add_scaled(out, scores[j], values + at(j), D);
   }
   const float inv = 1.f / total;
@@ -767,20 +773,7 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
         float* s = scores.data() + h * L;
         float best = masked;
         for (int64_t j = 0; j < L; ++j) best = std::max(best, s[j]);
-        const __m256 top = _mm256_set1_ps(best);
-        __m256 sum8 = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= L; j += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top));
-          _mm256_storeu_ps(s + j, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        float total = horizontal_sum(sum8);
-        for (; j < L; ++j) {
-          s[j] = std::exp(s[j] - best);
-          total += s[j];
-        }
-        inverse[h] = 1.f / total;
+        inverse[h] = 1.f / exp_and_sum(s, L, best);
       }
       for (int64_t j = first; j <= p; ++j) {
         prefetch_row(vs, j + kSlotsAhead);

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests in the KV cache at once (default: 64)")
     srv.add_argument("--max-batch-tokens", type=_positive_int, default=512, metavar="N",
                      help="tokens per step: decode rows plus prefill chunks (default: 512)")
-    srv.add_argument("--cache-mb", type=_positive_int, metavar="MB", help="paged KV cache size (default: up to 2 GiB)")
+    srv.add_argument("--cache-mb", type=_positive_int, metavar="MB",
+                     help="paged KV cache size, taken when the server starts (default: up to 2 GiB)")
     srv.add_argument("--compile", action="store_true",
                      help="run decode steps compiled with torch.compile (one function for every row count), compiled "
                           "before the server listens (about a minute for the default model)")

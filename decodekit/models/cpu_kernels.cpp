@@ -723,8 +723,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 // row r of `tables` is in slot tables[r, j / block_size] * block_size + j % block_size. Token i (query q[i],
 // of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
 // to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
+
 // How many positions ahead the paged attention's passes prefetch a slot's row: blocks sit anywhere in the pool,
-// so the hardware prefetcher loses the stream at every block boundary.
+// so the hardware prefetcher loses the stream at every block boundary (8, 16 and 32 measured no better).
 constexpr int64_t kSlotsAhead = 4;
 
 // Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every

@@ -200,11 +200,14 @@ def argument_guards_only(entries) -> list[bool]:
 
     A step is keyed by everything the dropped guards would catch (batch, cache bucket, processors, dtype,
     device, packed or quantized weights), so they could fail only where a new step is made anyway. The
-    rotary table is kept guarded because a longer generation may rebuild it. Not applied with a `mode`
-    for a backend other than inductor (see compile_arguments).
+    rotary table is kept guarded because a longer generation may rebuild it, and so are the guards on
+    dynamic sizes (SHAPE_ENV): a step compiled for a range of row counts (continuous batching's) holds only
+    where the code it traced branches the same way, e.g. up to 16 rows for decodekit's row kernel. Not applied
+    with a `mode` for a backend other than inductor (see compile_arguments).
     """
     roots = tuple(f"L['{name}']" for name in STEP_ARGUMENTS)
-    return [not entry.is_global and (entry.name.startswith(roots) or ".rotary" in entry.name) for entry in entries]
+    return [entry.guard_type == "SHAPE_ENV"
+            or (not entry.is_global and (entry.name.startswith(roots) or ".rotary" in entry.name)) for entry in entries]
 
 
 # Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A

@@ -136,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per step: decode rows plus prefill chunks (default: 512)")
     srv.add_argument("--cache-mb", type=_positive_int, metavar="MB",
                      help="paged KV cache size, taken when the server starts (default: up to 2 GiB)")
-    srv.add_argument("--compile", action="store_true",
+    srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                      help="run decode steps compiled with torch.compile (one function for every row count), compiled "
-                          "before the server listens (about a minute for the default model)")
+                          "before the server listens: about a minute on 2 cores the first time, seconds once "
+                          "inductor's cache holds it (default: on; --no-compile runs them eagerly)")
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -153,7 +154,8 @@ def cmd_serve(args) -> int:
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, compile=args.compile)
     if args.compile:
-        print("decodekit serve: compiling the decode step ...", file=sys.stderr, flush=True)
+        print("decodekit serve: compiling the decode step (about a minute the first time; --no-compile skips it) ...",
+              file=sys.stderr, flush=True)
     manager.warm_up()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,

@@ -235,7 +235,10 @@ def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
     assert "SPEC@REVISION" in capsys.readouterr().err
 
 
-def test_serve_compile_compiles_the_step_before_listening(default_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags, warm_up_steps", [([], 2), (["--compile"], 2), (["--no-compile"], None)],
+                         ids=["default", "compile", "no-compile"])
+def test_serve_compiles_the_step_before_listening_unless_told_not_to(default_model, tmp_path, monkeypatch, flags,
+                                                                      warm_up_steps):
     import decodekit.cli as cli
     import decodekit.serve as serve
     from decodekit.models import cpu
@@ -250,7 +253,8 @@ def test_serve_compile_compiles_the_step_before_listening(default_model, tmp_pat
             self.manager, self.url = manager, f"http://{host}:{port}"
 
         def start(self):
-            order.append(self.manager.runner.compiled.steps)  # warm-up's steps
+            compiled = self.manager.runner.compiled
+            order.append(None if compiled is None else compiled.steps)  # warm-up's steps
             return self
 
         def run_steps(self):
@@ -258,5 +262,5 @@ def test_serve_compile_compiles_the_step_before_listening(default_model, tmp_pat
 
     monkeypatch.setattr(cli, "load_model_of", lambda args: (tiny_model(tmp_path, "llama").eval(), default_model[1]))
     monkeypatch.setattr(serve, "Server", Listening)
-    assert cli.main(["serve", "--compile", "--max-running", "3", "--port", "0"]) == 0
-    assert order == [2, "steps"]  # at 1 and 3 rows
+    assert cli.main(["serve", *flags, "--max-running", "3", "--port", "0"]) == 0
+    assert order == [warm_up_steps, "steps"]  # compiled: run at 1 and 3 rows before listening

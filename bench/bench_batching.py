@@ -13,8 +13,8 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
 --compile adds decodekit with compile=True (decode-only steps compiled, by manager.warm_up() before the clock
 starts). --repeat N runs every load N times per engine, one after another in the same process, and reports the
 run of median throughput (this machine's run-to-run spread is about 10%); each repeat's prompts start with a
-marker of their own, or vLLM would serve the later runs' prompts from its prefix cache. vLLM runs with enforce_eager=True
-unless --vllm-compiled (its default: an inductor-compiled model, warmed up before the clock).
+marker of their own, or vLLM would serve the later runs' prompts from its prefix cache. vLLM runs with
+enforce_eager=True unless --vllm-compiled (its default: an inductor-compiled model, warmed up before the clock).
 
 The vLLM rows come from running this file with --engine vllm in vLLM's environment (`make test-vllm` builds it),
 which runs the loads on vllm's AsyncLLM engine. Prints one JSON object: generated tokens/s, time to first token
@@ -192,6 +192,8 @@ def main() -> int:
                         help="decodekit's weight format; vLLM runs bfloat16 too for bfloat16, float32 otherwise "
                              "(it has no int8 of these weights); transformers runs float32")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be 1 or more, not {args.repeat}")
     import torch
 
     from decodekit.models.default import load_model

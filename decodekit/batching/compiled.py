@@ -24,7 +24,7 @@ import torch
 
 from ..models import native
 from ..models.quantize import many_rows_route
-from .paged import DecodeRows, PagedBatch, PagedCache, Segment
+from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 
 logger = logging.getLogger("decodekit")
 
@@ -61,12 +61,11 @@ class CompiledDecode:
         pad = size - rows
         width = max(MIN_SIZE, max(len(t) for t in tables))
         bs, device = self.cache.block_size, self.cache.keys[0].device
-        table = torch.full((size, width), self.scratch, dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t)
+        table = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad,
+                             dtype=torch.long)
         ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
         position = torch.tensor(positions + [0] * pad, dtype=torch.long)
-        slots = table[torch.arange(size), position // bs] * bs + position % bs
+        slots = slots_of(table, torch.arange(size), position, bs)
         for tensor, dim in ((ids, 1), (position, 0), (slots, 0), (table, 0), (table, 1)):
             torch._dynamo.mark_dynamic(tensor, dim)
         try:

@@ -83,6 +83,12 @@ class PagedCache:
             pool[target * bs:(target + 1) * bs] = pool[source * bs:(source + 1) * bs]
 
 
+def slots_of(tables: torch.Tensor, rows, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The pool slots of `positions` of table rows `rows` (a tensor, or one row's index), as the module's docstring
+    maps them."""
+    return tables[rows, positions // block_size] * block_size + positions % block_size
+
+
 @dataclass
 class Segment:
     """Tokens start:end of a batch: consecutive positions first.. of the request row `row` of the tables."""
@@ -137,7 +143,7 @@ class PagedBatch:
         self.owner = torch.tensor(owner, dtype=torch.long)
         self.positions = torch.tensor(positions, dtype=torch.long)
         bs = cache.block_size
-        self.slots = self.tables[self.owner, self.positions // bs] * bs + self.positions % bs
+        self.slots = slots_of(self.tables, self.owner, self.positions, bs)
         device = cache.keys[0].device
         self.position_ids = self.positions.to(device)[None]
         self._slots = self.slots.to(device)
@@ -188,8 +194,7 @@ class PagedBatch:
         out = torch.empty_like(tokens) if out is None else out
         for s in segments:
             length = s.first + s.end - s.start
-            j = torch.arange(length)
-            slots = (self.tables[s.row, j // bs] * bs + j % bs).to(keys.device)
+            slots = slots_of(self.tables, s.row, torch.arange(length), bs).to(keys.device)
             k = keys[slots].transpose(0, 1)[None].to(tokens.dtype)  # [1, KV, L, D]
             v = values[slots].transpose(0, 1)[None].to(tokens.dtype)
             q = tokens[s.start:s.end].transpose(0, 1)[None]  # [1, H, t, D]

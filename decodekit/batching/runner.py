@@ -63,14 +63,14 @@ class PagedRunner:
     def total_blocks(self) -> int:
         return self.cache.allocator.num_blocks
 
+    @property
+    def free_blocks(self) -> int:
+        return self.cache.allocator.free_blocks
+
     def warm_up(self, max_rows: int) -> list[int]:
         """The cache's memory taken now, and with compiled steps the step compiled (CompiledDecode.warm_up)."""
         self.cache.commit()
         return [] if self.compiled is None else self.compiled.warm_up(max_rows)
-
-    @property
-    def free_blocks(self) -> int:
-        return self.cache.allocator.free_blocks
 
     def _row_blocks(self, request: Request) -> tuple[int, int]:
         """(blocks of one row up to max_length, of those the prompt's full blocks, which the rows share)."""

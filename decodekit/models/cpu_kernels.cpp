@@ -743,16 +743,16 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
   A* os = out.data_ptr<A>();
   const int64_t per_group = H / KV;
   const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;  // kv-head ranges a token is split into
-  const int64_t groups = KV / parts;
+  const int64_t groups = KV / parts, heads = groups * per_group;  // a task's kv heads and query heads
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float masked = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(groups * per_group * D), result(groups * per_group * D), scores;
+    std::vector<float> query(heads * D), result(heads * D), inverse(heads), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], L = p + 1;
       const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       const int64_t* table = tables + owner[i] * per_row;
-      const int64_t heads = groups * per_group, h0 = g0 * per_group;
+      const int64_t h0 = g0 * per_group;
       // Where position j's row for this task's heads starts, in elements of the pools.
       const auto row = [=](int64_t j) {
         return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D;
@@ -769,7 +769,6 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
           scores[h * L + j] = dot(query.data() + h * D, key + h / per_group * D, D) * scale;
       }
       std::fill(result.begin(), result.end(), 0.f);
-      std::vector<float> inverse(heads);
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * L;
         float best = masked;

@@ -106,6 +106,9 @@ def test_bad_arguments(models):
         target.generate(ids, prompt_lookup_num_tokens=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule='sometimes'"):
         target.generate(ids, assistant_model=other, num_assistant_tokens_schedule="sometimes", max_new_tokens=2)
+    for field in ("num_assistant_tokens", "max_matching_ngram_size"):  # a bool is not a count
+        with pytest.raises(ValueError, match=f"{field}=True"):
+            target.generate(ids, assistant_model=other, max_new_tokens=2, **{field: True})
 
 
 @pytest.fixture(scope="module")

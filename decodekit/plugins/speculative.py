@@ -58,7 +58,7 @@ def decodekit_validate_config(generation_config, context):
         raise bad("prompt_lookup_num_tokens", "expected an integer >= 1")
     if not is_int(gc.max_matching_ngram_size) or gc.max_matching_ngram_size < 1:
         raise bad("max_matching_ngram_size", "expected an integer >= 1")
-    if not isinstance(gc.num_assistant_tokens, int) or gc.num_assistant_tokens < 1:
+    if not is_int(gc.num_assistant_tokens) or gc.num_assistant_tokens < 1:
         raise bad("num_assistant_tokens", "expected an integer >= 1")
     if gc.num_assistant_tokens_schedule not in SCHEDULES:
         raise bad("num_assistant_tokens_schedule", f"expected one of {list(SCHEDULES)}")

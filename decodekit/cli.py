@@ -146,9 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from .models.default import DEFAULT_MODEL_NAME
-    from .serve import Server, ServerSettings, allowed_methods
+    from .serve import Server, ServerSettings, allowed_methods, bind
 
-    methods = allowed_methods(args.method)  # before the model loads: a bad --method fails at once
+    try:
+        sock = bind(args.host, args.port)  # before the model loads and compiles: a bad address fails at once
+    except OSError as error:
+        print(f"decodekit serve: {error}", file=sys.stderr)
+        return 2
+    methods = allowed_methods(args.method)  # likewise a bad --method
     model, tokenizer = load_model_of(args)
     manager = model.init_continuous_batching(
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
@@ -160,7 +165,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                               max_request_bytes=args.max_request_bytes, methods=methods)
-    server = Server(manager, tokenizer, settings, host=args.host, port=args.port).start()
+    server = Server(manager, tokenizer, settings, host=args.host, port=args.port, sock=sock).start()
     print(f"decodekit serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run_steps()
     return 0

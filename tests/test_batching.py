@@ -287,7 +287,8 @@ def test_a_request_failing_mid_generation_fails_alone(model):
     ({"temperature": -1.0, "do_sample": True}, "temperature"),
     ({"max_new_token": 3}, "did you mean 'max_new_tokens'"),
     ({"output_hidden_states": True}, "output_hidden_states"),
-    ({"max_new_tokens": 10**6}, "cache blocks"),
+    ({"max_new_tokens": 10**6}, "past the model's context of 512 positions"),
+    ({"max_new_tokens": 500, "num_return_sequences": 8, "do_sample": True}, "cache blocks"),
     ({"custom_generate": lambda model, input_ids, **kw: input_ids}, "callable owns the whole loop"),
 ])
 def test_invalid_requests_are_refused_when_added(model, fields, message):

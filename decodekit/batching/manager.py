@@ -6,8 +6,11 @@ decodekit model).
         rid = manager.add_request(prompt_ids, do_sample=True, seed=3)
         result = manager.get_result(rid, timeout=60)     # GenerationOutput
 
-A request is validated when it is added (ValueError, in the caller's thread); a full queue raises QueueFull.
-A request that fails later (a plugin's processor raising) fails alone: its result has status FAILED and the
+A request is validated when it is added (ValueError, in the caller's thread), limits first: one that could
+never fit the model's context or the cache is refused before anything its size decides is allocated. A full
+queue raises QueueFull. A request that fails later fails alone: whatever its own code raises (a plugin's
+processor or selector, SystemExit and KeyboardInterrupt included; a real Ctrl-C still stops the loop), a token
+outside the vocabulary, or a forward that fails only with it in the step, ends it with status FAILED and the
 error, and the others go on.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -153,6 +157,8 @@ class ContinuousBatchingManager:
         self._owner: threading.Thread | None = None  # the thread running the steps
         self._until_idle = False
         self._stopping = False
+        self._listeners: dict[str, Any] = {}  # request id -> its listener (add_request's listener=)
+        self._interrupted = False  # a real Ctrl-C arrived (run() in the main thread), as opposed to a request's own
         self.on_end = None  # called with each request's final GenerationOutput, in the stepping thread
         self.steps = 0
 
@@ -176,21 +182,34 @@ class ContinuousBatchingManager:
         the first, on 2 cores). generate_batch and `decodekit serve` run the steps in the main thread."""
         self._owner = threading.current_thread()
         self._until_idle = until_idle
+        self._interrupted = False
+        previous = None
+        if self._owner is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             with torch.inference_mode():
                 while self._loop_once():
                     pass
-        except BaseException as error:  # a bug of ours: fail every request rather than leave waiters hanging
-            logger.exception("continuous batching stopped on an error")
-            for request in [*self.scheduler.running, *self.scheduler.waiting]:
-                self._fail(request, error)
+        except BaseException as error:  # Ctrl-C, or a bug of ours: end every request rather than leave waiters hanging
+            interrupted = isinstance(error, KeyboardInterrupt)
+            if not interrupted:
+                logger.exception("continuous batching stopped on an error")
             with self._cv:
                 incoming, self._incoming = self._incoming, []
-            for request in incoming:
-                self._fail(request, error)
+            for request in [*self.scheduler.running, *self.scheduler.waiting, *incoming]:
+                if interrupted:
+                    self._end(request, RequestStatus.CANCELLED)
+                else:
+                    self._fail(request, error)
             raise
         finally:
             self._owner = None
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum, frame):
+        self._interrupted = True  # so the KeyboardInterrupt below is not taken for a request's own
+        raise KeyboardInterrupt
 
     def is_running(self) -> bool:
         return self._owner is not None or (self._thread is not None and self._thread.is_alive())
@@ -231,24 +250,24 @@ class ContinuousBatchingManager:
         return self.runner.warm_up(self.scheduler.max_running)
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, **fields) -> str:
+                    streaming: bool = False, listener=None, **fields) -> str:
         """Queues one prompt (a list of token ids) with its own generation config fields and decoding method
         (custom_generate=, trust_remote_code=, seed=, logits_processor=, stopping_criteria=, logprobs=). Returns
-        the request id. ValueError if anything is invalid; QueueFull if max_queue_size requests already wait."""
+        the request id. ValueError if anything is invalid; QueueFull if max_queue_size requests already wait.
+
+        `listener`: a callable given the request's outputs in the stepping thread (every step's with `streaming`,
+        else only the final one), which then are neither kept for get_result nor streamed: for a caller that
+        waits another way (the server hands them to its event loop). It must return quickly and not raise."""
         if request_id is None:
             request_id = new_request_id()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} is invalid; expected a non-empty string.")
+        if listener is not None and not callable(listener):
+            raise ValueError(f"listener={listener!r} is invalid; expected a callable taking a GenerationOutput.")
         if max_new_tokens is not None:
             fields["max_new_tokens"] = max_new_tokens
         request = prepare_request(self.model, input_ids, self.generation_config, request_id, streaming, fields,
-                                  self.methods)
-        need = self.runner.blocks_needed(request)
-        if need > self.runner.total_blocks:
-            raise ValueError(
-                f"The request needs {need} cache blocks ({request.rows} row(s) up to max_length={request.max_length}) "
-                f"and the cache has {self.runner.total_blocks}: lower max_new_tokens, or give the manager more cache "
-                "(max_cache_bytes).")
+                                  self.methods, fits=self._fits)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("The manager is stopped; start() it again before adding requests.")
@@ -257,12 +276,23 @@ class ContinuousBatchingManager:
             waiting = len(self._incoming) + len(self.scheduler.waiting)
             if self.max_queue_size and waiting >= self.max_queue_size:
                 raise QueueFull(f"{waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later.")
-            if streaming:
+            if listener is not None:
+                self._listeners[request_id] = listener
+            elif streaming:
                 self._streams[request_id] = queue.Queue()
             self._active.add(request_id)
             self._incoming.append(request)
             self._cv.notify_all()
         return request_id
+
+    def _fits(self, rows: int, prompt_length: int, max_length: int) -> None:
+        need = self.runner.blocks_needed(rows, prompt_length, max_length)
+        if need > self.runner.total_blocks:
+            raise ValueError(
+                f"The request needs {need} cache blocks ({rows} row(s) up to {max_length} positions: prompt "
+                f"{prompt_length} + max_new_tokens {max_length - prompt_length}) and the cache has "
+                f"{self.runner.total_blocks}: lower max_new_tokens or the number of rows, or give the manager more "
+                "cache (max_cache_bytes).")
 
     def cancel_request(self, request_id: str, keep_result: bool = True) -> None:
         """Cancels a queued or running request: its blocks are freed at the next step, and its result (status
@@ -339,12 +369,7 @@ class ContinuousBatchingManager:
         works = self.scheduler.plan()
         if not works:
             return True
-        try:
-            logits = self.runner.forward(works)
-        except Exception as error:
-            for work in works:
-                self._fail(work.request, error)
-            return True
+        logits = self._forward(works)
         self.steps += 1
         for work in works:
             request = work.request
@@ -355,14 +380,50 @@ class ContinuousBatchingManager:
             try:
                 request.status = RequestStatus.DECODING
                 request.apply(logits[request.id])
-            except Exception as error:
+            except BaseException as error:  # the request's own code: SystemExit and the like end it alone
+                if isinstance(error, KeyboardInterrupt) and self._interrupted:
+                    raise
                 self._fail(request, error)
                 continue
             if request.status == RequestStatus.FINISHED:
                 self._end(request, RequestStatus.FINISHED)
             elif request.streaming:
-                self._streams[request.id].put(request.output())
+                self._publish(request)
         return True
+
+    def _forward(self, works: list) -> dict[str, torch.Tensor]:
+        """The step's logits. If the shared forward fails, each work runs alone (a work's positions are written
+        again, to the same slots), so only a request that fails by itself fails."""
+        try:
+            return self.runner.forward(works)
+        except Exception as error:
+            if len(works) == 1:
+                self._fail(works[0].request, error)
+                return {}
+            logger.warning("continuous batching: a step of %d requests failed (%s); running them one by one",
+                           len(works), error)
+        logits = {}
+        for work in works:
+            try:
+                logits.update(self.runner.forward([work]))
+            except Exception as error:
+                self._fail(work.request, error)
+        return logits
+
+    def _publish(self, request: Request) -> None:
+        """A streaming request's output so far, to its listener or stream."""
+        listener = self._listeners.get(request.id)
+        if listener is not None:
+            self._tell(listener, request.output())
+        else:
+            self._streams[request.id].put(request.output())
+
+    @staticmethod
+    def _tell(listener, output: GenerationOutput) -> None:
+        try:
+            listener(output)
+        except Exception:  # a listener's fault must not stop the steps
+            logger.exception("continuous batching: the listener of request %s raised", output.request_id)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         request.error = f"{type(error).__name__}: {error}"
@@ -378,14 +439,17 @@ class ContinuousBatchingManager:
             self.counts[status.value] += 1
             self._active.discard(request.id)
             stream = self._streams.get(request.id)
+            listener = self._listeners.pop(request.id, None)
             if request.id in self._discard:
                 self._discard.discard(request.id)
                 self._streams.pop(request.id, None)
-                stream = None
-            elif stream is None:  # a streaming request's result is the last item of its stream
+                stream = listener = None
+            elif stream is None and listener is None:  # a streaming request's result is the last item of its stream
                 self._results[request.id] = output
                 self._order.append(request.id)
             self._cv.notify_all()
+        if listener is not None:
+            self._tell(listener, output)
         if stream is not None:
             stream.put(output)
         if self.on_end is not None:

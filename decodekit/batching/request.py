@@ -43,7 +43,8 @@ class GenerationOutput:
     with num_return_sequences), EOS included where a row stopped on it, no padding after. `finish_reason`:
     "stop" (EOS or a stopping criterion), "length" (max_new_tokens / max_length), else None. `logprobs`: with
     logprobs=True, the log-probability of each generated token of the first row under the scores it was chosen
-    from. `error`: why a failed request failed."""
+    from; `top_logprobs`: with top_logprobs=N as well, each of those steps' N most likely (token, log-probability),
+    most likely first. `error`: why a failed request failed."""
 
     request_id: str
     prompt_ids: list[int]
@@ -53,6 +54,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     created_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -70,7 +72,8 @@ def new_request_id() -> str:
 
 # Fields decodekit's continuous batching takes besides the generation config (the rest of generate()'s arguments).
 REQUEST_ARGUMENTS = ("custom_generate", "trust_remote_code", "seed", "logits_processor", "stopping_criteria", "tokenizer",
-                     "logprobs")
+                     "logprobs", "top_logprobs")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(eq=False)  # identity: requests are found in lists by being the same one
@@ -82,6 +85,7 @@ class Request:
     max_length: int
     streaming: bool
     logprobs: bool
+    top_logprobs: int
     sequences: torch.Tensor  # [rows, tokens so far], as generate()'s input_ids
     unfinished: torch.Tensor  # [rows] bool
     pad: torch.Tensor
@@ -89,6 +93,7 @@ class Request:
     prefilled: int = 0  # prompt tokens in the cache (row 0)
     tables: list[list[int]] = field(default_factory=list)  # block table per row
     token_logprobs: list[float] = field(default_factory=list)
+    token_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     stopped_by_length: bool = False
     created_time: float = field(default_factory=time.monotonic)
@@ -110,8 +115,19 @@ class Request:
         scores = logits.float()
         scores = p.processors(self.sequences, scores)
         chosen = p.selector(self.sequences, scores)
+        # Checked every step (one comparison a request): an id outside the vocabulary would fail the next shared
+        # forward for every request in it, or read out of bounds inside a compiled step.
+        if bool(((chosen < 0) | (chosen >= scores.shape[-1])).any()):
+            owner = getattr(p.selector, "owner", None)
+            raise ValueError(f"the token selector {type(getattr(p.selector, 'selector', p.selector)).__name__}"
+                             + (f" of plugin {owner!r}" if owner else "") + f" chose token ids {chosen.tolist()} at "
+                             f"position {self.sequences.shape[1]}, outside the vocabulary [0, {scores.shape[-1]}).")
         if self.logprobs:
-            self.token_logprobs.append(float(torch.log_softmax(scores[0], dim=-1)[chosen[0]]))
+            logp = torch.log_softmax(scores[0], dim=-1)
+            self.token_logprobs.append(float(logp[chosen[0]]))
+            if self.top_logprobs:
+                values, ids = logp.topk(self.top_logprobs)
+                self.token_top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
         tokens = torch.where(self.unfinished, chosen, self.pad)
         self.sequences = torch.cat((self.sequences, tokens[:, None]), dim=-1)
         self.unfinished = self.unfinished & ~p.stopping(self.sequences, scores)
@@ -136,7 +152,9 @@ class Request:
         return GenerationOutput(
             request_id=self.id, prompt_ids=list(self.prompt), generated_tokens=rows[0], sequences=rows,
             status=self.status, finish_reason=reason, error=self.error,
-            logprobs=self.token_logprobs[:len(rows[0])] if self.logprobs else None, created_time=self.created_time,
+            logprobs=self.token_logprobs[:len(rows[0])] if self.logprobs else None,
+            top_logprobs=self.token_top_logprobs[:len(rows[0])] if self.logprobs and self.top_logprobs else None,
+            created_time=self.created_time,
             first_token_time=self.first_token_time, finished_time=self.finished_time,
         )
 
@@ -171,12 +189,28 @@ def prompt_list(model, input_ids) -> list[int]:
     return [int(t) for t in input_ids]
 
 
+def check_context(model, prompt_length: int, max_length: int) -> None:
+    """ValueError unless prompt + new tokens fit the model's context (max_position_embeddings): a batch's steps
+    (paged or compiled) have no position past it, and one request past it would fail every request it shares a
+    step with."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if is_int(context) and max_length > context:
+        raise ValueError(
+            f"The prompt has {prompt_length} tokens and generation may go on to {max_length} positions "
+            f"(max_new_tokens {max_length - prompt_length}), past the model's context of {context} positions "
+            f"(max_position_embeddings). Shorten the prompt or lower max_new_tokens to at most {context - prompt_length}."
+            if prompt_length < context else
+            f"The prompt has {prompt_length} tokens, the model's context is {context} positions "
+            "(max_position_embeddings): shorten the prompt.")
+
+
 def prepare_request(model, input_ids, generation_config: GenerationConfig | None, request_id: str, streaming: bool,
-                    options: dict[str, Any], methods) -> Request:
+                    options: dict[str, Any], methods, fits=None) -> Request:
     """A Request for one prompt, prepared as generate() prepares a call (ValueError for anything invalid).
 
     `options`: generation config fields and REQUEST_ARGUMENTS; `methods`: loads custom_generate specs once
-    (the manager's MethodCache)."""
+    (the manager's MethodCache); `fits(rows, prompt_length, max_length)`: raises ValueError where the request
+    could never be admitted, called before any hook runs or anything the request's size decides is allocated."""
     options = dict(options)
     extras = {k: options.pop(k) for k in REQUEST_ARGUMENTS if k in options}
     prompt = prompt_list(model, input_ids)
@@ -187,9 +221,15 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
             raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
         settle_config(model, gc)
         max_length, generator = call_limits(model, gc, len(prompt), extras.get("seed"), None)
-        logprobs = extras.get("logprobs", False)
+        check_context(model, len(prompt), max_length)
+        if fits is not None:
+            fits(gc.num_return_sequences, len(prompt), max_length)
+        logprobs, top = extras.get("logprobs", False), extras.get("top_logprobs", 0)
         if not isinstance(logprobs, bool):
             raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
+        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
+            raise ValueError(f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], with "
+                             "logprobs=True.")
         from ..registry.manager import call_first, call_hooks
 
         rows = gc.num_return_sequences
@@ -206,14 +246,15 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
             if getattr(gc, name, False):
                 raise ValueError(f"{name}=True is not available with continuous batching (its results are token ids, "
                                  "and logprobs=True); use generate().")
-        pipeline = build_pipeline(gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"), cache=None)
-    pipeline.cache = None  # the batch's paged cache (or the runner's) serves every request
+        # The batch's paged cache (or the runner's) serves every request: none is made for the request alone.
+        pipeline = build_pipeline(gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"),
+                                  make_cache=False)
     if pipeline.next_token_logits is not last_position_logits:
         raise ValueError("This configuration reads next-token logits another way (a plugin's decodekit_next_token_logits, "
                          "e.g. DoLa); continuous batching reads the last position's logits only.")
     sequences = torch.tensor([prompt] * rows, dtype=torch.long, device=model.device)
     return Request(
         id=request_id, prompt=prompt, config=gc, pipeline=pipeline, max_length=max_length, streaming=streaming,
-        logprobs=logprobs, sequences=sequences, unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
+        logprobs=logprobs, top_logprobs=top, sequences=sequences, unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
         pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
     )

@@ -72,22 +72,22 @@ class PagedRunner:
         self.cache.commit()
         return [] if self.compiled is None else self.compiled.warm_up(max_rows)
 
-    def _row_blocks(self, request: Request) -> tuple[int, int]:
+    def _row_blocks(self, prompt_length: int, max_length: int) -> tuple[int, int]:
         """(blocks of one row up to max_length, of those the prompt's full blocks, which the rows share)."""
-        return self.cache.blocks_for(request.max_length), request.prompt_length // self.cache.block_size
+        return self.cache.blocks_for(max_length), prompt_length // self.cache.block_size
 
-    def blocks_needed(self, request: Request) -> int:
+    def blocks_needed(self, rows: int, prompt_length: int, max_length: int) -> int:
         """Blocks a request holds from admission to its end: every row's positions up to max_length, the prompt's
         full blocks counted once."""
-        per_row, shared = self._row_blocks(request)
-        return per_row + (request.rows - 1) * (per_row - shared)
+        per_row, shared = self._row_blocks(prompt_length, max_length)
+        return per_row + (rows - 1) * (per_row - shared)
 
     def admit(self, request: Request) -> bool:
         """Reserves the request's blocks; False (nothing taken) if too few are free now."""
-        if self.blocks_needed(request) > self.free_blocks:
+        if self.blocks_needed(request.rows, request.prompt_length, request.max_length) > self.free_blocks:
             return False
         alloc = self.cache.allocator
-        per_row, shared = self._row_blocks(request)
+        per_row, shared = self._row_blocks(request.prompt_length, request.max_length)
         first = alloc.allocate(per_row)
         request.tables = [first]
         for _ in range(request.rows - 1):
@@ -159,7 +159,7 @@ class CacheRunner:
         self.free_blocks = max_running
         self.caches: dict[str, object] = {}
 
-    def blocks_needed(self, request: Request) -> int:
+    def blocks_needed(self, rows: int, prompt_length: int, max_length: int) -> int:
         return 1
 
     def warm_up(self, max_rows: int) -> list[int]:

@@ -41,10 +41,12 @@ class Pipeline:
     next_token_logits: Any = last_position_logits
 
 
-def build_pipeline(generation_config, context, logits_processor=None, stopping_criteria=None, cache=None) -> Pipeline:
+def build_pipeline(generation_config, context, logits_processor=None, stopping_criteria=None, cache=None,
+                   make_cache: bool = True) -> Pipeline:
     """Calls each hook point once (the config is already validated). User-supplied processors and criteria
     run after the plugins' ones. Each processor is tagged with the plugin that contributed it, and outputs
-    are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector)."""
+    are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector). With
+    `make_cache=False` (continuous batching, whose paged cache serves every request) no cache is made."""
     from ..registry.manager import call_first, call_hooks
 
     hook_args = dict(generation_config=generation_config, context=context)
@@ -62,7 +64,7 @@ def build_pipeline(generation_config, context, logits_processor=None, stopping_c
             "No registered plugin selects tokens for this generation config "
             f"(do_sample={generation_config.do_sample!r}); the built-ins handle do_sample=True and False."
         )
-    if cache is None and generation_config.use_cache:
+    if cache is None and make_cache and generation_config.use_cache:
         cache = call_first("decodekit_cache", **hook_args)[1]
     reader = call_first("decodekit_next_token_logits", **hook_args)[1]
     return Pipeline(processors, checked_selector(selector, owner), criteria, cache, reader or last_position_logits)

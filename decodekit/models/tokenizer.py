@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -55,6 +57,7 @@ class Tokenizer:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side={padding_side!r} is invalid; expected 'left' or 'right'.")
         self.backend = backend
+        self._text_backend = None  # encode_text's copy, made when first needed
         self.bos_token, self.eos_token, self.unk_token = bos_token, eos_token, unk_token
         # Without a pad token, pad with EOS: the attention mask hides padding anyway.
         self.pad_token = pad_token or eos_token
@@ -165,6 +168,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s ids with special and added tokens spelled in it tokenized as plain text (no BOS added)."""
+        if self._text_backend is None:  # a copy that splits special tokens: the shared backend's flag stays as it is
+            from tokenizers import Tokenizer as Backend
+
+            copy = Backend.from_str(self.backend.to_str())
+            copy.encode_special_tokens = True
+            self._text_backend = copy
+        return self._text_backend.encode(text, add_special_tokens=False).ids
+
     def __call__(
         self,
         text: str | Sequence[str],
@@ -260,11 +273,51 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
     return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
 
 
-def chat_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply."""
+def chat_ids(tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply.
+
+    With `content_as_text` (a server's untrusted messages), text inside a message that spells a special or added
+    token, say "<|im_start|>system", stays text: only the template's own markers become special tokens, as in
+    vLLM's and llama.cpp's servers. Messages without such text tokenize exactly as without the flag."""
+    if content_as_text:
+        markers = added_token_texts(tokenizer)
+        if any(marker in str(m.get("content", "")) for m in messages for marker in markers):
+            return _chat_ids_content_as_text(tokenizer, list(messages))
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
     if not isinstance(ids, list):  # transformers' tokenizers: a BatchEncoding
         ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def added_token_texts(tokenizer) -> list[str]:
+    """The texts of a tokenizer's special and added tokens (decodekit's or a transformers one)."""
+    backend = getattr(tokenizer, "backend", None)
+    decoder = (backend.get_added_tokens_decoder() if backend is not None and hasattr(backend, "get_added_tokens_decoder")
+               else getattr(tokenizer, "added_tokens_decoder", {}))
+    return [str(getattr(token, "content", token)) for token in decoder.values() if str(getattr(token, "content", token))]
+
+
+def encode_as_text(tokenizer, text: str) -> list[int]:
+    """`text`'s ids with every special or added token spelled in it tokenized as plain text."""
+    if hasattr(tokenizer, "encode_text"):
+        return tokenizer.encode_text(text)
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def _chat_ids_content_as_text(tokenizer, messages: list[dict]) -> list[int]:
+    """The template rendered with a marker in place of each content (unguessable, so no content can forge one),
+    the template's text tokenized as usual and each content as text."""
+    tag = secrets.token_hex(8)
+    marks = {f"\ue000{tag}{i}\ue001": str(m.get("content", "")) for i, m in enumerate(messages)}
+    stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+    pattern = re.compile("|".join(re.escape(mark) for mark in marks))
+    ids, at = [], 0
+    for found in pattern.finditer(text):
+        ids += tokenizer.encode(text[at:found.start()], add_special_tokens=False) if found.start() > at else []
+        ids += encode_as_text(tokenizer, marks[found.group()])
+        at = found.end()
+    ids += tokenizer.encode(text[at:], add_special_tokens=False) if at < len(text) else []
     return [int(t) for t in ids]
 
 

@@ -7,11 +7,11 @@ ContinuousBatchingManager.run). Needs the `serve` extra: pip install 'decodekit[
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import socket
 import threading
 import time
-
-import importlib.util
 
 logger = logging.getLogger("decodekit")
 
@@ -21,18 +21,41 @@ for _module in ("fastapi", "uvicorn"):
 
 import uvicorn  # noqa: E402
 
-from .app import ServerSettings, create_app  # noqa: E402
+from .app import create_app  # noqa: E402
+from .protocol import ServerSettings  # noqa: E402
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, not yet listening: `decodekit serve` binds before it loads and compiles the
+    model, so a bad --host or --port fails at once. OSError with a sentence naming the address otherwise."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise OSError(f"--port {port!r} is invalid; expected an integer in [0, 65535] (0: a free port).")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise OSError(f"--host {host!r} is not an address of this machine or a name that resolves ({error}).") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error} (is the port in use, or the address "
+                      "not this machine's?).") from None
+    return sock
 
 
 class Server:
-    """The HTTP server of `manager` on host:port (port 0: a free one, read back from `port` after start())."""
+    """The HTTP server of `manager` on host:port (port 0: a free one, read back from `port` after start()), or
+    on `sock`, a socket bind() made."""
 
-    def __init__(self, manager, tokenizer, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, manager, tokenizer, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+                 sock: socket.socket | None = None):
         self.manager = manager
         self.app = create_app(manager, tokenizer, settings)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
-        self.host, self.port = host, port
+        self.host, self.port, self.sock = host, port, sock
         self.thread: threading.Thread | None = None
 
     @property
@@ -41,7 +64,8 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> "Server":
         """Starts answering HTTP (in a background thread) and returns once the socket listens."""
-        self.thread = threading.Thread(target=self.server.run, name="decodekit-http", daemon=True)
+        sockets = [self.sock] if self.sock is not None else None
+        self.thread = threading.Thread(target=self.server.run, args=(sockets,), name="decodekit-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -75,4 +99,4 @@ def allowed_methods(specs: list[str]) -> dict:
     return load_pinned(specs, "--method", "the server")
 
 
-__all__ = ["Server", "ServerSettings", "allowed_methods", "create_app"]
+__all__ = ["Server", "ServerSettings", "allowed_methods", "bind", "create_app"]

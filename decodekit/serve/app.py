@@ -1,10 +1,16 @@
 """The OpenAI-compatible HTTP API over a ContinuousBatchingManager: /v1/completions, /v1/chat/completions,
-/v1/models, /health. Request bodies are validated here (types, limits), then by decodekit itself when the request
-is added (config fields, the method's own validation): either failure is a 400 with the message.
+/v1/models, /health, /metrics. Bodies are checked by serve/protocol.py (fields, types, limits), then by decodekit
+itself when the request is added (config fields, the method's own validation): either failure is a 400.
 
 A request chooses its decoding method with `"decodekit": {"method": NAME, ...fields}` in the body (the openai
 client's `extra_body`). NAME is a registered decodekit plugin (its fields then apply, as in generate()) or a method
 the operator allowed when the server started; a request never names code to load or grants trust.
+
+What no request can do to the server: the body is read in pieces and cut at --max-request-bytes (413), whatever
+its transfer encoding; tokenizing, templating and the method's own validation run in worker threads, never on the
+event loop, and whatever they raise (SystemExit included) is that request's error; a request's outputs come to
+the event loop as the manager makes them (no thread waits on them), and a client that goes away, streaming or
+not, cancels its request at once, which frees its blocks at the next step.
 """
 
 from __future__ import annotations
@@ -14,34 +20,18 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
-from ..core.config import is_int
 from ..models.tokenizer import chat_ids
+from .protocol import (CHAT, COMPLETIONS, BadRequest, ServerSettings, boolean, chat_messages, check_fields, check_text,
+                       completion_prompt, logprob_fields, merged_request, stream_options)
 
-
-@dataclass
-class ServerSettings:
-    model_name: str
-    api_key: str | None = None
-    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
-    default_max_tokens: int = 256  # chat requests without max_tokens (completions default to 16, as OpenAI's)
-    max_request_bytes: int = 1_000_000
-    max_n: int = 8
-    methods: dict[str, Any] = field(default_factory=dict)  # allowed methods: {name: LoadedMethod}
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (a load balancer's and a scraper's)
 
 
 def error_response(error: BadRequest) -> JSONResponse:
@@ -49,188 +39,173 @@ def error_response(error: BadRequest) -> JSONResponse:
     return JSONResponse(body, status_code=error.status)
 
 
-def _number(body: dict, name: str, low: float, high: float, default, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
-        what = "an integer" if integer else "a number"
-        raise BadRequest(f"{name}={value!r} is invalid; expected {what} in [{low}, {high}].", name)
-    return value
+class Guard:
+    """ASGI middleware: the API key on every path but OPEN_PATHS, and a declared body over the byte limit refused
+    before it is read (413). Plain ASGI rather than @app.middleware("http"), under which a handler can no longer
+    see its client disconnect."""
+
+    def __init__(self, app, settings: ServerSettings, metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            error = None
+            if self.expected is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
+                    headers.get(b"authorization", b""), self.expected):
+                error = BadRequest("A valid API key is required: Authorization: Bearer <key>.", None, 401,
+                                   "authentication_error")
+            length = headers.get(b"content-length", b"")
+            if error is None and length.isdigit() and int(length) > self.settings.max_request_bytes:
+                error = too_large(int(length), self.settings)
+            if error is not None:
+                self.metrics.reject(error.status)
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _stop_list(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest(f"stop={stop!r} is invalid; expected a non-empty string or a list of up to 4 of them.", "stop")
-    return stops
-
-
-def generation_fields(body: dict, settings: ServerSettings, default_max_tokens: int) -> dict[str, Any]:
-    """The generation config fields and request arguments of an OpenAI body."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", 1, settings.max_tokens_limit, default_max_tokens, True)
-    temperature = _number(body, "temperature", 0, 2, 1.0)
-    top_p = _number(body, "top_p", 0, 1, 1.0)
-    if top_p == 0:
-        raise BadRequest("top_p=0 is invalid; expected a number in (0, 1].", "top_p")
-    n = _number(body, "n", 1, settings.max_n, 1, True)
-    seed = _number(body, "seed", 0, 2**63 - 1, None, True)
-    fields: dict[str, Any] = {"max_new_tokens": max_tokens, "num_return_sequences": n}
-    if temperature > 0:
-        fields.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        fields["do_sample"] = False
-    if seed is not None:
-        fields["seed"] = seed
-    return fields
-
-
-def method_fields(body: dict, settings: ServerSettings) -> dict[str, Any]:
-    """The `decodekit` object of a body: {"method": NAME, ...fields} -> add_request arguments."""
-    spec = body.get("decodekit")
-    if spec is None:
-        return {}
-    if not isinstance(spec, dict):
-        raise BadRequest(f'"decodekit" must be an object {{"method": NAME, ...fields}}, got {spec!r}.', "decodekit")
-    fields = dict(spec)
-    for forbidden in ("custom_generate", "trust_remote_code"):
-        if forbidden in fields:
-            raise BadRequest(f'"decodekit.{forbidden}" cannot be set by a request: the operator allows methods when the '
-                             "server starts (decodekit serve --method SPEC@REVISION).", f"decodekit.{forbidden}")
-    name = fields.pop("method", None)
-    if name is None:
-        return fields
-    from ..registry.manager import get_plugin_manager
-
-    plugins = {n for n, _ in get_plugin_manager().list_name_plugin()}
-    if name in settings.methods:
-        fields["custom_generate"] = settings.methods[name]
-    elif name not in plugins:
-        raise BadRequest(f"decodekit method {name!r} is neither a registered decodekit plugin nor a method allowed when "
-                         f"the server started; available: {sorted(plugins | set(settings.methods))}.", "decodekit.method")
-    return fields
+def too_large(size: int, settings: ServerSettings) -> BadRequest:
+    return BadRequest(f"The request body has {size} bytes or more; this server takes at most "
+                      f"{settings.max_request_bytes} (--max-request-bytes).", None, 413)
 
 
 def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over a started (or externally run) manager and the model's tokenizer."""
+    from .metrics import CONTENT_TYPE_LATEST, Metrics
+
     app = FastAPI(title="decodekit", version="1")
     created = int(time.time())
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if settings.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return error_response(BadRequest("A valid API key is required: Authorization: Bearer <key>.", None, 401,
-                                                 "authentication_error"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
-            return error_response(BadRequest(f"The request body has {length} bytes; this server takes at most "
-                                             f"{settings.max_request_bytes}.", None, 400))
-        return await call_next(request)
+    metrics = app.state.metrics = Metrics(manager, settings.model_name)
+    previous = manager.on_end
+    manager.on_end = metrics.ended if previous is None else (lambda output: (previous(output), metrics.ended(output)))
+    app.add_middleware(Guard, settings=settings, metrics=metrics)
 
     @app.get("/health")
     async def health():
         return {"status": "ok" if manager.is_running() else "stopped"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
                                             "owned_by": "decodekit"}]}
 
-    async def body_of(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > settings.max_request_bytes:
-            raise BadRequest(f"The request body has {len(raw)} bytes; this server takes at most "
-                             f"{settings.max_request_bytes}.")
+    async def body_of(request: Request, served: set[str]) -> dict:
+        raw = bytearray()
+        async for piece in request.stream():  # cut as it comes: a chunked body declares no length
+            raw += piece
+            if len(raw) > settings.max_request_bytes:
+                raise too_large(len(raw), settings)
         try:
             body = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("The request body nests too deeply to be read.") from None
         except ValueError as error:
             raise BadRequest(f"The request body is not valid JSON: {error}.") from None
         if not isinstance(body, dict):
             raise BadRequest("The request body must be a JSON object.")
+        check_text(body)
+        check_fields(body, served)
         model = body.get("model")
         if model is not None and model != settings.model_name:
             raise BadRequest(f"model={model!r} is not served here; this server serves {settings.model_name!r}.", "model", 404,
                              "not_found_error")
         return body
 
+    def plugins() -> set[str]:
+        from ..registry.manager import get_plugin_manager
+
+        return {name for name, _ in get_plugin_manager().list_name_plugin()}
+
+    async def answer(request: Request, body: dict, chat: bool, prompt_of):
+        """Checks the body's sampling fields, then prompt_of() (the token ids) and add_request in a worker thread."""
+        fields = merged_request(body, settings, settings.default_max_tokens if chat else 16, plugins())
+        job = Job(manager, tokenizer, body, settings, fields, chat)
+        await job.add(prompt_of)
+        return await job.respond(request)
+
+    async def endpoint(request: Request, chat: bool):
+        try:
+            body = await body_of(request, CHAT if chat else COMPLETIONS)
+            if chat:
+                messages = chat_messages(body)
+                return await answer(request, body, True, lambda: chat_ids(tokenizer, messages, content_as_text=True))
+            prompt = completion_prompt(body)
+            return await answer(request, body, False,
+                                lambda: tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        except BadRequest as error:
+            metrics.reject(error.status)
+            return error_response(error)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            body = await body_of(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = tokenizer.encode(prompt)
-            elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-                ids = prompt
-            else:
-                raise BadRequest("prompt must be a string or a list of token ids (one prompt per request).", "prompt")
-            job = Job(manager, tokenizer, body, settings, ids, generation_fields(body, settings, 16), chat=False)
-            return await job.respond(request)
-        except BadRequest as error:
-            return error_response(error)
+        return await endpoint(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = await body_of(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise BadRequest("messages must be a non-empty list of {\"role\": ..., \"content\": \"...\"} objects.",
-                                 "messages")
-            try:
-                ids = chat_ids(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
-            except ValueError as error:
-                raise BadRequest(str(error), "messages") from None
-            fields = generation_fields(body, settings, settings.default_max_tokens)
-            job = Job(manager, tokenizer, body, settings, ids, fields, chat=True)
-            return await job.respond(request)
-        except BadRequest as error:
-            return error_response(error)
+        return await endpoint(request, chat=True)
 
     return app
 
 
-class Job:
-    """One HTTP request's generation: added to the manager, then answered whole or streamed."""
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is read by then: receive() only waits for the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, manager, tokenizer, body, settings, ids, fields, chat: bool):
+
+class Job:
+    """One HTTP request's generation: added to the manager, then answered whole or streamed. The manager hands
+    its outputs to `self.outputs` on the event loop (add_request's listener)."""
+
+    def __init__(self, manager, tokenizer, body, settings, fields, chat: bool):
         self.manager, self.tokenizer, self.body, self.chat = manager, tokenizer, body, chat
-        self.stops = _stop_list(body)
-        self.stream = bool(body.get("stream", False))
-        logprobs = body.get("logprobs")
-        self.logprobs = bool(logprobs) if logprobs is not None else False
-        if not isinstance(logprobs, (bool, int, type(None))):
-            raise BadRequest(f"logprobs={logprobs!r} is invalid; expected a boolean (chat) or an integer (completions).",
-                             "logprobs")
+        self.stream = boolean(body, "stream")
+        self.include_usage = stream_options(body, self.stream)
+        wanted = logprob_fields(body, chat)
+        self.logprobs = wanted["logprobs"]
         if self.logprobs and fields["num_return_sequences"] > 1:
             raise BadRequest("logprobs are returned for n=1 only.", "logprobs")
-        options = body.get("stream_options") or {}
-        self.include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        self.prompt_ids = ids
+        self.stops = fields.get("stop_strings", [])
+        self.fields = {**fields, **wanted, "tokenizer": tokenizer}
         self.model = settings.model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        # The tokenizer serves stop strings (generation stops at one; texts() cuts it off) and structured output.
-        arguments = {**fields, **method_fields(body, settings), "logprobs": self.logprobs, "tokenizer": tokenizer}
-        if self.stops:
-            arguments["stop_strings"] = self.stops
-        try:
-            self.request_id = manager.add_request(ids, request_id=self.id, streaming=self.stream, **arguments)
-        except QueueFull as error:
-            raise BadRequest(str(error), None, 429, "rate_limit_error") from None
-        except (ValueError, TypeError) as error:
-            raise BadRequest(str(error)) from None
+        self.outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+        self.prompt_ids: list[int] = []
+
+    async def add(self, prompt_of) -> None:
+        """The prompt's ids and add_request, in a worker thread: tokenizing a long prompt and the method's own
+        validation must not hold the event loop, and nothing they raise may reach it."""
+        loop = asyncio.get_running_loop()
+
+        def listener(output):
+            loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+        def add():
+            try:
+                self.prompt_ids = prompt_of()
+                self.manager.add_request(self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener,
+                                         **self.fields)
+            except QueueFull as error:
+                return BadRequest(str(error), None, 429, "rate_limit_error")
+            except (ValueError, TypeError) as error:
+                return BadRequest(str(error))
+            except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
+                method = self.fields.get("custom_generate")
+                label = getattr(getattr(method, "source", None), "label", None) or self.body.get("decodekit", {}).get("method")
+                return BadRequest(f"The request failed while it was prepared{f' by method {label!r}' if label else ''}: "
+                                  f"{type(error).__name__}: {error}", None, 500, "server_error")
+            return None
+
+        error = await run_in_threadpool(add)
+        if error is not None:
+            raise error
 
     # ---- text ----
     def texts(self, output: GenerationOutput) -> list[tuple[str, str | None, bool]]:
@@ -253,15 +228,29 @@ class Job:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": generated,
                 "total_tokens": len(self.prompt_ids) + generated}
 
-    def choice(self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool) -> dict:
+    def logprobs_of(self, output: GenerationOutput, start: int):
+        """The OpenAI logprobs object of the first row's tokens from `start` on (a stream sends each token once)."""
+        word = self.tokenizer.decode
+        chosen = [word([t]) for t in output.generated_tokens[start:]]
+        tops = (output.top_logprobs or [])[start:]
+        if self.chat:
+            def entry(token, logprob):
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(word([i]), v) for i, v in top]}
+                                for t, lp, top in zip(chosen, output.logprobs[start:], tops or [[]] * len(chosen))]}
+        offsets, at = [], len(self.tokenizer.decode(output.generated_tokens[:start])) if start else 0
+        for token in chosen:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": chosen, "token_logprobs": output.logprobs[start:], "text_offset": offsets,
+                "top_logprobs": [{word([i]): v for i, v in top} for top in tops] if output.top_logprobs else None}
+
+    def choice(self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool,
+               start: int = 0) -> dict:
         logprobs = None
         if self.logprobs and output.logprobs is not None:
-            tokens = [self.tokenizer.decode([t]) for t in output.generated_tokens]
-            if self.chat:
-                logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                        for t, lp in zip(tokens, output.logprobs)]}
-            else:
-                logprobs = {"tokens": tokens, "token_logprobs": output.logprobs, "top_logprobs": None, "text_offset": None}
+            logprobs = self.logprobs_of(output, start)
         if self.chat:
             key = "delta" if delta else "message"
             message = {"role": "assistant", "content": text}
@@ -276,17 +265,18 @@ class Job:
     async def respond(self, request: Request):
         if self.stream:
             return StreamingResponse(self.events(), media_type="text/event-stream")
-        output = None
+        result = asyncio.ensure_future(self.outputs.get())
+        gone = asyncio.ensure_future(until_disconnect(request))
         try:
-            while output is None:
-                output = await run_in_threadpool(self.manager.get_result, self.request_id, 0.25)
-                if output is None and await request.is_disconnected():
-                    self.manager.cancel_request(self.request_id, keep_result=False)
-                    return JSONResponse({}, status_code=499)
-        except asyncio.CancelledError:
-            self.manager.cancel_request(self.request_id, keep_result=False)
-            raise
-        return self.whole(output)
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not result.done():  # the client went away, or this handler was cancelled
+                self.manager.cancel_request(self.id, keep_result=False)
+            result.cancel()
+            gone.cancel()
+        if not result.done() or result.cancelled():
+            return Response(status_code=499)
+        return self.whole(result.result())
 
     def whole(self, output: GenerationOutput):
         if output.status == RequestStatus.FAILED:
@@ -299,10 +289,16 @@ class Job:
         return JSONResponse({**self.envelope(choices, chunk=False), "usage": self.usage(output)})
 
     async def events(self):
+        """Server-sent events; Starlette cancels this generator when the client goes away, and `finally` then
+        cancels the request."""
         sent: dict[int, str] = {}
         closed: set[int] = set()
+        tokens_sent = 0  # of the first row, whose logprobs a chunk carries
+        finished = False
         try:
-            async for output in iterate_in_threadpool(self.manager.request_id_iter(self.request_id)):
+            while not finished:
+                output = await self.outputs.get()
+                finished = output.is_finished()
                 if output.status == RequestStatus.FAILED:
                     yield _sse({"error": {"message": output.error, "type": "server_error", "code": 500}})
                     break
@@ -317,21 +313,25 @@ class Job:
                         continue
                     if piece or ended:
                         sent[i] = text
-                        choices.append(self.choice(i, piece, reason if ended else None, output, delta=True))
+                        choices.append(self.choice(i, piece, reason if ended else None, output, delta=True,
+                                                   start=tokens_sent if i == 0 else 0))
+                        if i == 0:
+                            tokens_sent = len(output.generated_tokens)
                     if ended:
                         closed.add(i)
                 if choices:
                     yield _sse(self.envelope(choices, chunk=True))
                 if len(closed) == len(texts):
-                    if not output.is_finished():  # stop strings ended every row: free the blocks
-                        self.manager.cancel_request(self.request_id, keep_result=False)
+                    if not finished:  # stop strings ended every row: free the blocks
+                        self.manager.cancel_request(self.id, keep_result=False)
+                        finished = True
                     if self.include_usage:
                         yield _sse({**self.envelope([], chunk=True), "usage": self.usage(output)})
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if len(closed) < max(len(sent), 1):  # the client went away (or the stream broke): free the request's blocks
-                self.manager.cancel_request(self.request_id, keep_result=False)
+            if not finished:  # the client went away (or the stream broke): free the request's blocks
+                self.manager.cancel_request(self.id, keep_result=False)
 
 
 def _sse(payload: dict) -> str:

@@ -154,3 +154,53 @@ def write_method(root: Path, generate_py: str, requirements: str | None = None, 
         path.write_text(textwrap.dedent(text))
     (root / "README.md").write_text(readme)
     return root
+
+
+# Faults on demand, for the server's hardening tests: `fault` names what goes wrong and `fault_step` after how many
+# generated tokens.
+FAULT_METHOD = '''
+"""Goes wrong on request: raises from its processor, picks a token outside the vocabulary, or exits while the
+request is prepared."""
+import torch
+from decodekit import hookimpl
+
+RAISES = {"exit": SystemExit, "interrupt": KeyboardInterrupt, "raise": RuntimeError}
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"fault": None, "fault_step": 2}
+
+
+@hookimpl
+def decodekit_validate_config(generation_config, context):
+    if generation_config.fault == "exit-when-added":
+        raise SystemExit("fault injected while the request is added")
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config, context):
+    fault, start = generation_config.fault, context.prompt_length
+    if fault not in RAISES:
+        return []
+
+    def boom(input_ids, scores):
+        if input_ids.shape[1] - start >= generation_config.fault_step:
+            raise RAISES[fault]("fault injected")
+        return scores
+
+    return [boom]
+
+
+@hookimpl
+def decodekit_token_selector(generation_config, context):
+    if generation_config.fault != "outside-vocabulary":
+        return None
+    start = context.prompt_length
+
+    def select(input_ids, scores):
+        chosen = scores.argmax(dim=-1)
+        return chosen + scores.shape[-1] + 5 if input_ids.shape[1] - start >= generation_config.fault_step else chosen
+
+    return select
+'''

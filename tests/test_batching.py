@@ -281,6 +281,86 @@ def test_a_request_failing_mid_generation_fails_alone(model):
     assert manager.free_blocks == manager.total_blocks
 
 
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, GeneratorExit])
+def test_a_base_exception_from_a_requests_own_code_fails_that_request_alone(model, raised):
+    def exits_on_second_step(input_ids, scores):
+        if input_ids.shape[1] == 4:
+            raise raised("the method gave up")
+        return scores
+
+    manager = model.init_continuous_batching()
+    bad = manager.add_request([1, 2], max_new_tokens=6, logits_processor=[exits_on_second_step])
+    good = manager.add_request([3, 4], max_new_tokens=6)
+    manager.run(until_idle=True)  # returns: the manager did not stop on the request's exception
+    bad_out, good_out = manager.get_result(bad, timeout=0), manager.get_result(good, timeout=0)
+    assert bad_out.status == RequestStatus.FAILED and raised.__name__ in bad_out.error
+    assert good_out.status == RequestStatus.FINISHED and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    assert manager.free_blocks == manager.total_blocks
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_token_outside_the_vocabulary_fails_its_request_before_it_reaches_the_step(model, compile):
+    from decodekit.models import cpu
+
+    if compile and not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+
+    def strays_on_third_step(input_ids, scores):
+        chosen = scores.argmax(dim=-1)
+        return chosen + 10_000 if input_ids.shape[1] >= 5 else chosen
+
+    from decodekit.registry import hookimpl, register, unregister
+
+    class Strays:
+        @hookimpl
+        def decodekit_config_fields(self):
+            return {"strays": False}
+
+        @hookimpl
+        def decodekit_token_selector(self, generation_config, context):
+            return strays_on_third_step if generation_config.strays else None
+
+    plugin = register(Strays(), name="strays")
+    try:
+        manager = model.init_continuous_batching(compile=compile)
+        bad = manager.add_request([1, 2], max_new_tokens=6, strays=True)
+        good = manager.add_request([3, 4], max_new_tokens=6)
+        manager.run(until_idle=True)
+    finally:
+        unregister(plugin)
+    bad_out, good_out = manager.get_result(bad, timeout=0), manager.get_result(good, timeout=0)
+    assert bad_out.status == RequestStatus.FAILED and "outside the vocabulary" in bad_out.error
+    assert good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+
+
+def test_a_failed_shared_forward_is_retried_request_by_request(model, monkeypatch):
+    manager = model.init_continuous_batching()
+    forward = manager.runner.forward
+
+    def fails_with_a_poisoned_request(works):
+        if any(w.request.id == "poisoned" for w in works):
+            raise RuntimeError("index out of range in the poisoned request's rows")
+        return forward(works)
+
+    monkeypatch.setattr(manager.runner, "forward", fails_with_a_poisoned_request)
+    manager.add_request([1, 2], request_id="poisoned", max_new_tokens=4)
+    good = manager.add_request([3, 4], max_new_tokens=4)
+    manager.run(until_idle=True)
+    assert manager.get_result("poisoned", timeout=0).status == RequestStatus.FAILED
+    assert manager.get_result(good, timeout=0).generated_tokens == alone(model, [3, 4], max_new_tokens=4)[0]
+
+
+def test_prompt_and_new_tokens_up_to_the_context_are_taken_and_one_more_is_refused(model):
+    context = model.config.max_position_embeddings
+    manager = model.init_continuous_batching()
+    manager.add_request([5] * (context - 4), max_new_tokens=4)  # fills the context exactly
+    with pytest.raises(ValueError, match=f"context of {context} positions.*at most 4"):
+        manager.add_request([5] * (context - 4), max_new_tokens=5)
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        manager.add_request([5] * (context + 1), max_new_tokens=1)
+    manager.run(until_idle=True)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"num_beams": 2}, "beam_search"),
     ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive"),

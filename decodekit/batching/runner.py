@@ -61,7 +61,8 @@ class PagedRunner:
 
     @property
     def total_blocks(self) -> int:
-        return self.cache.allocator.num_blocks
+        """Blocks requests can hold: the cache's, less the compiled step's scratch block for its padding rows."""
+        return self.cache.allocator.num_blocks - (self.compiled is not None)
 
     @property
     def free_blocks(self) -> int:

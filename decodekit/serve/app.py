@@ -71,6 +71,30 @@ def too_large(size: int, settings: ServerSettings) -> BadRequest:
                       f"{settings.max_request_bytes} (--max-request-bytes).", None, 413)
 
 
+PIECE_CHARS = 32_768  # a long text is counted in pieces this long: each piece's encoding is a few MB at most
+
+
+def tokens_within(tokenizer, texts: list[str], limit: int) -> None:
+    """BadRequest if `texts` hold clearly more than `limit` tokens, found without encoding any long text whole: the
+    tokenizer's encoding of ~400k tokens takes ~200 MB, which a refused request must not cost. Counted in pieces
+    split at spaces; a prompt near the limit is then encoded whole and checked exactly by add_request."""
+    if sum(len(t) for t in texts) <= PIECE_CHARS:
+        return
+    count = 0
+    for text in texts:
+        at = 0
+        while at < len(text):
+            end = min(len(text), at + PIECE_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", at + PIECE_CHARS // 2, end)
+                end = space if space > at else end
+            count += len(tokenizer.encode(text[at:end], add_special_tokens=False))
+            at = end
+            if count > 2 * limit:
+                raise BadRequest(f"The prompt has more than {2 * limit} tokens; the model's context is {limit} positions "
+                                 "(max_position_embeddings).", "prompt")
+
+
 def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over a started (or externally run) manager and the model's tokenizer."""
     from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -129,15 +153,26 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         await job.add(prompt_of)
         return await job.respond(request)
 
+    context = getattr(manager.model.config, "max_position_embeddings", None) or 2**31
+
     async def endpoint(request: Request, chat: bool):
         try:
             body = await body_of(request, CHAT if chat else COMPLETIONS)
             if chat:
                 messages = chat_messages(body)
-                return await answer(request, body, True, lambda: chat_ids(tokenizer, messages, content_as_text=True))
-            prompt = completion_prompt(body)
-            return await answer(request, body, False,
-                                lambda: tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+
+                def prompt_of():
+                    tokens_within(tokenizer, [m["content"] for m in messages], context)
+                    return chat_ids(tokenizer, messages, content_as_text=True)
+            else:
+                prompt = completion_prompt(body)
+
+                def prompt_of():
+                    if isinstance(prompt, list):
+                        return prompt
+                    tokens_within(tokenizer, [prompt], context)
+                    return tokenizer.encode(prompt)
+            return await answer(request, body, chat, prompt_of)
         except BadRequest as error:
             metrics.reject(error.status)
             return error_response(error)
@@ -194,6 +229,8 @@ class Job:
                                          **self.fields)
             except QueueFull as error:
                 return BadRequest(str(error), None, 429, "rate_limit_error")
+            except BadRequest as error:
+                return error
             except (ValueError, TypeError) as error:
                 return BadRequest(str(error))
             except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server

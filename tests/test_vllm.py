@@ -68,6 +68,23 @@ def test_two_requests_with_different_methods_at_once(engine):
     assert second == ours(PROMPTS[1], custom_generate=methods["second"], second_best=True)
 
 
+def test_a_request_whose_method_raises_ends_alone_and_the_engine_goes_on(engine):
+    # banned_token of the wrong type passes validation (the method has none) and makes its processor raise at the
+    # first step: before, that exception stopped vLLM's EngineCore for every request.
+    from vllm import SamplingParams
+
+    llm, methods, _ = engine
+    bad = SamplingParams(max_tokens=8, temperature=0, extra_args={"decodekit": {"method": methods["ban"],
+                                                                                "banned_token": "not a token id"}})
+    good = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed, fine = llm.generate(PROMPTS, [bad, good])
+    ours(PROMPTS[0], tokens=1)  # loads ours.model
+    assert failed.outputs[0].finish_reason == "stop"
+    assert list(failed.outputs[0].token_ids) == ours.model.generation_config.eos_token_ids[:1]
+    assert list(fine.outputs[0].token_ids) == ours(PROMPTS[1])
+    assert theirs(llm, PROMPTS[:1], [None]) == ours(PROMPTS[0])  # the engine still serves
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"method": "nope"}, "decodekit method 'nope' is neither an installed decodekit plugin nor a method allowed"),
     ({"method": "BAN", "bannedtoken": 3}, "unknown field 'bannedtoken' (did you mean 'banned_token'?)"),

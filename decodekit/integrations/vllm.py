@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 from ..core.config import GenerationConfig, add_plugin_fields, closest
 from ..registry.manager import call_first, outside_plugins
 from .hooks import check_chosen, chosen_hooks, hook_arguments
+
+logger = logging.getLogger("decodekit")
 
 METHODS_VARIABLE = "DECODEKIT_VLLM_METHODS"
 KEY = "decodekit"
@@ -143,16 +146,37 @@ class _StandIn:
 
 class RequestHooks:
     """One request's processors, selector and stopping criteria, called by vLLM with the request's prompt ids,
-    its output ids so far (a live list) and its logits row [V]."""
+    its output ids so far (a live list) and its logits row [V].
+
+    A request fails alone: whatever its hooks raise, when they are made or at any step (SystemExit included),
+    is logged once and the request is ended (its row takes EOS; with ignore_eos it stops at max_tokens), since an
+    exception out of a logits processor stops vLLM's engine for every request."""
 
     def __init__(self, request: Request, model: _StandIn, prompt_length: int, max_length: int, eos: list[int]):
-        self.eos = eos
-        with request.registered():
-            args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
-            self.processors, self.criteria = chosen_hooks(request.chosen, args)
-            self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
+        self.eos, self.failed = eos, None
+        self.name = sorted(request.chosen)[0] if request.chosen else "?"
+        try:
+            with request.registered():
+                args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
+                self.processors, self.criteria = chosen_hooks(request.chosen, args)
+                self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
+        except BaseException as error:  # noqa: BLE001 - see the class's docstring
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        self.failed = error
+        logger.error("decodekit method %r failed on a request (%s: %s); the request is ended", self.name,
+                     type(error).__name__, error)
 
     def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.failed is None:
+            try:
+                return self._apply(prompt_ids, output_ids, logits)
+            except BaseException as error:  # noqa: BLE001 - see the class's docstring
+                self._fail(error)
+        return _only(logits, self.eos) if self.eos else logits
+
+    def _apply(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=logits.device)
         scores = logits[None].float()
         if output_ids and self.eos and len(self.criteria) and bool(self.criteria(ids, scores).any()):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -82,25 +81,17 @@ def load_pinned(entries: list[str], source: str, engine: str) -> dict[str, Loade
     return methods
 
 
-_registration_lock = threading.RLock()
-
-
 def registered_for_call(method: LoadedMethod):
-    """The method's hook implementations, registered for the duration of one generate() call."""
+    """The method's hook implementations, for the hook calls of one generate() call (registry.plugins_for_call)."""
     return registered_module(method.module, method.plugin_name)
 
 
-@contextlib.contextmanager
 def registered_module(module: ModuleType, name: str):
-    """`module`'s hook implementations registered as plugin `name` (failures propagate) inside the block."""
-    from ..registry.manager import register, unregister
+    """`module`'s hook implementations as plugin `name`, for the hook calls made in this context inside the block
+    alone (failures propagate); never in the process's registry, so other threads do not see them."""
+    from ..registry.manager import plugins_for_call
 
-    with _registration_lock:
-        register(module, name=name, scope="call")
-        try:
-            yield
-        finally:
-            unregister(name)
+    return plugins_for_call(module, name)
 
 
 def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,10 @@ method a call asked for (custom_generate) are not skipped: their failures propag
 A plugin whose hook names match no hookspec (a misspelling) or that uses pluggy wrappers is refused at
 registration.
 
+A method's hooks (custom_generate) are not registered here at all: `plugins_for_call` puts them in a per-call
+plugin set, a context variable, which hook calls made in that context (this thread, this asyncio task) alone see,
+so one thread's method never reaches another thread's generate().
+
 Environment:
   DECODEKIT_LOAD_PLUGINS   unset: load every installed plugin; empty: none; "a,b": only those entry points
   DECODEKIT_STRICT_PLUGINS "1": a plugin that fails raises instead of being disabled and recorded (for plugin authors)
@@ -16,6 +20,8 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import importlib
 import inspect
@@ -118,20 +124,27 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return _manager
 
 
+def _problems(hooks: dict[str, Any]) -> list[str]:
+    """What is wrong with a plugin's hook implementations {hook name: HookImpl or a caller's impls}: names no
+    hookspec has (with the closest one), wrappers."""
+    problems = []
+    for hook, impls in hooks.items():
+        if hook not in _spec_names():
+            close = difflib.get_close_matches(hook, _spec_names(), n=1)
+            problems.append(f"{hook} is not a decodekit hook" + (f" (did you mean {close[0]}?)" if close else ""))
+        elif any(i.hookwrapper or i.wrapper for i in impls):
+            problems.append(f"{hook} is a hook wrapper, which decodekit does not call")
+    return problems
+
+
 def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None) -> str:
     """pm.register, then the checks pluggy leaves to the host: every hook implementation names a hookspec
     (else PluginError with the closest name), and none is a wrapper (decodekit calls hooks one at a time)."""
     registered = pm.register(plugin, name=name)
     if registered is None:  # pluggy returns None for a plugin blocked by name
         raise PluginError(f"plugin {name!r} is blocked from registering.")
-    problems = []
-    for caller in pm.get_hookcallers(plugin) or ():
-        impls = [i for i in caller.get_hookimpls() if i.plugin is plugin]
-        if not caller.has_spec():
-            close = difflib.get_close_matches(caller.name, _spec_names(), n=1)
-            problems.append(f"{caller.name} is not a decodekit hook" + (f" (did you mean {close[0]}?)" if close else ""))
-        elif any(i.hookwrapper or i.wrapper for i in impls):
-            problems.append(f"{caller.name} is a hook wrapper, which decodekit does not call")
+    problems = _problems({caller.name: [i for i in caller.get_hookimpls() if i.plugin is plugin]
+                          for caller in pm.get_hookcallers(plugin) or ()})
     if problems:
         pm.unregister(plugin)
         raise PluginError(f"plugin {registered!r} was not registered: " + "; ".join(problems) +
@@ -160,12 +173,65 @@ def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseExceptio
     logger.warning("plugin %r is disabled for this process: %s", name, record.error)
 
 
+# The per-call plugin set: ((name, {hook name: HookImpl}), ...) of the methods active in this context.
+_call_plugins: contextvars.ContextVar[tuple[tuple[str, dict[str, Any]], ...]] = contextvars.ContextVar(
+    "decodekit_call_plugins", default=())
+
+
+def call_scoped(plugin: Any, name: str) -> dict[str, Any]:
+    """{hook name: HookImpl} of `plugin`'s hook implementations, checked as register() checks them (PluginError)."""
+    pm = get_plugin_manager()
+    impls = {}
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is not None:
+            impls[attr] = pluggy.HookImpl(plugin, name, getattr(plugin, attr), opts)
+    problems = _problems({hook: [impl] for hook, impl in impls.items()})
+    if problems:
+        raise PluginError(f"plugin {name!r} was not registered: " + "; ".join(problems) +
+                          f". decodekit's hooks are {_spec_names()}.")
+    return impls
+
+
+@contextlib.contextmanager
+def plugins_for_call(plugin: Any, name: str):
+    """`plugin`'s hooks (a method's module), under `name`, for the hook calls made in this context inside the block
+    alone: other threads and tasks never see them, and their failures propagate, naming the plugin."""
+    impls = call_scoped(plugin, name)
+    token = _call_plugins.set(_call_plugins.get() + ((name, impls),))
+    try:
+        yield
+    finally:
+        _call_plugins.reset(token)
+
+
+def _in_call_order(caller, hook_name: str) -> list[Any]:
+    """The implementations of a hook in pluggy's call order (tryfirst, then newest first), the per-call plugin
+    set's placed as the newest, as if registered last."""
+    impls = caller.get_hookimpls()
+    for _, hooks in _call_plugins.get():
+        impl = hooks.get(hook_name)
+        if impl is None:
+            continue
+        if impl.trylast:
+            impls.insert(0, impl)
+        elif impl.tryfirst:
+            impls.append(impl)
+        else:  # before the tryfirst ones, as pluggy inserts it
+            at = len(impls)
+            while at > 0 and impls[at - 1].tryfirst:
+                at -= 1
+            impls.insert(at, impl)
+    return impls[::-1]
+
+
 def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:
     pm = get_plugin_manager()
     caller = getattr(pm.hook, hook_name)
+    call_names = {name for name, _ in _call_plugins.get()}
     results = []
-    for impl in reversed(caller.get_hookimpls()):  # pluggy's call order: tryfirst, then newest first
-        name = _owner(pm, impl)
+    for impl in _in_call_order(caller, hook_name):
+        name = impl.plugin_name if impl.plugin_name in call_names else _owner(pm, impl)
         if only is not None and name not in only:
             continue
         try:
@@ -173,7 +239,7 @@ def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: 
         except (KeyboardInterrupt, ValueError):
             raise
         except BaseException as error:  # SystemExit from a plugin is a plugin failure too
-            if name in _propagating or _strict():
+            if name in _propagating or name in call_names or _strict():
                 if hasattr(error, "add_note"):
                     error.add_note(f"(raised by plugin {name!r} in {hook_name})")
                 raise

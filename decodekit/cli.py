@@ -19,7 +19,10 @@ examples:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
@@ -30,9 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what decodekit does (loading, compiling)")
     parser.add_argument("--version", action="version", version=f"decodekit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # -v is taken after the subcommand as well (decodekit generate -v ...); SUPPRESS keeps the top-level value.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log what decodekit does (loading, compiling)")
 
     gen = sub.add_parser(
-        "generate", help="continue a prompt", epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "generate", parents=[verbose], help="continue a prompt", epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Continue PROMPT with a model and print the continuation as it is generated.",
     )
     gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
@@ -74,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one full-width row per decoder, whatever the terminal's width")
     lst.set_defaults(func=cmd_list)
 
-    new = sub.add_parser("new", help="start a decoding method from a template",
+    new = sub.add_parser("new", parents=[verbose], help="start a decoding method from a template",
                          description="Render a cookiecutter template: `hub-repo` (a custom_generate repository to push to "
                                      "the Hub) or `plugin-package` (a pip-installable plugin). Asks for each value unless "
                                      "--no-input; flags given are used as the answers' defaults.")
@@ -90,14 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--force", action="store_true", help="write into an existing project folder, overwriting its files")
     new.set_defaults(func=cmd_new)
 
-    chk = sub.add_parser("check", help="validate a custom_generate repo before sharing it",
+    chk = sub.add_parser("check", parents=[verbose], help="validate a custom_generate repo before sharing it",
                          description="Check the layout (custom_generate/generate.py), the generate(model, ...) signature "
                                      "or hook implementations, requirements.txt, the README's custom_generate tag and "
                                      "relative imports. Prints each problem as FILE:LINE: what to do; exits 1 if any.")
     chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
     chk.set_defaults(func=cmd_check)
 
-    bat = sub.add_parser("batch", help="generate for every prompt of a JSON Lines file",
+    bat = sub.add_parser("batch", parents=[verbose], help="generate for every prompt of a JSON Lines file",
                          description="Generate for each row of INPUT (JSON Lines, one object per line with a prompt and "
                                      "optionally an id) and append it to OUTPUT with generated_text and "
                                      "generated_token_ids. Rows already in OUTPUT are skipped, so an interrupted run "
@@ -112,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
     bat.set_defaults(func=cmd_batch)
 
-    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+    srv = sub.add_parser("serve", parents=[verbose], help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
                          description="Serve the model at http://HOST:PORT/v1 (completions, chat completions, models) "
                                      "and /health, many requests at once, each with its own decoding method "
                                      "(docs/serve.md). Needs decodekit[serve].")
@@ -253,7 +260,12 @@ def cmd_check(args) -> int:
     if problems:
         print(f"{len(problems)} problem(s) in {args.directory}", file=sys.stderr)
         return 1
+    from .hub_loader.source import resolve
+
+    pin = resolve(args.directory).revision  # its files read as a run reads them: nothing imported
     print(f"OK: {args.directory} is a valid custom_generate repository")
+    print(f"pin: {args.directory}@{pin}  (trust_remote_code={pin!r}, or --method / --trust-remote-code with it; "
+          "it changes whenever a file under custom_generate/ does)")
     return 0
 
 
@@ -285,6 +297,31 @@ def cmd_list(args) -> int:
 
 class CLIError(ValueError):
     """A problem with the command line itself, found before any model loads."""
+
+
+def check_method_args(spec: str, trust, extra: dict) -> None:
+    """Loads the method (trust gate, requirements) and checks the --arg keys against what it takes: a hook-only
+    method's fields with the generation config's, or its generate()'s own parameters unless it takes **kwargs."""
+    import inspect
+
+    from .core.config import GenerationConfig, add_plugin_fields, closest
+    from .core.generate import MODEL_INPUTS
+    from .hub_loader.method import load_method, registered_for_call
+
+    method = load_method(spec, trust)
+    if method.generate is not None:
+        params = inspect.signature(method.generate).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return
+        known = set(params) | set(MODEL_INPUTS)
+    else:
+        with registered_for_call(method):
+            known = add_plugin_fields(GenerationConfig())
+    for key in extra:
+        if key not in known:
+            close = closest(key, known)
+            raise CLIError(f"--arg {key}=... is taken neither by the method {spec!r} nor as a generation config field"
+                           + (f"; did you mean --arg {close}=...?" if close else "") + ".")
 
 
 def generation_kwargs(args) -> dict:
@@ -457,6 +494,12 @@ def cmd_generate(args) -> int:
               "at the end.", file=sys.stderr)
         stream = False
     began = time.perf_counter()
+    trust = None
+    if args.custom_generate:  # the method and its --arg fields, checked before the model loads
+        from .hub_loader import trusted_revision
+
+        trust = True if args.trust_remote_code else trusted_revision(args.custom_generate)
+        check_method_args(args.custom_generate, trust, parse_method_args(args.arg))
     model, tokenizer = load_model_of(args)
     if args.assistant:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype)
@@ -465,10 +508,8 @@ def cmd_generate(args) -> int:
     input_ids = prompt_ids(tokenizer, args.prompt, chat=args.chat)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     if args.custom_generate:
-        from .hub_loader import trusted_revision
-
         kwargs["custom_generate"] = args.custom_generate
-        kwargs["trust_remote_code"] = True if args.trust_remote_code else trusted_revision(args.custom_generate)
+        kwargs["trust_remote_code"] = trust
         kwargs["attention_mask"] = torch.ones_like(input_ids)
     echo = stream and not args.chat
     echoed = False

@@ -320,14 +320,18 @@ def test_a_token_outside_the_vocabulary_fails_its_request_before_it_reaches_the_
         def decodekit_token_selector(self, generation_config, context):
             return strays_on_third_step if generation_config.strays else None
 
+    from decodekit.registry.manager import get_plugin_manager
+
     plugin = register(Strays(), name="strays")
     try:
         manager = model.init_continuous_batching(compile=compile)
         bad = manager.add_request([1, 2], max_new_tokens=6, strays=True)
         good = manager.add_request([3, 4], max_new_tokens=6)
         manager.run(until_idle=True)
+        assert get_plugin_manager().get_plugin(plugin) is None  # a process plugin that misbehaves is disabled
     finally:
-        unregister(plugin)
+        if get_plugin_manager().get_plugin(plugin) is not None:
+            unregister(plugin)
     bad_out, good_out = manager.get_result(bad, timeout=0), manager.get_result(good, timeout=0)
     assert bad_out.status == RequestStatus.FAILED and "outside the vocabulary" in bad_out.error
     assert good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]

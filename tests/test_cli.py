@@ -104,3 +104,42 @@ def test_stats_holds_tokens_back_until_the_step_after_the_first():
     stats.put(torch.tensor([5]))
     stats.end()
     assert seen == [[[1, 2]], [3], [4], [5]] and events == [("first", 1), "end"] and stats.tokens == 3
+
+
+def test_a_methods_own_arg_fields_are_checked_before_the_model_loads(no_model_loads, tmp_path, capsys):
+    from methods import HOOK_METHOD, write_method
+
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    argv = ["generate", "Hi", "--custom-generate", str(method), "--trust-remote-code", "--arg", "banned_tokn=5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--arg banned_tokn=... is taken neither by the method" in err and "did you mean --arg banned_token=...?" in err
+
+
+def test_verbose_is_taken_after_the_subcommand_too():
+    from decodekit.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "-v", "Hi"]).verbose is True
+    assert build_parser().parse_args(["-v", "generate", "Hi"]).verbose is True
+    assert build_parser().parse_args(["generate", "Hi"]).verbose is False
+
+
+def test_a_non_number_for_a_count_flag_names_what_is_expected(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "Hi", "--max-new-tokens", "abc"])
+    assert "argument --max-new-tokens: expected an integer >= 1, got 'abc'" in capsys.readouterr().err
+
+
+def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsys):
+    from decodekit.hub_loader.source import resolve
+
+    from methods import HOOK_METHOD, write_method
+
+    misspelt = write_method(tmp_path / "misspelt", HOOK_METHOD.replace("decodekit_logits_processors",
+                                                                       "decodekit_logit_processors"))
+    assert main(["check", str(misspelt)]) == 1
+    assert ("custom_generate/generate.py:12: decodekit_logit_processors is not a decodekit hook (did you mean "
+            "decodekit_logits_processors?)") in capsys.readouterr().out
+    good = write_method(tmp_path / "good", HOOK_METHOD)
+    assert main(["check", str(good)]) == 0
+    assert f"pin: {good}@{resolve(str(good)).revision}" in capsys.readouterr().out

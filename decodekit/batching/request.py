@@ -19,6 +19,7 @@ import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_limits, merge_config, settle_config
+from ..core.processors import check_scores
 from ..plugins.fused import FusedTokens
 from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
 
@@ -114,14 +115,10 @@ class Request:
         p = self.pipeline
         scores = logits.float()
         scores = p.processors(self.sequences, scores)
+        check_scores(p.processors, scores, self.unfinished, self.sequences.shape[1])
+        # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary would
+        # fail the next shared forward for every request in it, or read out of bounds inside a compiled step.
         chosen = p.selector(self.sequences, scores)
-        # Checked every step (one comparison a request): an id outside the vocabulary would fail the next shared
-        # forward for every request in it, or read out of bounds inside a compiled step.
-        if bool(((chosen < 0) | (chosen >= scores.shape[-1])).any()):
-            owner = getattr(p.selector, "owner", None)
-            raise ValueError(f"the token selector {type(getattr(p.selector, 'selector', p.selector)).__name__}"
-                             + (f" of plugin {owner!r}" if owner else "") + f" chose token ids {chosen.tolist()} at "
-                             f"position {self.sequences.shape[1]}, outside the vocabulary [0, {scores.shape[-1]}).")
         if self.logprobs:
             logp = torch.log_softmax(scores[0], dim=-1)
             self.token_logprobs.append(float(logp[chosen[0]]))

@@ -14,6 +14,7 @@ from .config import GenerationConfig, add_plugin_fields, closest, is_int
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
+from .processors import check_scores
 from .stack import stack_room
 
 logger = logging.getLogger("decodekit")
@@ -92,7 +93,7 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
         raise ValueError(f"input_ids contains token ids outside the vocabulary [0, {vocab}).")
-    input_ids = input_ids.long().to(model.device)
+    input_ids = input_ids.to(model.device, torch.long, copy=True)  # a processor that writes into it writes into ours
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
@@ -314,6 +315,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
         if logits_out is not None:
             logits_out.append(scores.clone())
         scores = pipeline.processors(input_ids, scores)
+        check_scores(pipeline.processors, scores, unfinished, input_ids.shape[1])
         if scores_out is not None:
             scores_out.append(scores.clone())
         next_tokens = torch.where(unfinished, pipeline.selector(input_ids, scores), pad)

@@ -14,7 +14,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError
+from ..registry.manager import PluginError, failed_at_run_time
 
 NEG_INF = -math.inf
 
@@ -27,10 +27,12 @@ class LogitsProcessor(Protocol):
 class LogitsProcessorList(list):
     """Applies its processors in order.
 
-    Each processor may be tagged with who contributed it (`extend_from`). The first call checks every
-    processor's output (a tensor of the scores' shape, dtype and device) and raises PluginError naming the
-    processor and its plugin if one is wrong; an exception inside a processor gets a note naming them too.
-    The check runs once, eagerly: later calls (and a compiled step's trace) only apply the processors.
+    Each processor may be tagged with the plugin that contributed it (`extend_from`). Every eager call checks every
+    processor's output (a tensor of the scores' shape, dtype and device: attribute checks, no synchronisation) and
+    raises PluginError naming the processor, its plugin and the position if one is wrong; an exception inside a
+    processor gets a note naming them too. Either way an installed or run-time plugin is then disabled for the
+    process (registry.failed_at_run_time), so the next generate() runs without it. A compiled step's trace only
+    applies the processors.
     """
 
     def __init__(self, *args):
@@ -43,36 +45,56 @@ class LogitsProcessorList(list):
         self.extend(processors)
         self.owners.update((id(p), owner) for p in processors)
 
+    def owner_of(self, processor) -> str | None:
+        return getattr(self, "owners", {}).get(id(processor))
+
     def describe(self, processor) -> str:
         name = getattr(processor, "__name__", None) or type(processor).__name__
-        owner = getattr(self, "owners", {}).get(id(processor))
+        owner = self.owner_of(processor)
         return f"the logits processor {name}" + (f" of {owner}" if owner and "(" in owner else
                                                   f" of plugin {owner!r}" if owner else "")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        check = not getattr(self, "checked", True)
+        check = not torch.compiler.is_compiling()
         processor = None
         try:
             for processor in self:
                 given = scores
                 scores = processor(input_ids, scores)
                 if check:
-                    self._check_output(processor, given, scores)
+                    self._check_output(processor, given, scores, input_ids.shape[-1])
         except Exception as error:
             if not isinstance(error, PluginError) and hasattr(error, "add_note"):
-                error.add_note(f"(raised by {self.describe(processor)})")
+                error.add_note(f"(raised by {self.describe(processor)} at position {input_ids.shape[-1]})")
+            failed_at_run_time(self.owner_of(processor), "a logits processor", error)
             raise
         self.checked = True
         return scores
 
-    def _check_output(self, processor, given: torch.Tensor, out) -> None:
+    def _check_output(self, processor, given: torch.Tensor, out, position: int) -> None:
         shape, dtype, device = tuple(given.shape), given.dtype, given.device
         if isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype and out.device == device:
             return
         got = (f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
                else type(out).__name__)
-        raise PluginError(f"{self.describe(processor)} returned {got}; a processor returns the scores it was "
-                          f"given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
+        raise PluginError(f"{self.describe(processor)} returned {got} at position {position}; a processor returns the "
+                          f"scores it was given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
+
+
+def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinished: torch.Tensor, position: int) -> None:
+    """Raises where a running row's scores are NaN or -inf for every token: any selector would then pick token 0 (or
+    garbage) silently. One reduction over the scores and one synchronisation a step; eager loops only."""
+    bad = (scores.isnan().any(-1) | scores.isneginf().all(-1)) & unfinished
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0, 0])
+    what = "NaN" if bool(scores[row].isnan().any()) else "-inf for every token"
+    if not len(processors):
+        raise RuntimeError(f"the model's logits are {what} in row {row} at position {position}: check the weights and "
+                           "the dtype (float16 overflows on some models; try bfloat16 or float32).")
+    raise PluginError(f"the scores are {what} in row {row} at position {position} after the logits processors "
+                      f"{[processors.describe(p) for p in processors]}; no token can be chosen from them. A processor "
+                      "that bans tokens must leave at least one allowed.")
 
 
 def _check(name: str, value, ok: bool, accepted: str) -> None:

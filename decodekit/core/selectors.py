@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError
+from ..registry.manager import PluginError, failed_at_run_time
 
 
 @runtime_checkable
@@ -88,9 +88,10 @@ def race(scores: torch.Tensor, key: torch.Tensor, position) -> torch.Tensor:
 
 
 class CheckedSelector:
-    """A plugin's selector whose first output is checked: one integer token id per row, on the scores' device,
-    inside the vocabulary. A wrong one raises PluginError naming the plugin, instead of a broadcast that would
-    give every row one row's token. Later calls go straight through."""
+    """A plugin's selector whose outputs are checked at every eager step: one integer token id per row, on the
+    scores' device, inside the vocabulary. A wrong one, or an exception, raises PluginError naming the plugin and the
+    position (instead of a broadcast that would give every row one row's token, or an IndexError deep inside the
+    next forward), and an installed or run-time plugin is disabled for the process (registry.failed_at_run_time)."""
 
     def __init__(self, selector, owner: str):
         self.selector, self.owner, self.checked = selector, owner, False
@@ -99,21 +100,31 @@ class CheckedSelector:
         return getattr(self.selector, name)
 
     def __call__(self, input_ids, scores):
-        tokens = self.selector(input_ids, scores)
-        if not self.checked:
-            B, V = scores.shape
-            ok = (isinstance(tokens, torch.Tensor) and tuple(tokens.shape) == (B,) and not tokens.is_floating_point()
-                  and not tokens.is_complex() and tokens.dtype != torch.bool and tokens.device == scores.device)
-            if not ok:
-                got = (f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
-                       if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
-                raise PluginError(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
-                                    f"{got}; a selector returns one integer token id per row, a tensor [{B}] on {scores.device}.")
-            if bool(((tokens < 0) | (tokens >= V)).any()):
-                raise PluginError(f"the token selector {type(self.selector).__name__} of plugin {self.owner!r} returned "
-                                    f"token ids {tokens.tolist()}, outside the vocabulary [0, {V}).")
-            self.checked = True
+        try:
+            tokens = self.selector(input_ids, scores)
+            if not torch.compiler.is_compiling():
+                self._check(tokens, scores, input_ids.shape[-1])
+        except Exception as error:
+            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
+                error.add_note(f"(raised by the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]})")
+            failed_at_run_time(self.owner, "a token selector", error)
+            raise
+        self.checked = True
         return tokens
+
+    def _check(self, tokens, scores, position: int) -> None:
+        B, V = scores.shape
+        name = f"the token selector {type(self.selector).__name__} of plugin {self.owner!r}"
+        ok = (isinstance(tokens, torch.Tensor) and tuple(tokens.shape) == (B,) and not tokens.is_floating_point()
+              and not tokens.is_complex() and tokens.dtype != torch.bool and tokens.device == scores.device)
+        if not ok:
+            got = (f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
+                   if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
+            raise PluginError(f"{name} returned {got} at position {position}; a selector returns one integer token id "
+                              f"per row, a tensor [{B}] on {scores.device}.")
+        if bool(((tokens < 0) | (tokens >= V)).any()):
+            raise PluginError(f"{name} returned token ids {tokens.tolist()} at position {position}, outside the "
+                              f"vocabulary [0, {V}).")
 
 
 def checked_selector(selector, owner: str | None):

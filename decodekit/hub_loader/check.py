@@ -9,6 +9,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from .importer import absolute_self_imports
 from .requirements import parse_lines, read_requirements, unmet_requirements
 from .source import METHOD_DIR
 
@@ -76,15 +77,33 @@ def _check_generate(path: Path, root: Path) -> list[Problem]:
     except SyntaxError as e:
         return [Problem(name, e.lineno, f"syntax error: {e.msg}")]
     functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    problems = _check_hook_names(functions, name)
     if "generate" in functions:
         fn = functions["generate"]
         params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
         if not params or params[0] != "model":
-            return [Problem(name, fn.lineno, f"generate() must take `model` as its first parameter, got ({', '.join(params)})")]
-        return []
+            return problems + [Problem(name, fn.lineno,
+                                       f"generate() must take `model` as its first parameter, got ({', '.join(params)})")]
+        return problems
     if any(n.startswith("decodekit_") for n in functions):
-        return []
+        return problems
     return [Problem(name, None, "defines no generate(model, input_ids, ...) function and no decodekit hook implementations")]
+
+
+def _check_hook_names(functions: dict, name: str) -> list[Problem]:
+    """Functions named like a hook (decodekit_...) that no hookspec has: generate() would refuse the method."""
+    import difflib
+
+    from ..registry import hookspecs
+
+    specs = sorted(n for n in dir(hookspecs) if n.startswith("decodekit_"))
+    problems = []
+    for function, node in functions.items():
+        if function.startswith("decodekit_") and function not in specs:
+            close = difflib.get_close_matches(function, specs, n=1)
+            problems.append(Problem(name, node.lineno, f"{function} is not a decodekit hook"
+                                    + (f" (did you mean {close[0]}?)" if close else f"; the hooks are {specs}")))
+    return problems
 
 
 def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
@@ -94,6 +113,10 @@ def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except SyntaxError:
             continue  # reported for generate.py; other files fail at import with a clear message anyway
+        for line in absolute_self_imports(path.read_text(encoding="utf-8")):
+            problems.append(Problem(_rel(path, root), line, f"imports {METHOD_DIR} absolutely, which Python finds on "
+                                    "sys.path rather than in the checked copy (decodekit refuses it); import siblings "
+                                    "relatively: `from . import helper`"))
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or not node.level:
                 continue

@@ -11,7 +11,12 @@ read, and what is refused:
 - bytecode without its source (.pyc, .pyo) and native extensions (.so, .pyd, .dylib, .dll) are refused:
   they cannot be reviewed, and a hash of them says nothing about what they do;
 - a file over MAX_FILE_BYTES, or files over MAX_TOTAL_BYTES together, are refused before they are read
-  whole (DECODEKIT_MAX_METHOD_BYTES raises the total).
+  whole (DECODEKIT_MAX_METHOD_BYTES raises the total); so are more than MAX_FILES files, folders nested deeper
+  than MAX_DEPTH, a link to something that is not a regular file or folder (a device, a fifo), a folder that
+  links into /proc, /sys or /dev, and a folder that cannot be read (each with a sentence naming it);
+- a Python file that imports `custom_generate` absolutely (`from custom_generate import helper`) is refused:
+  that name is looked up on sys.path, i.e. in the original folder and its unhashed `__pycache__`, not in the
+  snapshot; a sibling is imported relatively (`from . import helper`), as transformers requires too.
 
 Snapshots live in a private temporary folder of this process (one per content hash, removed at exit).
 """
@@ -36,6 +41,9 @@ TOTAL_VARIABLE = "DECODEKIT_MAX_METHOD_BYTES"
 REFUSED_SUFFIXES = {".pyc": "bytecode", ".pyo": "bytecode", ".so": "a native extension", ".pyd": "a native extension",
                     ".dylib": "a native library", ".dll": "a native library"}
 SKIPPED_DIRS = {"__pycache__"}
+MAX_FILES = 1000
+MAX_DEPTH = 32
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
 class MethodFilesError(UntrustedCodeError):
@@ -53,26 +61,40 @@ def max_total_bytes() -> int:
 
 
 def _walk(method_dir: Path, label: str):
-    """(relative posix name, path) of every file to read, sorted, symlinked folders followed once."""
-    seen_dirs: set[str] = set()
+    """(relative posix name, path) of every file to read, sorted, symlinked folders followed once. Iterative, so
+    depth is a limit of ours (MAX_DEPTH), not Python's recursion limit."""
     found = []
-
-    def visit(folder: Path, prefix: str) -> None:
+    stack = [(method_dir, "", (), 0)]  # (folder, its name under custom_generate/, real paths above it, depth)
+    while stack:
+        folder, prefix, above, depth = stack.pop()
         real = os.path.realpath(folder)
-        if real in seen_dirs:
+        if real in above:
             raise MethodFilesError(f"`{label}`: custom_generate/{prefix} is a symlink loop back to {real}; "
                                    "a method's folder may not link into itself.")
-        seen_dirs.add(real)
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if depth > MAX_DEPTH:
+            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} nests folders more than {MAX_DEPTH} deep; a "
+                                   "method's folder may not.")
+        if depth and real.startswith(PSEUDO_FILESYSTEMS) and real.split("/")[1] in {"proc", "sys", "dev"}:
+            raise MethodFilesError(f"`{label}`: custom_generate/{prefix.rstrip('/')} links to {real}, a system folder; "
+                                   "a method's files must be its own.")
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as error:
+            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} cannot be read ({error.strerror or error}).") \
+                from None
+        subfolders = []
+        for entry in entries:
             name = prefix + entry.name
             if entry.is_dir():  # follows a symlinked folder
                 if entry.name not in SKIPPED_DIRS:
-                    visit(Path(entry.path), name + "/")
+                    subfolders.append((Path(entry.path), name + "/", above + (real,), depth + 1))
                 continue
             if not entry.is_file():
                 if entry.is_symlink():
-                    raise MethodFilesError(f"`{label}`: custom_generate/{name} is a symlink to "
-                                           f"{os.readlink(entry.path)}, which does not exist.")
+                    target = os.readlink(entry.path)
+                    why = "which does not exist" if not os.path.exists(entry.path) else \
+                        "which is not a regular file (a device, fifo or socket)"
+                    raise MethodFilesError(f"`{label}`: custom_generate/{name} is a symlink to {target}, {why}.")
                 continue  # sockets, fifos: nothing Python imports
             why = REFUSED_SUFFIXES.get(Path(entry.name).suffix.lower())
             if why is not None:
@@ -80,10 +102,12 @@ def _walk(method_dir: Path, label: str):
                     f"`{label}`: custom_generate/{name} is {why}. decodekit runs a method from its Python source only, "
                     "so that what runs is what can be read and hashed; remove the file (or ship the source).")
             found.append((name, Path(entry.path)))
-        seen_dirs.discard(real)  # the same folder linked twice side by side is fine; only a loop is not
-
-    visit(method_dir, "")
-    return found
+            if len(found) > MAX_FILES:
+                raise MethodFilesError(f"`{label}`: custom_generate/ holds more than {MAX_FILES} files; a method may "
+                                       f"hold at most {MAX_FILES}. Keep data out of custom_generate/.")
+        stack.extend(subfolders)
+    # The order pins were made with: each folder's entries by name, a subfolder's files where its name falls.
+    return sorted(found, key=lambda item: item[0].split("/"))
 
 
 class _Snapshots:

@@ -61,6 +61,12 @@ def resolve(
     local_files_only: bool = False,
 ) -> MethodSource:
     """A local directory if `spec` is one, else a Hub repo id, downloading only custom_generate/ and README.md."""
+    if not str(spec).strip():  # Path("") is the current directory: never load that by accident
+        raise ValueError(f"custom_generate={str(spec)!r} is empty; it accepts a directory holding "
+                         "custom_generate/generate.py, a Hub repo id 'org/name', or a callable.")
+    if len(str(spec)) > 4096:
+        raise ValueError(f"custom_generate is a string of {len(str(spec))} characters, longer than any path or Hub "
+                         "repo id (at most 4096).")
     path = Path(spec).expanduser()
     if path.is_dir():
         return from_directory(path.resolve(), str(spec), "local")

@@ -225,6 +225,20 @@ def _in_call_order(caller, hook_name: str) -> list[Any]:
     return impls[::-1]
 
 
+def failed_at_run_time(name: str | None, what: str, error: BaseException) -> bool:
+    """A plugin's processor or selector failed during generation (raised, or gave a wrong output): an installed or
+    run-time plugin is disabled, as when one of its hooks raises, so later calls run without it; a built-in, a
+    call's method, or any plugin under DECODEKIT_STRICT_PLUGINS is not. Returns whether it was disabled."""
+    if name is None or name in _propagating or name in {n for n, _ in _call_plugins.get()} or _strict():
+        return False
+    pm = get_plugin_manager()
+    with _lock:
+        if pm.get_plugin(name) is None:
+            return False
+        _disable(pm, name, what, error)
+    return True
+
+
 def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:
     pm = get_plugin_manager()
     caller = getattr(pm.hook, hook_name)

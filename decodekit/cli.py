@@ -264,8 +264,9 @@ def cmd_check(args) -> int:
 
     pin = resolve(args.directory).revision  # its files read as a run reads them: nothing imported
     print(f"OK: {args.directory} is a valid custom_generate repository")
-    print(f"pin: {args.directory}@{pin}  (trust_remote_code={pin!r}, or --method / --trust-remote-code with it; "
-          "it changes whenever a file under custom_generate/ does)")
+    print(f"pin: {args.directory}@{pin}")
+    print(f"  trust it with generate(..., trust_remote_code={pin!r}) or serve it with --method {args.directory}@{pin};"
+          " the pin changes whenever a file under custom_generate/ does")
     return 0
 
 

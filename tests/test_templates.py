@@ -110,7 +110,11 @@ def check_output(repo, capsys):
 
 
 def test_check_good_repo(good_repo, capsys):
-    assert check_output(good_repo, capsys) == (0, f"OK: {good_repo} is a valid custom_generate repository\n")
+    from decodekit.hub_loader.source import resolve
+
+    code, out = check_output(good_repo, capsys)
+    pin = resolve(str(good_repo)).revision
+    assert code == 0 and out.startswith(f"OK: {good_repo} is a valid custom_generate repository\npin: {good_repo}@{pin}\n")
 
 
 def test_check_wrong_folder_name(good_repo, capsys):

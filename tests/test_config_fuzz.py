@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from decodekit.testing import tiny_model
 
-AWKWARD = [None, True, False, 0, 1, -1, 2, 3, 7, 95, 96, 10**9, 10**12, 10**30, -(10**9), 0.0, 0.5, 1.0, 1.5, 2.0, -0.5,
-           1e-30, 1e30, math.nan, math.inf, -math.inf, "3", "", "greedy", [], [1], [[1]], [[10**9]], [1, 2], {}, {(8,): 1.0},
-           {(8,): math.nan}, {(10**9,): 1.0}, (5,), object()]
+AWKWARD = [None, True, False, 0, 1, -1, 2, 3, 7, 95, 96, 10**9, 10**12, 10**30, -(10**9), 2**31, 2**63, 2**64, 0.0, 0.5, 1.0,
+           1.5, 2.0, -0.5, 1e-30, 1e30, math.nan, math.inf, -math.inf, "3", "", "greedy", [], [1], [[1]], [[10**9]], [1, 2],
+           {}, {(8,): 1.0}, {(8,): math.nan}, {(10**9,): 1.0}, (5,), object(), torch.tensor([1, 2]),
+           torch.tensor([1.5, 2.0]), torch.tensor(3), torch.tensor([[1.5, 2.0]])]
 
 FIELDS = ["max_new_tokens", "max_length", "min_length", "min_new_tokens", "max_time", "do_sample", "num_return_sequences",
           "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
@@ -21,7 +22,10 @@ FIELDS = ["max_new_tokens", "max_length", "min_length", "min_new_tokens", "max_t
           "eos_token_id", "pad_token_id", "num_beams", "num_beam_groups", "diversity_penalty", "length_penalty",
           "early_stopping", "penalty_alpha", "prompt_lookup_num_tokens", "max_matching_ngram_size", "guidance_scale",
           "dola_layers", "stop_strings", "seed", "use_cache", "cache_implementation", "output_scores",
-          "return_dict_in_generate", "compile", "num_assistant_tokens"]
+          "return_dict_in_generate", "compile", "num_assistant_tokens", "encoder_repetition_penalty",
+          "negative_prompt_ids", "negative_prompt_attention_mask"]
+# generate()'s own arguments that take objects; the same awkward values, and callables that return them.
+ARGUMENTS = ["streamer", "logits_processor", "stopping_criteria", "past_key_values", "prefix_allowed_tokens_fn"]
 
 # Strategy combinations the values are laid over: each turns on one loop.
 BASES = [{}, {"do_sample": True, "seed": 1}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 2},
@@ -41,9 +45,21 @@ def _alarm(signum, frame):
     raise Hang()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def returning(value):
+    def fn(*args):
+        return value
+
+    fn.__name__ = f"returns_{type(value).__name__}"
+    return fn
+
+
+CALLABLE_VALUES = [returning(v) for v in (None, 3, [], [1], "x", torch.tensor([1]))]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(base=st.sampled_from(BASES),
-       values=st.dictionaries(st.sampled_from(FIELDS), st.sampled_from(AWKWARD), min_size=1, max_size=3))
+       values=st.dictionaries(st.sampled_from(FIELDS + ARGUMENTS), st.sampled_from(AWKWARD + CALLABLE_VALUES),
+                              min_size=1, max_size=3))
 def test_every_outcome_is_a_result_or_an_error_naming_a_field(model, base, values):
     kwargs = {"max_new_tokens": 4, **base, **values}
     if kwargs.get("compile") is True:
@@ -81,10 +97,48 @@ def test_every_outcome_is_a_result_or_an_error_naming_a_field(model, base, value
     ({"max_time": math.nan}, "max_time"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ({"temperature": math.inf, "do_sample": True}, "temperature"),
+    # The second hardening pass's classes.
+    ({"num_beams": 2, "early_stopping": torch.tensor([1, 2])}, "early_stopping"),
+    ({"encoder_repetition_penalty": torch.tensor([1.0, 2.0])}, "encoder_repetition_penalty"),
+    ({"sequence_bias": torch.tensor([1, 2])}, "sequence_bias"),
+    ({"guidance_scale": 1.5, "negative_prompt_ids": torch.tensor([[1, 2]]), "negative_prompt_attention_mask": 0},
+     "negative_prompt_attention_mask"),
+    ({"guidance_scale": 1.5, "negative_prompt_ids": torch.tensor([[1.5, 2.0]])}, "negative_prompt_ids"),
+    ({"penalty_alpha": 0.5, "top_k": 2**31}, "top_k"),
+    ({"num_beams": 2, "length_penalty": 2**64}, "length_penalty"),
 ])
 def test_reproduced_bad_values_are_errors_naming_the_field(model, kwargs, field):
     with pytest.raises(ValueError, match=field):
         model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=kwargs.pop("max_new_tokens", 4), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,argument", [
+    ({"prefix_allowed_tokens_fn": lambda batch, ids: None}, "prefix_allowed_tokens_fn"),
+    ({"streamer": True}, "streamer"),
+    ({"past_key_values": True}, "past_key_values"),
+    ({"logits_processor": True}, "logits_processor"),
+    ({"logits_processor": torch.tensor([1])}, "logits_processor"),
+    ({"stopping_criteria": True}, "stopping_criteria"),
+])
+def test_objects_of_the_wrong_kind_are_type_errors_naming_the_argument(model, kwargs, argument):
+    with pytest.raises(TypeError, match=argument):
+        model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, **kwargs)
+
+
+def test_top_k_past_any_vocabulary_samples_as_top_k_off(model):
+    prompt = torch.tensor([[5, 9, 14]])
+    huge = model.generate(prompt, max_new_tokens=4, do_sample=True, seed=3, top_k=2**63)
+    assert torch.equal(huge, model.generate(prompt, max_new_tokens=4, do_sample=True, seed=3, top_k=0))
+
+
+def test_an_absurd_model_path_and_request_size_are_named(model):
+    from decodekit import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="pretrained_model_name_or_path is 100000 characters long"):
+        AutoModelForCausalLM.from_pretrained("x" * 100_000)
+    manager = model.init_continuous_batching(max_cache_bytes=2**20)
+    with pytest.raises(ValueError, match="past the model's context"):  # before: an allocation of 274 GB attempted
+        manager.add_request([1, 2, 3], max_new_tokens=2**31)
 
 
 def test_input_warnings_for_right_padding_without_a_mask_and_prompts_past_the_context(model, caplog):

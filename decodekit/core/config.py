@@ -265,7 +265,8 @@ class GenerationConfig:
             isinstance(self.begin_suppress_tokens, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
         ):
             raise bad("begin_suppress_tokens", "expected a list of token ids")
-        if self.encoder_repetition_penalty not in (None, 1.0):
+        erp = self.encoder_repetition_penalty
+        if not (erp is None or (is_number(erp) and erp == 1.0)):
             raise bad("encoder_repetition_penalty", "it penalises tokens of an encoder's input, and decodekit runs "
                       "decoder-only models; use repetition_penalty")
         if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:

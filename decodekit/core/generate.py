@@ -50,6 +50,22 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     return gc, model_kwargs
 
 
+def check_call_objects(streamer, logits_processor, stopping_criteria, past_key_values) -> None:
+    """TypeError naming the argument where generate() is handed something other than the object it takes."""
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"streamer={streamer!r} is invalid; expected an object with put(token_ids) and end() "
+                        "(e.g. decodekit.TextStreamer) or None.")
+    for name, value, what in (("logits_processor", logits_processor, "(input_ids, scores) -> scores"),
+                              ("stopping_criteria", stopping_criteria, "(input_ids, scores) -> done[batch]")):
+        if value is not None and (not isinstance(value, (list, tuple)) or not all(callable(f) for f in value)):
+            raise TypeError(f"{name}={value!r} is invalid; expected a list of callables {what} "
+                            f"(a {'LogitsProcessorList' if name == 'logits_processor' else 'StoppingCriteriaList'} "
+                            "works) or None.")
+    if past_key_values is not None and not callable(getattr(past_key_values, "get_seq_length", None)):
+        raise TypeError(f"past_key_values={past_key_values!r} is invalid; expected a cache object (get_seq_length, "
+                        "update, ...: a decodekit or transformers Cache) or None.")
+
+
 def settle_config(model, gc: GenerationConfig) -> None:
     """Validates the call's config for the model's vocabulary and, as transformers does, pads with the first EOS
     where no pad_token_id is set."""
@@ -177,6 +193,7 @@ class GenerationMixin:
                 f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
                 "directory holding custom_generate/generate.py, or a callable."
             )
+        check_call_objects(streamer, logits_processor, stopping_criteria, kwargs.get("past_key_values"))
         method_extras = pop_declared_parameters(custom_generate, kwargs) if custom_generate is not None else {}
         if inputs is not None:
             if "input_ids" in kwargs:

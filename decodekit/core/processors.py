@@ -351,7 +351,12 @@ class PrefixConstrainedLogitsProcessor:
     def __call__(self, input_ids, scores):
         allowed = torch.full_like(scores, NEG_INF)
         for row, sequence in enumerate(input_ids):
-            tokens = list(self.fn(row // self.rows_per_prompt, sequence))
+            returned = self.fn(row // self.rows_per_prompt, sequence)
+            try:
+                tokens = [int(t) for t in returned]
+            except (TypeError, ValueError):
+                raise TypeError(f"prefix_allowed_tokens_fn returned {returned!r} for prompt {row // self.rows_per_prompt};"
+                                " it must return a list of the token ids allowed next.") from None
             if not tokens:
                 raise ValueError(
                     f"prefix_allowed_tokens_fn returned no allowed token for prompt {row // self.rows_per_prompt} "

@@ -42,6 +42,16 @@ def resolve_dtype(dtype, config_dtype: str | None = None) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}, 'auto', or the torch dtypes.")
 
 
+def check_model_name(name_or_path) -> None:
+    """ValueError naming the argument for what no directory, file or Hub repo id can be."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"pretrained_model_name_or_path={name_or_path!r} is invalid; expected a model directory, a "
+                         "GGUF file or a Hub repo id 'org/name'.")
+    if len(str(name_or_path)) > 4096:
+        raise ValueError(f"pretrained_model_name_or_path is {len(str(name_or_path))} characters long, longer than any "
+                         "path or Hub repo id (at most 4096).")
+
+
 def resolve_model_dir(
     name_or_path: str | os.PathLike,
     revision: str | None = None,
@@ -50,6 +60,7 @@ def resolve_model_dir(
     allow_patterns: list[str] | None = None,
 ) -> Path:
     """A local directory as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub."""
+    check_model_name(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -216,6 +227,7 @@ class AutoModelForCausalLM:
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
         check_backend(backend)
+        check_model_name(name_or_path)
         from ..core.config import GenerationConfig
         from .gguf_file import open_gguf
 

@@ -54,10 +54,11 @@ def decodekit_validate_config(generation_config):
         raise bad("num_beam_groups", f"num_beams={nb} must be divisible by num_beam_groups")
     if groups > 1 and gc.do_sample is True:
         raise bad("num_beam_groups", "diverse beam search is deterministic; it cannot be combined with do_sample=True")
-    if gc.early_stopping not in (True, False, "never"):
+    if not (isinstance(gc.early_stopping, bool) or (isinstance(gc.early_stopping, str) and gc.early_stopping == "never")):
         raise bad("early_stopping", "expected True, False or 'never'")
-    if gc.number("length_penalty", None) is None:
-        raise bad("length_penalty", "expected a number (> 0 favours longer sequences, < 0 shorter ones)")
+    if gc.number("length_penalty", None) is None or abs(gc.length_penalty) > MAX_LENGTH_PENALTY:
+        raise bad("length_penalty", f"expected a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}] (> 0 favours "
+                  "longer sequences, < 0 shorter ones)")
     if gc.number("diversity_penalty", -1) < 0:
         raise bad("diversity_penalty", "expected a number >= 0")
     if groups > 1 and gc.diversity_penalty == 0:
@@ -78,6 +79,9 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _at(t: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
     """t [items, beams, length] at sequence index `cur` (a 0-d tensor): [items, beams]."""
     return t.index_select(2, cur.view(1)).squeeze(2)
+
+
+MAX_LENGTH_PENALTY = 30  # length ** 30 is a float64 number for any length up to 10**10
 
 
 def _penalty(length: torch.Tensor, length_penalty: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ def decodekit_config_fields():
 
 
 @hookimpl
-def decodekit_validate_config(generation_config):
+def decodekit_validate_config(generation_config, context):
     gc = generation_config
     alpha = gc.penalty_alpha
     if alpha is None:
@@ -36,6 +36,10 @@ def decodekit_validate_config(generation_config):
             f"generation config: penalty_alpha={alpha} needs top_k > 1 (the number of candidates to compare), "
             f"got top_k={gc.top_k!r}; e.g. penalty_alpha=0.6, top_k=4."
         )
+    vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
+    if alpha > 0 and vocab is not None and gc.top_k > vocab:
+        raise gc.invalid("top_k", f"contrastive search runs top_k candidates each step; expected at most the "
+                         f"vocabulary, {vocab}")
     if alpha > 0 and (gc.do_sample or gc.number("num_beams", 1) > 1):
         raise ValueError("penalty_alpha (contrastive search) is deterministic; it cannot be combined with do_sample or num_beams > 1.")
 

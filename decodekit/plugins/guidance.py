@@ -26,19 +26,30 @@ def decodekit_config_fields():
 def decodekit_validate_config(generation_config, context):
     gc = generation_config
     if gc.guidance_scale is None:
-        if gc.negative_prompt_ids is not None:
-            raise ValueError("negative_prompt_ids only applies with guidance_scale > 1; set guidance_scale.")
+        for name in ("negative_prompt_ids", "negative_prompt_attention_mask"):
+            if getattr(gc, name) is not None:
+                raise ValueError(f"{name} only applies with guidance_scale > 1; set guidance_scale.")
         return
     if not is_number(gc.guidance_scale) or gc.guidance_scale < 0:
         raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
     neg = gc.negative_prompt_ids
+    if neg is None and gc.negative_prompt_attention_mask is not None:
+        raise ValueError("negative_prompt_attention_mask is the mask of negative_prompt_ids, which is not set; set both "
+                         "or neither.")
     if neg is not None:
-        if not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size):
-            raise ValueError(f"negative_prompt_ids must be a LongTensor [batch or 1, seq], got "
-                             f"{tuple(neg.shape) if isinstance(neg, torch.Tensor) else type(neg).__name__}.")
+        if (not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size)
+                or neg.is_floating_point() or neg.is_complex() or neg.dtype == torch.bool or neg.numel() == 0):
+            raise ValueError(f"negative_prompt_ids must be an integer tensor [batch or 1, seq] of token ids, got "
+                             + (f"a {neg.dtype} tensor of shape {tuple(neg.shape)}" if isinstance(neg, torch.Tensor)
+                                else type(neg).__name__) + ".")
+        vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
+        if vocab is not None and (int(neg.min()) < 0 or int(neg.max()) >= vocab):
+            raise ValueError(f"negative_prompt_ids holds token ids outside the vocabulary [0, {vocab}).")
         mask = gc.negative_prompt_attention_mask
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != neg.shape):
-            raise ValueError("negative_prompt_attention_mask must have the shape of negative_prompt_ids.")
+            got = f"shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"negative_prompt_attention_mask must be a tensor of the shape of negative_prompt_ids "
+                             f"{tuple(neg.shape)}, got {got}.")
     if gc.number("num_beams", 1) > 1:
         raise ValueError("guidance_scale is not supported with beam search (num_beams > 1).")
 

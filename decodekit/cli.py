@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -230,10 +231,21 @@ def cmd_batch(args) -> int:
                              dtype=args.dtype, quantize=args.quantize, method=args.custom_generate,
                              trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
                              prompt_key=args.prompt_key)
-    written, skipped = run_batch(args.input, args.output, settings, ray_address=args.ray,
-                                 progress=not args.no_progress, concurrency=args.concurrency)
-    print(f"decodekit batch: {written} rows generated, {skipped} already in {args.output}", file=sys.stderr)
-    return 0
+    try:
+        counts = run_batch(args.input, args.output, settings, ray_address=args.ray, progress=not args.no_progress,
+                           concurrency=args.concurrency)
+    except KeyboardInterrupt:
+        print(f"\ndecodekit batch: stopped; the rows written so far are in {args.output}, and the same command goes on "
+              "from there.", file=sys.stderr)
+        return 130
+    failed = ""
+    if counts.failed:
+        shown = ", ".join(json.dumps(i) for i in counts.failed[:5]) + (", ..." if len(counts.failed) > 5 else "")
+        failed = (f", {len(counts.failed)} failed (ids {shown}: their lines carry \"error\"; delete those lines to "
+                  "try them again)")
+    print(f"decodekit batch: {counts.written} rows generated{failed}, {counts.skipped} already in {args.output}",
+          file=sys.stderr)
+    return 1 if counts.failed else 0
 
 
 def cmd_new(args) -> int:
@@ -569,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print("\ndecodekit: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader (head, less) went away: nothing more to say
         sys.stdout = open(os.devnull, "w")
         return 0

@@ -111,3 +111,93 @@ def test_an_untrusted_method_is_refused_before_any_row(default_model, tmp_path, 
     err = capsys.readouterr().err
     assert "was not run: it is code from outside decodekit" in err and "pass --trust-remote-code" in err
     assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text() == ""  # no row
+
+
+# ---- the second hardening pass: rows fail alone, are written as they end, and a run is one at a time ----
+
+
+@pytest.mark.parametrize("generation", [{"max_new_tokens": 4}, {"max_new_tokens": 4, "num_beams": 2}],
+                         ids=["batched", "one-at-a-time"])
+def test_a_bad_row_fails_alone_names_itself_and_a_resume_goes_on(default_model, tmp_path, capsys, generation):
+    model, tok = default_model
+    lines = [json.dumps({"prompt": PROMPTS[0]}), json.dumps({"prompt": "", "id": "empty"}),
+             '{"prompt": "\\ud800 broken", "id": "surrogate"}', json.dumps({"prompt": PROMPTS[1]})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress", "--max-new-tokens", "4"]
+    argv += ["--arg", "num_beams=2"] if "num_beams" in generation else []
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert '2 rows generated, 2 failed (ids "empty", "surrogate"' in err
+    results = {r["id"]: r for r in read_output(out)}
+    assert "the prompt is empty" in results["empty"]["error"] and "lone surrogate" in results["surrogate"]["error"]
+    assert results[1]["generated_token_ids"] == direct(model, tok, PROMPTS[0], **generation)
+    assert results[4]["generated_token_ids"] == direct(model, tok, PROMPTS[1], **generation)
+    assert main(argv) == 0 and "0 rows generated, 4 already in" in capsys.readouterr().err  # failed rows are not redone
+
+
+def test_rows_of_a_one_at_a_time_method_are_on_disk_as_each_ends(default_model, tmp_path, monkeypatch):
+    write_input(tmp_path / "in.jsonl", PROMPTS[:3])
+    out = tmp_path / "out.jsonl"
+    seen = []
+    call = RowGenerator.__call__
+
+    def watching(self, prompt):
+        seen.append(len(out.read_text().splitlines()) if out.exists() else 0)  # rows on disk when this one starts
+        return call(self, prompt)
+
+    monkeypatch.setattr(RowGenerator, "__call__", watching)
+    run_batch(tmp_path / "in.jsonl", out, BatchSettings(generation={"max_new_tokens": 3, "num_beams": 2}), progress=False)
+    assert seen == [0, 1, 2]  # before: nothing until the 32-row group was done
+
+
+def test_a_second_run_on_the_same_output_refuses_while_the_first_writes(tmp_path, capsys):
+    import fcntl
+
+    write_input(tmp_path / "in.jsonl", PROMPTS[:1])
+    out = tmp_path / "out.jsonl"
+    with open(out, "a") as first:
+        fcntl.flock(first.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a first run holds it
+        assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress"]) == 2
+    assert f"another decodekit batch is writing {out}" in capsys.readouterr().err and out.read_text() == ""
+
+
+def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_input(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(40)])
+    out = tmp_path / "out.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
+                            "--no-progress", "--max-new-tokens", "8", "--arg", "num_beams=2"],
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.send_signal(signal.SIGINT)
+    err = run.communicate(timeout=60)[1]
+    assert run.returncode == 130 and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+    assert "the same command goes on from there" in err
+    assert all("generated_token_ids" in row for row in read_output(out))  # every line whole
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "in.jsonl:2: not UTF-8 (byte 16 of the line is 0xe9)"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "in.jsonl:1: not JSON (nested too deeply to read)"),
+], ids=["invalid-utf8", "deep-json"])
+def test_unreadable_input_lines_name_the_file_and_line(tmp_path, capsys, content, words):
+    (tmp_path / "in.jsonl").write_bytes(content)
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_byte_order_mark_is_read_and_a_bad_byte_in_the_output_does_not_stop_a_resume(default_model, tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"prompt": p}) + "\n"
+                                                                  for p in PROMPTS[:2]).encode())
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 9, "note": "\xff"}\n')  # a line of someone else's, not UTF-8: kept, not counted
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress", "--max-new-tokens", "3"]) == 0
+    assert "2 rows generated, 0 already in" in capsys.readouterr().err
+    assert out.read_bytes().startswith(b'{"id": 9, "note": "\xff"}\n')

@@ -32,7 +32,7 @@ import json
 from dataclasses import asdict
 from typing import Any, Iterator, Sequence
 
-from ..batch import OUTPUT_KEYS, BatchSettings, RowGenerator
+from ..batch import ERROR_KEY, OUTPUT_KEYS, BatchSettings, RowGenerator
 from ..core.config import is_int
 
 INSTALL = "pip install 'ray[data]'"
@@ -58,9 +58,11 @@ class BatchGenerator:
 
     def __call__(self, batch: dict) -> dict:
         results = self.rows.many([str(prompt) for prompt in batch[self.settings.prompt_key]])
+        # Every row has every column (one Arrow schema): a failed row's generation is empty, its error set.
         return {**{k: list(v) for k, v in batch.items()},
-                "generated_text": [r["generated_text"] for r in results],
-                "generated_token_ids": [r["generated_token_ids"] for r in results]}
+                "generated_text": [r.get("generated_text", "") for r in results],
+                "generated_token_ids": [r.get("generated_token_ids", []) for r in results],
+                ERROR_KEY: [r.get(ERROR_KEY, "") for r in results]}
 
 
 def generate_on_ray(rows: list[dict], settings: BatchSettings, address: str = "local", concurrency: int = 1,
@@ -79,7 +81,11 @@ def generate_on_ray(rows: list[dict], settings: BatchSettings, address: str = "l
     out = dataset.map_batches(BatchGenerator, fn_constructor_kwargs=asdict(settings), batch_size=batch_size,
                               concurrency=concurrency, batch_format="default")
     for result in out.iter_rows():
-        yield {**json.loads(result[ROW]), **{k: _plain(result[k]) for k in OUTPUT_KEYS}}
+        row = json.loads(result[ROW])
+        if result.get(ERROR_KEY):
+            yield {**row, ERROR_KEY: result[ERROR_KEY]}
+        else:
+            yield {**row, **{k: _plain(result[k]) for k in OUTPUT_KEYS}}
 
 
 def _plain(value):

@@ -422,3 +422,22 @@ def test_a_wrapped_transformers_model_batches_with_a_cache_per_request(tmp_path)
     for prompt, result in zip(prompts, results):
         assert result.status == RequestStatus.FINISHED
         assert result.generated_tokens == alone(model, prompt, max_new_tokens=5, do_sample=True, seed=3)[0]
+
+
+def test_a_structured_output_row_shares_the_step_and_equals_generate_alone(default_model):
+    pytest.importorskip("llguidance", reason="structured output needs decodekit[structured] (make test installs it)")
+    import json
+
+    model, tok = default_model
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ids = tok.apply_chat_template([{"role": "user", "content": "JSON for a person"}], add_generation_prompt=True)
+    alone = model.generate(torch.tensor([ids]), json_schema=schema, tokenizer=tok, max_new_tokens=40)[0, len(ids):]
+    with model.init_continuous_batching() as manager:
+        constrained = manager.add_request(ids, json_schema=schema, tokenizer=tok, max_new_tokens=40)
+        plain = manager.add_request(ids, max_new_tokens=40)
+        out, free = manager.get_result(constrained, timeout=120), manager.get_result(plain, timeout=120)
+    eos = model.generation_config.eos_token_ids
+    assert out.generated_tokens == [t for t in alone.tolist() if t not in eos] + [t for t in alone.tolist() if t in eos][:1]
+    assert set(json.loads(tok.decode(out.generated_tokens, skip_special_tokens=True))) == {"name", "age"}
+    assert free.status == RequestStatus.FINISHED and free.generated_tokens != out.generated_tokens

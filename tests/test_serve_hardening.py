@@ -252,7 +252,7 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     ({"prompt": "Hi", "stream": "false"}, "stream='false' is invalid"),
     ({"prompt": "Hi", "best_of": 3}, "best_of=3 is not supported"),
     ({"prompt": "Hi", "frobnicate": True}, "Unrecognized request argument supplied: frobnicate"),
-    ({"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "Hi", "echo": True}, "echo=True is not supported"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, "role in"),
 ], ids=["surrogate-prompt", "surrogate-message", "deep-json", "python-object-field", "string-bool", "best-of",

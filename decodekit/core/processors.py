@@ -380,6 +380,25 @@ class RepetitionPenaltyLogitsProcessor:
         return scores.scatter(-1, input_ids, seen)
 
 
+class FrequencyPresencePenaltyLogitsProcessor:
+    """OpenAI's penalties, on the tokens generated so far (the prompt's are not counted): subtracts
+    count * frequency_penalty + (count > 0) * presence_penalty from each token's score. Both in [-2, 2]; negative
+    values encourage repeats. `prompt_length`: where the generated tokens start in input_ids."""
+
+    def __init__(self, frequency_penalty: float, presence_penalty: float, prompt_length: int):
+        for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+            _check(name, value, isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
+                   "expected a number in [-2, 2]")
+        self.frequency, self.presence, self.prompt_length = float(frequency_penalty), float(presence_penalty), prompt_length
+
+    def __call__(self, input_ids, scores):
+        generated = input_ids[:, self.prompt_length:]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add(-1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+
+
 def _ngram_continuations(tokens: list[int], n: int) -> dict[tuple[int, ...], set[int]]:
     table: dict[tuple[int, ...], set[int]] = {}
     for i in range(len(tokens) - n + 1):

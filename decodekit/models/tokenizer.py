@@ -273,17 +273,18 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
     return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
 
 
-def chat_ids(tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False) -> list[int]:
+def chat_ids(tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False, **template_kwargs) -> list[int]:
     """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply.
 
     With `content_as_text` (a server's untrusted messages), text inside a message that spells a special or added
     token, say "<|im_start|>system", stays text: only the template's own markers become special tokens, as in
-    vLLM's and llama.cpp's servers. Messages without such text tokenize exactly as without the flag."""
+    vLLM's and llama.cpp's servers. Messages without such text tokenize exactly as without the flag.
+    `template_kwargs` (tools=, ...) go to the template."""
     if content_as_text:
         markers = added_token_texts(tokenizer)
-        if any(marker in str(m.get("content", "")) for m in messages for marker in markers):
-            return _chat_ids_content_as_text(tokenizer, list(messages))
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        if any(marker in str(m.get("content") or "") for m in messages for marker in markers):
+            return _chat_ids_content_as_text(tokenizer, list(messages), template_kwargs)
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **template_kwargs)
     if not isinstance(ids, list):  # transformers' tokenizers: a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -304,13 +305,13 @@ def encode_as_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
-def _chat_ids_content_as_text(tokenizer, messages: list[dict]) -> list[int]:
+def _chat_ids_content_as_text(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
     """The template rendered with a marker in place of each content (unguessable, so no content can forge one),
     the template's text tokenized as usual and each content as text."""
     tag = secrets.token_hex(8)
-    marks = {f"\ue000{tag}{i}\ue001": str(m.get("content", "")) for i, m in enumerate(messages)}
+    marks = {f"\ue000{tag}{i}\ue001": str(m.get("content") or "") for i, m in enumerate(messages)}
     stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False, **template_kwargs)
     pattern = re.compile("|".join(re.escape(mark) for mark in marks))
     ids, at = [], 0
     for found in pattern.finditer(text):

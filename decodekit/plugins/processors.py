@@ -6,7 +6,7 @@ field), and renormalize_logits last.
 """
 
 from ..core import processors as P
-from ..core.config import DEFAULTS
+from ..core.config import DEFAULTS, is_number
 from ..registry import hookimpl
 from .watermark import processor_for
 
@@ -20,15 +20,22 @@ FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_wo
 def decodekit_config_fields():
     # prefix_allowed_tokens_fn is an argument of transformers' generate(), not a config field there; here it is
     # one, so generate(prefix_allowed_tokens_fn=...) reaches this plugin like every other keyword.
-    return {**{name: DEFAULTS[name] for name in FIELDS}, "prefix_allowed_tokens_fn": None}
+    # frequency_penalty and presence_penalty: OpenAI's (and vLLM's and llama.cpp's) penalties on generated tokens.
+    return {**{name: DEFAULTS[name] for name in FIELDS}, "prefix_allowed_tokens_fn": None, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0}
 
 
 @hookimpl
 def decodekit_validate_config(generation_config):
-    fn = generation_config.prefix_allowed_tokens_fn
+    gc = generation_config
+    fn = gc.prefix_allowed_tokens_fn
     if fn is not None and not callable(fn):
-        raise generation_config.invalid("prefix_allowed_tokens_fn", "expected a function (batch_id, input_ids) -> "
-                                        "list of allowed token ids, or None")
+        raise gc.invalid("prefix_allowed_tokens_fn", "expected a function (batch_id, input_ids) -> list of allowed "
+                         "token ids, or None")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(gc, name)
+        if value is not None and (not is_number(value) or not -2 <= value <= 2):
+            raise gc.invalid(name, "expected a number in [-2, 2] (0: off), as OpenAI's")
 
 
 @hookimpl(tryfirst=True)
@@ -40,6 +47,9 @@ def decodekit_logits_processors(generation_config, context):
         out.append(P.SequenceBiasLogitsProcessor(gc.sequence_bias))
     if gc.repetition_penalty not in (None, 1.0):
         out.append(P.RepetitionPenaltyLogitsProcessor(gc.repetition_penalty))
+    if gc.frequency_penalty or gc.presence_penalty:
+        out.append(P.FrequencyPresencePenaltyLogitsProcessor(gc.frequency_penalty or 0.0, gc.presence_penalty or 0.0,
+                                                             context.prompt_length))
     if gc.no_repeat_ngram_size:
         out.append(P.NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
     if gc.bad_words_ids:

@@ -27,9 +27,11 @@ from starlette.concurrency import run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
+from ..core.config import is_int
 from ..models.tokenizer import chat_ids
 from .protocol import (CHAT, COMPLETIONS, BadRequest, ServerSettings, boolean, chat_messages, check_fields, check_text,
                        completion_prompt, logprob_fields, merged_request, stream_options)
+from .tools import ToolPlan, messages_with_tools, plan_tools
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (a load balancer's and a scraper's)
 
@@ -146,24 +148,34 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
 
         return {name for name, _ in get_plugin_manager().list_name_plugin()}
 
-    async def answer(request: Request, body: dict, chat: bool, prompt_of):
+    context = getattr(manager.model.config, "max_position_embeddings", None) or 2**31
+    vocab = manager.model.config.vocab_size
+    eos = list(manager.model.generation_config.eos_token_ids)
+
+    async def answer(request: Request, body: dict, chat: bool, prompt_of, plan: ToolPlan | None = None):
         """Checks the body's sampling fields, then prompt_of() (the token ids) and add_request in a worker thread."""
-        fields = merged_request(body, settings, settings.default_max_tokens if chat else 16, plugins())
-        job = Job(manager, tokenizer, body, settings, fields, chat)
+        fields = merged_request(body, settings, settings.default_max_tokens if chat else 16, plugins(), vocab, eos)
+        if plan is not None and plan.forced:
+            if "response_format" in fields:
+                raise BadRequest("response_format and a tool_choice that forces a call both constrain the output; "
+                                 "pass one of them.", "response_format")
+            fields["json_schema"] = plan.constraint()
+        job = Job(manager, tokenizer, body, settings, fields, chat, plan)
         await job.add(prompt_of)
         return await job.respond(request)
-
-    context = getattr(manager.model.config, "max_position_embeddings", None) or 2**31
 
     async def endpoint(request: Request, chat: bool):
         try:
             body = await body_of(request, CHAT if chat else COMPLETIONS)
             if chat:
-                messages = chat_messages(body)
+                plan = plan_tools(body)
+                messages, template = messages_with_tools(chat_messages(body), plan, tokenizer)
 
                 def prompt_of():
                     tokens_within(tokenizer, [m["content"] for m in messages], context)
-                    return chat_ids(tokenizer, messages, content_as_text=True)
+                    return chat_ids(tokenizer, messages, content_as_text=True, **template)
+
+                return await answer(request, body, chat, prompt_of, plan)
             else:
                 prompt = completion_prompt(body)
 
@@ -175,6 +187,34 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
             return await answer(request, body, chat, prompt_of)
         except BadRequest as error:
             metrics.reject(error.status)
+            return error_response(error)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
+        try:
+            body = await body_of(request, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+            if "messages" in body:
+                ids = await run_in_threadpool(chat_ids, tokenizer, chat_messages(body), True)
+            elif isinstance(body.get("prompt"), str):
+                special = boolean(body, "add_special_tokens", True)
+                ids = await run_in_threadpool(tokenizer.encode, body["prompt"], special)
+            else:
+                raise BadRequest("tokenize takes {\"prompt\": \"...\"} or {\"messages\": [...]}.", "prompt")
+            return {"tokens": ids, "count": len(ids), "max_model_len": context}
+        except BadRequest as error:
+            return error_response(error)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: {"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            body = await body_of(request, {"model", "tokens"})
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+                raise BadRequest(f"tokens must be a list of token ids in [0, {vocab}).", "tokens")
+            return {"prompt": tokenizer.decode(tokens)}
+        except BadRequest as error:
             return error_response(error)
 
     @app.post("/v1/completions")
@@ -198,8 +238,11 @@ class Job:
     """One HTTP request's generation: added to the manager, then answered whole or streamed. The manager hands
     its outputs to `self.outputs` on the event loop (add_request's listener)."""
 
-    def __init__(self, manager, tokenizer, body, settings, fields, chat: bool):
-        self.manager, self.tokenizer, self.body, self.chat = manager, tokenizer, body, chat
+    def __init__(self, manager, tokenizer, body, settings, fields, chat: bool, plan: ToolPlan | None = None):
+        self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, chat, plan
+        self.skip_special = boolean(body, "skip_special_tokens", True)
+        self.eos = set(fields["eos_token_id"] or []) if "eos_token_id" in fields else \
+            set(manager.model.generation_config.eos_token_ids)
         self.stream = boolean(body, "stream")
         self.include_usage = stream_options(body, self.stream)
         wanted = logprob_fields(body, chat)
@@ -248,11 +291,10 @@ class Job:
     def texts(self, output: GenerationOutput) -> list[tuple[str, str | None, bool]]:
         """(text, finish_reason, ended) of each row: the text is cut before the first stop string, and a row ends
         there or when the request does."""
-        eos = set(self.manager.model.generation_config.eos_token_ids)
         rows = []
         for row in output.sequences or [output.generated_tokens]:
-            ended_on_eos = bool(row) and row[-1] in eos
-            text = self.tokenizer.decode(row[:-1] if ended_on_eos else row, skip_special_tokens=True)
+            ended_on_eos = bool(row) and row[-1] in self.eos  # the stop token is not part of the text, as vLLM's
+            text = self.tokenizer.decode(row[:-1] if ended_on_eos else row, skip_special_tokens=self.skip_special)
             reason, ended = output.finish_reason, output.is_finished()
             cuts = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
             if cuts:
@@ -291,6 +333,12 @@ class Job:
         if self.chat:
             key = "delta" if delta else "message"
             message = {"role": "assistant", "content": text}
+            if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
+                content, calls = self.plan.tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [{**c, "index": i} if delta else c for i, c in enumerate(calls)]}
+                    reason = "tool_calls" if reason == "stop" else reason  # cut off by max_tokens: "length"
             return {"index": index, key: message, "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
@@ -347,6 +395,8 @@ class Job:
                     before = sent.get(i, "")
                     piece = text[len(before):] if text.startswith(before) else ""
                     if piece.endswith("\ufffd") and not ended:  # a character whose bytes are not all out yet
+                        continue
+                    if self.plan is not None and not ended:  # with tools a row's text goes out whole, parsed
                         continue
                     if piece or ended:
                         sent[i] = text

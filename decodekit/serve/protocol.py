@@ -36,17 +36,21 @@ class BadRequest(Exception):
 
 # Fields served on both endpoints, and on each. `decodekit` is this server's own object (the openai client's
 # extra_body): a method and its fields.
+# vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body.
+EXTRAS = {"top_k", "min_p", "repetition_penalty", "typical_p", "min_tokens", "ignore_eos", "stop_token_ids",
+          "skip_special_tokens"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-          "logprobs", "decodekit", "best_of"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+          "logprobs", "decodekit", "best_of", "frequency_penalty", "presence_penalty", "logit_bias",
+          "response_format"} | EXTRAS
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETIONS = COMMON | {"prompt"}
 
-# OpenAI fields not served yet, with the value at which each changes nothing (accepted).
+# OpenAI fields not served, with the value at which each changes nothing (accepted).
 UNSERVED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-    "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [], "function_call": "none",
-    "echo": False, "suffix": "", "store": False, "metadata": {}, "service_tier": "auto", "modalities": ["text"],
+    "functions": [], "function_call": "none", "echo": False, "suffix": "", "store": False, "metadata": {},
+    "service_tier": "auto", "modalities": ["text"],
 }
+MAX_LOGIT_BIAS = 300  # entries of a logit_bias, as OpenAI's limit
 
 # decodekit fields a request may not set: Python objects (no JSON value is one), what only the operator decides,
 # and what the OpenAI fields already say (set those instead).
@@ -172,6 +176,57 @@ def generation_fields(body: dict, settings: ServerSettings, default_max_tokens: 
     return fields
 
 
+def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
+    """Generation config fields of OpenAI's penalties and logit_bias, response_format, and vLLM's and llama.cpp's
+    extra sampling fields; `vocab` and `eos` are the model's (for logit_bias and stop_token_ids)."""
+    fields: dict[str, Any] = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = number(body, name, -2, 2, 0)
+        if value:
+            fields[name] = value
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> bias "
+                             "in [-100, 100].", "logit_bias")
+        sequence_bias = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+            if token is None or not 0 <= token < vocab:
+                raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
+            sequence_bias[(token,)] = float(number({"bias": value}, "bias", -100, 100, 0))
+        fields["sequence_bias"] = sequence_bias
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise BadRequest(f"response_format={response_format!r} is invalid; expected {{\"type\": \"text\"}}, "
+                             '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+                             '"schema": {...}}}.', "response_format")
+        if kind != "text":
+            fields["response_format"] = response_format
+    top_k = number(body, "top_k", -1, 2**31 - 1, None, True)
+    if top_k is not None:
+        fields["top_k"] = max(top_k, 0)  # -1 and 0: off, as vLLM and llama.cpp
+    for name, low, high in (("min_p", 0, 1), ("typical_p", 0, 1), ("repetition_penalty", 0, 10)):
+        value = number(body, name, low, high, None)
+        if value is not None:
+            if value == 0 and name != "min_p":
+                raise BadRequest(f"{name}=0 is invalid; expected a number in (0, {high}].", name)
+            fields[name] = value
+    min_tokens = number(body, "min_tokens", 0, 2**31 - 1, None, True)
+    if min_tokens:
+        fields["min_new_tokens"] = min_tokens
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)):
+        raise BadRequest(f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).",
+                         "stop_token_ids")
+    if boolean(body, "ignore_eos") or stop_ids:
+        fields["eos_token_id"] = list(stop_ids or []) + ([] if boolean(body, "ignore_eos") else list(eos))
+    boolean(body, "skip_special_tokens", True)  # checked here; applied when the text is decoded
+    return fields
+
+
 def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> dict[str, Any]:
     """The `decodekit` object of a body: {"method": NAME, ...fields} -> add_request arguments; `plugins`: the names
     of the registered decodekit plugins."""
@@ -195,10 +250,14 @@ def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> di
     return fields
 
 
-def merged_request(body: dict, settings: ServerSettings, default_max_tokens: int, plugins: set[str]) -> dict[str, Any]:
+def merged_request(body: dict, settings: ServerSettings, default_max_tokens: int, plugins: set[str], vocab: int,
+                   eos: list[int]) -> dict[str, Any]:
     """add_request's arguments of a body (OpenAI fields, then the decodekit object over them), with the server's
     limits held on the merged values."""
-    arguments = {**generation_fields(body, settings, default_max_tokens), **method_fields(body, settings, plugins)}
+    arguments = {**generation_fields(body, settings, default_max_tokens), **sampling_extras(body, vocab, eos),
+                 **method_fields(body, settings, plugins)}
+    if arguments.get("eos_token_id") == []:
+        arguments["eos_token_id"] = None  # ignore_eos: no token ends a row
     max_new = arguments.get("max_new_tokens")
     if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
         raise BadRequest(f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
@@ -239,7 +298,8 @@ def logprob_fields(body: dict, chat: bool) -> dict[str, Any]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """The messages of a chat body as {"role", "content"} with text content (parts of type text joined)."""
+    """The messages of a chat body as {"role", "content"} with text content (parts of type text joined), an
+    assistant's earlier `tool_calls` and a tool result's `tool_call_id` kept."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest('messages must be a non-empty list of {"role": ..., "content": ...} objects.', "messages")
@@ -248,10 +308,18 @@ def chat_messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise BadRequest(f'{where} must be an object with a role in {list(ROLES)}, got {message!r}.', where)
-        extra = set(message) - {"role", "content", "name"}
+        extra = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
         if extra:
             raise BadRequest(f"{where} has fields this server does not serve: {sorted(extra)}.", where)
+        calls = message.get("tool_calls")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls)):
+            raise BadRequest(f"{where}.tool_calls is invalid; an assistant's earlier calls are a list of {{\"id\": ..., "
+                             '"type": "function", "function": {"name": ..., "arguments": "..."}}.', f"{where}.tool_calls")
         content = message.get("content")
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -263,7 +331,8 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or a list of text parts, got {content!r}.",
                              f"{where}.content")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": content,
+                    **{k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k) is not None}})
     return out
 
 

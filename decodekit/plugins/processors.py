@@ -8,6 +8,7 @@ field), and renormalize_logits last.
 from ..core import processors as P
 from ..core.config import DEFAULTS, is_number
 from ..registry import hookimpl
+from .llamacpp_samplers import active as llamacpp_chain
 from .watermark import processor_for
 
 FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
@@ -74,8 +75,9 @@ def decodekit_logits_processors(generation_config, context):
         # As transformers: a one-token prompt followed by a forced BOS starts one position later.
         begin = context.prompt_length + (1 if context.prompt_length == 1 and gc.forced_bos_token_id is not None else 0)
         out.append(P.SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
-    if gc.do_sample:
-        # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax.
+    if gc.do_sample and not llamacpp_chain(gc):
+        # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax. With a
+        # llama.cpp sampler on, plugins/llamacpp_samplers.py runs them in llama.cpp's order instead.
         if gc.temperature not in (None, 1.0):
             out.append(P.TemperatureLogitsWarper(gc.temperature))
         top_p = gc.top_p not in (None, 1.0)

@@ -50,6 +50,7 @@ BUILTIN_PLUGINS = (
     ("caches", "decodekit.plugins.caches"),
     ("greedy", "decodekit.plugins.greedy"),
     ("sampling", "decodekit.plugins.sampling"),
+    ("llamacpp_samplers", "decodekit.plugins.llamacpp_samplers"),  # after sampling: mirostat's selector is asked first
     ("beam_search", "decodekit.plugins.beam_search"),
     ("speculative", "decodekit.plugins.speculative"),
     ("dola", "decodekit.plugins.dola"),

@@ -1,0 +1,293 @@
+"""The samplers local-LLM users reach for in llama.cpp, koboldcpp and text-generation-webui, as decodekit
+processors and selectors: top-n-sigma, XTC, DRY, dynamic temperature, quadratic smoothing, mirostat 1 and 2.
+
+Each follows llama.cpp's own code (src/llama-sampling.cpp), on a full-vocabulary score tensor where llama.cpp
+shrinks a candidate list: a token llama.cpp drops is -inf here, and statistics llama.cpp takes over its remaining
+candidates are taken over the finite scores. Quadratic smoothing is text-generation-webui's (llama.cpp has none),
+per row. Random draws (XTC's coin, mirostat's sample) are hashed uniforms of (seed key, position, row), as the
+sampling selector's: one seed, one text, and nothing stateful in the step but mirostat's mu.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .selectors import draw_key, mix32, race
+
+NEG_INF = -float("inf")
+
+
+def _uniform(key: torch.Tensor, position: int, rows: int, salt: int) -> torch.Tensor:
+    """A uniform in (0, 1) per row from (key, position, row, salt): XTC's coin, reproducible with a seed."""
+    row = torch.arange(rows, device=key.device, dtype=torch.int32)
+    bits = mix32(mix32(key + position * 0x1E3779B9 + row * 0x05EBCA6B) ^ salt)
+    return (((bits >> 9) & 0x7FFFFF) * 2 + 1).float() * 2.0**-24
+
+
+class TopNSigmaLogitsWarper:
+    """Keeps the tokens whose score is at least max - n * std (both over the finite scores of the row); the rest
+    become -inf. `n` > 0 (<= 0: off, as llama.cpp's -1). The kept set is the same before or after a temperature."""
+
+    score_only = True
+
+    def __init__(self, n: float):
+        self.n = float(n)
+
+    def __call__(self, input_ids, scores):
+        if self.n <= 0 or scores.shape[-1] <= 1:
+            return scores
+        finite = torch.isfinite(scores)
+        count = finite.sum(-1, keepdim=True).clamp(min=1)
+        values = torch.where(finite, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+        mean = values.sum(-1, keepdim=True) / count
+        variance = (torch.where(finite, scores - mean, torch.zeros_like(scores)) ** 2).sum(-1, keepdim=True) / count
+        top = torch.where(finite, scores, torch.full_like(scores, NEG_INF)).amax(-1, keepdim=True)
+        return scores.masked_fill(scores < top - self.n * variance.sqrt(), NEG_INF)
+
+
+class XTCLogitsWarper:
+    """Exclude top choices: with `probability` (in [0, 1]), every token whose probability is at least `threshold`
+    (in [0, 0.5]; above 0.5: off, as llama.cpp) is removed except the least likely of them, when two or more are;
+    so a likely but unsurprising token gives way to its runner-up. The coin is a hashed uniform of (key, position,
+    row): `key` comes from the call's seed. Not score-only: the coin needs the position, which a fused step does not
+    give its processors, so compile=True runs XTC's calls eagerly (the same tokens)."""
+
+    score_only = False
+
+    def __init__(self, probability: float, threshold: float, key: torch.Tensor, min_keep: int = 1):
+        self.probability, self.threshold, self.key, self.min_keep = float(probability), float(threshold), key, min_keep
+
+    def __call__(self, input_ids, scores):
+        if self.probability <= 0 or self.threshold > 0.5 or scores.shape[-1] < 2:
+            return scores
+        coin = _uniform(self.key.to(scores.device), input_ids.shape[-1], scores.shape[0], 0x58544321)
+        applies = coin <= self.probability
+        probs = scores.softmax(-1)
+        above = probs >= self.threshold
+        count = above.sum(-1, keepdim=True)
+        # The least likely of the tokens above the threshold stays: drop the others when there are two or more.
+        least = torch.where(above, probs, torch.full_like(probs, 2.0)).amin(-1, keepdim=True)
+        candidates = torch.isfinite(scores).sum(-1, keepdim=True)
+        drop = above & (probs > least) & (count >= 2) & (candidates - (count - 1) >= self.min_keep) & applies[:, None]
+        return scores.masked_fill(drop, NEG_INF)
+
+
+class DynamicTemperatureLogitsWarper:
+    """llama.cpp's extended temperature: with `range` > 0, the temperature is min + (max - min) * H^exponent, where
+    min = max(0, temperature - range), max = temperature + range and H the row's entropy over its finite scores
+    divided by the log of their count; otherwise plain `temperature`. A temperature <= 0 keeps the best token
+    alone. `exponent` > 0."""
+
+    score_only = True
+
+    def __init__(self, temperature: float, range: float = 0.0, exponent: float = 1.0):
+        self.temperature, self.range, self.exponent = float(temperature), float(range), float(exponent)
+
+    def __call__(self, input_ids, scores):
+        if self.range <= 0:
+            return _temperature(scores, torch.full((scores.shape[0], 1), self.temperature, device=scores.device))
+        finite = torch.isfinite(scores)
+        count = finite.sum(-1, keepdim=True)
+        probs = scores.softmax(-1)
+        entropy = -(probs * probs.clamp(min=1e-45).log()).where(probs > 0, torch.zeros_like(probs)).sum(-1, keepdim=True)
+        normalized = entropy / count.clamp(min=2).float().log()
+        low, high = max(0.0, self.temperature - self.range), self.temperature + self.range
+        temperature = low + (high - low) * normalized.pow(self.exponent)
+        out = _temperature(scores, temperature)
+        return torch.where(count <= 1, scores, out)
+
+
+def _temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """scores / temperature per row; a row whose temperature is <= 0 keeps its best token alone (greedy)."""
+    greedy = temperature <= 0
+    best = scores.argmax(-1, keepdim=True)
+    only_best = torch.full_like(scores, NEG_INF).scatter(-1, best, scores.gather(-1, best))
+    return torch.where(greedy, only_best, scores / torch.where(greedy, torch.ones_like(temperature), temperature))
+
+
+class QuadraticSmoothingLogitsWarper:
+    """Quadratic sampling (text-generation-webui's smoothing): each finite score s becomes
+    max - k * f * (s - max)^2 + c * f * (s - max)^3 with f = `smoothing_factor` (> 0), k = (3 - curve) / 2 and
+    c = (curve - 1) / 2 for `smoothing_curve` (1: purely quadratic). The row's maximum is taken per row."""
+
+    score_only = True
+
+    def __init__(self, smoothing_factor: float, smoothing_curve: float = 1.0):
+        self.factor, self.curve = float(smoothing_factor), float(smoothing_curve)
+
+    def __call__(self, input_ids, scores):
+        top = scores.amax(-1, keepdim=True)
+        diff = scores - top
+        k, c = (3 - self.curve) / 2, (self.curve - 1) / 2
+        smoothed = top - k * self.factor * diff**2 + c * self.factor * diff**3
+        return torch.where(torch.isfinite(scores), smoothed, scores)
+
+
+class DRYLogitsProcessor:
+    """DRY, don't repeat yourself: the token that would extend a sequence already seen in the last
+    `penalty_last_n` tokens (-1: the whole context, `context_size`) is penalised by
+    multiplier * base^(match length - allowed_length) (capped where it would overflow a float), when the match is
+    at least `allowed_length` long. A sequence breaker (its tokens, from `breakers` as llama.cpp tokenizes them,
+    see dry_breaker_sequences) ends the text a repeat may reach back into, and a token that is a breaker on its own
+    is never penalised. Reads input_ids (the prompt counts, as llama.cpp's server feeds it), so not score-only."""
+
+    def __init__(self, multiplier: float, base: float, allowed_length: int, penalty_last_n: int, context_size: int,
+                 breakers: dict[int, list[tuple[int, ...]]]):
+        self.multiplier, self.base, self.allowed = float(multiplier), float(base), int(allowed_length)
+        self.last_n = context_size if penalty_last_n == -1 else max(penalty_last_n, 0)
+        self.context_size, self.breakers = context_size, breakers
+        self.max_exponent = int(88.7228391 / math.log(self.base)) if self.base > 1.000001 else 0
+
+    def __call__(self, input_ids, scores):
+        if self.multiplier == 0 or self.base < 1 or self.last_n == 0:
+            return scores
+        rows, ids, values = [], [], []
+        for row, tokens in enumerate(input_ids.tolist()):
+            for token, penalty in self.row_penalties(tokens).items():
+                rows.append(row)
+                ids.append(token)
+                values.append(penalty)
+        if not ids:
+            return scores
+        penalty = torch.zeros_like(scores)
+        penalty[torch.tensor(rows, device=scores.device), torch.tensor(ids, device=scores.device)] = torch.tensor(
+            values, dtype=scores.dtype, device=scores.device)
+        return scores - penalty
+
+    def row_penalties(self, tokens: list[int]) -> dict[int, float]:
+        """{token: penalty} for one row, following llama.cpp's four steps."""
+        n = min(len(tokens), self.last_n, self.context_size)
+        if n <= self.allowed:
+            return {}
+        recent = tokens[len(tokens) - n:]
+        back = recent[::-1]  # back[i] is llama.cpp's last_tokens.rat(i)
+        # 1. The nearest sequence breaker limits how far back a repeat may reach.
+        limit = n
+        for i, token in enumerate(back):
+            tails = self.breakers.get(token)
+            if not tails:
+                continue
+            longest = -1
+            for tail in tails:
+                if longest < len(tail) <= i and all(tail[o] == back[i - o - 1] for o in range(len(tail))):
+                    longest = len(tail)
+            if longest >= 0:
+                limit = i - longest
+                break
+        if limit < self.allowed:
+            return {}
+        # 2. For each position, how long a suffix of the text ends there (the Z-algorithm, reversed).
+        counts = [0] * n
+        last, lt, rt = n - 1, 0, 0
+        for k in range(1, n):
+            if k > rt:
+                m = 0
+                while m + k < n and back[m] == back[m + k]:
+                    m += 1
+                counts[last - k] = min(m, limit)
+                if m > 0:
+                    lt, rt = k, k + m - 1
+            else:
+                p, right = k - lt, rt - k + 1
+                if counts[last - p] < right:
+                    counts[last - k] = min(counts[last - p], limit)
+                else:
+                    i = rt + 1
+                    while i < n and back[i] == back[i - k]:
+                        i += 1
+                    counts[last - k] = min(i - k, limit)
+                    lt, rt = k, i - 1
+        # 3. The token after each repeat would extend it: the longest repeat each such token extends.
+        longest: dict[int, int] = {}
+        for i in range(n - 1):
+            if counts[i] >= self.allowed:
+                token = back[n - 2 - i]
+                longest[token] = max(longest.get(token, 0), counts[i])
+        # 4. The penalties, none for a token that is a sequence breaker on its own.
+        out = {}
+        for token, length in longest.items():
+            if any(len(tail) == 0 for tail in self.breakers.get(token, ())):
+                continue
+            exponent = length - self.allowed
+            if self.max_exponent > 0:
+                exponent = min(exponent, self.max_exponent)
+            out[token] = self.multiplier * self.base**exponent
+        return out
+
+
+def dry_breaker_sequences(tokenizer, breakers: tuple[str, ...], max_chars: int = 40,
+                          max_tail: int = 20) -> dict[int, list[tuple[int, ...]]]:
+    """{head token: [tail token sequences]} of DRY's sequence breakers, as llama.cpp builds them: every token whose
+    text holds a breaker is a breaker head on its own (empty tail); a token whose text ends with the start of a
+    breaker heads the rest of it, tokenized (at most `max_tail` tokens). Breakers are cut to `max_chars`."""
+    return _breakers(tokenizer, tuple(b[:max_chars] for b in breakers if b), max_tail)
+
+
+@functools.lru_cache(maxsize=8)
+def _breakers(tokenizer, breakers: tuple[str, ...], max_tail: int) -> dict[int, list[tuple[int, ...]]]:
+    out: dict[int, list[tuple[int, ...]]] = {}
+    if not breakers:
+        return out
+    words = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    for breaker in breakers:
+        for token, word in enumerate(words):
+            if breaker in word:
+                out.setdefault(token, [])
+                if () not in out[token]:
+                    out[token].append(())
+                continue
+            at = word.find(breaker[0])
+            while at != -1:
+                rest = len(word) - at  # the word ends with breaker[:rest]?
+                if rest < len(breaker) and word[at:] == breaker[:rest]:
+                    tail = tuple(tokenizer.encode(breaker[rest:], add_special_tokens=False)[:max_tail])
+                    out.setdefault(token, [])
+                    if tail not in out[token]:
+                        out[token].append(tail)
+                at = word.find(breaker[0], at + 1)
+    return out
+
+
+class MirostatSelector:
+    """Mirostat (version 1 or 2): samples a token whose surprise (-log2 p) tracks the target `tau`, with learning
+    rate `eta`; mu starts at 2 * tau and is kept per row across steps. Version 2 keeps the tokens whose surprise is
+    at most mu; version 1 estimates the distribution's Zipf exponent from its `m` most likely tokens and keeps the
+    top k that target implies (`vocab`: the vocabulary size). Scores reach it after the temperature
+    (DynamicTemperatureLogitsWarper), as llama.cpp's chain puts `temp` before mirostat; the draw is the
+    exponential race with a key from the call's seed."""
+
+    def __init__(self, version: int, tau: float, eta: float, vocab: int, generator=None, m: int = 100):
+        self.version, self.tau, self.eta, self.vocab, self.m = version, float(tau), float(eta), vocab, m
+        self.key = draw_key(generator)
+        self.mu: torch.Tensor | None = None
+
+    def __call__(self, input_ids, scores):
+        B = scores.shape[0]
+        if self.mu is None or self.mu.shape[0] != B:
+            self.mu = torch.full((B,), 2 * self.tau, dtype=torch.float32, device=scores.device)
+        probs, order = scores.softmax(-1).sort(-1, descending=True)
+        if self.version == 2:
+            keep = -probs.log2() <= self.mu[:, None]
+            keep[:, 0] = True  # at least one, as llama.cpp
+        else:
+            keep = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self._top_k(probs)[:, None]
+        kept = torch.where(keep, probs, torch.zeros_like(probs))
+        kept = kept / kept.sum(-1, keepdim=True)
+        index = race(kept.log(), self.key.to(scores.device), input_ids.shape[-1])
+        chosen_p = kept.gather(-1, index[:, None])[:, 0]
+        self.mu = self.mu - self.eta * (-chosen_p.log2() - self.tau)
+        return order.gather(-1, index[:, None])[:, 0]
+
+    def _top_k(self, probs: torch.Tensor) -> torch.Tensor:
+        """Version 1's k per row from the estimated Zipf exponent s: ((s - 1) 2^mu / (1 - V^-(s - 1)))^(1/s)."""
+        m = min(self.m - 1, probs.shape[-1] - 1)
+        i = torch.arange(m, device=probs.device, dtype=torch.float32)
+        t = torch.log((i + 2) / (i + 1))
+        b = torch.log(probs[:, :m] / probs[:, 1:m + 1])
+        s = (t * b).sum(-1) / (t * t).sum()
+        epsilon = s - 1
+        k = ((epsilon * torch.pow(2.0, self.mu)) / (1 - torch.pow(float(self.vocab), -epsilon))).pow(1 / s)
+        return torch.nan_to_num(k, nan=1.0, posinf=float(probs.shape[-1])).floor().clamp(min=1)

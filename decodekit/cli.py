@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
     gen.add_argument("--penalty-alpha", type=float, metavar="A",
                      help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
+    llama = gen.add_argument_group("llama.cpp's samplers (docs/strategies.md#llamacpp-samplers; with --do-sample, but DRY)")
+    for flag, kind, metavar, what in LLAMACPP_FLAGS:
+        breaker = flag == "--dry-sequence-breaker"
+        llama.add_argument(flag, type=kind, metavar=metavar, help=what, action="append" if breaker else "store",
+                           dest="dry_sequence_breakers" if breaker else flag[2:].replace("-", "_"))
     gen.add_argument("--assistant", metavar="NAME_OR_PATH",
                      help="assisted (speculative) decoding with this smaller model of the same tokenizer")
     gen.add_argument("--json-schema", metavar="FILE",
@@ -352,6 +357,8 @@ def generation_kwargs(args) -> dict:
         raise CLIError(f"{', '.join(used)} only apply when sampling; add --do-sample.")
     # Each flag of FLAGS stores the generate() keyword it names (argparse dest); unset ones are None.
     kwargs = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    if "," in kwargs.get("samplers", ""):  # --samplers top_k,xtc,temperature: names; else llama.cpp's letters
+        kwargs["samplers"] = [name.strip() for name in kwargs["samplers"].split(",") if name.strip()]
     if args.penalty_alpha is not None:
         kwargs.setdefault("top_k", 4)
     for name in ("json_schema", "grammar"):  # these flags name a file; generate() takes its text
@@ -395,10 +402,29 @@ def _read_flag_file(flag: str, path: str, as_json: bool):
 
 
 # generate() keywords that have a flag of their own, for messages shown on the command line.
+LLAMACPP_FLAGS = [
+    ("--top-n-sigma", float, "N", "keep tokens scoring at least max - N * std"),
+    ("--xtc-probability", float, "P", "XTC: with probability P, drop every likely token but the least likely of them"),
+    ("--xtc-threshold", float, "T", "XTC: what counts as likely (default 0.1)"),
+    ("--dry-multiplier", float, "M", "DRY: penalise extending a repeated sequence by M * base^(length - allowed)"),
+    ("--dry-base", float, "B", "DRY: the base (default 1.75)"),
+    ("--dry-allowed-length", int, "N", "DRY: repeats this long go unpenalised (default 2)"),
+    ("--dry-penalty-last-n", int, "N", "DRY: how far back to look (default -1: the whole context)"),
+    ("--dry-sequence-breaker", str, "TEXT", "DRY: text that ends a repeat (repeatable; default \\n : \" *)"),
+    ("--mirostat", int, "V", "mirostat version 1 or 2: sample at a target surprise"),
+    ("--mirostat-tau", float, "TAU", "mirostat: the target surprise (default 5.0)"),
+    ("--mirostat-eta", float, "ETA", "mirostat: the learning rate (default 0.1)"),
+    ("--dynatemp-range", float, "R", "dynamic temperature: temperature +- R by the distribution's entropy"),
+    ("--dynatemp-exponent", float, "E", "dynamic temperature: the entropy's exponent (default 1.0)"),
+    ("--smoothing-factor", float, "F", "quadratic sampling (smoothing)"),
+    ("--smoothing-curve", float, "C", "quadratic sampling's curve (default 1.0)"),
+    ("--samplers", str, "ORDER", "the chain's order, llama.cpp's letters (default dskypmxt) or comma-separated names"),
+]
 FLAGS = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "num_beams": "--num-beams", "prompt_lookup_num_tokens": "--prompt-lookup",
          "penalty_alpha": "--penalty-alpha", "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar",
-         "choice": "--choice"}
+         "choice": "--choice", **{flag[2:].replace("-", "_"): flag for flag, *_ in LLAMACPP_FLAGS}}
+FLAGS["dry_sequence_breakers"] = FLAGS.pop("dry_sequence_breaker")
 
 
 def cli_names(message: str) -> str:

@@ -200,3 +200,17 @@ def test_metrics_rise_after_a_request_and_tokenize_round_trips(server, client, d
     _, tok = default_model
     assert tokens["tokens"] == tok.encode("Hello there") and tokens["count"] == len(tokens["tokens"])
     assert client.post("/../detokenize", body={"tokens": tokens["tokens"]}, cast_to=object) == {"prompt": "Hello there"}
+
+
+def test_llama_cpps_sampler_fields_at_the_top_level(client, default_model):
+    model, tok = default_model
+    fields = {"top_n_sigma": 1.0, "xtc_probability": 0.5, "xtc_threshold": 0.1, "dry_multiplier": 0.8,
+              "samplers": ["dry", "top_n_sigma", "xtc", "temperature"]}
+    reply = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=5,
+                                      extra_body=fields)
+    ids = torch.tensor([tok.encode("Once upon a time")])
+    expected = model.generate(ids, max_new_tokens=10, do_sample=True, temperature=0.8, top_p=1.0, top_k=0, seed=5,
+                              tokenizer=tok, **fields)[0, ids.shape[1]:]
+    assert reply.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError, match="mirostat"):
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0.8, extra_body={"mirostat": 4})

@@ -37,8 +37,11 @@ class BadRequest(Exception):
 # Fields served on both endpoints, and on each. `decodekit` is this server's own object (the openai client's
 # extra_body): a method and its fields.
 # vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body.
+LLAMACPP = {"top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+            "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range",
+            "dynatemp_exponent", "smoothing_factor", "smoothing_curve", "samplers"}  # checked by their plugin
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "typical_p", "min_tokens", "ignore_eos", "stop_token_ids",
-          "skip_special_tokens"}
+          "skip_special_tokens"} | LLAMACPP
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
           "logprobs", "decodekit", "best_of", "frequency_penalty", "presence_penalty", "logit_bias",
           "response_format"} | EXTRAS
@@ -224,6 +227,7 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     if boolean(body, "ignore_eos") or stop_ids:
         fields["eos_token_id"] = list(stop_ids or []) + ([] if boolean(body, "ignore_eos") else list(eos))
     boolean(body, "skip_special_tokens", True)  # checked here; applied when the text is decoded
+    fields.update({name: body[name] for name in LLAMACPP if body.get(name) is not None})
     return fields
 
 

@@ -59,7 +59,8 @@ def gguf():
 
     from decodekit.models.default import default_model_path
 
-    path = next(Path(default_model_path()).glob("*.gguf"))
+    found = Path(default_model_path())
+    path = found if found.suffix == ".gguf" else next(found.glob("*.gguf"))
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False, logits_all=False)
     yield llm, path
 
@@ -72,6 +73,9 @@ def test_top_n_sigma_keeps_the_same_tokens(logits, n):
 
 @pytest.mark.parametrize("temperature, delta, exponent", [(0.8, 0.0, 1.0), (1.0, 0.5, 1.0), (0.7, 0.6, 2.0)])
 def test_dynamic_temperature_gives_the_same_scores(logits, temperature, delta, exponent):
+    # On finite logits: llama.cpp normalizes the entropy by its list's size, which keeps the -inf entries
+    # top-n-sigma leaves; decodekit counts the finite scores (see DynamicTemperatureLogitsWarper).
+    logits = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, -2.0))
     kept, _ = run(L.llama_sampler_init_temp_ext(temperature, delta, exponent), logits)
     mine = ours(DynamicTemperatureLogitsWarper(temperature, delta, exponent), logits)
     assert set(mine) == set(kept)
@@ -98,9 +102,11 @@ def test_dry_penalises_the_same_tokens_by_the_same_amounts(gguf):
     logits = torch.randn(llm.n_vocab(), generator=torch.Generator().manual_seed(1))
     breakers = (ctypes.c_char_p * len(BREAKERS))(*[b.encode() for b in BREAKERS])
     vocab = L.llama_model_get_vocab(llm.model)
-    sampler = L.llama_sampler_init_dry(vocab, llm.n_ctx_train(), 0.8, 1.75, 2, -1, breakers, len(BREAKERS))
+    # The last 64 tokens on both sides: llama.cpp's C API takes the window as is (its server turns -1 into the
+    # context's size before calling it, as decodekit's -1 does).
+    sampler = L.llama_sampler_init_dry(vocab, 0.8, 1.75, 2, 64, breakers, len(BREAKERS))
     kept, _ = run(sampler, logits, accept=context)
-    processor = DRYLogitsProcessor(0.8, 1.75, 2, -1, llm.n_ctx_train(), dry_breaker_sequences(tok, tuple(BREAKERS)))
+    processor = DRYLogitsProcessor(0.8, 1.75, 2, 64, 8192, dry_breaker_sequences(tok, tuple(BREAKERS)))
     mine = ours(processor, logits, torch.tensor([context]))
     changed = {i for i in kept if abs(kept[i] - logits[i].item()) > 1e-6}
     assert changed and changed == {i for i in mine if abs(mine[i] - logits[i].item()) > 1e-6}
@@ -143,9 +149,11 @@ def test_mirostat_draws_from_the_same_distribution(logits, version):
     probs = finite.softmax(-1)
     ranked = probs.argsort(descending=True)
     if version == 2:
-        kept = [int(i) for i in ranked if -math.log2(probs[i]) <= 10.0] or [int(ranked[0])]
+        kept = [int(i) for i in ranked if probs[i] > 0 and -math.log2(probs[i]) <= 10.0] or [int(ranked[0])]
     else:
-        k = int(MirostatSelector(1, 5.0, 0.1, finite.shape[0])._top_k(probs[ranked][None])[0])
+        first = MirostatSelector(1, 5.0, 0.1, finite.shape[0])
+        first.mu = torch.tensor([10.0])  # 2 tau, where every draw above starts
+        k = int(first._top_k(probs[ranked][None])[0])
         kept = [int(i) for i in ranked[:k]]
     total = float(probs[kept].sum())
     expected = {i: float(probs[i]) / total for i in kept}

@@ -79,7 +79,9 @@ class DynamicTemperatureLogitsWarper:
     """llama.cpp's extended temperature: with `range` > 0, the temperature is min + (max - min) * H^exponent, where
     min = max(0, temperature - range), max = temperature + range and H the row's entropy over its finite scores
     divided by the log of their count; otherwise plain `temperature`. A temperature <= 0 keeps the best token
-    alone. `exponent` > 0."""
+    alone. `exponent` > 0. llama.cpp divides by the log of its candidate list's size instead, which also counts
+    the -inf entries top-n-sigma leaves in it (the tokens top-k, top-p, min-p and XTC drop leave the list): the
+    two agree unless top-n-sigma ran before, where counting the finite scores is what the entropy means."""
 
     score_only = True
 

@@ -85,6 +85,24 @@ def test_a_request_whose_method_raises_ends_alone_and_the_engine_goes_on(engine)
     assert theirs(llm, PROMPTS[:1], [None]) == [ours(PROMPTS[0])]  # the engine still serves
 
 
+def test_llama_cpps_samplers_per_request(engine):
+    # The built-in llamacpp_samplers plugin by name: DRY under greedy decoding gives decodekit's tokens (its breakers
+    # tokenized with the engine's tokenizer), and a mirostat request samples without error.
+    from vllm import SamplingParams
+
+    llm, _, _ = engine
+    prompt = "one two three one two three one two three one two"
+    fields = {"dry_multiplier": 2.0, "dry_allowed_length": 1}
+    dry = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                         extra_args={"decodekit": {"method": "llamacpp_samplers", **fields}})
+    mirostat = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
+                              extra_args={"decodekit": {"method": "llamacpp_samplers", "mirostat": 2, "do_sample": True}})
+    got, sampled = llm.generate([prompt, prompt], [dry, mirostat])
+    ours(prompt, tokens=1)
+    assert list(got.outputs[0].token_ids) == ours(prompt, tokenizer=ours.tok, **fields)
+    assert list(got.outputs[0].token_ids) != ours(prompt) and len(sampled.outputs[0].token_ids) == 8
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"method": "nope"}, "decodekit method 'nope' is neither an installed decodekit plugin nor a method allowed"),
     ({"method": "BAN", "bannedtoken": 3}, "unknown field 'bannedtoken' (did you mean 'banned_token'?)"),

@@ -57,6 +57,8 @@ REFUSED = {
     "decodekit_next_token_logits": "how next-token logits are read",
 }
 ADVICE = "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+# Built-in plugins a request may name too: llama.cpp's samplers, which vLLM does not have.
+BUILT_IN = {"llamacpp_samplers"}
 
 _lock = threading.Lock()
 _allowed: dict[str, Any] | None = None
@@ -111,7 +113,7 @@ def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request 
         raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}} (or its JSON text); '
                          f"got {spec!r}.")
     fields = {k: v for k, v in spec.items() if k != "method"}
-    name, plugins = spec["method"], outside_plugins()
+    name, plugins = spec["method"], outside_plugins() | BUILT_IN
     methods = allowed_methods() if methods is None else methods
     if name in methods:
         method = (methods[name].module, methods[name].plugin_name)
@@ -138,10 +140,20 @@ def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request 
 class _StandIn:
     """What hooks may read of `context.model` in vLLM: config.vocab_size / eos_token_id, device, generation_config."""
 
-    def __init__(self, vocab_size, eos_token_id):
-        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id)
+    def __init__(self, vocab_size, eos_token_id, tokenizer_name=None, max_model_len=None):
+        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id,
+                                      max_position_embeddings=max_model_len)
         self.generation_config = GenerationConfig(eos_token_id=eos_token_id)
         self.device = torch.device("cpu")
+        self.tokenizer_name, self._tokenizer = tokenizer_name, None
+
+    def tokenizer(self):
+        """The engine's tokenizer (transformers', which vLLM's environment has), loaded when a hook first needs it."""
+        if self._tokenizer is None and self.tokenizer_name is not None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+        return self._tokenizer
 
 
 class RequestHooks:
@@ -158,6 +170,7 @@ class RequestHooks:
         try:
             with request.registered():
                 args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
+                args["context"].tokenizer = model.tokenizer()  # for hooks that read text (DRY's breakers)
                 self.processors, self.criteria = chosen_hooks(request.chosen, args)
                 self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
         except BaseException as error:  # noqa: BLE001 - see the class's docstring
@@ -197,7 +210,8 @@ def _engine_facts(vllm_config) -> tuple[_StandIn, list[int], int]:
     """What hooks may read of the engine's model (a stand-in), its EOS ids and its longest sequence."""
     model_config = vllm_config.model_config
     eos = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
-    return (_StandIn(model_config.get_vocab_size(), eos),
+    return (_StandIn(model_config.get_vocab_size(), eos, getattr(model_config, "tokenizer", None) or model_config.model,
+                     model_config.max_model_len),
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), model_config.max_model_len)
 
 

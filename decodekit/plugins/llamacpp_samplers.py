@@ -96,9 +96,6 @@ def decodekit_validate_config(generation_config, context):
     if not active(gc):
         return
     order(gc)
-    if gc.dry_multiplier > 0 and gc.dry_base >= 1 and breakers and context.tokenizer is None:
-        raise ValueError("DRY's sequence breakers are text, tokenized as llama.cpp does: pass tokenizer= (decodekit serve "
-                         "and the CLI do), or dry_sequence_breakers=[] for none.")
     if gc.mirostat:
         if not gc.do_sample:
             raise gc.invalid("mirostat", "mirostat samples the next token: set do_sample=True")
@@ -116,6 +113,9 @@ def decodekit_logits_processors(generation_config, context):
     out = []
     for name in order(gc):
         if name == "dry" and gc.dry_multiplier > 0 and gc.dry_base >= 1 and gc.dry_penalty_last_n != 0:
+            if gc.dry_sequence_breakers and context.tokenizer is None:
+                raise ValueError("DRY's sequence breakers are text, tokenized as llama.cpp does: pass tokenizer= "
+                                 "(decodekit serve, the CLI and the vLLM adapter do), or dry_sequence_breakers=[].")
             context_size = getattr(getattr(context.model, "config", None), "max_position_embeddings", None) or 2**31
             breakers = (dry_breaker_sequences(context.tokenizer, tuple(gc.dry_sequence_breakers))
                         if gc.dry_sequence_breakers else {})

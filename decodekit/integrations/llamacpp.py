@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ..core.config import GenerationConfig, add_plugin_fields, closest
-from ..registry.manager import call_first, outside_plugins
-from .hooks import check_chosen, chosen_hooks, hook_arguments
+from ..registry.manager import call_first
+from .hooks import check_chosen, choose, chosen_hooks, hook_arguments
 
 REFUSED = {"decodekit_cache": "the KV cache", "decodekit_decoding_loop": "the decoding loop",
            "decodekit_next_token_logits": "how next-token logits are read"}
@@ -100,28 +100,9 @@ def hooks(llm, *, method=None, plugins: list[str] | None = None, trust_remote_co
     outside plugin; `fields` are the config fields they read (a method's own keywords). `tokenizer`: a decodekit or
     transformers tokenizer, for hooks that read text (stop strings). ValueError, with decodekit's message, for an
     unknown field or a plugin llama.cpp cannot take."""
-    from ..hub_loader.method import load_method
-
-    loaded = None
-    if method is not None:
-        if plugins is not None:
-            raise ValueError("Pass either method= (one hook-only method) or plugins= (registered plugins), not both.")
-        loaded = load_method(method, trust_remote_code, revision=revision)
-        if not loaded.hooks:
-            raise ValueError(f"method {method!r} replaces the whole decoding loop; llama.cpp runs hook-only methods "
-                             "(logits processors, a selector, stopping criteria). Run it with decodekit's generate().")
-        chosen = {loaded.plugin_name}
-    elif plugins is not None:
-        registered = outside_plugins()
-        missing = sorted(set(plugins) - registered)
-        if missing:
-            raise ValueError(f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
-                             f"are {sorted(registered)}.")
-        chosen = set(plugins)
-    else:
-        chosen = outside_plugins()
-    out = LlamaCppHooks(llm, chosen, (loaded.module, loaded.plugin_name) if loaded is not None else None,
-                        GenerationConfig(), tokenizer)
+    chosen, loaded = choose(method, plugins, trust_remote_code, revision, "llama.cpp runs hook-only methods (logits "
+                            "processors, a selector, stopping criteria): run it with decodekit's generate().")
+    out = LlamaCppHooks(llm, chosen, loaded, GenerationConfig(), tokenizer)
     with out.registered():
         known = add_plugin_fields(out.config)
         unknown = sorted(set(fields) - known)

@@ -104,32 +104,11 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
     generation_config / **fields: the decodekit config fields the plugins read (e.g. a method's own keywords).
     Refuses a plugin that would select tokens, make the cache or run its own loop for this configuration.
     """
-    from ...hub_loader.method import load_method
-    from ...registry.manager import outside_plugins
+    from ..hooks import choose
 
-    loaded = None
-    if method is not None:
-        if plugins is not None:
-            raise ValueError("Pass either method= (one hook-only method) or plugins= (registered plugins), not both.")
-        loaded = load_method(method, trust_remote_code, revision=revision)
-        if not loaded.hooks:
-            raise ValueError(
-                f"method {method!r} replaces the whole decoding loop (its generate.py defines generate()), so it has no "
-                "hooks to give transformers; run it as transformers' own custom_generate instead: "
-                f"model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True)."
-            )
-        chosen = {loaded.plugin_name}
-    elif plugins is not None:
-        registered = outside_plugins()
-        missing = sorted(set(plugins) - registered)
-        if missing:
-            raise ValueError(f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
-                             f"are {sorted(registered)}.")
-        chosen = set(plugins)
-    else:
-        chosen = outside_plugins()
-    return hooks_for(model, (loaded.module, loaded.plugin_name) if loaded is not None else None, generation_config,
-                     fields, chosen)
+    chosen, loaded = choose(method, plugins, trust_remote_code, revision, "run it as transformers' own custom_generate "
+                            f"instead: model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True).")
+    return hooks_for(model, loaded, generation_config, fields, chosen)
 
 
 def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None) -> TransformersHooks:

@@ -312,9 +312,9 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
 
 
 def register(plugin: Any, name: str | None = None, *, scope: str = "process") -> str:
-    """Register a plugin object or module for every later generate() call; returns its name. PluginError if a
-    hook of it names no hookspec. scope="call" is for a method registered around one call (custom_generate):
-    its failures propagate instead of disabling it."""
+    """Register a plugin object or module for every later generate() call, in every thread; returns its name.
+    PluginError if a hook of it names no hookspec. scope="call": its failures propagate instead of disabling it
+    (a custom_generate method is not registered here at all: plugins_for_call keeps it to its own call)."""
     pm = get_plugin_manager()
     with _lock:
         registered = checked_register(pm, plugin, name)

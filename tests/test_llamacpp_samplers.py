@@ -106,3 +106,12 @@ def test_compile_gives_the_same_tokens(model, fields):
         pytest.skip("decodekit's C++ kernels are off on this machine: the fused step needs them")
     kwargs = dict(do_sample=True, seed=3, max_new_tokens=8, **fields)
     assert torch.equal(model.generate(PROMPT, **kwargs), model.generate(PROMPT, compile=True, **kwargs))
+
+
+@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"smoothing_factor": 0.5},
+                                    {"xtc_probability": 0.7, "xtc_threshold": 0.05}])
+def test_beam_sampling_takes_the_score_shaping_samplers(model, fields):
+    kwargs = dict(do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None)
+    out = model.generate(PROMPT, **kwargs, **fields)
+    assert torch.equal(out, model.generate(PROMPT, **kwargs, **fields)) and out.shape == (1, PROMPT.shape[1] + 8)
+    assert not torch.equal(out, model.generate(PROMPT, **kwargs))  # the sampler shaped what the beams drew from

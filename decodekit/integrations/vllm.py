@@ -210,7 +210,8 @@ def _engine_facts(vllm_config) -> tuple[_StandIn, list[int], int]:
     """What hooks may read of the engine's model (a stand-in), its EOS ids and its longest sequence."""
     model_config = vllm_config.model_config
     eos = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
-    return (_StandIn(model_config.get_vocab_size(), eos, getattr(model_config, "tokenizer", None) or model_config.model,
+    return (_StandIn(model_config.get_vocab_size(), eos,
+                     getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None),
                      model_config.max_model_len),
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), model_config.max_model_len)
 

@@ -17,7 +17,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 
 from decodekit.core.llamacpp_samplers import (DRYLogitsProcessor, DynamicTemperatureLogitsWarper,  # noqa: E402
                                               MirostatSelector, TopNSigmaLogitsWarper, XTCLogitsWarper,
-                                              dry_breaker_sequences)
+                                              dry_breaker_sequences, mirostat_keep)
 
 L = llama_cpp.llama_cpp
 BREAKERS = ["\n", ":", "\"", "*"]
@@ -151,10 +151,8 @@ def test_mirostat_draws_from_the_same_distribution(logits, version):
     if version == 2:
         kept = [int(i) for i in ranked if probs[i] > 0 and -math.log2(probs[i]) <= 10.0] or [int(ranked[0])]
     else:
-        first = MirostatSelector(1, 5.0, 0.1, finite.shape[0])
-        first.mu = torch.tensor([10.0])  # 2 tau, where every draw above starts
-        k = int(first._top_k(probs[ranked][None])[0])
-        kept = [int(i) for i in ranked[:k]]
+        keep = mirostat_keep(1, probs[ranked][None], torch.tensor([10.0]), finite.shape[0])  # mu = 2 tau at the start
+        kept = [int(i) for i in ranked[:int(keep.sum())]]
     total = float(probs[kept].sum())
     expected = {i: float(probs[i]) / total for i in kept}
     for counts in (theirs, mine):
@@ -178,3 +176,15 @@ def test_a_decodekit_method_runs_inside_llama_cpp(gguf, tmp_path):
     assert first not in llm.tokenize(banned["choices"][0]["text"].encode(), add_bos=False)[:1]
     with pytest.raises(ValueError, match="did you mean 'banned_token'"):
         hooks(llm, method=str(method), trust_remote_code=True, bannedtoken=1)
+
+
+def test_xtc_triggers_at_its_probability_like_llama_cpp():
+    # The coin: over many seeds both remove the top choices in a share of draws near xtc_probability.
+    peaked = torch.full((64,), -4.0)
+    peaked[:4] = torch.tensor([3.0, 2.6, 2.2, 1.8])
+    draws, probability = 600, 0.3
+    theirs = sum(len(run(L.llama_sampler_init_xtc(probability, 0.1, 1, seed), peaked)[0]) < 64 for seed in range(draws))
+    ours_ = sum(len(ours(XTCLogitsWarper(probability, 0.1, torch.tensor(seed, dtype=torch.int32)), peaked)) < 64
+                for seed in range(draws))
+    spread = 4 * math.sqrt(draws * probability * (1 - probability))  # 4 standard deviations of a binomial count
+    assert abs(theirs - draws * probability) < spread and abs(ours_ - draws * probability) < spread

@@ -3,6 +3,8 @@ DRY reproduces llama.cpp's own worked example, the chain runs in llama.cpp's ord
 a seed reproduces a text, continuous batching rows equal generate() alone, and the score-only ones run inside the
 fused step with the same tokens. Against llama.cpp itself: tests/test_llamacpp.py (`make test-llamacpp`)."""
 
+import math
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def model(tmp_path_factory):
     ({"mirostat": True}, "mirostat"), ({"mirostat_tau": float("nan")}, "mirostat_tau"),
     ({"dynatemp_exponent": 0}, "dynatemp_exponent"), ({"smoothing_factor": -0.5}, "smoothing_factor"),
     ({"samplers": ["top_k", "nucleus"]}, "samplers"), ({"samplers": "kq"}, "samplers"),
-    ({"mirostat": 2, "do_sample": False}, "mirostat"), ({"mirostat": 1, "num_beams": 2, "do_sample": True}, "mirostat"),
+    ({"mirostat": 2, "do_sample": False}, "mirostat"),
 ])
 def test_each_field_is_checked_by_name(model, fields, name):
     with pytest.raises(ValueError, match=name):
@@ -115,3 +117,24 @@ def test_beam_sampling_takes_the_score_shaping_samplers(model, fields):
     out = model.generate(PROMPT, **kwargs, **fields)
     assert torch.equal(out, model.generate(PROMPT, **kwargs, **fields)) and out.shape == (1, PROMPT.shape[1] + 8)
     assert not torch.equal(out, model.generate(PROMPT, **kwargs))  # the sampler shaped what the beams drew from
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_under_beam_sampling_keeps_its_state_per_beam(model, version):
+    from decodekit.core.llamacpp_samplers import MirostatLogitsProcessor
+
+    kwargs = dict(do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None, mirostat=version,
+                  mirostat_tau=2.0)
+    out = model.generate(PROMPT, **kwargs)
+    assert torch.equal(out, model.generate(PROMPT, **kwargs))
+    assert not torch.equal(out, model.generate(PROMPT, **{**kwargs, "mirostat": 0}))
+    # The state follows a sequence: a child's mu is its parent's, moved by the surprise of the token appended.
+    processor = MirostatLogitsProcessor(2, tau=1.25, eta=0.5, vocab=4)
+    scores = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 2))
+    first = processor(torch.tensor([[7], [7]]), scores)
+    assert torch.isfinite(first).tolist() == [[True, True, False, False]] * 2  # surprise 1, 2 <= mu = 2.5 < 3 bits
+    children = torch.tensor([[7, 0], [7, 1]])  # the beams appended tokens 0 and 1 (renormalized p 2/3 and 1/3)
+    processor(children, scores)
+    mu_a, mu_b = processor.states[(7, 0)][0], processor.states[(7, 1)][0]
+    assert mu_a == pytest.approx(2.5 - 0.5 * (-math.log2(2 / 3) - 1.25))
+    assert mu_b == pytest.approx(2.5 - 0.5 * (-math.log2(1 / 3) - 1.25)) and mu_a != mu_b

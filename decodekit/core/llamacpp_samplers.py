@@ -253,11 +253,29 @@ def _breakers(tokenizer, breakers: tuple[str, ...], max_tail: int) -> dict[int, 
     return out
 
 
+def mirostat_keep(version: int, probs: torch.Tensor, mu: torch.Tensor, vocab: int, m: int = 100) -> torch.Tensor:
+    """Which of each row's tokens mirostat keeps, `probs` [rows, V] sorted descending and `mu` [rows]: version 2
+    the tokens whose surprise (-log2 p) is at most mu (at least one); version 1 the top k its Zipf estimate implies,
+    k = ((s - 1) 2^mu / (1 - V^-(s - 1)))^(1/s) with s fitted on the `m` most likely tokens."""
+    if version == 2:
+        keep = -probs.log2() <= mu[:, None]
+        keep[:, 0] = True  # at least one, as llama.cpp
+        return keep
+    top = min(m - 1, probs.shape[-1] - 1)
+    i = torch.arange(top, device=probs.device, dtype=torch.float32)
+    t = torch.log((i + 2) / (i + 1))
+    b = torch.log(probs[:, :top] / probs[:, 1:top + 1])
+    s = (t * b).sum(-1) / (t * t).sum()
+    epsilon = s - 1
+    k = ((epsilon * torch.pow(2.0, mu)) / (1 - torch.pow(float(vocab), -epsilon))).pow(1 / s)
+    k = torch.nan_to_num(k, nan=1.0, posinf=float(probs.shape[-1])).floor().clamp(min=1)
+    return torch.arange(probs.shape[-1], device=probs.device)[None, :] < k[:, None]
+
+
 class MirostatSelector:
     """Mirostat (version 1 or 2): samples a token whose surprise (-log2 p) tracks the target `tau`, with learning
-    rate `eta`; mu starts at 2 * tau and is kept per row across steps. Version 2 keeps the tokens whose surprise is
-    at most mu; version 1 estimates the distribution's Zipf exponent from its `m` most likely tokens and keeps the
-    top k that target implies (`vocab`: the vocabulary size). Scores reach it after the temperature
+    rate `eta`; mu starts at 2 * tau and is kept per row across steps (mirostat_keep says which tokens a step
+    keeps; `vocab`: the vocabulary size, for version 1). Scores reach it after the temperature
     (DynamicTemperatureLogitsWarper), as llama.cpp's chain puts `temp` before mirostat; the draw is the
     exponential race with a key from the call's seed."""
 
@@ -271,25 +289,41 @@ class MirostatSelector:
         if self.mu is None or self.mu.shape[0] != B:
             self.mu = torch.full((B,), 2 * self.tau, dtype=torch.float32, device=scores.device)
         probs, order = scores.softmax(-1).sort(-1, descending=True)
-        if self.version == 2:
-            keep = -probs.log2() <= self.mu[:, None]
-            keep[:, 0] = True  # at least one, as llama.cpp
-        else:
-            keep = torch.arange(scores.shape[-1], device=scores.device)[None, :] < self._top_k(probs)[:, None]
-        kept = torch.where(keep, probs, torch.zeros_like(probs))
+        kept = torch.where(mirostat_keep(self.version, probs, self.mu, self.vocab, self.m), probs, torch.zeros_like(probs))
         kept = kept / kept.sum(-1, keepdim=True)
         index = race(kept.log(), self.key.to(scores.device), input_ids.shape[-1])
         chosen_p = kept.gather(-1, index[:, None])[:, 0]
         self.mu = self.mu - self.eta * (-chosen_p.log2() - self.tau)
         return order.gather(-1, index[:, None])[:, 0]
 
-    def _top_k(self, probs: torch.Tensor) -> torch.Tensor:
-        """Version 1's k per row from the estimated Zipf exponent s: ((s - 1) 2^mu / (1 - V^-(s - 1)))^(1/s)."""
-        m = min(self.m - 1, probs.shape[-1] - 1)
-        i = torch.arange(m, device=probs.device, dtype=torch.float32)
-        t = torch.log((i + 2) / (i + 1))
-        b = torch.log(probs[:, :m] / probs[:, 1:m + 1])
-        s = (t * b).sum(-1) / (t * t).sum()
-        epsilon = s - 1
-        k = ((epsilon * torch.pow(2.0, self.mu)) / (1 - torch.pow(float(self.vocab), -epsilon))).pow(1 / s)
-        return torch.nan_to_num(k, nan=1.0, posinf=float(probs.shape[-1])).floor().clamp(min=1)
+
+class MirostatLogitsProcessor:
+    """Mirostat for beam sampling, where the beam step draws the tokens: each row's scores are cut to the tokens
+    mirostat keeps (-inf elsewhere), so the beams sample from mirostat's renormalized distribution. Its state
+    follows each beam through reordering: kept per sequence (its tokens), a row's mu being its parent sequence's,
+    updated with the surprise of the token the beam appended under the distribution it was drawn from."""
+
+    def __init__(self, version: int, tau: float, eta: float, vocab: int, m: int = 100):
+        self.version, self.tau, self.eta, self.vocab, self.m = version, float(tau), float(eta), vocab, m
+        self.states: dict[tuple[int, ...], tuple[float, dict[int, float]]] = {}  # sequence -> (mu, kept probs)
+
+    def __call__(self, input_ids, scores):
+        rows = input_ids.tolist()
+        mus = []
+        for sequence in rows:
+            mu, kept = self.states.get(tuple(sequence[:-1]), (2 * self.tau, None))
+            p = kept.get(sequence[-1]) if kept is not None else None
+            mus.append(mu - self.eta * (-math.log2(p) - self.tau) if p else mu)
+        mu = torch.tensor(mus, dtype=torch.float32, device=scores.device)
+        probs, order = scores.softmax(-1).sort(-1, descending=True)
+        keep_sorted = mirostat_keep(self.version, probs, mu, self.vocab, self.m)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        renormalized = torch.where(keep_sorted, probs, torch.zeros_like(probs))
+        renormalized = renormalized / renormalized.sum(-1, keepdim=True)
+        states = {}
+        for row, sequence in enumerate(rows):
+            count = int(keep_sorted[row].sum())
+            states[tuple(sequence)] = (float(mu[row]), dict(zip(order[row, :count].tolist(),
+                                                                renormalized[row, :count].tolist())))
+        self.states = states  # the last step's sequences are the only parents the next step can have
+        return scores.masked_fill(~keep, NEG_INF)

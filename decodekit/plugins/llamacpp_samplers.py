@@ -10,16 +10,17 @@ first. `samplers` changes the order: a list of those names (llama.cpp's `typ_p` 
 too) or llama.cpp's letters ("dkypmxt", "s" for top-n-sigma); "penalties" may be named and stays first. DRY is a
 penalty and applies to greedy decoding too; the others shape sampling (do_sample=True). mirostat=1 or 2 replaces
 the chain with temperature then mirostat, as in llama.cpp (decodekit's penalties still apply), and selects the token
-itself: with sampling only, not with beam search.
+itself (with sampling); under beam sampling it cuts each beam's scores to what it keeps and the beams draw, its
+state following each beam (core.llamacpp_samplers.MirostatLogitsProcessor).
 """
 
 from __future__ import annotations
 
 from ..core import processors as P
 from ..core.config import is_int, is_number
-from ..core.llamacpp_samplers import (DRYLogitsProcessor, DynamicTemperatureLogitsWarper, MirostatSelector,
-                                      QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper, XTCLogitsWarper,
-                                      dry_breaker_sequences)
+from ..core.llamacpp_samplers import (DRYLogitsProcessor, DynamicTemperatureLogitsWarper, MirostatLogitsProcessor,
+                                      MirostatSelector, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper,
+                                      XTCLogitsWarper, dry_breaker_sequences)
 from ..core.selectors import draw_key
 from ..registry import hookimpl
 
@@ -99,8 +100,6 @@ def decodekit_validate_config(generation_config, context):
     if gc.mirostat:
         if not gc.do_sample:
             raise gc.invalid("mirostat", "mirostat samples the next token: set do_sample=True")
-        if gc.number("num_beams", 1) > 1:
-            raise gc.invalid("mirostat", "mirostat chooses one token per row; beam search chooses among beams: use one")
 
 
 @hookimpl
@@ -108,8 +107,12 @@ def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     if not active(gc):
         return []
-    if gc.mirostat:  # llama.cpp: temp, then mirostat (the selector below); the chain is not run
-        return [DynamicTemperatureLogitsWarper(gc.temperature if gc.temperature is not None else 1.0)]
+    if gc.mirostat:  # llama.cpp: temp, then mirostat (the selector below; with beams, its truncation here)
+        temperature = DynamicTemperatureLogitsWarper(gc.temperature if gc.temperature is not None else 1.0)
+        if gc.number("num_beams", 1) > 1:
+            vocab = getattr(getattr(context.model, "config", None), "vocab_size", None) or 0
+            return [temperature, MirostatLogitsProcessor(gc.mirostat, gc.mirostat_tau, gc.mirostat_eta, vocab)]
+        return [temperature]
     out = []
     for name in order(gc):
         if name == "dry" and gc.dry_multiplier > 0 and gc.dry_base >= 1 and gc.dry_penalty_last_n != 0:
@@ -147,7 +150,7 @@ def decodekit_logits_processors(generation_config, context):
 @hookimpl
 def decodekit_token_selector(generation_config, context):
     gc = generation_config
-    if gc.mirostat not in (1, 2) or not gc.do_sample:
+    if gc.mirostat not in (1, 2) or not gc.do_sample or gc.number("num_beams", 1) > 1:
         return None
     vocab = getattr(getattr(context.model, "config", None), "vocab_size", None) or 0
     return MirostatSelector(gc.mirostat, gc.mirostat_tau, gc.mirostat_eta, vocab, context.generator)

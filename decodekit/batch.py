@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 OUTPUT_KEYS = ("generated_text", "generated_token_ids")
 ERROR_KEY = "error"

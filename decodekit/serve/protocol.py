@@ -224,8 +224,9 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)):
         raise BadRequest(f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).",
                          "stop_token_ids")
-    if boolean(body, "ignore_eos") or stop_ids:
-        fields["eos_token_id"] = list(stop_ids or []) + ([] if boolean(body, "ignore_eos") else list(eos))
+    ignore_eos = boolean(body, "ignore_eos")
+    if ignore_eos or stop_ids:  # the tokens that end a row: stop_token_ids, and EOS unless ignored; none: None
+        fields["eos_token_id"] = list(stop_ids or []) + ([] if ignore_eos else list(eos)) or None
     boolean(body, "skip_special_tokens", True)  # checked here; applied when the text is decoded
     fields.update({name: body[name] for name in LLAMACPP if body.get(name) is not None})
     return fields
@@ -260,8 +261,6 @@ def merged_request(body: dict, settings: ServerSettings, default_max_tokens: int
     limits held on the merged values."""
     arguments = {**generation_fields(body, settings, default_max_tokens), **sampling_extras(body, vocab, eos),
                  **method_fields(body, settings, plugins)}
-    if arguments.get("eos_token_id") == []:
-        arguments["eos_token_id"] = None  # ignore_eos: no token ends a row
     max_new = arguments.get("max_new_tokens")
     if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
         raise BadRequest(f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "

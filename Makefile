@@ -28,7 +28,9 @@ serve: install
 	$(PIP) install -q -e '.[serve]'
 	$(VENV)/bin/decodekit serve
 
+# lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.
 test: install-dev
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 # Ray is an extra: its tests run here (a local cluster of 2 CPUs); `make test` skips them without it.

@@ -1,6 +1,6 @@
 """Compiled steps of a few rows (a batch of prompts, beams) on plain weights against oneDNN's packed ones.
 
-A compiled step of up to fused.PLAIN_WEIGHTS_ROWS rows holds the model's weights plain so that decodekit's
+A compiled step of up to kernels.PLAIN_WEIGHTS_ROWS rows holds the model's weights plain so that decodekit's
 C++ layer stack and row products multiply them; this measures that choice against keeping the packed
 weights (PLAIN_WEIGHTS_ROWS = 0), with the eager loop beside them, on the default model in fp32. Each
 compiled output is checked equal to the eager one. Rounds alternate the order; ms per token are medians.
@@ -31,7 +31,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
-    import decodekit.plugins.fused as fused
+    import decodekit.kernels as kernels
     from decodekit import AutoModelForCausalLM, AutoTokenizer
     from decodekit.models.default import default_model_path
 
@@ -50,13 +50,13 @@ def main() -> int:
         "greedy, 12 prompts": (twelve, {}),
         "beam search, 3 prompts x 4 beams": (three, {"num_beams": 4}),
     }
-    plain_rows = fused.PLAIN_WEIGHTS_ROWS
+    plain_rows = kernels.PLAIN_WEIGHTS_ROWS
 
     def job(setting, layout):
         inputs, kwargs = settings[setting]
 
         def run():
-            fused.PLAIN_WEIGHTS_ROWS = 0 if layout == "packed" else plain_rows
+            kernels.PLAIN_WEIGHTS_ROWS = 0 if layout == "packed" else plain_rows
             with torch.inference_mode():
                 return models[layout].generate(**inputs, **kwargs, max_new_tokens=n, min_new_tokens=n,
                                                compile=layout != "eager")

@@ -259,7 +259,7 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
     from decodekit import AutoModelForCausalLM
 
     # Eager and compiled rows get models of their own: a compiled one-row step holds a model's weights plain
-    # and an eager call packs them again (models/packed.py), which round-robin calls on one model would repeat.
+    # and an eager call packs them again (kernels/packed.py), which round-robin calls on one model would repeat.
     fp32, fp32_step = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
     bf16, bf16_step = (AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16") for _ in range(2))
     int8 = AutoModelForCausalLM.from_pretrained(path, quantize="int8")

@@ -6,6 +6,7 @@ from .core.outputs import GenerateOutput
 from .core.processors import LogitsProcessorList
 from .core.stopping import StoppingCriteriaList
 from .core.streamers import TextIteratorStreamer, TextStreamer
+from .facade import Model, wrap
 from .models import AutoModelForCausalLM, AutoTokenizer
 from .plugins.watermark import (SynthIDTextWatermarkDetector, SynthIDTextWatermarkingConfig, WatermarkDetector,
                                 WatermarkingConfig)
@@ -13,18 +14,9 @@ from .registry import get_plugin_manager, hookimpl, register, unregister
 
 __version__ = "0.1.0"
 
-
-def wrap(model):
-    """decodekit's generate() on a transformers causal LM, which stays as it is; see
-    decodekit.integrations.transformers.wrap (imported here only when called: transformers is an extra)."""
-    from .integrations.transformers import wrap as wrap_transformers_model
-
-    return wrap_transformers_model(model)
-
-
 __all__ = [
     "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "GenerateOutput", "DynamicCache", "StaticCache",
     "LogitsProcessorList", "StoppingCriteriaList", "TextStreamer", "TextIteratorStreamer",
-    "get_plugin_manager", "hookimpl", "register", "unregister", "wrap", "WatermarkingConfig", "WatermarkDetector",
+    "get_plugin_manager", "hookimpl", "register", "unregister", "Model", "wrap", "WatermarkingConfig", "WatermarkDetector",
     "SynthIDTextWatermarkingConfig", "SynthIDTextWatermarkDetector",
 ]

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 OUTPUT_KEYS = ("generated_text", "generated_token_ids")
 ERROR_KEY = "error"
@@ -262,10 +262,12 @@ class BatchCounts:
 
 
 def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, settings: BatchSettings,
-              ray_address: str | None = None, progress: bool = True, concurrency: int = 1) -> BatchCounts:
+              progress: bool = True, runner: Callable[[list[dict], BatchSettings], Iterable[dict]] | None = None
+              ) -> BatchCounts:
     """Generates for every row of `input_path` not yet in `output_path`, appending each the moment it is done;
-    returns the counts (written, skipped, failed ids). `ray_address`: "local" or a cluster's address to run on Ray
-    (decodekit.integrations.ray), else here. OutputBusy if another run is writing `output_path`."""
+    returns the counts (written, skipped, failed ids). `runner(rows, settings)` yields the rows with their results
+    in any order (decodekit.integrations.ray.on_ray(address) runs them on Ray); None runs them here, in this
+    process. OutputBusy if another run is writing `output_path`."""
     input_path, output_path = Path(input_path), Path(output_path)
     rows = read_rows(input_path, settings.prompt_key)
     output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,10 +299,8 @@ def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, set
                 bar.update(1)
 
         try:
-            if ray_address is not None:
-                from .integrations.ray import generate_on_ray
-
-                for row in generate_on_ray(pending, settings, ray_address, concurrency=concurrency):
+            if runner is not None:
+                for row in runner(pending, settings) if pending else ():
                     write(row)
             elif pending:
                 _here(pending, settings, write)

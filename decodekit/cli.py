@@ -237,8 +237,12 @@ def cmd_batch(args) -> int:
                              trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
                              prompt_key=args.prompt_key)
     try:
-        counts = run_batch(args.input, args.output, settings, ray_address=args.ray, progress=not args.no_progress,
-                           concurrency=args.concurrency)
+        runner = None
+        if args.ray is not None:
+            from .integrations.ray import on_ray
+
+            runner = on_ray(args.ray, concurrency=args.concurrency)
+        counts = run_batch(args.input, args.output, settings, progress=not args.no_progress, runner=runner)
     except KeyboardInterrupt:
         print(f"\ndecodekit batch: stopped; the rows written so far are in {args.output}, and the same command goes on "
               "from there.", file=sys.stderr)

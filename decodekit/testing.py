@@ -124,12 +124,12 @@ def cpu_path_settings(*probes: str) -> list:
     """pytest parameters forcing each combination of the cpu.py `probes` off and on, for tests that check a
     speed path: one machine then runs the checks of the paths other machines take. A setting that forces a
     probe on where this machine lacks it is skipped with the missing feature as the reason. Use with
-    `decodekit.models.cpu.forced(**setting)`."""
+    `decodekit.kernels.cpu.forced(**setting)`."""
     import itertools
 
     import pytest
 
-    from .models import cpu
+    from .kernels import cpu
 
     params = []
     for values in itertools.product((False, True), repeat=len(probes)):

@@ -107,7 +107,7 @@ def test_quantizing_a_packed_model_works_and_skips_packing(tmp_path):
 def test_a_compiled_call_of_few_rows_runs_on_plain_weights_and_the_next_eager_call_packs_again(tied, caplog):
     # A compiled step of up to PLAIN_WEIGHTS_ROWS rows multiplies plain weights (the C++ stack, row
     # products); wider steps and eager calls use the packed ones. The switch keeps the tie and the tokens.
-    from decodekit.plugins.fused import PLAIN_WEIGHTS_ROWS
+    from decodekit.kernels import PLAIN_WEIGHTS_ROWS
 
     few, wide = IDS, IDS.repeat(9, 1)[: PLAIN_WEIGHTS_ROWS + 1]
     eager = tied.generate(few, max_new_tokens=6)

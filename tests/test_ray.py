@@ -8,7 +8,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed: `make test-ray` installs it and runs these tests")
 
 from decodekit.batch import BatchSettings, RowGenerator, run_batch  # noqa: E402
-from decodekit.integrations.ray import BatchGenerator  # noqa: E402
+from decodekit.integrations.ray import BatchGenerator, on_ray  # noqa: E402
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method  # noqa: E402
 
@@ -42,7 +42,7 @@ def test_the_command_line_runs_on_ray_and_resumes(cluster, tmp_path):
     settings = BatchSettings(generation={"max_new_tokens": 4})
     first = [json.dumps({"prompt": PROMPTS[0], "id": "0", **RowGenerator(settings)(PROMPTS[0])}) + "\n"]
     (tmp_path / "out.jsonl").write_text(first[0])
-    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, ray_address="local", progress=False) == (5, 1)
+    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, progress=False, runner=on_ray("local")) == (5, 1)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(str(r["id"]) for r in rows) == [str(i) for i in range(6)]
     here = RowGenerator(settings)

@@ -129,7 +129,7 @@ def test_the_draft_reuses_the_targets_cache(deep, monkeypatch):
     import functools
 
     fed = []
-    forward = type(deep).forward
+    forward = type(deep.module).forward
 
     @functools.wraps(forward)  # keeps the signature, which tells the draft it may pass exit_layer
     def spy(self, input_ids, *args, **kwargs):
@@ -138,7 +138,7 @@ def test_the_draft_reuses_the_targets_cache(deep, monkeypatch):
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     plain = deep.generate(ids, max_new_tokens=12, eos_token_id=None)
-    monkeypatch.setattr(type(deep), "forward", spy)
+    monkeypatch.setattr(type(deep.module), "forward", spy)
     assert torch.equal(deep.generate(ids, max_new_tokens=12, eos_token_id=None, assistant_early_exit=2), plain)
     drafts = [length for layers, length in fed if layers == 2]
     assert drafts and set(drafts) == {1}

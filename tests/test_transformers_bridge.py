@@ -154,7 +154,7 @@ def test_the_default_model_through_transformers_equals_transformers_greedy(defau
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
     for text in prompts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
-        theirs = model.model.generate(ids, max_new_tokens=16, do_sample=False)
+        theirs = model.module.generate(ids, max_new_tokens=16, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=16), theirs), text
     first = tokenizer(prompts[0], return_tensors="pt")["input_ids"]
     assert tokenizer.decode(model.generate(first, max_new_tokens=4)[0, first.shape[1]:]).startswith(" Paris")

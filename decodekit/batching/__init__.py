@@ -1,7 +1,7 @@
 """Continuous batching: many requests at once, each with its own generation config and decoding method, over a
 paged KV cache (paged.py), scheduled step by step (scheduler.py) by a background thread (manager.py).
 
-Every decodekit model has `generate_batch` and `init_continuous_batching` (mixin.py); see docs/continuous-batching.md.
+Every decodekit model (decodekit.facade.Model) has `generate_batch` and `init_continuous_batching`; see docs/continuous-batching.md.
 """
 
 from .manager import ContinuousBatchingManager, MethodCache, QueueFull, generate_batch

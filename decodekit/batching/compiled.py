@@ -22,8 +22,7 @@ import logging
 
 import torch
 
-from ..models import native
-from ..models.quantize import many_rows_route
+from .. import kernels
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 
 logger = logging.getLogger("decodekit")
@@ -43,13 +42,9 @@ class CompiledDecode:
         self.broken: str | None = None
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
-        if model.device.type == "cpu" and getattr(model, "quantization", None) == "int8":
-            many_rows_route()  # measured here, outside any trace (which cannot time anything), as FusedStep does
 
     def usable(self) -> bool:
-        keys = self.cache.keys[0]
-        return (self.broken is None and keys.device.type == "cpu" and keys.dtype == self.model.dtype
-                and keys.dtype in (torch.float32, torch.bfloat16) and native.ready(keys))
+        return self.broken is None and kernels.paged_step_ready(self.model, self.cache.keys[0])
 
     def __call__(self, tokens: list[int], tables: list[list[int]], positions: list[int]) -> torch.Tensor | None:
         """Logits [rows, V] of one decode step (row i: token tokens[i] at positions[i] of the row whose blocks

@@ -1,5 +1,5 @@
 """ContinuousBatchingManager: requests added at any time, each with its own generation config and decoding
-method, stepped together in one thread, and generate_batch over it (what batching.mixin gives every
+method, stepped together in one thread, and generate_batch over it (what decodekit.facade.Model gives every
 decodekit model).
 
     with model.init_continuous_batching(max_new_tokens=64) as manager:
@@ -28,13 +28,16 @@ from typing import Any, Iterator
 import torch
 
 from ..core.config import is_int
-from ..core.limits import available_bytes, bytes_per_position, human_size
+from ..core.limits import available_bytes, bytes_per_position
+from ..sizes import human_size
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
-from .mixin import MANAGER_OPTIONS
 from .scheduler import Scheduler
 
 logger = logging.getLogger("decodekit")
+
+# The manager's own options; any other keyword of init_continuous_batching() is a generation config field.
+MANAGER_OPTIONS = ("max_queue_size", "block_size", "max_cache_bytes", "max_batch_tokens", "max_running", "min_prefill")
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 
@@ -466,7 +469,7 @@ def default_cache_bytes(model, max_running: int) -> int:
 
 
 def generate_batch(model, inputs: list, generation_config=None, progress_bar: bool = True, **kwargs) -> dict[str, GenerationOutput]:
-    """model.generate_batch() (see batching.mixin), its steps run in the calling thread."""
+    """model.generate_batch() (see decodekit.facade.Model), its steps run in the calling thread."""
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch() takes a list of prompts (lists of token ids), got {type(inputs).__name__}.")
     options = {k: kwargs.pop(k) for k in MANAGER_OPTIONS if k in kwargs}

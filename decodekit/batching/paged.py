@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models import native
+from ..families.llama import visible
+from ..kernels import native
 
 
 class OutOfBlocks(Exception):
@@ -163,7 +164,7 @@ class PagedBatch:
         in place; prompt chunks through SDPA over their row's gathered keys and values, whose fused kernel
         beats a per-query loop once a chunk has more than a few tokens (the gather is one copy per chunk)."""
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        native_ok = q.device.type == "cpu" and q.dtype == keys.dtype in (torch.float32, torch.bfloat16) and native.ready(q)
+        native_ok = q.device.type == "cpu" and q.dtype == keys.dtype in native.LAYER_DTYPES and native.ready(q)
         if native_ok and not self.chunks:  # decode rows only: the common step
             return DecodeRows(self.cache.keys, self.cache.values, self.slots, self.tables, self.positions,
                               self.cache.block_size, self.owner).attend(q, k, v, layer_idx, window)
@@ -188,7 +189,6 @@ class PagedBatch:
     def gathered_attention(self, tokens, keys, values, window, segments, out=None) -> torch.Tensor:
         """Attention through SDPA for `segments`, one at a time over its row's gathered keys and values (written
         already); fills `out` [N, H, D] at their tokens."""
-        from ..models.llama import visible
 
         bs = self.cache.block_size
         out = torch.empty_like(tokens) if out is None else out

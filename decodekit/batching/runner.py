@@ -38,9 +38,9 @@ class Work:
 
 def supports_paged(model) -> bool:
     """Whether `model` runs a paged batch (decodekit's Llama family)."""
-    from ..models.llama import LlamaForCausalLM
+    from ..families.llama import LlamaForCausalLM
 
-    return isinstance(model, LlamaForCausalLM)
+    return isinstance(getattr(model, "module", model), LlamaForCausalLM)
 
 
 class PagedRunner:

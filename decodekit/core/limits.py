@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from ..sizes import human_size
+
 
 def available_bytes(device: torch.device) -> int | None:
     """Memory a call could still take on `device`, or None where it cannot be told."""
@@ -42,17 +44,6 @@ def bytes_per_position(model) -> int:
         return 0
     dtype = getattr(model, "dtype", torch.float32)
     return 2 * layers * heads * head_dim * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
-
-
-def human_size(n: float) -> str:
-    """Bytes as a person reads them: 512 bytes, 12.1 KiB, 3.0 GiB."""
-    if n < 1024:
-        return f"{n} bytes"
-    for unit in ("KiB", "MiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} GiB"
 
 
 def check_call_size(model, gc, prompts: int, rows_per_prompt: int, prompt_length: int, max_length: int) -> None:

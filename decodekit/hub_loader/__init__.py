@@ -1,7 +1,6 @@
 """Custom generation methods from Hub repos and local directories: resolve, check requirements, gate on
 trust, import as a package, then run (a whole loop) or register for one call (hook implementations)."""
 
-from .entry import hooks_entry_point
 from .method import LoadedMethod, bind_to_model, load, load_method
 from .requirements import check_requirements, parse_requirements, unmet_requirements
 from .source import MethodSource, from_directory, resolve
@@ -9,5 +8,16 @@ from .trust import UntrustedCodeError, trusted_revision
 
 __all__ = [
     "LoadedMethod", "MethodSource", "UntrustedCodeError", "bind_to_model", "check_requirements", "from_directory",
-    "hooks_entry_point", "load", "load_method", "parse_requirements", "resolve", "trusted_revision", "unmet_requirements",
+    "load", "load_method", "parse_requirements", "resolve", "trusted_revision", "unmet_requirements",
 ]
+
+
+def __getattr__(name: str):
+    # Hub repositories rendered from decodekit's template before 0.2 end with
+    # `from decodekit.hub_loader import hooks_entry_point`; it now lives with the integrations it reaches
+    # (decodekit.integrations.entry). Imported by name, on that old path only, so hub_loader stays below them.
+    if name == "hooks_entry_point":
+        import importlib
+
+        return importlib.import_module("decodekit.integrations.entry").hooks_entry_point
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

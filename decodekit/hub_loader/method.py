@@ -11,7 +11,6 @@ from types import ModuleType
 from typing import Any, Callable
 
 from . import source as sources
-from .entry import ENTRY_MARKER
 from .importer import import_generate_module
 from .requirements import check_requirements
 from .trust import check_trust
@@ -19,6 +18,9 @@ from .trust import check_trust
 logger = logging.getLogger("decodekit")
 
 HOOK_MARKER = "decodekit_impl"  # the attribute pluggy's HookimplMarker("decodekit") sets
+# Set on the generate() that decodekit.integrations.entry.hooks_entry_point makes: a hook-only method's entry
+# point for transformers' loader, which decodekit's loader passes over to use the module's hooks.
+ENTRY_MARKER = "decodekit_hooks_entry_point"
 
 
 @dataclass

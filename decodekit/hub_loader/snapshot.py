@@ -32,7 +32,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..core.limits import human_size as _size
+from ..sizes import human_size as _size
 from .trust import UntrustedCodeError, content_hash
 
 CHUNK = 1 << 20

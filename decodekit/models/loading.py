@@ -1,4 +1,8 @@
-"""Finding and loading weights: a local directory, a Hub repository (through huggingface_hub) or a GGUF file."""
+"""Finding and loading weights: a local directory, a Hub repository (through huggingface_hub) or a GGUF file.
+
+Loading sits above the model families (decodekit.families) and the facade (decodekit.facade): it builds a family's
+module from the files, or has transformers build one (transformers.py), and hands it to a facade Model with the
+generation config the files carry and the repository's custom_generate/ method where trusted."""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..facade import BACKENDS, Model
+from ..facade.transformers import TRANSFORMERS_EXTRA
+from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 logger = logging.getLogger("decodekit")
 
@@ -129,23 +135,22 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return out
 
 
-def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device, generation_config=None):
-    from .llama import LlamaForCausalLM
+def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    """The family's module (decodekit.families.llama) with `hf_state`'s weights, in `dtype` on `device`, eval mode."""
+    from ..families.llama import LlamaForCausalLM
 
     try:
         native = to_native(hf_state, config)
     except KeyError as e:
         raise ValueError(f"Weights are missing tensor {e.args[0]!r} that a {config.model_type} config requires.") from None
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, generation_config)
+        model = LlamaForCausalLM(config)
     model.load_state_dict(native, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(dtype=dtype, device=device).eval()
 
 
-BACKENDS = ("native", "transformers")
-TRANSFORMERS_EXTRA = "pip install 'decodekit[transformers]'"
 
 
 def transformers_installed() -> bool:
@@ -216,12 +221,12 @@ class AutoModelForCausalLM:
         """`name_or_path`: a local directory, a Hub repo id or a .gguf file.
         `trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate (and,
         for the transformers backend, lets the repo's own modeling code run, as in transformers).
-        `quantize="int8"`: native models store linear weights as int8 with per-channel scales (models/quantize.py).
+        `quantize="int8"`: native models store linear weights as int8 with per-channel scales (kernels/quantize.py).
         `backend`: None picks native for the Llama families and transformers for the rest; "native" or
         "transformers" forces one. `transformers_kwargs` (device_map, quantization_config, ...) go to transformers."""
-        from .quantize import QUANTIZATIONS
+        from ..kernels.quantize import QUANTIZATIONS
 
-        if isinstance(name_or_path, torch.nn.Module):
+        if isinstance(name_or_path, (torch.nn.Module, Model)):
             raise TypeError(f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
                             f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model).")
         if quantize is not None and quantize not in QUANTIZATIONS:
@@ -262,13 +267,14 @@ class AutoModelForCausalLM:
         generation_config = (
             GenerationConfig.from_file(gen_path, config) if gen_path.is_file() else GenerationConfig.from_model_config(config)
         )
-        model = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)),
-                            torch.device(device or "cpu"), generation_config)
-        model.name_or_path = str(name_or_path)
+        module = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)),
+                             torch.device(device or "cpu"))
+        module.name_or_path = str(name_or_path)
         if quantize is not None:
-            from .quantize import quantize as quantize_model
+            from ..kernels.quantize import quantize as quantize_model
 
-            quantize_model(model, quantize)
+            quantize_model(module, quantize)
+        model = Model(module, generation_config, str(name_or_path))
         if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
             _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
         logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
@@ -277,7 +283,7 @@ class AutoModelForCausalLM:
 
 def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fields: dict | None, label: str, quantize,
                             dtype, device, revision, token, local_files_only, trust_remote_code, transformers_kwargs):
-    from ..integrations.transformers.loading import load_model
+    from .transformers import load_model
 
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} applies to decodekit's native models; {label} loads through "
@@ -285,10 +291,10 @@ def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fie
     config_dtype = (config_fields.get("dtype") or config_fields.get("torch_dtype")) if config_fields else None
     # A local directory is read where it is; a Hub repo goes through transformers' own download (same cache).
     source = model_dir if Path(name_or_path).expanduser().is_dir() or gguf_file else name_or_path
-    model = load_model(source, dtype=resolve_dtype(dtype, config_dtype), device=device, revision=revision, token=token,
-                       local_files_only=local_files_only, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
-                       **transformers_kwargs)
-    model.name_or_path = str(name_or_path)
+    module = load_model(source, dtype=resolve_dtype(dtype, config_dtype), device=device, revision=revision, token=token,
+                        local_files_only=local_files_only, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
+                        **transformers_kwargs)
+    model = Model(module, name_or_path=str(name_or_path))
     snapshot = None
     if gguf_file is None:
         snapshot = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=["custom_generate/**"])

@@ -403,6 +403,6 @@ class AutoTokenizer:
             if not transformers_installed():
                 raise FileNotFoundError(f"{label} has {why}; transformers can read its other formats: install it with\n"
                                         f"    {TRANSFORMERS_EXTRA}")
-        from ..integrations.transformers.loading import load_tokenizer
+        from .transformers import load_tokenizer
 
         return load_tokenizer(name_or_path, **options, **transformers_kwargs)

@@ -25,7 +25,7 @@ def decodekit_cache(generation_config, context):
     if kind is None:
         # decodekit's own models preallocate; a model that makes its own caches (a wrapped transformers model)
         # gets the kind its library defaults to, dynamic.
-        kind = "dynamic" if hasattr(context.model, "make_cache") else "static"
+        kind = "dynamic" if getattr(context.model, "makes_caches", False) else "static"
     if kind in ("static", "dynamic"):
         return new_cache(context.model, kind, context.batch_size, context.max_length)
     return None

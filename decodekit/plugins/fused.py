@@ -21,7 +21,6 @@ step a CUDA graph replay (not verified on hardware yet).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
 
@@ -32,9 +31,8 @@ from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import loop_result
 from ..core.selectors import GreedySelector, SamplingSelector, race
-from ..models import native
-from ..models.packed import pack_linears, plain_weights
-from ..models.quantize import many_rows_route
+from .. import kernels
+from ..families.llama import LlamaForCausalLM
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -42,9 +40,6 @@ logger = logging.getLogger("decodekit")
 BUCKET = 256
 SYNC_EVERY = 8
 MAX_STEPS = 8  # compiled steps kept per model
-# Steps of up to this many rows on CPU multiply plain weights (the C++ layer stack and row products, or
-# linear.one_row); wider ones use oneDNN's packed weights (models/packed.py).
-PLAIN_WEIGHTS_ROWS = native.MAX_ROWS
 
 
 def score_only(processor) -> bool:
@@ -133,9 +128,7 @@ def host_block(processors, sequences: torch.LongTensor, width: int) -> torch.Ten
 
 
 def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str | None:
-    from ..models.llama import LlamaForCausalLM
-
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(getattr(model, "module", model), LlamaForCausalLM):
         return f"{type(model).__name__} is not one of decodekit's own models"
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
@@ -253,10 +246,6 @@ class FusedStep:
 
     def __init__(self, model, batch: int, length: int, options: dict, make):
         self.compiled_once = False
-        if model.device.type == "cpu":
-            native.load()  # before tracing: the products of a few rows read whether the kernels are there
-            if batch > native.MAX_ROWS and getattr(model, "quantization", None) == "int8":
-                many_rows_route()  # measured here, outside the trace, which cannot time anything
         self.cache = StaticCache.for_model(model, batch, length)
         model.rotary.ensure(length, model.device, model.dtype)
         self.step = compile_own(make(model, self.cache), options)
@@ -292,12 +281,11 @@ class FusedLoop:
         if reason is not None:
             logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
-        few_rows = input_ids.shape[0] <= PLAIN_WEIGHTS_ROWS and model.device.type == "cpu"
-        with plain_weights(model) if few_rows else contextlib.nullcontext():
-            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+        with kernels.step_layout(model, input_ids.shape[0]) as layout:
+            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
 
-    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc)
+    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout):
+        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc, layout)
         if fused is None:
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
         if model.device.type == "cpu":
@@ -332,13 +320,11 @@ class FusedLoop:
             positions = torch.full((B, 1), T0 - 1, device=dev)
         return out.logits[:, -1, :].float(), mask, positions
 
-    def _step_for(self, model, batch, max_length, pipeline, gc) -> FusedStep | None:
+    def _step_for(self, model, batch, max_length, pipeline, gc, layout) -> FusedStep | None:
         options = {"fullgraph": True, "dynamic": False, **(gc.compile_config or {})}
         length = bucket(max_length)
         kind = self.kind(pipeline, gc)
-        # Decided before the key is made, not by the prefill after it: else a fresh model's first two calls compile twice.
-        weights = (model.dtype, model.device, pack_linears(model), getattr(model, "quantization", None))
-        key = (batch, length, kind, _hashable(options), weights)
+        key = (batch, length, kind, _hashable(options), layout)
         steps = model.__dict__.setdefault("_fused_steps", {})
         if key not in steps:
             why = "first compiled call" if not steps else "new batch size, cache bucket or processors"

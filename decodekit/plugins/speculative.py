@@ -117,7 +117,8 @@ class EarlyExit:
         self.generation_config = model.generation_config.copy()  # the heuristic schedule writes to it
         self.device, self.dtype = model.device, model.dtype
         self.native = _forward_accepts(model, "exit_layer")
-        if hasattr(model, "make_cache"):
+        self.makes_caches = getattr(model, "makes_caches", False)
+        if self.makes_caches:
             self.make_cache = model.make_cache
 
     def __call__(self, input_ids, **kwargs):

@@ -20,7 +20,7 @@ import transformers
 
 from ...registry.hookspecs import LOOP_ONLY_HOOKS
 from ..hooks import check_chosen, chosen_hooks, hook_arguments
-from .model import generation_config_from
+from ...facade.transformers import generation_config_from
 
 REFUSAL_ADVICE = ("only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
                   "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...).")

@@ -73,7 +73,7 @@ def generate(model, input_ids=None, generation_config=None, attention_mask=None,
 # The entry point transformers' generate(custom_generate=...) calls: it runs the hooks above inside
 # transformers' own loop (decodekit's loop where the method selects tokens or makes the cache).
 # decodekit itself uses the hooks directly.
-from decodekit.hub_loader import hooks_entry_point  # noqa: E402
+from decodekit.integrations.entry import hooks_entry_point  # noqa: E402
 
 generate = hooks_entry_point(__name__)
 {%- endif %}

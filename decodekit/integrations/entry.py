@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from ..core.generate import GenerationMixin
+from ..hub_loader.method import ENTRY_MARKER, registered_module
 from ..registry.hookspecs import LOOP_ONLY_HOOKS
-
-ENTRY_MARKER = "decodekit_hooks_entry_point"
 
 # transformers' generate() arguments that decodekit's generate() has no use for when they are unset.
 _TRANSFORMERS_ONLY = ("prefix_allowed_tokens_fn", "synced_gpus", "use_model_defaults")
@@ -29,17 +29,14 @@ def hooks_entry_point(module_name: str) -> Callable[..., Any]:
     """
 
     def generate(model, inputs=None, input_ids=None, **kwargs):
-        from ..core.generate import GenerationMixin
-        from .method import registered_module
-
         module = sys.modules[module_name]
         name = f"method:{module_name}"
         prompt = inputs if inputs is not None else input_ids
         if isinstance(model, GenerationMixin):
             with registered_module(module, name):
                 return model.generate(prompt, **kwargs)
-        from ..integrations.transformers import wrap
-        from ..integrations.transformers.bridge import config_for, hooks_for
+        from ..facade import wrap
+        from .transformers.bridge import config_for, hooks_for
 
         if any(hasattr(module, hook) for hook in LOOP_ONLY_HOOKS):
             # transformers' loop cannot take these: decodekit's loop runs on the transformers model.

@@ -1,7 +1,7 @@
 """Loading through transformers: the models and tokenizers decodekit does not build natively.
 
-decodekit.AutoModelForCausalLM and AutoTokenizer decide the backend (models/loading.py); this module
-does the transformers side, so that the Hub download, the dtype rules and the trust gate for a
+decodekit.AutoModelForCausalLM and AutoTokenizer decide the backend (loading.py); this module does the
+transformers side, so that the Hub download, the dtype rules and the trust gate for a
 repository's custom_generate/ are the same whichever backend loads the weights.
 """
 
@@ -12,15 +12,15 @@ import os
 
 import torch
 
-from .model import TransformersModel, require_transformers
+from ..facade.transformers import require_transformers
 
 logger = logging.getLogger("decodekit")
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype, device, revision=None, token=None,
                local_files_only: bool = False, gguf_file: str | None = None, trust_remote_code=None,
-               **transformers_kwargs) -> TransformersModel:
-    """A wrapped transformers AutoModelForCausalLM. `transformers_kwargs` (device_map, quantization_config,
+               **transformers_kwargs):
+    """A transformers AutoModelForCausalLM, in eval mode. `transformers_kwargs` (device_map, quantization_config,
     attn_implementation, ...) go to transformers' from_pretrained. `trust_remote_code` also lets a repository's
     own modeling code run, as it does in transformers."""
     transformers = require_transformers()
@@ -34,7 +34,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype, device, r
         raise ValueError(f"transformers cannot load {str(name_or_path)!r} as a causal LM: {error}") from error
     if device is not None and "device_map" not in transformers_kwargs:
         model = model.to(device)
-    return TransformersModel(model.eval())
+    return model.eval()
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, revision=None, token=None, local_files_only: bool = False,

@@ -38,6 +38,8 @@ logger = logging.getLogger("decodekit")
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
+# Activation dtypes of decodekit::decode_layers, the C++ layer stack of a fixed-shape decode step.
+LAYER_DTYPES = (torch.float32, torch.bfloat16)
 MAX_ROWS = 16  # kMaxRows in cpu_kernels.cpp: decode steps of a few rows (beams, a batch) and short prompts
 
 # None: not tried yet; afterwards whether the operators are registered. Read inside compiled code, where

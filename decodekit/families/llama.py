@@ -16,20 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batching.mixin import ContinuousMixin
-from ..core.cache import DynamicCache
-from ..core.generate import GenerationMixin
-from ..core.outputs import CausalLMOutput
+from ..kernels import native
+from ..kernels.linear import Linear
+from ..kernels.packed import pack_linears, unpack_linears
+from ..kernels.quantize import Int8Linear
+from .cache import DynamicCache, StaticCache
 from .config import ModelConfig
-from . import native
-from .linear import Linear
-from .quantize import Int8Linear
-from .packed import pack_linears, unpack_linears
+from .outputs import CausalLMOutput
 from .rope import RotaryTable, apply_rotary
-
-
-# Activation dtypes of decodekit::decode_layers, the C++ layer stack of a fixed-shape decode step on CPU.
-NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # DECODEKIT_NATIVE_LAYERS=0 keeps the Python layers in fixed-shape steps (to compare the two).
@@ -147,7 +141,7 @@ class Block(nn.Module):
             if isinstance(linear, Int8Linear) and linear.in_features % 32 == 0:
                 weights.append(linear.weight_int8)
                 scales.append(linear.scales.float())
-            elif type(linear) is Linear and linear.weight.dtype in NATIVE_LAYER_DTYPES:
+            elif type(linear) is Linear and linear.weight.dtype in native.LAYER_DTYPES:
                 weights.append(linear.weight)
                 scales.append(None)
             else:
@@ -208,17 +202,15 @@ def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> d
     return masks
 
 
-class LlamaForCausalLM(GenerationMixin, ContinuousMixin, nn.Module):
-    """A decoder-only Llama-family model with the transformers forward contract."""
+class LlamaForCausalLM(nn.Module):
+    """A decoder-only Llama-family model with the transformers forward contract. It knows nothing of generation:
+    decodekit.facade.Model gives it generate(), generate_batch() and init_continuous_batching()."""
 
     returns_attentions = False  # attention runs fused (SDPA, the C++ stack): no weights to return
 
-    def __init__(self, config: ModelConfig, generation_config=None):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        from ..core.config import GenerationConfig
-
         self.config = config
-        self.generation_config = generation_config or GenerationConfig.from_model_config(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -325,8 +317,6 @@ class LlamaForCausalLM(GenerationMixin, ContinuousMixin, nn.Module):
         """The fixed-shape forward of a compiled decode step: a StaticCache written at tensor slot indices,
         attention over the whole cache with `attention_mask` [B, max_cache_len] marking the valid slots,
         explicit position_ids, no host reads."""
-        from ..core.cache import StaticCache
-
         if not isinstance(cache, StaticCache) or position_ids is None or attention_mask is None:
             raise ValueError("cache_position (the fixed-shape path) needs a StaticCache, position_ids and an "
                              "attention_mask over the whole cache [batch, max_cache_len].")
@@ -378,7 +368,7 @@ class LlamaForCausalLM(GenerationMixin, ContinuousMixin, nn.Module):
         code being compiled uses what bind_native_layers bound before tracing (the handle is a constant of
         the graph, and later bindings under it are seen by every step). Else None: the Python layers."""
         B, T, _ = x.shape
-        if not (x.device.type == "cpu" and T == 1 and B <= native.MAX_ROWS and x.dtype in NATIVE_LAYER_DTYPES):
+        if not (x.device.type == "cpu" and T == 1 and B <= native.MAX_ROWS and x.dtype in native.LAYER_DTYPES):
             return None
         if cache.keys[0].dtype != x.dtype or not NATIVE_LAYERS:
             return None

@@ -1,0 +1,176 @@
+"""The model facade: what `from_pretrained` and `wrap` return, over decodekit's own model families and over
+transformers models alike.
+
+A Model holds an nn.Module (`model.module`) with the forward contract and gives it generate() (core's loop,
+every hook point, strategy and custom_generate method), generate_batch() and init_continuous_batching()
+(continuous batching). Calling the Model calls the module; any attribute it does not define itself is the
+module's, read and written, so Hub code written for transformers models reads `model.config`,
+`model.lm_head`, `model.device` as it expects. The module itself is not changed: a transformers model keeps its
+forward, weights, device placement (device_map included) and quantization.
+
+What differs between the two backends is small and decided here: the generation config a model carries
+(decodekit's config.json fields, or transformers' GenerationConfig) and who lays out the KV cache (decodekit's
+caches, or transformers' Cache objects, which know every architecture's layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.config import GenerationConfig, add_plugin_fields, closest
+from ..core.generate import GenerationMixin
+from . import transformers as hf
+
+BACKENDS = ("native", "transformers")
+
+# Module methods that return the module: on the facade they return the facade, so
+# `model = AutoModelForCausalLM.from_pretrained(...).to("cuda")` keeps generate().
+_CHAINED = ("to", "cpu", "cuda", "half", "float", "bfloat16", "double", "eval", "train", "requires_grad_")
+
+
+class Model(GenerationMixin):
+    """A causal LM with decodekit's generation: made by decodekit.AutoModelForCausalLM.from_pretrained or
+    decodekit.wrap(module). `.module` is the model itself, `.backend` "native" (decodekit's model families, or any
+    nn.Module with the forward contract and a `.config`) or "transformers"."""
+
+    # The facade's own attributes; every other attribute set on it is set on the module.
+    _OWN = frozenset({"module", "backend", "generation_config", "name_or_path", "generate"})
+
+    def __init__(self, module, generation_config: GenerationConfig | None = None, name_or_path: str | None = None):
+        if hf.is_transformers_model(module):
+            hf.check_causal_lm(module)
+            backend = "transformers"
+            if generation_config is None:
+                generation_config = hf.generation_config_from(getattr(module, "generation_config", None), module.config)
+        elif isinstance(module, torch.nn.Module) and hasattr(module, "config"):
+            backend = "native"
+            if generation_config is None:
+                generation_config = GenerationConfig.from_model_config(module.config)
+        else:
+            raise TypeError(
+                f"wrap() takes a transformers causal LM (a PreTrainedModel, e.g. from transformers.AutoModelForCausalLM) "
+                f"or a torch.nn.Module with decodekit's forward contract and a .config (one of decodekit's model "
+                f"families, decodekit.models.LlamaForCausalLM), got {type(module).__name__}."
+            )
+        if not isinstance(generation_config, GenerationConfig):
+            raise TypeError(f"generation_config must be a decodekit GenerationConfig, got {type(generation_config).__name__}.")
+        own = self.__dict__
+        own["module"], own["backend"], own["generation_config"] = module, backend, generation_config
+        own["name_or_path"] = name_or_path or getattr(module, "name_or_path", None) or type(module).__name__
+
+    # --- the module, seen through the facade ---------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        # Only called for names the facade lacks: the module's own. Before __init__ has run (copy, pickle) there
+        # is no module yet, and the name is simply missing.
+        module = self.__dict__.get("module")
+        if module is None:
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._OWN or name.startswith("__"):
+            self.__dict__[name] = value
+        else:
+            setattr(self.module, name, value)
+
+    def __repr__(self) -> str:
+        return f"Model({type(self.module).__name__}, {self.name_or_path!r}, backend={self.backend!r})"
+
+    @property
+    def forward(self):
+        return self.module.forward  # its signature tells the loop which inputs the model takes (logits_to_keep)
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    # --- what the backends differ in -------------------------------------------------------------------------
+
+    @property
+    def makes_caches(self) -> bool:
+        """Whether the model's own library lays out its KV caches (transformers), rather than decodekit."""
+        return self.backend == "transformers"
+
+    def make_cache(self, kind: str, batch_size: int, max_length: int):
+        """The cache the hook point gives a transformers model (see makes_caches): a transformers Cache laid
+        out as its config asks, or None for a model that keeps a cache of its own kind."""
+        if not self.makes_caches:
+            raise TypeError("decodekit lays out the caches of a native model: use decodekit.core.cache.new_cache.")
+        return hf.make_cache(self.module, kind, max_length)
+
+    # --- generation ----------------------------------------------------------------------------------------
+
+    def generate(self, *args, assistant_model=None, **kwargs):
+        # An assistant given as a bare module gets a facade too, so speculative decoding treats both models alike.
+        if assistant_model is not None:
+            kwargs["assistant_model"] = wrap(assistant_model)
+        return super().generate(*args, **kwargs)
+
+    generate.__doc__ = GenerationMixin.generate.__doc__
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None, **options):
+        """A ContinuousBatchingManager over this model (not started: use it as a context manager, start(), or run()
+        it). Options: max_queue_size, block_size, max_cache_bytes, max_batch_tokens, max_running, min_prefill,
+        methods (see decodekit.batching.ContinuousBatchingManager); any other keyword is a generation config
+        field, a default of every request."""
+        from ..batching.manager import MANAGER_OPTIONS, ContinuousBatchingManager
+
+        fields = {k: options.pop(k) for k in list(options) if k not in MANAGER_OPTIONS and k != "methods"}
+        if fields:
+            base = generation_config if generation_config is not None else self.generation_config
+            generation_config = base.copy()
+            known = add_plugin_fields(generation_config)
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                close = closest(unknown[0], known | set(MANAGER_OPTIONS))
+                raise ValueError(f"init_continuous_batching() got unknown options {unknown}"
+                                 + (f" (did you mean {close!r}?)" if close else "") + f"; it accepts generation_config, "
+                                 f"{', '.join(MANAGER_OPTIONS)}, methods, and generation config fields.")
+            generation_config.update(**fields)
+            generation_config.validate(getattr(self.config, "vocab_size", None))
+        return ContinuousBatchingManager(self, generation_config, **options)
+
+    def generate_batch(self, inputs: list, generation_config: GenerationConfig | None = None,
+                       progress_bar: bool = True, **kwargs) -> dict:
+        """Every prompt of `inputs` (lists of token ids) through continuous batching: {request id: GenerationOutput},
+        in the order of `inputs`. kwargs: generation config fields and request arguments for every prompt
+        (custom_generate, seed, logprobs, ...), and the manager's options. An invalid prompt fails alone (status
+        FAILED, the message in `error`)."""
+        from ..batching.manager import generate_batch
+
+        return generate_batch(self, inputs, generation_config, progress_bar, **kwargs)
+
+
+def _chained(name: str):
+    def method(self, *args, **kwargs):
+        getattr(self.module, name)(*args, **kwargs)
+        return self
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The module's {name}(); returns this Model."
+    return method
+
+
+for _name in _CHAINED:
+    setattr(Model, _name, _chained(_name))
+
+
+def wrap(model: Any) -> Model:
+    """decodekit's generation on a model that stays as it is (weights shared, not copied).
+
+    `model`: a decoder-only transformers PreTrainedModel with a language-modelling head (on any device and dtype,
+    quantized or spread with device_map), or one of decodekit's model families (decodekit.models.LlamaForCausalLM).
+    Returns a Model; wrapping one again returns it."""
+    if isinstance(model, Model):
+        return model
+    return Model(model)

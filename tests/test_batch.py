@@ -168,7 +168,7 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
     import sys
     import time
 
-    write_input(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(40)])
+    write_input(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(400)])  # chunks left when the first row lands
     out = tmp_path / "out.jsonl"
     run = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
                             "--no-progress", "--max-new-tokens", "8", "--arg", "num_beams=2"],

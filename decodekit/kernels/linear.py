@@ -33,7 +33,7 @@ def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # default model's 3072 x 576 up-projection on the AVX2 bench machine); converting the weight to float32
 # first costs about 1.2 ms there and then rows are nearly free (64 rows: 2.7 ms against 14.3 ms).
 # Measured crossovers: 8-10 rows for the layers, more for the 49152-row lm_head, which a prefill runs on
-# its last position only.
+# its last position only. How the float32 product runs is many_rows_route's choice.
 FLOAT32_FROM_ROWS = 16
 
 
@@ -46,6 +46,45 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     wide = x.numel() >= FLOAT32_FROM_ROWS * weight.shape[1]
     probe = MATMUL_PROBE.get(weight.dtype)
     return wide and x.device.type == "cpu" and probe is not None and not cpu.has(probe)
+
+
+# Prompts are measured in two classes, short (up to 256 rows) and long, each at a size that stands for it: the
+# better route differs between them (on the AVX2 bench machine tiles won at 128 rows of float32 weights, 1.1-1.7x,
+# and lost a few percent at 1,024).
+SHORT_PROMPT_ROWS = 256
+TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
+
+
+def many_rows_route(dtype: torch.dtype, rows: int) -> str:
+    """How a float32 product of `rows` rows (a prompt's prefill) by a float32 or bfloat16 weight runs on this CPU,
+    measured once per weight dtype and prompt class (choices.py): "tiles" (decodekit::tiled_product: each thread
+    multiplies its own tiles of weight rows with a one-thread matmul, a bfloat16 tile converted to float32 into a
+    buffer first) or "library" (the library's threaded matmul; a bfloat16 weight converted whole on every call,
+    a float32 copy of it written and read back through memory)."""
+    from . import choices
+
+    size = 128 if rows <= SHORT_PROMPT_ROWS else 1024
+    name = f"{str(dtype).removeprefix('torch.')}_rows_{size}"
+    known = choices.made(name)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling() or dtype not in TILED_DTYPES or not native.load():
+        return "library"  # no measuring inside a trace; an eager prefill decides first
+    generator = torch.Generator().manual_seed(0)
+    # A prompt through the products of one default-model-sized layer: q/k/v, o, gate/up and down.
+    layer = [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
+             for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+
+    def tiles():
+        for x, weight in layer:
+            torch.ops.decodekit.tiled_product(x, weight)
+
+    def library():
+        for x, weight in layer:
+            x @ weight.float().t()
+
+    with torch.inference_mode():
+        return choices.choose(name, {"tiles": tiles, "library": library})
 
 
 class Linear(nn.Linear):
@@ -61,10 +100,23 @@ class Linear(nn.Linear):
         if y is not None:
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if computes_in_float32(x, self.weight):  # a long prompt's prefill, say
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        # A prompt's prefill on CPU: bf16/fp16 weights without matrix instructions for them, and float32 weights.
+        prompt_in_float32 = x.device.type == "cpu" and rows > native.MAX_ROWS and self.weight.dtype == torch.float32
+        if prompt_in_float32 or computes_in_float32(x, self.weight):
+            return self._many_rows(x, rows)
         return F.linear(x, self.weight, self.bias)
+
+    def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route)."""
+        flat = x.reshape(rows, -1).float()
+        tiled = self.weight.dtype in TILED_DTYPES and many_rows_route(self.weight.dtype, rows) == "tiles"
+        bias = None if self.bias is None else self.bias.float()
+        if tiled and native.ready(flat, self.weight, self.bias):
+            y = torch.ops.decodekit.tiled_product(flat, self.weight)
+            y = y if bias is None else y + bias
+        else:
+            y = F.linear(flat, self.weight.float(), bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _few_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor | None:
         """flat @ weight^T in float32 by decodekit's kernel or one_row, or None where neither applies."""

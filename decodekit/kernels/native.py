@@ -161,6 +161,10 @@ def _register_fakes() -> None:
     def join_sums(sums, scales):
         return scales.new_empty((sums.shape[0] // 2, sums.shape[1]))
 
+    def tiled_product(rows, weight, scales=None):
+        return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    torch.library.register_fake("decodekit::tiled_product")(tiled_product)
     torch.library.register_fake("decodekit::split_rows")(split_rows)
     torch.library.register_fake("decodekit::join_sums")(join_sums)
     torch.library.register_fake("decodekit::row_product")(row_product)

@@ -105,6 +105,8 @@ class Int8Linear(nn.Module):
             return split_int8_product(flat, self.weight_int8, interleaved)
         if interleaved:
             flat = stored_order(flat)
+        if route == "tiles" and native.ready(flat, self.bias):
+            return torch.ops.decodekit.tiled_product(flat.float().contiguous(), self.weight_int8)
         # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
         # wrong sums or crashed (torch 2.13).
         if route == "int8pack" and flat.device.type == "cpu" and self.in_features % 8 == 0:
@@ -151,8 +153,11 @@ def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleave
 def many_rows_route() -> str:
     """How an int8 product of many rows (a prompt's prefill) runs on this CPU, measured once (choices.py):
     "int8_split" (the rows split into two int8 parts, int8 x int8 products; split_int8_product), "int8pack"
-    (PyTorch's int8-weight kernel, rows in bfloat16) or "float32" (the weight converted, then the fp32
-    matmul; one pass over the weight, which a few hundred rows repay where the others are slow). A fourth
+    (PyTorch's int8-weight kernel, rows in bfloat16), "float32" (the weight converted, then the fp32
+    matmul; one pass over the weight, which a few hundred rows repay where the others are slow) or "tiles"
+    (decodekit::tiled_product, where the kernels are built: the weight converted a tile of rows at a time into a
+    buffer that stays in cache, each tile's product the fp32 matmul, so no float32 copy of the weight goes
+    through memory). Another
     route, converting to bf16 for oneDNN's bf16 matmul, rounds each product to bfloat16: the default
     model's int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack), so it is not offered."""
     name = "int8_many_rows"
@@ -161,6 +166,7 @@ def many_rows_route() -> str:
         return known
     if torch.compiler.is_compiling():  # no measuring inside a trace; eager prefills normally decide first
         return "int8pack"
+    tiles = native.load()
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 576, generator=generator)  # a prompt of 256 tokens through a default-model-sized layer
     weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
@@ -170,6 +176,8 @@ def many_rows_route() -> str:
         "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
         "float32": lambda: x @ weight.float().t(),
     }
+    if tiles:  # decodekit::tiled_product: converted a tile of weight rows at a time, in cache; float32 products
+        candidates["tiles"] = lambda: torch.ops.decodekit.tiled_product(x, weight)
     with torch.inference_mode():
         return choices.choose(name, candidates)
 

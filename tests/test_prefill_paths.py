@@ -1,0 +1,88 @@
+"""Prefill products (kernels.linear.many_rows_route, quantize.many_rows_route): decodekit::tiled_product against the
+exact product for every weight format and awkward shape, and each route forced in turn through a whole model, which
+must give the logits and tokens of the others. Which route this machine would pick is never assumed."""
+
+import pytest
+import torch
+
+from decodekit.kernels import choices, cpu, native
+from decodekit.kernels.quantize import quantize
+from decodekit.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
+
+LONG = torch.arange(3, 3 + 40)[None] % 90 + 3  # 40 tokens: more rows than the few-row kernels take
+
+
+def exact(x, weight, scales=None):
+    product = x.double() @ weight.double().t()
+    return product if scales is None else product * scales.double()
+
+
+@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
+    # Tiles are cut from the weight's rows (n need not divide), each converted in vector lanes of 8 plus a tail
+    # (k need not be a multiple of 8), and each thread takes its own tiles.
+    generator = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    int8 = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    scales = torch.rand(n, generator=generator) + 0.5
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():  # as a prefill runs: the worker threads' products see it too
+            cases = [(torch.ops.decodekit.tiled_product(x, weight), exact(x, weight)),
+                     (torch.ops.decodekit.tiled_product(x, weight.bfloat16()), exact(x, weight.bfloat16().float())),
+                     (torch.ops.decodekit.tiled_product(x, int8, scales), exact(x, int8, scales)),
+                     (torch.ops.decodekit.tiled_product(x, int8), exact(x, int8))]
+    finally:
+        torch.set_num_threads(saved)
+    for got, want in cases:
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_tiled_product_refuses_what_it_does_not_take():
+    x = torch.randn(20, 16)
+    with pytest.raises(RuntimeError, match="rows \\[M, K\\] and weight \\[N, K\\]"):
+        torch.ops.decodekit.tiled_product(x, torch.randn(8, 15))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 weight"):
+        torch.ops.decodekit.tiled_product(x, torch.randn(8, 16).half())
+    with pytest.raises(RuntimeError, match="scales go with an int8 weight"):
+        torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), torch.ones(8))
+
+
+def prefill(model, ids):
+    with torch.inference_mode():
+        return model(ids, use_cache=False).logits.float()
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
+    model = tiny_model(tmp_path, "qwen3")
+    if fmt == "bfloat16":
+        model = model.to(torch.bfloat16)
+    name = f"{fmt}_rows_128"  # LONG has 40 rows: a short prompt
+    results = {}
+    for route in ("library", "tiles"):
+        with choices.forced(**{name: route}), cpu.forced(onednn_bf16=False):  # bf16 products in float32 (AVX2's way)
+            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    (logits, tokens), (tiled_logits, tiled_tokens) = results["library"], results["tiles"]
+    assert float((tiled_logits - logits).norm() / logits.norm()) < 1e-5
+    assert torch.equal(tiled_tokens, tokens)
+
+
+def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
+    model = quantize(tiny_model(tmp_path, "llama"), "int8")
+    results = {}
+    for route in ("float32", "tiles", "int8_split", "int8pack"):
+        with choices.forced(int8_many_rows=route):
+            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    reference, tokens = results["float32"]
+    # tiles and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8 (bfloat16).
+    bounds = {"float32": 0, "tiles": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
+    for route, (logits, generated) in results.items():
+        assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
+    assert torch.equal(results["tiles"][1], tokens)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decodekit.kernels import choices, cpu, native
-from decodekit.kernels.quantize import quantize
+from decodekit.kernels.quantize import interleaved_columns, quantize
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
@@ -19,7 +19,7 @@ def exact(x, weight, scales=None):
     return product if scales is None else product * scales.double()
 
 
-@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8)])
+@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
     # Tiles are cut from the weight's rows (n need not divide), each converted in vector lanes of 8 plus a tail
@@ -37,6 +37,9 @@ def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
                      (torch.ops.decodekit.tiled_product(x, weight.bfloat16()), exact(x, weight.bfloat16().float())),
                      (torch.ops.decodekit.tiled_product(x, int8, scales), exact(x, int8, scales)),
                      (torch.ops.decodekit.tiled_product(x, int8), exact(x, int8))]
+            if k % 32 == 0:  # an interleaved int8 weight (quantize.interleaved_columns), rows in the input's order
+                stored = int8[:, interleaved_columns(k)].contiguous()
+                cases.append((torch.ops.decodekit.tiled_product(x, stored, scales, True), exact(x, int8, scales)))
     finally:
         torch.set_num_threads(saved)
     for got, want in cases:
@@ -52,6 +55,8 @@ def test_tiled_product_refuses_what_it_does_not_take():
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16).half())
     with pytest.raises(RuntimeError, match="scales go with an int8 weight"):
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), torch.ones(8))
+    with pytest.raises(RuntimeError, match="interleaved columns are an int8 weight's"):
+        torch.ops.decodekit.tiled_product(x, torch.zeros(8, 16, dtype=torch.int8), None, True)
 
 
 def prefill(model, ids):

@@ -873,8 +873,20 @@ inline void to_float(const int8_t* w, const float* scale, float* out, int64_t K)
   for (; k < K; ++k) out[k] = static_cast<float>(w[k]) * by;
 }
 
+// An interleaved int8 row (see load32_int8; K % 32 == 0) into float32 in the input's column order, times its scale.
+inline void to_float_interleaved(const int8_t* w, const float* scale, float* out, int64_t K) {
+  const __m256 s = _mm256_set1_ps(scale == nullptr ? 1.f : *scale);
+  const int64_t quarter = K / 4;
+  for (int64_t c = 0; c < quarter; c += 8) {
+    __m256 b[4];
+    load32_int8(w + 4 * c, b);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + j * quarter + c, _mm256_mul_ps(b[j], s));
+  }
+}
+
 template <typename W>
-void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int64_t N, const at::Tensor& out) {
+void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int64_t N, const at::Tensor& out,
+                      bool interleaved = false) {
   const int64_t K = x.size(1);
   // Tiles of about kTileBytes as float32, as many as a multiple of the threads so that each gets the same rows:
   // narrower tiles made thin products that ran at 0.7x the float32 matmul.
@@ -893,8 +905,16 @@ void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int6
       if constexpr (std::is_same_v<W, float>) {  // nothing to convert: the tile is the weight's own rows
         converted = at::from_blob(const_cast<float*>(w) + n0 * K, {rows, K}, x.options());
       } else {
-        for (int64_t n = 0; n < rows; ++n)
-          to_float(w + (n0 + n) * K, scales == nullptr ? nullptr : scales + n0 + n, buffer.data() + n * K, K);
+        for (int64_t n = 0; n < rows; ++n) {
+          const float* scale = scales == nullptr ? nullptr : scales + n0 + n;
+          if constexpr (std::is_same_v<W, int8_t>) {
+            if (interleaved) {
+              to_float_interleaved(w + (n0 + n) * K, scale, buffer.data() + n * K, K);
+              continue;
+            }
+          }
+          to_float(w + (n0 + n) * K, scale, buffer.data() + n * K, K);
+        }
         converted = at::from_blob(buffer.data(), {rows, K}, x.options());
       }
       at::Tensor part = out.narrow(1, n0, rows);
@@ -904,7 +924,10 @@ void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int6
 }
 
 // rows [M, K] float32 @ weight [N, K]^T (float32, bfloat16, or int8 times scales [N] where given) -> [M, N] float32.
-at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+// `interleaved`: the int8 weight's columns are in quantize.interleaved_columns' order (K % 32 == 0); the rows are
+// in the input's order all the same.
+at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                         bool interleaved) {
   TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
               "tiled_product: rows [M, K] and weight [N, K] expected");
   TORCH_CHECK(rows.scalar_type() == at::kFloat, "tiled_product: float32 rows expected");
@@ -912,15 +935,17 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
   TORCH_CHECK(int8 || fp32 || weight.scalar_type() == at::kBFloat16,
               "tiled_product: a float32, bfloat16 or int8 weight expected");
   TORCH_CHECK(int8 || !scales.has_value(), "tiled_product: scales go with an int8 weight");
+  TORCH_CHECK(!interleaved || (int8 && weight.size(1) % 32 == 0),
+              "tiled_product: interleaved columns are an int8 weight's, of a width that is a multiple of 32");
   const at::Tensor x = rows.contiguous(), w = weight.contiguous();
   const int64_t N = w.size(0);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (int8 && scales.has_value()) {
     const at::Tensor s = scales->to(at::kFloat).contiguous();
     TORCH_CHECK(s.numel() == N, "tiled_product: one scale per weight row expected");
-    tiled_product_as(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), N, out);
+    tiled_product_as(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), N, out, interleaved);
   } else if (int8) {
-    tiled_product_as(x, w.data_ptr<int8_t>(), nullptr, N, out);
+    tiled_product_as(x, w.data_ptr<int8_t>(), nullptr, N, out, interleaved);
   } else if (fp32) {
     tiled_product_as(x, w.data_ptr<float>(), nullptr, N, out);
   } else {
@@ -944,7 +969,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
   m.def("split_rows(Tensor rows, bool interleaved) -> (Tensor, Tensor)");
   m.def("join_sums(Tensor sums, Tensor scales) -> Tensor");
-  m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None) -> Tensor");
+  m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
         "Tensor owner, Tensor positions, int block_size, int window) -> Tensor");
 }

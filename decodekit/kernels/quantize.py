@@ -92,9 +92,26 @@ class Int8Linear(nn.Module):
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
+            scaled = self._tiled(flat)
+            if scaled is not None:
+                y = scaled.to(x.dtype).view(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias
             y = self._many_rows(flat)
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _tiled(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The scaled float32 product of a prompt's rows by decodekit::tiled_product where that is this CPU's
+        route: scales and the interleaved columns' order are applied as each tile is converted, so neither the
+        rows nor the product take an extra pass through memory. None where another route runs."""
+        if flat.device.type != "cpu" or flat.shape[0] <= native.MAX_ROWS or many_rows_route() != "tiles":
+            return None
+        if not native.ready(flat, self.bias):
+            return None
+        interleaved = self.input_order is not None
+        if interleaved and self.in_features % 32:  # the kernel reads 32 interleaved columns at a time
+            flat, interleaved = stored_order(flat), False
+        return torch.ops.decodekit.tiled_product(flat.float().contiguous(), self.weight_int8, self.scales, interleaved)
 
 
     def _many_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -105,8 +122,8 @@ class Int8Linear(nn.Module):
             return split_int8_product(flat, self.weight_int8, interleaved)
         if interleaved:
             flat = stored_order(flat)
-        if route == "tiles" and native.ready(flat, self.bias):
-            return torch.ops.decodekit.tiled_product(flat.float().contiguous(), self.weight_int8)
+        if route == "tiles":  # the kernels are not there (forced off, say): the same float32 products
+            route = "float32"
         # PyTorch's kernel takes widths that are multiples of 8: on the AVX2 bench CPU others gave
         # wrong sums or crashed (torch 2.13).
         if route == "int8pack" and flat.device.type == "cpu" and self.in_features % 8 == 0:

@@ -170,9 +170,12 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
 
     write_input(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(400)])  # chunks left when the first row lands
     out = tmp_path / "out.jsonl"
+    # SIGINT as a terminal delivers it: a suite started in the background (`cmd &`) passes SIGINT ignored to its
+    # children, and Python then raises no KeyboardInterrupt at all.
     run = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
                             "--no-progress", "--max-new-tokens", "8", "--arg", "num_beams=2"],
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
         time.sleep(0.1)

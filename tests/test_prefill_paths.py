@@ -91,3 +91,58 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     for route, (logits, generated) in results.items():
         assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
     assert torch.equal(results["tiles"][1], tokens)
+
+
+@pytest.mark.parametrize("first, length, window", [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (300, 33, 64)])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_heads):
+    # Query i sits at position first + i and sees keys j <= it (and j > it - window with a window); a block's
+    # query heads of one kv head are stacked, the blocks taken out of order so the threads' shares cost alike.
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(first + length + window)
+    keys = first + length
+    q = torch.randn(heads, length, 32, generator=generator)
+    k, v = torch.randn(kv_heads, keys, 32, generator=generator), torch.randn(kv_heads, keys, 32, generator=generator)
+    q_pos, k_pos = torch.arange(first, keys)[:, None], torch.arange(keys)[None]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    expected = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                got = torch.ops.decodekit.prefill_attention(q, k, v, window)
+        finally:
+            torch.set_num_threads(saved)
+        assert (got - expected).abs().max() < 1e-5
+
+
+def test_prefill_attention_refuses_what_it_does_not_take():
+    with pytest.raises(RuntimeError, match="float32 q, k, v expected"):
+        torch.ops.decodekit.prefill_attention(torch.zeros(2, 4, 8).bfloat16(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8))
+    with pytest.raises(RuntimeError, match="shapes do not fit"):
+        torch.ops.decodekit.prefill_attention(torch.zeros(3, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_both_prompt_attention_routes_give_the_same_logits_tokens_and_batches(tmp_path, model_type):
+    # mistral's tiny config has a sliding window: prompts longer than it take SDPA's masked path either way, and
+    # continuous batching's prompt chunks pass the window to the kernel.
+    model = tiny_model(tmp_path, model_type)
+    prompts = [LONG[0].tolist(), LONG[0, :25].tolist()]
+    results = {}
+    for route in ("sdpa", "kernel"):
+        with choices.forced(prompt_attention_512=route, prompt_attention_2048=route):
+            batch = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False)
+            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None),
+                              [r.generated_tokens for r in batch.values()])
+    (logits, tokens, batched), (kernel_logits, kernel_tokens, kernel_batched) = results["sdpa"], results["kernel"]
+    assert float((kernel_logits - logits).norm() / logits.norm()) < 1e-5
+    assert torch.equal(kernel_tokens, tokens) and kernel_batched == batched
+    with choices.forced(prompt_attention_512="kernel"), torch.profiler.profile() as profile:
+        prefill(model, LONG)  # the kernel did run (mistral's window masks: only in batching's chunks)
+        model.generate_batch(prompts[:1], max_new_tokens=1, progress_bar=False)
+    calls = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prefill_attention", 0)
+    layers = model.config.num_hidden_layers
+    assert calls == (2 * layers if model_type == "llama" else layers)

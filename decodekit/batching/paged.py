@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..families.llama import visible
 from ..kernels import native
+from ..kernels.attention import prompt_attention
 
 
 class OutOfBlocks(Exception):
@@ -197,6 +198,10 @@ class PagedBatch:
             slots = slots_of(self.tables, s.row, torch.arange(length), bs).to(keys.device)
             k = keys[slots].transpose(0, 1)[None].to(tokens.dtype)  # [1, KV, L, D]
             v = values[slots].transpose(0, 1)[None].to(tokens.dtype)
+            y = prompt_attention(tokens[s.start:s.end].transpose(0, 1), k[0], v[0], window)
+            if y is not None:  # decodekit's kernel, where it measured faster than SDPA here
+                out[s.start:s.end] = y.transpose(0, 1)
+                continue
             q = tokens[s.start:s.end].transpose(0, 1)[None]  # [1, H, t, D]
             q_pos = torch.arange(s.first, length, device=keys.device)[:, None]
             mask = visible(q_pos, torch.arange(length, device=keys.device)[None, :], window)

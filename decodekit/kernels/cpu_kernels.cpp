@@ -954,6 +954,74 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
   return out;
 }
 
+
+// Causal attention of a prompt (or a prompt chunk) over its keys, in float32: q [H, T, D], k, v [KV, L, D], query
+// i at position L - T + i, seeing keys j <= its position (and, with a window w > 0, j > position - w). A task is
+// one kv head and a block of queries with every query head of its group stacked (GQA): their scores are one
+// matmul [heads x block, D] x [D, keys], the softmax runs on the visible range of each row while it is in cache,
+// and the output is a second matmul [heads x block, keys] x [keys, D]. Stacking the group makes the products wide
+// enough for the library's matmul to run near its peak, where attention kernels with head_dim 64 products of one
+// head at a time ran at a third of it.
+constexpr int64_t kQueryBlock = 64;
+
+at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
+              "prefill_attention: q [H, T, D], k and v [KV, L, D] expected");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
+              "prefill_attention: float32 q, k, v expected");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
+  TORCH_CHECK(k.size(2) == D && KV > 0 && H % KV == 0 && L >= T, "prefill_attention: shapes do not fit");
+  const int64_t group = H / KV, first = L - T, blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = KV * blocks;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::Tensor out = at::empty({H, T, D}, q.options());
+  const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const at::ThreadLocalState caller;
+  // Later blocks see more keys: tasks are taken in the order first, last, second, second to last, ... so that the
+  // threads' contiguous shares of them cost about the same.
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard as_caller(caller);
+    std::vector<float> query(group * kQueryBlock * D), scores, result(group * kQueryBlock * D);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t task = n % 2 == 0 ? n / 2 : tasks - 1 - n / 2;
+      const int64_t g = task / blocks, b = task % blocks;
+      const int64_t i0 = b * kQueryBlock, i1 = std::min(T, i0 + kQueryBlock), rows = i1 - i0, M = group * rows;
+      const int64_t hi = first + i1;  // keys [lo, hi) are visible to some query of the block
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first + i0 - window + 1) : 0, width = hi - lo;
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* from = qs + ((g * group + h) * T + i0 + i) * D;
+          float* to = query.data() + (h * rows + i) * D;
+          for (int64_t d = 0; d < D; ++d) to[d] = from[d] * scale;
+        }
+      scores.resize(M * width);
+      const auto opts = q.options();
+      at::Tensor qt = at::from_blob(query.data(), {M, D}, opts);
+      at::Tensor kt = at::from_blob(const_cast<float*>(ks) + (g * L + lo) * D, {width, D}, opts);
+      at::Tensor vt = at::from_blob(const_cast<float*>(vs) + (g * L + lo) * D, {width, D}, opts);
+      at::Tensor st = at::from_blob(scores.data(), {M, width}, opts);
+      at::mm_out(st, qt, kt.t());
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t position = first + i0 + r % rows;
+        const int64_t from = window > 0 ? std::max(lo, position - window + 1) - lo : 0, to = position - lo + 1;
+        float* row = scores.data() + r * width;
+        float best = row[from];
+        for (int64_t j = from + 1; j < to; ++j) best = std::max(best, row[j]);
+        const float inverse = 1.f / exp_and_sum(row + from, to - from, best);
+        for (int64_t j = from; j < to; ++j) row[j] *= inverse;
+        std::fill(row, row + from, 0.f);
+        std::fill(row + to, row + width, 0.f);
+      }
+      at::Tensor rt = at::from_blob(result.data(), {M, D}, opts);
+      at::mm_out(rt, st, vt);
+      for (int64_t h = 0; h < group; ++h)
+        std::memcpy(os + ((g * group + h) * T + i0) * D, result.data() + h * rows * D, rows * D * sizeof(float));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 
@@ -969,6 +1037,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
   m.def("split_rows(Tensor rows, bool interleaved) -> (Tensor, Tensor)");
   m.def("join_sums(Tensor sums, Tensor scales) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int window=0) -> Tensor");
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
         "Tensor owner, Tensor positions, int block_size, int window) -> Tensor");
@@ -981,5 +1050,6 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("split_rows", &split_rows);
   m.impl("join_sums", &join_sums);
   m.impl("tiled_product", &tiled_product);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("paged_attention", &paged_attention);
 }

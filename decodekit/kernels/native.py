@@ -165,6 +165,7 @@ def _register_fakes() -> None:
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)
+    torch.library.register_fake("decodekit::prefill_attention")(lambda q, k, v, window=0: torch.empty_like(q))
     torch.library.register_fake("decodekit::split_rows")(split_rows)
     torch.library.register_fake("decodekit::join_sums")(join_sums)
     torch.library.register_fake("decodekit::row_product")(row_product)

@@ -1,0 +1,49 @@
+"""Causal attention of a prompt or a prompt chunk on CPU: decodekit::prefill_attention where it measured faster than
+the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import choices, native
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 runs through float32
+
+
+# Attention over up to this many keys is measured as one class, longer as another: on the AVX2 bench machine the
+# kernel won at 512 keys (1.46x SDPA alone, 1.11x the whole prefill) and lost a little at 2,048.
+SHORT_KEYS = 1024
+
+
+def prompt_attention_route(keys: int) -> str:
+    """"kernel" (decodekit::prefill_attention) or "sdpa" for attention over `keys` keys, measured once per CPU and
+    class of lengths (choices.py) on a prompt of 512 or 2,048 tokens through one layer of the default model's shape
+    (9 query heads, 3 kv heads, head_dim 64)."""
+    size = 512 if keys <= SHORT_KEYS else 2048
+    name = f"prompt_attention_{size}"
+    known = choices.made(name)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling() or not native.load():
+        return "sdpa"  # no measuring inside a trace; an eager prefill decides first
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, size, 64, generator=generator)
+    k, v = torch.randn(1, 3, size, 64, generator=generator), torch.randn(1, 3, size, 64, generator=generator)
+    candidates = {
+        "kernel": lambda: torch.ops.decodekit.prefill_attention(q[0], k[0], v[0], 0),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }
+    with torch.inference_mode():
+        return choices.choose(name, candidates)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Causal attention of q [H, T, D] over k, v [KV, L, D] (query i at position L - T + i; a sliding `window` or
+    None), as [H, T, D] in q's dtype; None where the kernel does not apply (off CPU, a dtype it does not take,
+    autograd recording, code being compiled) or SDPA measured faster here: the caller runs SDPA."""
+    if q.device.type != "cpu" or q.dtype not in ATTENTION_DTYPES or torch.compiler.is_compiling():
+        return None
+    if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v) or prompt_attention_route(k.shape[1]) != "kernel":
+        return None
+    y = torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window or 0)
+    return y.to(q.dtype)

@@ -1,7 +1,7 @@
 """Prefill against the machine's own limit: time to first token of the default model through generate()
 (max_new_tokens=1) for each weight format and prompt length, as GFLOP/s, the share of the fp32 matmul peak measured
 in the same process, and the ratio to transformers on the same weights; then the attention of continuous batching's
-prompt chunks.
+prompt chunks, and one layer's prompt attention by SDPA and by decodekit::prefill_attention.
 
     python bench/bench_prefill.py [--runs 3] [--threads 2] [--lengths 128 512 2048] [--skip-transformers]
 
@@ -50,11 +50,14 @@ def prefill_flops(config, tokens: int) -> float:
     return linear + attention + 2 * c.hidden_size * c.vocab_size
 
 
-def first_token_job(model, ids):
+def first_token_job(model, ids, **forced_choices):
+    """generate() of one token; `forced_choices` pin kernels.choices for the call (a route forced, to compare)."""
+    from decodekit.kernels import choices
+
     mask = torch.ones_like(ids)
 
     def run():
-        with torch.inference_mode():
+        with torch.inference_mode(), choices.forced(**forced_choices):
             model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
     return run
 
@@ -88,6 +91,26 @@ def chunk_attention(model, runs: int, chunk: int = 256, context: int = 1024) -> 
     return {"chunk": chunk, "context": context, "ms": round(1000 * seconds, 2), "gflops": round(flops / seconds / 1e9, 1)}
 
 
+def attention_alone(config, lengths: list[int], runs: int) -> dict:
+    """One layer's causal prompt attention at each length, SDPA against decodekit::prefill_attention (9/3 heads of
+    the default model, head_dim 64): GFLOP/s of each, which routes kernels.attention picks by measurement."""
+    import torch.nn.functional as F
+
+    c = config
+    rows = {}
+    for n in lengths:
+        generator = torch.Generator().manual_seed(n)
+        q = torch.randn(1, c.num_attention_heads, n, c.head_dim, generator=generator)
+        k = torch.randn(1, c.num_key_value_heads, n, c.head_dim, generator=generator)
+        v = torch.randn_like(k)
+        flops = 2 * 2 * (n * (n + 1) / 2) * c.head_dim * c.num_attention_heads
+        with torch.inference_mode():
+            sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), runs)
+            kernel = median_time(lambda: torch.ops.decodekit.prefill_attention(q[0], k[0], v[0], 0), runs)
+        rows[n] = {"sdpa_gflops": round(flops / sdpa / 1e9, 1), "kernel_gflops": round(flops / kernel / 1e9, 1)}
+    return rows
+
+
 def main() -> int:
     parser = bench_parser(__doc__, new_tokens=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
@@ -103,6 +126,9 @@ def main() -> int:
     all_ids = torch.tensor([tok.encode(TEXT)])
     prompts = {n: all_ids[:, :n] for n in args.lengths}
     jobs = {f"{fmt} {n}": first_token_job(model, p) for fmt, model in ours.items() for n, p in prompts.items()}
+    for n, p in prompts.items():  # the same fp32 prefill with SDPA's attention, beside it in every round
+        jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(ours["fp32"], p, prompt_attention_512="sdpa",
+                                                             prompt_attention_2048="sdpa")
     if not args.skip_transformers:
         import transformers
 
@@ -135,7 +161,11 @@ def main() -> int:
                 row["speedup_vs_transformers"] = round(timings.ratio(reference, name), 3)
                 row["transformers"] = reference.removesuffix(" (transformers)").split()[0]
             rows[name] = row
+    sdpa_ratio = {n: round(timings.ratio(f"fp32 {n} (SDPA attention)", f"fp32 {n}"), 3) for n in prompts}
     chunks = {fmt: chunk_attention(ours[fmt], args.runs) for fmt in ("fp32", "bf16")}
+    from decodekit.kernels import native
+
+    alone = attention_alone(config, args.lengths, args.runs) if native.load() else {}
     for fmt, row in chunks.items():
         row["share_of_fp32_peak"] = round(row["gflops"] / peaks["fp32"], 3)
     print(f"machine: {cpu.describe()}, {args.threads} threads; fp32 matmul peak {peaks['fp32']:.1f} GFLOP/s"
@@ -148,9 +178,15 @@ def main() -> int:
     for fmt, row in chunks.items():
         print(f"chunk attention {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
               f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak", file=sys.stderr)
+    print("fp32 prefill with the attention route chosen here, against SDPA's attention: "
+          + ", ".join(f"{n} tokens {r:.2f}x" for n, r in sdpa_ratio.items()), file=sys.stderr)
+    for n, row in alone.items():
+        print(f"attention alone, {n} tokens, one layer: SDPA {row['sdpa_gflops']:.1f} GFLOP/s, "
+              f"decodekit::prefill_attention {row['kernel_gflops']:.1f}", file=sys.stderr)
     result = {"cpu": cpu.describe(), "threads": args.threads, "torch": torch.__version__, "runs": args.runs,
               "peaks_gflops": {k: round(v, 1) for k, v in peaks.items()}, "seconds": round(time.perf_counter() - start, 1),
-              "prefill": rows, "chunk_attention": chunks}
+              "prefill": rows, "chunk_attention": chunks,
+              "attention_alone": alone, "fp32_vs_sdpa_attention": sdpa_ratio}
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -136,9 +136,10 @@ def test_min_length_and_min_new_tokens_block_eos():
 
 
 def test_forced_bos_and_eos():
-    bos = P.ForcedBOSTokenLogitsProcessor(1, prompt_length=2)
-    assert bos(ids([0, 0]), torch.zeros(1, 3)).tolist() == [[-INF, 0, -INF]]
-    assert bos(ids([0, 0, 1]), torch.zeros(1, 3)).tolist() == [[0, 0, 0]]
+    # As transformers: forced after a one-token sequence (a decoder start), not after a longer prompt.
+    bos = P.ForcedBOSTokenLogitsProcessor(1)
+    assert bos(ids([0]), torch.zeros(1, 3)).tolist() == [[-INF, 0, -INF]]
+    assert bos(ids([0, 0]), torch.zeros(1, 3)).tolist() == [[0, 0, 0]]
     eos = P.ForcedEOSTokenLogitsProcessor(max_length=4, eos_token_id=2)
     assert eos(ids([0, 0, 0]), torch.zeros(1, 3)).tolist() == [[-INF, -INF, 0]]
     assert eos(ids([0, 0]), torch.zeros(1, 3)).tolist() == [[0, 0, 0]]

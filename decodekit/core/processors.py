@@ -323,6 +323,7 @@ class ExponentialDecayLengthPenalty:
             return scores
         eos = scores[:, self.eos]
         boost = (eos.abs() * (self.factor ** past - 1)).masked_fill(~torch.isfinite(eos), 0.0)
+        scores = scores.clone()  # the caller's scores stay as they were, as in transformers
         scores[:, self.eos] = eos + boost
         return scores
 
@@ -416,12 +417,14 @@ class NoRepeatNGramLogitsProcessor:
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] + 1 < self.n:
             return scores
+        processed = scores
         for row, tokens in enumerate(input_ids.tolist()):
             prefix = tuple(tokens[len(tokens) - self.n + 1 :]) if self.n > 1 else ()
             banned = _ngram_continuations(tokens, self.n).get(prefix, ())
             if banned:
-                scores[row, list(banned)] = NEG_INF
-        return scores
+                processed = scores.clone() if processed is scores else processed  # the caller's stay as they were
+                processed[row, list(banned)] = NEG_INF
+        return processed
 
 
 def _ends_with(input_ids: torch.LongTensor, prefix: Sequence[int]) -> torch.BoolTensor:
@@ -463,6 +466,8 @@ class NoBadWordsLogitsProcessor:
         _check("bad_words_ids", bad_words_ids, all(len(w) > 0 for w in self.words), "token lists must be non-empty")
 
     def __call__(self, input_ids, scores):
+        if self.words:
+            scores = scores.clone()  # the caller's scores stay as they were, as in transformers
         for word in self.words:
             match = _ends_with(input_ids, word[:-1])
             scores[:, word[-1]] = torch.where(match, NEG_INF, scores[:, word[-1]])
@@ -491,6 +496,7 @@ class MinLengthLogitsProcessor:
 
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] < self.min_length:
+            scores = scores.clone()  # the caller's scores stay as they were, as in transformers
             scores[:, self.eos] = NEG_INF
         return scores
 
@@ -510,13 +516,14 @@ def _force(scores: torch.FloatTensor, token_ids: Sequence[int]) -> torch.FloatTe
 
 
 class ForcedBOSTokenLogitsProcessor:
-    """Makes `bos_token_id` the first generated token (after a prompt of `prompt_length` tokens)."""
+    """Makes `bos_token_id` the token after a sequence of one token (a decoder start token), as transformers does;
+    after a longer prompt it does nothing."""
 
-    def __init__(self, bos_token_id: int, prompt_length: int):
-        self.bos, self.at = bos_token_id, prompt_length
+    def __init__(self, bos_token_id: int):
+        self.bos = bos_token_id
 
     def __call__(self, input_ids, scores):
-        return _force(scores, [self.bos]) if input_ids.shape[1] == self.at else scores
+        return _force(scores, [self.bos]) if input_ids.shape[1] == 1 else scores
 
 
 class ForcedEOSTokenLogitsProcessor:

@@ -62,7 +62,7 @@ def decodekit_logits_processors(generation_config, context):
     if gc.prefix_allowed_tokens_fn is not None:
         out.append(P.PrefixConstrainedLogitsProcessor(gc.prefix_allowed_tokens_fn, gc.number("num_beams", 1)))
     if gc.forced_bos_token_id is not None:
-        out.append(P.ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id, context.prompt_length))
+        out.append(P.ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id))
     if gc.forced_eos_token_id is not None:
         out.append(P.ForcedEOSTokenLogitsProcessor(context.max_length, gc.forced_eos_token_id))
     if gc.remove_invalid_values:

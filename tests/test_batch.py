@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decodekit.batch import BatchSettings, RowGenerator, run_batch
+from decodekit.batch import OUTPUT_KEYS, BatchSettings, RowGenerator, run_batch
 from decodekit.cli import main
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method
@@ -204,3 +204,23 @@ def test_a_byte_order_mark_is_read_and_a_bad_byte_in_the_output_does_not_stop_a_
     assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress", "--max-new-tokens", "3"]) == 0
     assert "2 rows generated, 0 already in" in capsys.readouterr().err
     assert out.read_bytes().startswith(b'{"id": 9, "note": "\xff"}\n')
+
+
+def test_a_runner_generates_the_pending_rows_elsewhere_and_run_batch_writes_them(tmp_path):
+    # What decodekit.integrations.ray.on_ray(address) plugs in: rows in, rows with results out, in any order.
+    write_input(tmp_path / "in.jsonl", ["a", "b", "c"])
+    handed = []
+
+    def runner(rows, settings):
+        handed.append([row["prompt"] for row in rows])
+        for row in reversed(rows):
+            result = {key: row["prompt"].upper() for key in OUTPUT_KEYS} if row["prompt"] != "b" else {"error": "bad"}
+            yield {**row, **result}
+
+    out = tmp_path / "out.jsonl"
+    counts = run_batch(tmp_path / "in.jsonl", out, BatchSettings(), progress=False, runner=runner)
+    assert (counts.written, counts.skipped, len(counts.failed)) == (2, 0, 1)
+    assert handed == [["a", "b", "c"]]
+    assert sorted(json.loads(line).get(OUTPUT_KEYS[0], "-") for line in out.read_text().splitlines()) == ["-", "A", "C"]
+    again = run_batch(tmp_path / "in.jsonl", out, BatchSettings(), progress=False, runner=runner)
+    assert tuple(again) == (0, 3) and handed[-1] == ["a", "b", "c"]  # nothing pending: the runner is not called

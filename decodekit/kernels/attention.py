@@ -20,21 +20,19 @@ def prompt_attention_route(keys: int) -> str:
     class of lengths (choices.py) on a prompt of 512 or 2,048 tokens through one layer of the default model's shape
     (9 query heads, 3 kv heads, head_dim 64)."""
     size = 512 if keys <= SHORT_KEYS else 2048
-    name = f"prompt_attention_{size}"
-    known = choices.made(name)
-    if known is not None:
-        return known
-    if torch.compiler.is_compiling() or not native.load():
-        return "sdpa"  # no measuring inside a trace; an eager prefill decides first
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 9, size, 64, generator=generator)
-    k, v = torch.randn(1, 3, size, 64, generator=generator), torch.randn(1, 3, size, 64, generator=generator)
-    candidates = {
-        "kernel": lambda: torch.ops.decodekit.prefill_attention(q[0], k[0], v[0], 0),
-        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-    }
-    with torch.inference_mode():
-        return choices.choose(name, candidates)
+
+    def candidates() -> dict:
+        if not native.load():
+            return {}
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 9, size, 64, generator=generator)
+        k, v = torch.randn(1, 3, size, 64, generator=generator), torch.randn(1, 3, size, 64, generator=generator)
+        return {
+            "kernel": lambda: torch.ops.decodekit.prefill_attention(q[0], k[0], v[0], 0),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        }
+
+    return choices.decide(f"prompt_attention_{size}", candidates, otherwise="sdpa")
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from . import cpu
 
 logger = logging.getLogger("decodekit")
@@ -101,6 +103,23 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
             _write(_key(name, candidates), choice)
         _made[name] = choice
         return choice
+
+
+def decide(name: str, candidates: Callable[[], dict[str, Callable[[], object]]], otherwise: str) -> str:
+    """The choice for `name`: pinned or made already, else the fastest of `candidates()` ({label: a call of a
+    representative problem}, built only now), measured in inference mode. `otherwise` where nothing can be measured:
+    in code being compiled (a trace cannot time anything; an eager call normally decides first), or where
+    `candidates()` offers nothing (the kernels a route needs are not built); that answer is not kept."""
+    known = made(name)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling():
+        return otherwise
+    offered = candidates()
+    if not offered:
+        return otherwise
+    with torch.inference_mode():
+        return choose(name, offered)
 
 
 def clear() -> None:

@@ -64,27 +64,26 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     from . import choices
 
     size = 128 if rows <= SHORT_PROMPT_ROWS else 1024
-    name = f"{str(dtype).removeprefix('torch.')}_rows_{size}"
-    known = choices.made(name)
-    if known is not None:
-        return known
-    if torch.compiler.is_compiling() or dtype not in TILED_DTYPES or not native.load():
-        return "library"  # no measuring inside a trace; an eager prefill decides first
-    generator = torch.Generator().manual_seed(0)
-    # A prompt through the products of one default-model-sized layer: q/k/v, o, gate/up and down.
-    layer = [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
-             for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 
-    def tiles():
-        for x, weight in layer:
-            torch.ops.decodekit.tiled_product(x, weight)
+    def candidates() -> dict:
+        if dtype not in TILED_DTYPES or not native.load():
+            return {}
+        generator = torch.Generator().manual_seed(0)
+        # A prompt through the products of one default-model-sized layer: q/k/v, o, gate/up and down.
+        layer = [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
+                 for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 
-    def library():
-        for x, weight in layer:
-            x @ weight.float().t()
+        def tiles():
+            for x, weight in layer:
+                torch.ops.decodekit.tiled_product(x, weight)
 
-    with torch.inference_mode():
-        return choices.choose(name, {"tiles": tiles, "library": library})
+        def library():
+            for x, weight in layer:
+                x @ weight.float().t()
+
+        return {"tiles": tiles, "library": library}
+
+    return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
 
 class Linear(nn.Linear):

@@ -76,27 +76,25 @@ def packing_pays(dtype: torch.dtype) -> bool:
     faster); oneDNN's packed one-row product was 2x slower than the kernels on an AVX2 machine before."""
     from . import choices, native
 
+    def candidates() -> dict:
+        native.load()
+        generator = torch.Generator().manual_seed(0)
+        plain = Linear(576, 1536, bias=False, dtype=dtype)
+        with torch.no_grad():
+            plain.weight.copy_(torch.randn(1536, 576, generator=generator))
+        packed = PackedLinear(plain, keep_weight=True)
+        prompt = torch.randn(256, 576, generator=generator).to(dtype)
+        step = torch.randn(1, 576, generator=generator).to(dtype)
+
+        def typical_call(layer):
+            layer(prompt)
+            for _ in range(64):
+                layer(step)
+
+        return {"packed": lambda: typical_call(packed), "plain": lambda: typical_call(plain)}
+
     name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
-    known = choices.made(name)
-    if known is not None:
-        return known == "packed"
-    if torch.compiler.is_compiling():
-        return True  # no measuring inside a trace; an eager forward decides first
-    native.load()
-    generator = torch.Generator().manual_seed(0)
-    plain = Linear(576, 1536, bias=False, dtype=dtype)
-    with torch.no_grad():
-        plain.weight.copy_(torch.randn(1536, 576, generator=generator))
-    packed = PackedLinear(plain, keep_weight=True)
-    prompt, step = torch.randn(256, 576, generator=generator).to(dtype), torch.randn(1, 576, generator=generator).to(dtype)
-
-    def typical_call(layer):
-        layer(prompt)
-        for _ in range(64):
-            layer(step)
-
-    with torch.inference_mode():
-        return choices.choose(name, {"packed": lambda: typical_call(packed), "plain": lambda: typical_call(plain)}) == "packed"
+    return choices.decide(name, candidates, otherwise="packed") == "packed"
 
 
 class PackedLinear(nn.Module):

@@ -177,26 +177,21 @@ def many_rows_route() -> str:
     through memory). Another
     route, converting to bf16 for oneDNN's bf16 matmul, rounds each product to bfloat16: the default
     model's int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack), so it is not offered."""
-    name = "int8_many_rows"
-    known = choices.made(name)
-    if known is not None:
-        return known
-    if torch.compiler.is_compiling():  # no measuring inside a trace; eager prefills normally decide first
-        return "int8pack"
-    tiles = native.load()
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 576, generator=generator)  # a prompt of 256 tokens through a default-model-sized layer
-    weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
-    ones = torch.ones(1536, dtype=torch.bfloat16)
-    candidates = {
-        "int8_split": lambda: split_int8_product(x, weight),
-        "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
-        "float32": lambda: x @ weight.float().t(),
-    }
-    if tiles:  # decodekit::tiled_product: converted a tile of weight rows at a time, in cache; float32 products
-        candidates["tiles"] = lambda: torch.ops.decodekit.tiled_product(x, weight)
-    with torch.inference_mode():
-        return choices.choose(name, candidates)
+    def candidates() -> dict:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 576, generator=generator)  # a prompt of 256 tokens through a default-model-sized layer
+        weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
+        ones = torch.ones(1536, dtype=torch.bfloat16)
+        offered = {
+            "int8_split": lambda: split_int8_product(x, weight),
+            "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
+            "float32": lambda: x @ weight.float().t(),
+        }
+        if native.load():  # decodekit::tiled_product: converted a tile of weight rows at a time, in cache
+            offered["tiles"] = lambda: torch.ops.decodekit.tiled_product(x, weight)
+        return offered
+
+    return choices.decide("int8_many_rows", candidates, otherwise="int8pack")
 
 
 def quantize(model: nn.Module, method: str) -> nn.Module:

@@ -3,6 +3,9 @@ where its probes say, and gives what the reference computes. Settings this machi
 with the missing CPU feature as the reason."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -149,3 +152,15 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     assert not (tmp_path / "choices.json").exists() and choices._made == {}
     with choices.forced(demo="slow"):
         assert choices.choose("demo", candidates) == "slow"
+
+
+def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
+    # packing_pays times plain Linear layers, whose prompt products ask many_rows_route: a choice made inside
+    # another's measurement. With a plain lock that waited forever on a machine with no cached choices (a fresh
+    # CI runner, a Ray actor); run in a child so a regression fails by timeout instead of hanging the suite.
+    script = ("import torch\nfrom decodekit.kernels import packed, choices\n"
+              "packed.packing_pays(torch.float32)\nprint(sorted(choices._made))\n")
+    env = {**os.environ, "DECODEKIT_CACHE_DIR": str(tmp_path), "DECODEKIT_CHOICES": "measure"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "eager_weights_float32" in done.stdout and "float32_rows_128" in done.stdout  # the inner one was made too

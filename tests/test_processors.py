@@ -130,7 +130,7 @@ def test_min_length_and_min_new_tokens_block_eos():
     proc = P.MinLengthLogitsProcessor(3, eos_token_id=[1, 2])
     assert proc(ids([0, 0]), torch.zeros(1, 4)).tolist() == [[0, -INF, -INF, 0]]
     assert proc(ids([0, 0, 0]), torch.zeros(1, 4)).tolist() == [[0, 0, 0, 0]]
-    new = P.MinNewTokensLengthLogitsProcessor(prompt_length=2, min_new_tokens=1, eos_token_id=2)
+    new = P.MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=2, min_new_tokens=1, eos_token_id=2)
     assert new(ids([0, 0]), torch.zeros(1, 4))[0, 2] == -INF
     assert new(ids([0, 0, 3]), torch.zeros(1, 4))[0, 2] == 0
 

@@ -39,9 +39,9 @@ def test_eos_any_of_several():
 
 
 def test_max_time():
-    c = S.MaxTimeCriteria(0.05, start=time.monotonic())
+    c = S.MaxTimeCriteria(0.05, initial_timestamp=time.time())
     assert c(ids([1]), None).tolist() == [False]
-    c = S.MaxTimeCriteria(0.05, start=time.monotonic() - 1)
+    c = S.MaxTimeCriteria(0.05, initial_timestamp=time.time() - 1)
     assert c(ids([1]), None).tolist() == [True]
 
 

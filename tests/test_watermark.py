@@ -22,7 +22,7 @@ def test_the_processor_equals_transformers_on_the_same_scores(config):
     generator = torch.Generator().manual_seed(0)
     ids, scores = torch.randint(0, vocab, (3, 9), generator=generator), torch.randn(3, vocab, generator=generator)
     theirs = transformers.WatermarkLogitsProcessor(vocab_size=vocab, device="cpu", **config.to_dict())
-    ours = WatermarkLogitsProcessor(vocab, config)
+    ours = WatermarkLogitsProcessor(vocab, "cpu", **config.to_dict())  # transformers' arguments
     expected = theirs(ids, scores.clone())
     assert torch.equal(ours(ids, scores.clone()), expected)
     assert int((expected != scores).sum(dim=1).min()) > 0  # every row got a green list
@@ -37,15 +37,21 @@ def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, confi
     marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
     plain = model.generate(prompt, **kwargs)[:, n:]
     detector = WatermarkDetector(model.config, "cpu", config)
-    found, clean = detector(marked), detector(plain)
-    assert found.z_score[0] > 4 and found.prediction == [True]
-    assert clean.z_score[0] < 2 and clean.prediction == [False]
+    found, clean = detector(marked, return_dict=True), detector(plain, return_dict=True)
+    assert found.z_score[0] > 4 and found.prediction.tolist() == [True]
+    assert clean.z_score[0] < 2 and clean.prediction.tolist() == [False]
+    # Without return_dict, as transformers: the predictions alone, a numpy bool array.
+    assert detector(torch.cat((marked, plain))).tolist() == [True, False]
     assert found.num_tokens_scored[0] == 200 - (config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1)
     their_config = transformers.LlamaConfig(vocab_size=model.config.vocab_size, bos_token_id=model.config.bos_token_id)
     theirs = transformers.WatermarkDetector(model_config=their_config, device="cpu", watermarking_config=config.to_dict())
     reference = theirs(torch.cat((marked, plain)), return_dict=True)
-    assert [math.isclose(a, b) for a, b in zip(reference.z_score, found.z_score + clean.z_score)] == [True, True]
-    assert list(reference.num_green_tokens) == found.num_green_tokens + clean.num_green_tokens
+    both = detector(torch.cat((marked, plain)), return_dict=True)
+    for field in ("z_score", "p_value", "green_fraction", "confidence"):
+        assert [math.isclose(a, b, abs_tol=1e-12) for a, b in zip(getattr(reference, field), getattr(both, field))] == [True, True], field
+    for field in ("num_green_tokens", "num_tokens_scored", "prediction"):
+        assert getattr(reference, field).tolist() == getattr(both, field).tolist(), field
+    assert theirs(torch.cat((marked, plain))).tolist() == detector(torch.cat((marked, plain))).tolist()
 
 
 def test_transformers_config_and_dicts_are_accepted(default_model):
@@ -81,11 +87,11 @@ SYNTHID = dict(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57], ngram_len=4, c
 
 
 def test_synthid_scores_and_g_values_equal_transformers():
-    from decodekit.plugins.watermark import SynthIDGValues, SynthIDLogitsProcessor
+    from decodekit.plugins.watermark import SynthIDGValues, SynthIDTextWatermarkLogitsProcessor
 
     config = SynthIDTextWatermarkingConfig(**SYNTHID)
     theirs = transformers.SynthIDTextWatermarkingConfig(**SYNTHID).construct_processor(300, "cpu")
-    ours = SynthIDLogitsProcessor(config)
+    ours = SynthIDTextWatermarkLogitsProcessor(device="cpu", **config.to_dict())  # transformers' arguments
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (2, 5), generator=generator)
     for step in range(6):  # the state moves along; a repeated context appears by step 5
@@ -96,6 +102,9 @@ def test_synthid_scores_and_g_values_equal_transformers():
         assert torch.equal(ours(ids, scores.clone()), expected)
         ids = torch.cat((ids, torch.randint(0, 300, (2, 1), generator=generator)), dim=1)
     assert torch.equal(SynthIDGValues(config).of_sequences(ids), theirs.compute_g_values(ids))
+    assert torch.equal(ours.compute_g_values(ids), theirs.compute_g_values(ids))
+    assert ours.state.num_calls == theirs.state.num_calls and torch.equal(ours.state.context, theirs.state.context)
+    assert torch.equal(ours.state.context_history, theirs.state.context_history)
 
 
 def test_synthid_text_is_detected_and_plain_text_is_not(default_model):

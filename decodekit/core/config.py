@@ -27,6 +27,8 @@ DEFAULTS: dict[str, Any] = {
     "num_return_sequences": 1,
     "use_cache": True,
     "cache_implementation": None,
+    "prefill_chunk_size": None,  # the core loop prefills the prompt in pieces of this many tokens
+    "token_healing": False,  # core/healing.py
     # logits processing
     "temperature": 1.0,
     "top_k": 50,
@@ -233,6 +235,7 @@ class GenerationConfig:
         int_at_least("num_return_sequences", 1)
         int_at_least("top_k", 0, optional=True)
         int_at_least("no_repeat_ngram_size", 0, optional=True)
+        int_at_least("prefill_chunk_size", 1, optional=True)
         if self.max_time is not None and (not is_number(self.max_time) or self.max_time <= 0):
             raise bad("max_time", "expected a number of seconds > 0 or None")
         if not isinstance(self.do_sample, bool):
@@ -299,7 +302,7 @@ class GenerationConfig:
             if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
                 raise bad("stop_strings", "expected a non-empty string or a list of them")
         for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache", "remove_invalid_values",
-                     "renormalize_logits", "output_hidden_states", "output_attentions"):
+                     "renormalize_logits", "output_hidden_states", "output_attentions", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected True or False")
         if vocab_size is not None:

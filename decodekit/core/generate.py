@@ -223,7 +223,14 @@ class GenerationMixin:
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
         check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
-        context = dataclasses.replace(context, batch_size=input_ids.shape[0])
+        if gc.token_healing:
+            from .healing import heal_tokens
+
+            input_ids, attention_mask = heal_tokens(self, input_ids, tokenizer)
+            max_length = call_limits(self, gc, input_ids.shape[1], None, None)[0]  # counted from the healed prompt
+            context = dataclasses.replace(context, prompt_length=input_ids.shape[1], max_length=max_length)
+        padding = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
+        context = dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
             return finished(pipeline, loop(self, input_ids, attention_mask, pipeline, gc, streamer, context))
@@ -232,7 +239,8 @@ class GenerationMixin:
             if "token_selector" in inspect.signature(custom_generate).parameters:
                 method_extras["token_selector"] = pipeline.selector
             return finished(pipeline, custom_generate(
-                self, input_ids, pipeline.processors, pipeline.stopping, gc, streamer=streamer,
+                self, input_ids, pipeline.processors, pipeline.stopping,
+                prepared_config(gc, context.prompt_length, context.max_length), streamer=streamer,
                 attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
                 past_key_values=pipeline.cache, use_cache=gc.use_cache, **method_extras,
             ))
@@ -281,6 +289,35 @@ def pop_declared_parameters(fn, kwargs: dict) -> dict:
     return {name: kwargs.pop(name) for name in declared if name not in CALLABLE_PARAMETERS and name in kwargs}
 
 
+def prepared_config(gc: GenerationConfig, prompt_length: int, max_length: int) -> GenerationConfig:
+    """The call's config as a method receives it: max_length and max_new_tokens both set, so a loop written for
+    either (`while length < generation_config.max_length`) runs to the call's end."""
+    gc = gc.copy()
+    gc.max_length, gc.max_new_tokens = max_length, max_length - prompt_length
+    return gc
+
+
+def method_arguments(model, fn, arguments: dict) -> dict:
+    """The arguments of a method's own generate(fn): what the caller gave, and `generation_config` (where fn takes
+    it) as the call's prepared config: the model's config or the one passed, with the call's config fields
+    applied and the lengths set (prepared_config). Fields are left among the keyword arguments too, for methods
+    that read them there."""
+    parameters = inspect.signature(fn).parameters
+    takes_config = "generation_config" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    base = arguments.get("generation_config", getattr(model, "generation_config", None))
+    if not takes_config or (base is not None and not isinstance(base, GenerationConfig)):
+        return arguments
+    gc = base.copy() if base is not None else GenerationConfig()
+    known = add_plugin_fields(gc)
+    gc.update(**{k: v for k, v in arguments.items() if k in known and k != "generation_config"})
+    prompt = arguments.get("input_ids", arguments.get("inputs"))
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+        length = prompt.shape[1]
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        gc = prepared_config(gc, length, gc.max_length_for(length, max_positions))
+    return {**arguments, "generation_config": gc}
+
+
 def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     """custom_generate given as a Hub repo id or a local directory."""
     from ..hub_loader.method import forwarded_arguments, load_method, registered_for_call
@@ -288,7 +325,8 @@ def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        return method.generate(model, **forwarded_arguments(method.generate, {**arguments, **kwargs}))
+        return method.generate(model, **method_arguments(model, method.generate, forwarded_arguments(
+            method.generate, {**arguments, **kwargs})))
     with registered_for_call(method):
         return model.generate(**arguments, **kwargs)
 
@@ -318,6 +356,16 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     cached = cache.get_seq_length() if use_cache else 0
     step_ids = input_ids[:, cached:]
     step_positions = mask_positions(attention_mask)[:, cached:] if attention_mask is not None else None
+    chunk = gc.prefill_chunk_size
+    if chunk and use_cache and not (gc.output_hidden_states or gc.output_attentions):
+        # The prompt in pieces: less memory for its activations; the logits of the last piece decide as before.
+        while step_ids.shape[1] > chunk:
+            cached += chunk
+            model(step_ids[:, :chunk], attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,
+                  position_ids=step_positions[:, :chunk] if step_positions is not None else None,
+                  past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if "logits_to_keep" in extra else {}))
+            step_ids = step_ids[:, chunk:]
+            step_positions = step_positions[:, chunk:] if step_positions is not None else None
     while True:
         out = model(
             step_ids, attention_mask=attention_mask, position_ids=step_positions,

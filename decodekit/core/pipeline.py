@@ -23,6 +23,7 @@ class GenerationContext:
     device: torch.device
     tokenizer: Any = None
     generator: torch.Generator | None = None
+    padding: torch.Tensor | None = None  # per row: the left padding before its prompt [batch]; None: no padding
 
 
 def last_position_logits(output) -> torch.Tensor:

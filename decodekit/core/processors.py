@@ -1,7 +1,9 @@
 """Logits processors: the logits hook point.
 
-One protocol: a processor is a callable `(input_ids [B, T], scores [B, V]) -> scores [B, V]`. It may
-modify `scores` in place and return it. Removed tokens get -inf. Each class below does one thing.
+One protocol: a processor is a callable `(input_ids [B, T], scores [B, V]) -> scores [B, V]`. It returns
+new scores and leaves the ones it was given as they were (as transformers' processors do: a caller may keep them).
+Removed tokens get -inf, or the `filter_value` a warper was made with. Each class below does one thing and takes
+transformers' constructor arguments under transformers' names.
 
 A processor that reads only the scores, never input_ids, may say so with `score_only = True`; the
 compiled decode step (compile=True) then runs it inside the step instead of falling back to eager.
@@ -102,6 +104,19 @@ def _check(name: str, value, ok: bool, accepted: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid; {accepted}.")
 
 
+def _keep_at_least(min_tokens_to_keep) -> int:
+    _check("min_tokens_to_keep", min_tokens_to_keep, isinstance(min_tokens_to_keep, int) and min_tokens_to_keep >= 1,
+           "expected an integer >= 1")
+    return min_tokens_to_keep
+
+
+def _token_list(token_ids) -> list[int]:
+    """An int, a list of ints or a tensor of them (transformers passes eos ids as a tensor) as a list of ints."""
+    if isinstance(token_ids, torch.Tensor):
+        return [int(t) for t in token_ids.reshape(-1).tolist()]
+    return [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+
+
 class TemperatureLogitsWarper:
     """Divides scores by `temperature` (> 0). Below 1 sharpens the distribution, above 1 flattens it."""
 
@@ -136,17 +151,20 @@ def top_values(scores: torch.Tensor, m: int, chunk: int = 32) -> torch.Tensor:
 
 
 class TopKLogitsWarper:
-    """Keeps the `top_k` (>= 1) highest scores; ties at the boundary are all kept."""
+    """Keeps the `top_k` (>= 1) highest scores, at least `min_tokens_to_keep`; ties at the boundary are all kept.
+    The others get `filter_value` (-inf)."""
 
     score_only = True
 
-    def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
-        _check("top_k", top_k, isinstance(top_k, int) and top_k >= 1, "expected an integer >= 1")
-        self.top_k = max(top_k, min_tokens_to_keep)
+    def __init__(self, top_k: int, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
+        _check("top_k", top_k, isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1,
+               "expected an integer >= 1")
+        self.top_k = max(top_k, _keep_at_least(min_tokens_to_keep))
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         kth = top_values(scores, self.top_k)[..., -1:]
-        return scores.masked_fill(scores < kth, NEG_INF)
+        return scores.masked_fill(scores < kth, self.filter_value)
 
 
 def _nucleus_threshold(ascending: torch.Tensor, top_p: float, min_tokens_to_keep: int) -> torch.Tensor:
@@ -168,14 +186,16 @@ class TopPLogitsWarper:
 
     score_only = True
 
-    def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
-        _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 < top_p <= 1, "expected a number in (0, 1]")
+    def __init__(self, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
+        _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 <= top_p <= 1,
+               "expected a number in [0, 1] (0 keeps only min_tokens_to_keep tokens)")
         self.top_p = float(top_p)
-        self.min_tokens_to_keep = min_tokens_to_keep
+        self.min_tokens_to_keep = _keep_at_least(min_tokens_to_keep)
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         threshold = _nucleus_threshold(torch.sort(scores, dim=-1).values, self.top_p, self.min_tokens_to_keep)
-        return scores.masked_fill(scores < threshold, NEG_INF)
+        return scores.masked_fill(scores < threshold, self.filter_value)
 
 
 class TopKTopPLogitsWarper:
@@ -189,10 +209,10 @@ class TopKTopPLogitsWarper:
 
     score_only = True
 
-    def __init__(self, top_k: int, top_p: float, min_tokens_to_keep: int = 1):
-        self.top_k = TopKLogitsWarper(top_k, min_tokens_to_keep).top_k
-        self.top_p = TopPLogitsWarper(top_p, min_tokens_to_keep).top_p
-        self.min_tokens_to_keep = min_tokens_to_keep
+    def __init__(self, top_k: int, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
+        self.top_k = TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep).top_k
+        self.top_p = TopPLogitsWarper(top_p, min_tokens_to_keep=min_tokens_to_keep).top_p
+        self.min_tokens_to_keep, self.filter_value = min_tokens_to_keep, filter_value
 
     def __call__(self, input_ids, scores):
         k = min(self.top_k, scores.shape[-1])
@@ -200,18 +220,20 @@ class TopKTopPLogitsWarper:
         # Outside the top k, a score has no mass, so the nucleus threshold is at or above the k-th score.
         ascending = top.masked_fill(top < top[..., k - 1 : k], NEG_INF).flip(-1)
         threshold = _nucleus_threshold(ascending, self.top_p, self.min_tokens_to_keep)
-        return scores.masked_fill(scores < threshold, NEG_INF)
+        return scores.masked_fill(scores < threshold, self.filter_value)
 
 
 class MinPLogitsWarper:
-    """Keeps tokens whose probability is at least `min_p` [0, 1] times the most likely token's."""
+    """Keeps tokens whose probability is at least `min_p` [0, 1] times the most likely token's, at least
+    `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
     score_only = True
 
-    def __init__(self, min_p: float, min_tokens_to_keep: int = 1):
+    def __init__(self, min_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check("min_p", min_p, isinstance(min_p, (int, float)) and 0 <= min_p <= 1, "expected a number in [0, 1]")
         self.min_p = float(min_p)
-        self.min_tokens_to_keep = min_tokens_to_keep
+        self.min_tokens_to_keep = _keep_at_least(min_tokens_to_keep)
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         probs = scores.softmax(dim=-1)
@@ -220,18 +242,20 @@ class MinPLogitsWarper:
         if self.min_tokens_to_keep > 1:
             top = torch.topk(probs, self.min_tokens_to_keep, dim=-1).indices
             remove.scatter_(-1, top, False)
-        return scores.masked_fill(remove, NEG_INF)
+        return scores.masked_fill(remove, self.filter_value)
 
 
 class TypicalLogitsWarper:
-    """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy, up to mass `typical_p` (0, 1]."""
+    """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy, up to probability
+    `mass` (typical_p, in (0, 1]), at least `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
     score_only = True
 
-    def __init__(self, typical_p: float, min_tokens_to_keep: int = 1):
-        _check("typical_p", typical_p, isinstance(typical_p, (int, float)) and 0 < typical_p <= 1, "expected a number in (0, 1]")
-        self.mass = float(typical_p)
-        self.min_tokens_to_keep = min_tokens_to_keep
+    def __init__(self, mass: float = 0.9, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
+        _check("typical_p", mass, isinstance(mass, (int, float)) and 0 < mass <= 1, "expected a number in (0, 1]")
+        self.mass = float(mass)
+        self.min_tokens_to_keep = _keep_at_least(min_tokens_to_keep)
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         logp = scores.log_softmax(dim=-1)
@@ -242,7 +266,31 @@ class TypicalLogitsWarper:
         last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
         remove = sorted_distance > sorted_distance.gather(-1, last)
         remove[..., : self.min_tokens_to_keep] = False
-        return scores.masked_fill(remove.scatter(-1, order, remove), NEG_INF)
+        return scores.masked_fill(remove.scatter(-1, order, remove), self.filter_value)
+
+
+class TopHLogitsWarper:
+    """Top-H sampling (arXiv 2509.02510): among the 100 most likely tokens, keeps the most likely ones while their
+    summed entropy terms -p log p stay within `top_h` (0, 1] times the entropy of those 100 (the most likely token
+    always stays); the others get `filter_value` (-inf)."""
+
+    score_only = True
+    candidates = 100  # transformers' cap on the tokens considered
+
+    def __init__(self, top_h: float, filter_value: float = NEG_INF):
+        _check("top_h", top_h, isinstance(top_h, (int, float)) and not isinstance(top_h, bool) and 0 < top_h <= 1,
+               "expected a number in (0, 1]")
+        self.top_h, self.filter_value = float(top_h), filter_value
+
+    def __call__(self, input_ids, scores):
+        top, index = torch.topk(scores, min(self.candidates, scores.shape[-1]), dim=-1)
+        logp = top.log_softmax(dim=-1)
+        terms = -(logp.exp() * logp).nan_to_num()  # a -inf candidate adds nothing
+        budget = terms.sum(dim=-1, keepdim=True) * self.top_h
+        chosen = terms.cumsum(dim=-1) <= budget
+        chosen[:, 0] = True
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, index, chosen)
+        return scores.masked_fill(~keep, self.filter_value)
 
 
 def _keep_top(remove: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -254,36 +302,39 @@ def _keep_top(remove: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tenso
 
 
 class EpsilonLogitsWarper:
-    """Epsilon sampling: removes tokens whose probability is below `epsilon` in (0, 1), keeping at least
-    `min_tokens_to_keep` (the most likely ones)."""
+    """Epsilon sampling: gives `filter_value` (-inf) to tokens whose probability is below `epsilon` in (0, 1),
+    keeping at least `min_tokens_to_keep` (the most likely ones)."""
 
     score_only = True
 
-    def __init__(self, epsilon: float, min_tokens_to_keep: int = 1):
+    def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check("epsilon_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)")
-        self.epsilon, self.min_tokens_to_keep = float(epsilon), min_tokens_to_keep
+        self.epsilon, self.min_tokens_to_keep = float(epsilon), _keep_at_least(min_tokens_to_keep)
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         remove = scores.softmax(dim=-1) < self.epsilon
-        return scores.masked_fill(_keep_top(remove, scores, self.min_tokens_to_keep), NEG_INF)
+        return scores.masked_fill(_keep_top(remove, scores, self.min_tokens_to_keep), self.filter_value)
 
 
 class EtaLogitsWarper:
     """Eta sampling: epsilon sampling whose cutoff adapts to the entropy H of each row,
-    min(eta, sqrt(eta) * exp(-H)) with `eta` in (0, 1); keeps at least `min_tokens_to_keep` tokens."""
+    min(eta, sqrt(eta) * exp(-H)) with eta = `epsilon` (eta_cutoff) in (0, 1); keeps at least `min_tokens_to_keep`
+    tokens, the others get `filter_value` (-inf). `device` is accepted for transformers' signature."""
 
     score_only = True
 
-    def __init__(self, eta: float, min_tokens_to_keep: int = 1):
-        _check("eta_cutoff", eta, isinstance(eta, (int, float)) and 0 < eta < 1, "expected a number in (0, 1)")
-        self.eta, self.min_tokens_to_keep = float(eta), min_tokens_to_keep
+    def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1, device="cpu"):
+        _check("eta_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)")
+        self.eta, self.min_tokens_to_keep = float(epsilon), _keep_at_least(min_tokens_to_keep)
+        self.filter_value = filter_value
 
     def __call__(self, input_ids, scores):
         logp = scores.log_softmax(dim=-1)
         probs = logp.exp()
         entropy = -(probs * logp).nan_to_num().sum(dim=-1, keepdim=True)  # 0 * -inf counts as 0
         cutoff = torch.clamp(math.sqrt(self.eta) * torch.exp(-entropy), max=self.eta)
-        return scores.masked_fill(_keep_top(probs < cutoff, scores, self.min_tokens_to_keep), NEG_INF)
+        return scores.masked_fill(_keep_top(probs < cutoff, scores, self.min_tokens_to_keep), self.filter_value)
 
 
 class InfNanRemoveLogitsProcessor:
@@ -308,14 +359,14 @@ class LogitNormalization:
 
 
 class ExponentialDecayLengthPenalty:
-    """After `start` generated tokens (of a prompt of `prompt_length`), raises the EOS scores by
+    """After `start` generated tokens (of a prompt of `input_ids_seq_length`), raises the EOS scores by
     |score| * (factor ** steps_past_start - 1), so EOS grows likelier without a hard cutoff.
     `exponential_decay_length_penalty` = (start: int >= 0, factor: number > 0)."""
 
-    def __init__(self, exponential_decay_length_penalty, eos_token_id: int | Sequence[int], prompt_length: int):
+    def __init__(self, exponential_decay_length_penalty, eos_token_id, input_ids_seq_length: int):
         start, self.factor = exponential_decay_length_penalty
-        self.start = start + prompt_length
-        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.start = start + input_ids_seq_length
+        self.eos = _token_list(eos_token_id)
 
     def __call__(self, input_ids, scores):
         past = input_ids.shape[1] - self.start
@@ -332,8 +383,11 @@ class SuppressTokensAtBeginLogitsProcessor:
     """Sets the scores of `begin_suppress_tokens` to -inf at the first generated position only (the
     sequence is `begin_index` tokens long)."""
 
-    def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int):
-        self.tokens = torch.tensor(list(begin_suppress_tokens), dtype=torch.long)
+    def __init__(self, begin_suppress_tokens: Sequence[int], begin_index: int, device="cpu"):
+        self.tokens = torch.tensor(_token_list(begin_suppress_tokens), dtype=torch.long, device=device)
+        self.begin_index = begin_index
+
+    def set_begin_index(self, begin_index: int) -> None:
         self.begin_index = begin_index
 
     def __call__(self, input_ids, scores):
@@ -344,10 +398,10 @@ class SuppressTokensAtBeginLogitsProcessor:
 
 class PrefixConstrainedLogitsProcessor:
     """Allows only the tokens `prefix_allowed_tokens_fn(batch_id, sequence)` returns for each row: row r
-    belongs to prompt r // rows_per_prompt (its beams), as in transformers. An empty list is an error."""
+    belongs to prompt r // num_beams (its beams), as in transformers. An empty list is an error."""
 
-    def __init__(self, prefix_allowed_tokens_fn, rows_per_prompt: int = 1):
-        self.fn, self.rows_per_prompt = prefix_allowed_tokens_fn, rows_per_prompt
+    def __init__(self, prefix_allowed_tokens_fn, num_beams: int = 1):
+        self.fn, self.rows_per_prompt = prefix_allowed_tokens_fn, num_beams
 
     def __call__(self, input_ids, scores):
         allowed = torch.full_like(scores, NEG_INF)
@@ -369,16 +423,54 @@ class PrefixConstrainedLogitsProcessor:
 
 class RepetitionPenaltyLogitsProcessor:
     """Penalises every token already in the sequence (prompt included): positive scores are divided by
-    `penalty` (> 0), negative ones multiplied, so a penalty above 1 always makes a repeat less likely."""
+    `penalty` (> 0), negative ones multiplied, so a penalty above 1 always makes a repeat less likely.
 
-    def __init__(self, penalty: float):
+    `prompt_ignore_length`: the leading positions not counted: an int for every row, or a tensor [batch] of one
+    per row (generate() passes each row's left padding, so a pad id is never penalised); None counts everything.
+    Token ids past the scores' vocabulary (an embedding larger than the head) are skipped."""
+
+    def __init__(self, penalty: float, prompt_ignore_length: int | torch.Tensor | None = None):
         _check("repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0, "expected a number > 0")
-        self.penalty = float(penalty)
+        ignore = prompt_ignore_length
+        _check("prompt_ignore_length", ignore, ignore is None or (isinstance(ignore, int) and ignore >= 0) or (
+            isinstance(ignore, torch.Tensor) and ignore.dim() == 1), "expected None, an integer >= 0 or a 1-D tensor "
+            "of one per row")
+        self.penalty, self.prompt_ignore_length = float(penalty), ignore
 
     def __call__(self, input_ids, scores):
-        seen = scores.gather(-1, input_ids)
+        vocab = scores.shape[-1]
+        ignore = self.prompt_ignore_length
+        if isinstance(ignore, int):
+            input_ids = input_ids[:, ignore:]
+        elif isinstance(ignore, torch.Tensor):
+            if ignore.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"prompt_ignore_length has {ignore.shape[0]} rows and input_ids {input_ids.shape[0]}; "
+                                 "expected one per row.")
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            input_ids = input_ids.masked_fill(positions < ignore.to(input_ids.device)[:, None], vocab)
+        # One spare column takes the ids to skip (ignored positions, ids past the vocabulary), dropped afterwards.
+        padded = torch.nn.functional.pad(scores, (0, 1))
+        input_ids = input_ids.clamp(max=vocab)
+        seen = padded.gather(-1, input_ids)
         seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
-        return scores.scatter(-1, input_ids, seen)
+        return padded.scatter(-1, input_ids, seen)[:, :vocab]
+
+
+class EncoderRepetitionPenaltyLogitsProcessor:
+    """Makes the tokens of `encoder_input_ids` [batch, length] (the source an encoder-decoder model reads) likelier
+    to be copied: the hallucination penalty. Positive scores are multiplied by `penalty` (> 0), negative ones
+    divided, the inverse of RepetitionPenaltyLogitsProcessor."""
+
+    def __init__(self, penalty: float, encoder_input_ids: torch.LongTensor):
+        _check("encoder_repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0,
+               "expected a number > 0")
+        self.penalty, self.encoder_input_ids = 1 / float(penalty), encoder_input_ids
+
+    def __call__(self, input_ids, scores):
+        ids = self.encoder_input_ids.to(scores.device)
+        seen = scores.gather(-1, ids)
+        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        return scores.scatter(-1, ids, seen)
 
 
 class FrequencyPresencePenaltyLogitsProcessor:
@@ -437,6 +529,32 @@ def _ends_with(input_ids: torch.LongTensor, prefix: Sequence[int]) -> torch.Bool
     return (tail == torch.tensor(prefix, device=input_ids.device)).all(dim=-1)
 
 
+class EncoderNoRepeatNGramLogitsProcessor:
+    """Bans any token that would repeat an n-gram of size `encoder_ngram_size` (>= 1) of `encoder_input_ids`
+    [batch or 1, length] (an encoder-decoder model's source) in the generated sequence."""
+
+    def __init__(self, encoder_ngram_size: int, encoder_input_ids: torch.LongTensor):
+        _check("encoder_no_repeat_ngram_size", encoder_ngram_size,
+               isinstance(encoder_ngram_size, int) and encoder_ngram_size >= 1, "expected an integer >= 1")
+        if encoder_input_ids.dim() == 1:
+            encoder_input_ids = encoder_input_ids[None]
+        self.n = encoder_ngram_size
+        self.tables = [_ngram_continuations(row, self.n) for row in encoder_input_ids.tolist()]
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] + 1 < self.n:
+            return scores
+        rows, processed = input_ids.shape[0], scores
+        per_table = max(rows // len(self.tables), 1)  # beams of one source share its table
+        for row, tokens in enumerate(input_ids.tolist()):
+            prefix = tuple(tokens[len(tokens) - self.n + 1 :]) if self.n > 1 else ()
+            banned = self.tables[min(row // per_table, len(self.tables) - 1)].get(prefix, ())
+            if banned:
+                processed = scores.clone() if processed is scores else processed
+                processed[row, list(banned)] = NEG_INF
+        return processed
+
+
 class SequenceBiasLogitsProcessor:
     """Adds a bias to the last token of each given sequence when the text so far ends with the rest of it.
 
@@ -479,8 +597,8 @@ class SuppressTokensLogitsProcessor:
 
     score_only = True
 
-    def __init__(self, suppress_tokens: Sequence[int]):
-        self.tokens = torch.tensor(list(suppress_tokens), dtype=torch.long)
+    def __init__(self, suppress_tokens: Sequence[int], device="cpu"):
+        self.tokens = torch.tensor(_token_list(suppress_tokens), dtype=torch.long, device=device)
 
     def __call__(self, input_ids, scores):
         return scores.index_fill(-1, self.tokens.to(scores.device), NEG_INF)
@@ -489,10 +607,10 @@ class SuppressTokensLogitsProcessor:
 class MinLengthLogitsProcessor:
     """Forbids EOS until the sequence (prompt included) is `min_length` tokens long."""
 
-    def __init__(self, min_length: int, eos_token_id: int | Sequence[int]):
+    def __init__(self, min_length: int, eos_token_id, device="cpu"):
         _check("min_length", min_length, isinstance(min_length, int) and min_length >= 0, "expected an integer >= 0")
         self.min_length = min_length
-        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = _token_list(eos_token_id)
 
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] < self.min_length:
@@ -502,11 +620,12 @@ class MinLengthLogitsProcessor:
 
 
 class MinNewTokensLengthLogitsProcessor(MinLengthLogitsProcessor):
-    """Forbids EOS until `min_new_tokens` tokens have been generated after a prompt of `prompt_length`."""
+    """Forbids EOS until `min_new_tokens` tokens have been generated after a prompt of `prompt_length_to_skip`."""
 
-    def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_id: int | Sequence[int]):
+    def __init__(self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id, device="cpu"):
         _check("min_new_tokens", min_new_tokens, isinstance(min_new_tokens, int) and min_new_tokens >= 0, "expected an integer >= 0")
-        super().__init__(prompt_length + min_new_tokens, eos_token_id)
+        super().__init__(prompt_length_to_skip + min_new_tokens, eos_token_id)
+        self.prompt_length_to_skip, self.min_new_tokens = prompt_length_to_skip, min_new_tokens
 
 
 def _force(scores: torch.FloatTensor, token_ids: Sequence[int]) -> torch.FloatTensor:
@@ -529,9 +648,9 @@ class ForcedBOSTokenLogitsProcessor:
 class ForcedEOSTokenLogitsProcessor:
     """Forces an EOS token as the last token when the sequence reaches `max_length`."""
 
-    def __init__(self, max_length: int, eos_token_id: int | Sequence[int]):
+    def __init__(self, max_length: int, eos_token_id, device="cpu"):
         self.max_length = max_length
-        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = _token_list(eos_token_id)
 
     def __call__(self, input_ids, scores):
         return _force(scores, self.eos) if input_ids.shape[1] == self.max_length - 1 else scores

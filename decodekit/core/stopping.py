@@ -6,7 +6,9 @@ A row is finished once any criterion says so; finished rows are padded until eve
 
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -35,15 +37,22 @@ class StoppingCriteriaList(list):
 
 
 class MaxLengthCriteria:
-    """Done when the sequence, prompt included, has `max_length` tokens."""
+    """Done when the sequence, prompt included, has `max_length` tokens. `max_position_embeddings`, where given,
+    is the model's context: going past it logs a warning once, as transformers does."""
 
-    def __init__(self, max_length: int):
+    def __init__(self, max_length: int, max_position_embeddings: int | None = None):
         if not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length={max_length!r} is invalid; expected an integer >= 1.")
-        self.max_length = max_length
+        self.max_length, self.max_position_embeddings = max_length, max_position_embeddings
+        self._warned = False
 
     def __call__(self, input_ids, scores):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.max_length, device=input_ids.device)
+        length, context = input_ids.shape[1], self.max_position_embeddings
+        if context is not None and length > context and length < self.max_length and not self._warned:
+            self._warned = True
+            warnings.warn(f"the sequence ({length} tokens) is past the model's context of {context} positions; "
+                          "what follows may be garbage or fail.", UserWarning, stacklevel=2)
+        return torch.full((input_ids.shape[0],), length >= self.max_length, device=input_ids.device)
 
 
 class EosTokenCriteria:
@@ -61,17 +70,48 @@ class EosTokenCriteria:
 
 
 class MaxTimeCriteria:
-    """Done for every row once `max_time` seconds have passed since `start` (default: construction)."""
+    """Done for every row once `max_time` seconds have passed since `initial_timestamp` (a time.time() value;
+    default: construction)."""
 
-    def __init__(self, max_time: float, start: float | None = None):
+    def __init__(self, max_time: float, initial_timestamp: float | None = None):
         if not isinstance(max_time, (int, float)) or max_time <= 0:
             raise ValueError(f"max_time={max_time!r} is invalid; expected a number of seconds > 0.")
         self.max_time = float(max_time)
-        self.start = time.monotonic() if start is None else start
+        self.initial_timestamp = time.time() if initial_timestamp is None else initial_timestamp
 
     def __call__(self, input_ids, scores):
-        expired = time.monotonic() - self.start > self.max_time
+        expired = time.time() - self.initial_timestamp > self.max_time
         return torch.full((input_ids.shape[0],), expired, device=input_ids.device)
+
+
+class ConfidenceCriteria:
+    """Done when the newest token's probability under the scores that chose it is below
+    `assistant_confidence_threshold`: an assistant model stops drafting where it is unsure. `scores` is a
+    tensor [batch, vocab] or a tuple of them (the last is read), as transformers passes; the first row decides."""
+
+    def __init__(self, assistant_confidence_threshold: float):
+        value = assistant_confidence_threshold
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+            raise ValueError(f"assistant_confidence_threshold={value!r} is invalid; expected a number in [0, 1].")
+        self.assistant_confidence_threshold = float(value)
+
+    def __call__(self, input_ids, scores):
+        last = scores[-1] if isinstance(scores, (tuple, list)) else scores
+        p = float(last[0].softmax(-1)[input_ids[0, -1]])
+        return torch.full((input_ids.shape[0],), p < self.assistant_confidence_threshold, device=input_ids.device)
+
+
+def validate_stopping_criteria(stopping_criteria: StoppingCriteriaList, max_length: int) -> StoppingCriteriaList:
+    """A copy of `stopping_criteria` that stops at `max_length`: a MaxLengthCriteria is added where there is none;
+    one with another length stays and a UserWarning says so (transformers' behaviour)."""
+    found = stopping_criteria.max_length
+    checked = copy.deepcopy(stopping_criteria)
+    if found is None:
+        checked.append(MaxLengthCriteria(max_length))
+    elif found != max_length:
+        warnings.warn(f"the stopping criteria stop at max_length={found}, the call's max_length is {max_length}.",
+                      UserWarning, stacklevel=2)
+    return checked
 
 
 class StopStringCriteria:
@@ -103,6 +143,50 @@ class StopStringCriteria:
                 common += 1
             done.append(any(self._ends_in_new_text(text, s, common) for s in self.stop_strings))
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    @staticmethod
+    def clean_tokenizer_vocab(tokenizer, static_prefix: str = "abcdef"):
+        """(token strings, token ids) of the whole vocabulary, as tuples: each token as the text it adds after
+        `static_prefix`, so a word-start marker reads as a space and no prefix-space rule of the tokenizer's leaks
+        in. Compares as transformers' method of that name in its string mode (byte-level fragments of an incomplete
+        character come out as replacement characters here, not as bytes)."""
+        base = tokenizer.convert_ids_to_tokens(tokenizer(static_prefix, add_special_tokens=False)["input_ids"])
+        tokens, indices = [], []
+        for token, index in tokenizer.get_vocab().items():
+            text = tokenizer.convert_tokens_to_string(list(base) + [token])
+            tokens.append(text[text.index(static_prefix) + len(static_prefix):])
+            indices.append(index)
+        return tuple(tokens), tuple(indices)
+
+    @staticmethod
+    def _stop_string_get_matching_positions(token_list, token_indices, stop_strings):
+        """Per stop string, per token id: the positions i > 0 such that the token, ending i characters before the
+        string's end, agrees with the string wherever they overlap (it may start before the string), and the
+        lengths by which a token ending at or past the string's end covers it (one per number of characters past
+        the end, the most first). Tokens with neither are left out. The tables transformers' vectorized matcher is
+        built from, the same values, for code written against it."""
+        positions: dict = {}
+        overlaps: dict = {}
+        for stop in stop_strings:
+            positions[stop], overlaps[stop] = {}, {}
+            for token, index in zip(token_list, token_indices):
+                ends = []
+                for past in range(len(token) - 1, -1, -1):  # characters of the token past the string's end
+                    kept = token[:len(token) - past]
+                    m = min(len(kept), len(stop))
+                    if kept[len(kept) - m:] == stop[len(stop) - m:]:
+                        ends.append(m)
+                inside = []
+                for i in range(1, len(stop)):
+                    end = len(stop) - i
+                    m = min(len(token), end)
+                    if token[len(token) - m:] == stop[end - m:end]:
+                        inside.append(i)
+                if inside:
+                    positions[stop][index] = inside
+                if ends:
+                    overlaps[stop][index] = ends
+        return positions, overlaps
 
     @staticmethod
     def _ends_in_new_text(text: str, stop: str, new_from: int) -> bool:

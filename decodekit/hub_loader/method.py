@@ -108,12 +108,13 @@ def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, An
 _inside = threading.local()
 
 
-def bind_to_model(model, method: LoadedMethod) -> None:
+def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict], dict] | None = None) -> None:
     """Makes the method the model's generate(), with its own signature (minus `model`) visible to inspect.
     A hook-only method instead has its hooks registered around each call of the built-in generate().
 
     Inside the method, model.generate() is the built-in one again, so a method that prepares its own
-    inputs and then calls model.generate(...) does not recurse into itself.
+    inputs and then calls model.generate(...) does not recurse into itself. `prepare(fn, keyword arguments)`, where
+    given, rewrites a method's keyword arguments first (the caller hands in the call's prepared config there).
     """
     builtin = model.generate
     if method.generate is None:
@@ -134,6 +135,11 @@ def bind_to_model(model, method: LoadedMethod) -> None:
             return builtin(*args, **kwargs)
         _inside.active = True
         try:
+            if prepare is not None:
+                if args:  # the prompt given positionally: by name, so prepare sees it
+                    kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
+                    args = ()
+                kwargs = prepare(fn, kwargs)
             return fn(model, *args, **kwargs)
         finally:
             _inside.active = False

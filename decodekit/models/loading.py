@@ -304,6 +304,7 @@ def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fie
 
 
 def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_code) -> None:
+    from ..core.generate import method_arguments
     from ..hub_loader import bind_to_model, from_directory, load
 
     if trust_remote_code in (None, False):
@@ -316,4 +317,4 @@ def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_cod
     local = Path(label).expanduser().is_dir()
     # A Hub snapshot lives under snapshots/<commit sha>/: that sha is the revision being trusted.
     source = from_directory(model_dir, label, "local" if local else "hub", revision=None if local else model_dir.name)
-    bind_to_model(model, load(source, trust_remote_code))
+    bind_to_model(model, load(source, trust_remote_code), prepare=lambda fn, kwargs: method_arguments(model, fn, kwargs))

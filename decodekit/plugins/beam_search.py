@@ -184,7 +184,9 @@ class _Plan:
         self.flat_rows = torch.arange(rows, device=device).view(self.B * self.G, self.gs)
 
     def start(self, input_ids, gc, length: int) -> _Search:
-        fill = gc.pad_token_id if gc.pad_token_id is not None else (gc.eos_token_ids[0] if gc.eos_token_ids else 0)
+        # transformers' fill, kept exactly: a pad id of 0 counts as unset there, so finished beams end in EOS.
+        eos = gc.eos_token_ids
+        fill = (gc.pad_token_id or eos[0]) if eos else (gc.pad_token_id if gc.pad_token_id is not None else -1)
         return _Search.start(input_ids, self.B * self.G, self.gs, length, fill, self.keep)
 
     def advance(self, search, logp, cur, hits_of, gc, max_length, noise_key=None):

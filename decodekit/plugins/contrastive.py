@@ -20,12 +20,16 @@ from ..registry import hookimpl
 
 @hookimpl
 def decodekit_config_fields():
-    return {"penalty_alpha": None}
+    # low_memory: transformers scores contrastive search's top_k candidates one at a time when set; decodekit
+    # scores them in one batch either way (the same tokens), so it is accepted and changes nothing.
+    return {"penalty_alpha": None, "low_memory": None}
 
 
 @hookimpl
 def decodekit_validate_config(generation_config, context):
     gc = generation_config
+    if gc.low_memory not in (None, True, False):
+        raise gc.invalid("low_memory", "expected True, False or None")
     alpha = gc.penalty_alpha
     if alpha is None:
         return

@@ -51,7 +51,7 @@ COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
 @hookimpl
 def decodekit_config_fields():
-    return {"compile": False, "compile_config": None}
+    return {"compile": False, "compile_config": None, "disable_compile": False}
 
 
 # Strategies with loops of their own, which run eagerly: (field, is it active, name, why).
@@ -68,6 +68,10 @@ def decodekit_validate_config(generation_config):
     gc = generation_config
     if not isinstance(gc.compile, bool):
         raise gc.invalid("compile", "expected True or False")
+    if not isinstance(gc.disable_compile, bool):
+        raise gc.invalid("disable_compile", "expected True or False")
+    if gc.disable_compile:  # transformers' switch: nothing is compiled, whatever else the call says
+        gc.compile, gc.compile_config = False, None
     cc = gc.compile_config
     if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
         raise gc.invalid("compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)")

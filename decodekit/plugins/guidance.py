@@ -39,7 +39,7 @@ def decodekit_validate_config(generation_config, context):
     if neg is not None:
         if (not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size)
                 or neg.is_floating_point() or neg.is_complex() or neg.dtype == torch.bool or neg.numel() == 0):
-            raise ValueError(f"negative_prompt_ids must be an integer tensor [batch or 1, seq] of token ids, got "
+            raise ValueError("negative_prompt_ids must be an integer tensor [batch or 1, seq] of token ids, got "
                              + (f"a {neg.dtype} tensor of shape {tuple(neg.shape)}" if isinstance(neg, torch.Tensor)
                                 else type(neg).__name__) + ".")
         vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
@@ -59,21 +59,26 @@ def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     if gc.guidance_scale is None or gc.guidance_scale == 1:
         return []
-    return [ClassifierFreeGuidanceLogitsProcessor(gc.guidance_scale, context.model, gc.negative_prompt_ids,
-                                                  gc.negative_prompt_attention_mask)]
+    return [UnbatchedClassifierFreeGuidanceLogitsProcessor(gc.guidance_scale, context.model, gc.negative_prompt_ids,
+                                                           gc.negative_prompt_attention_mask, gc.use_cache)]
 
 
-class ClassifierFreeGuidanceLogitsProcessor:
-    """Classifier-free guidance with a second, unconditional run of `model` (guidance_scale > 0; 1 is a no-op).
+class UnbatchedClassifierFreeGuidanceLogitsProcessor:
+    """Classifier-free guidance with a second, unconditional run of `model` (guidance_scale >= 0; 1 only
+    log-softmaxes), as generate(guidance_scale=...) does.
 
-    Returns log-probabilities: scale * (log p(x | prompt) - log p(x | negative)) + log p(x | negative).
+    Returns log-probabilities: scale * (log p(x | prompt) - log p(x | unconditional)) + log p(x | unconditional).
+    The unconditional run starts from `unconditional_ids` [batch or 1, length] with `unconditional_attention_mask`
+    (default: each row's last token) and follows the generated tokens with its own cache; `use_cache=False` is
+    accepted for transformers' signature and still keeps one (the scores are the same).
     """
 
-    def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, negative_prompt_attention_mask=None):
-        self.scale = float(guidance_scale)
+    def __init__(self, guidance_scale: float, model, unconditional_ids=None, unconditional_attention_mask=None,
+                 use_cache: bool = True):
+        self.scale = self.guidance_scale = float(guidance_scale)
         self.model = model
-        self.negative = negative_prompt_ids
-        self.negative_mask = negative_prompt_attention_mask
+        self.negative = unconditional_ids
+        self.negative_mask = unconditional_attention_mask
         self.cache = new_cache(model, "dynamic", 0, 0)  # its batch follows the call's; dynamic needs no size
         self.mask = None
 
@@ -93,5 +98,26 @@ class ClassifierFreeGuidanceLogitsProcessor:
 
     def __call__(self, input_ids, scores):
         scores = torch.log_softmax(scores, dim=-1)
+        if self.scale == 1:
+            return scores
         uncond = torch.log_softmax(self._unconditional(input_ids), dim=-1)
         return self.scale * (scores - uncond) + uncond
+
+
+class ClassifierFreeGuidanceLogitsProcessor:
+    """Classifier-free guidance over a doubled batch (transformers' class of this name): `scores` hold 2B rows, the
+    conditional ones first and the unconditional ones after; returns the B rows
+    uncond + (cond - uncond) * `guidance_scale` (> 1). generate(guidance_scale=...) uses the unbatched class."""
+
+    def __init__(self, guidance_scale: float):
+        if not is_number(guidance_scale) or not guidance_scale > 1:
+            raise ValueError(f"guidance_scale={guidance_scale!r} is invalid; this processor needs a number > 1 (the "
+                             "unbatched class takes any scale >= 0).")
+        self.guidance_scale = float(guidance_scale)
+
+    def __call__(self, input_ids, scores):
+        if scores.shape[0] != 2 * input_ids.shape[0]:
+            raise ValueError(f"the scores have {scores.shape[0]} rows and input_ids {input_ids.shape[0]}; expected twice "
+                             "as many scores: the conditional rows, then the unconditional ones.")
+        cond, uncond = scores.split(input_ids.shape[0], dim=0)
+        return uncond + (cond - uncond) * self.guidance_scale

@@ -23,7 +23,7 @@ def decodekit_config_fields():
     # one, so generate(prefix_allowed_tokens_fn=...) reaches this plugin like every other keyword.
     # frequency_penalty and presence_penalty: OpenAI's (and vLLM's and llama.cpp's) penalties on generated tokens.
     return {**{name: DEFAULTS[name] for name in FIELDS}, "prefix_allowed_tokens_fn": None, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0}
+            "presence_penalty": 0.0, "top_h": None}
 
 
 @hookimpl
@@ -33,6 +33,8 @@ def decodekit_validate_config(generation_config):
     if fn is not None and not callable(fn):
         raise gc.invalid("prefix_allowed_tokens_fn", "expected a function (batch_id, input_ids) -> list of allowed "
                          "token ids, or None")
+    if gc.top_h is not None and (not is_number(gc.top_h) or not 0 < gc.top_h <= 1):
+        raise gc.invalid("top_h", "expected a number in (0, 1] or None (off)")
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(gc, name)
         if value is not None and (not is_number(value) or not -2 <= value <= 2):
@@ -47,7 +49,8 @@ def decodekit_logits_processors(generation_config, context):
     if gc.sequence_bias:
         out.append(P.SequenceBiasLogitsProcessor(gc.sequence_bias))
     if gc.repetition_penalty not in (None, 1.0):
-        out.append(P.RepetitionPenaltyLogitsProcessor(gc.repetition_penalty))
+        # A left-padded row's pad positions are not its tokens: they are not penalised (transformers 5.x).
+        out.append(P.RepetitionPenaltyLogitsProcessor(gc.repetition_penalty, prompt_ignore_length=context.padding))
     if gc.frequency_penalty or gc.presence_penalty:
         out.append(P.FrequencyPresencePenaltyLogitsProcessor(gc.frequency_penalty or 0.0, gc.presence_penalty or 0.0,
                                                              context.prompt_length))
@@ -77,24 +80,28 @@ def decodekit_logits_processors(generation_config, context):
         out.append(P.SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
     if gc.do_sample and not llamacpp_chain(gc):
         # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax. With a
-        # llama.cpp sampler on, plugins/llamacpp_samplers.py runs them in llama.cpp's order instead.
+        # llama.cpp sampler on, plugins/llamacpp_samplers.py runs them in llama.cpp's order instead. Beam sampling
+        # keeps one token more than there are EOS ids, so a beam can always go on (transformers' rule).
+        keep = (len(eos) + 1 if eos else 2) if gc.number("num_beams", 1) > 1 else 1
         if gc.temperature not in (None, 1.0):
             out.append(P.TemperatureLogitsWarper(gc.temperature))
+        if gc.top_h is not None:
+            out.append(P.TopHLogitsWarper(gc.top_h))
         top_p = gc.top_p not in (None, 1.0)
         if gc.top_k and top_p:
-            out.append(P.TopKTopPLogitsWarper(gc.top_k, gc.top_p))
+            out.append(P.TopKTopPLogitsWarper(gc.top_k, gc.top_p, min_tokens_to_keep=keep))
         elif gc.top_k:
-            out.append(P.TopKLogitsWarper(gc.top_k))
+            out.append(P.TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep))
         elif top_p:
-            out.append(P.TopPLogitsWarper(gc.top_p))
+            out.append(P.TopPLogitsWarper(gc.top_p, min_tokens_to_keep=keep))
         if gc.min_p:
-            out.append(P.MinPLogitsWarper(gc.min_p))
+            out.append(P.MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep))
         if gc.typical_p not in (None, 1.0):
-            out.append(P.TypicalLogitsWarper(gc.typical_p))
+            out.append(P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep))
         if gc.epsilon_cutoff:
-            out.append(P.EpsilonLogitsWarper(gc.epsilon_cutoff))
+            out.append(P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep))
         if gc.eta_cutoff:
-            out.append(P.EtaLogitsWarper(gc.eta_cutoff))
+            out.append(P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep))
     watermark = processor_for(gc, context)  # the watermark plugin's, after the warpers as in transformers
     if watermark is not None:
         out.append(watermark)

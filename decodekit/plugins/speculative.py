@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import crop_to
-from ..core.config import is_int
+from ..core.config import is_int, is_number
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
 from ..core.tokens import common_prefix
@@ -31,7 +31,8 @@ SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 def decodekit_config_fields():
     return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
             "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None,
-            "assistant_tokenizer": None}
+            "assistant_tokenizer": None, "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10,
+            "target_lookbehind": 10, "is_assistant": False}
 
 
 @hookimpl
@@ -40,6 +41,15 @@ def decodekit_validate_config(generation_config, context):
     assistant, lookup = gc.assistant_model, gc.prompt_lookup_num_tokens
     bad = gc.invalid
 
+    threshold = gc.assistant_confidence_threshold
+    if threshold is not None and (not is_number(threshold) or not 0 <= threshold <= 1):
+        raise bad("assistant_confidence_threshold", "expected a number in [0, 1] (0: draft num_assistant_tokens "
+                  "always) or None")
+    for name in ("assistant_lookbehind", "target_lookbehind"):
+        if not is_int(getattr(gc, name)) or getattr(gc, name) < 1:
+            raise bad(name, "expected an integer >= 1")
+    if not isinstance(gc.is_assistant, bool):
+        raise bad("is_assistant", "expected True or False")
     early = gc.assistant_early_exit
     if early is not None:
         layers = getattr(context.model.config, "num_hidden_layers", None)
@@ -141,10 +151,9 @@ class Translator:
     target would. The target verifies as for any candidates without a distribution, so greedy output is the
     target's own and sampling keeps its distribution."""
 
-    LOOKBEHIND = 10
-
-    def __init__(self, assistant, cache, assistant_tokenizer, tokenizer):
+    def __init__(self, assistant, cache, assistant_tokenizer, tokenizer, lookbehind: int = 10):
         self.assistant, self.cache, self.theirs, self.ours = assistant, cache, assistant_tokenizer, tokenizer
+        self.lookbehind = lookbehind  # target_lookbehind
         self.fed: list[int] = []  # the assistant tokens the cache holds
         self.ends = set(assistant.generation_config.eos_token_ids or ()) if hasattr(assistant, "generation_config") else set()
 
@@ -165,7 +174,7 @@ class Translator:
         self.fed = held
         if not drafted:
             return input_ids[0, :0]
-        tail = self.ours.decode(input_ids[0, -self.LOOKBEHIND:], skip_special_tokens=True)
+        tail = self.ours.decode(input_ids[0, -self.lookbehind:], skip_special_tokens=True)
         before = self.ours.encode(tail, add_special_tokens=False)
         after = self.ours.encode(tail + self.theirs.decode(drafted, skip_special_tokens=True), add_special_tokens=False)
         if after[: len(before)] != before:  # the boundary tokenizes differently: no guess this round
@@ -214,7 +223,8 @@ class Speculative:
 
             a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
             if gc.assistant_tokenizer is not None:
-                translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer)
+                translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer,
+                                        gc.target_lookbehind)
         keep_all = _forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
@@ -300,8 +310,11 @@ class Speculative:
 
     @staticmethod
     def _propose(assistant, a_cache, input_ids, n, pipeline, gc, context):
-        """n tokens from the assistant (greedy or sampled), and for sampling their distributions q [n, V]."""
+        """Up to n tokens from the assistant (greedy or sampled), and for sampling their distributions q [n, V]. The
+        draft stops early after a token the assistant gave a probability below assistant_confidence_threshold, as
+        transformers' ConfidenceCriteria: the target would likely reject what follows."""
         tokens, qs = [], []
+        threshold = gc.assistant_confidence_threshold or 0
         ids = input_ids
         for _ in range(max(n, 0)):
             fresh = ids[:, a_cache.get_seq_length():] if a_cache is not None else ids
@@ -315,6 +328,8 @@ class Speculative:
                 token = scores.argmax(dim=-1)[0]
             tokens.append(token)
             ids = torch.cat((ids, token.view(1, 1)), dim=1)
+            if threshold and float(torch.softmax(scores[0], dim=-1)[token]) < threshold:
+                break
         candidates = torch.stack(tokens) if tokens else input_ids[0, :0]
         return candidates, (torch.stack(qs) if qs else None)
 

@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..core.config import is_int, is_number
@@ -172,11 +173,11 @@ def processor_for(generation_config, context):
         return None
     config = watermark_config(config)
     if isinstance(config, SynthIDTextWatermarkingConfig):
-        return SynthIDLogitsProcessor(config, context.device)
+        return SynthIDTextWatermarkLogitsProcessor(device=context.device, **config.to_dict())
     vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
     if not vocab:
         raise ValueError("watermarking_config needs the model's vocabulary size (config.vocab_size).")
-    return WatermarkLogitsProcessor(int(vocab), config, context.device)
+    return WatermarkLogitsProcessor(int(vocab), context.device, **config.to_dict())
 
 
 class GreenLists:
@@ -206,14 +207,17 @@ class GreenLists:
 
 
 class WatermarkLogitsProcessor:
-    """Adds `config.bias` to the green tokens of each row (rows shorter than context_width are left alone).
+    """Adds `bias` to the green tokens of each row (rows shorter than context_width are left alone).
 
-    `vocab_size`: the model's vocabulary size; `config`: a WatermarkingConfig; `device`: where the green
-    lists are drawn (the detector must draw them on the same kind of device).
+    `vocab_size`: the model's vocabulary size; `device`: where the green lists are drawn (the detector must draw
+    them on the same kind of device); the rest are WatermarkingConfig's fields, with its defaults.
     """
 
-    def __init__(self, vocab_size: int, config: WatermarkingConfig, device=None):
-        self.config = config
+    def __init__(self, vocab_size: int, device=None, greenlist_ratio: float = 0.25, bias: float = 2.0,
+                 hashing_key: int = 15485863, seeding_scheme: str = "lefthash", context_width: int = 1):
+        self.config = config = WatermarkingConfig.of(dict(
+            greenlist_ratio=greenlist_ratio, bias=bias, hashing_key=hashing_key, seeding_scheme=seeding_scheme,
+            context_width=context_width))
         self.green = GreenLists(vocab_size, config, device)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -238,16 +242,21 @@ def p_value(z: float) -> float:
 
 
 @dataclass
-class WatermarkDetection:
-    """Per sequence: tokens scored, green tokens among them, their fraction, the z-score against the green
-    ratio, its one-sided p-value, and whether the z-score is above the threshold."""
+class WatermarkDetectorOutput:
+    """Per sequence (numpy arrays, as transformers' WatermarkDetectorOutput): tokens scored, green tokens among
+    them, their fraction, the z-score against the green ratio, its one-sided p-value, whether the z-score is above
+    the threshold, and the confidence 1 - p."""
 
-    num_tokens_scored: list[int]
-    num_green_tokens: list[int]
-    green_fraction: list[float]
-    z_score: list[float]
-    p_value: list[float]
-    prediction: list[bool]
+    num_tokens_scored: np.ndarray
+    num_green_tokens: np.ndarray
+    green_fraction: np.ndarray
+    z_score: np.ndarray
+    p_value: np.ndarray
+    prediction: np.ndarray
+    confidence: np.ndarray  # 1 - p_value
+
+
+WatermarkDetection = WatermarkDetectorOutput  # its name before transformers' was taken
 
 
 class WatermarkDetector:
@@ -257,22 +266,29 @@ class WatermarkDetector:
     text was generated ("cpu" or a CUDA device: the green lists are drawn there); watermarking_config: the
     settings used when generating (a WatermarkingConfig, a dict, or transformers' config); ignore_repeated_ngrams:
     count each distinct (context, token) once. Call it on the generated ids (without the prompt, which would
-    dilute the score): `detector(ids)` -> WatermarkDetection.
+    dilute the score): `detector(ids)` -> a numpy array of predictions, `detector(ids, return_dict=True)`
+    -> WatermarkDetectorOutput.
     """
 
-    def __init__(self, model_config, device, watermarking_config, ignore_repeated_ngrams: bool = False):
+    def __init__(self, model_config, device, watermarking_config, ignore_repeated_ngrams: bool = False,
+                 max_cache_size: int = 128):
         self.config = WatermarkingConfig.of(watermarking_config)
         self.bos_token_id = getattr(model_config, "bos_token_id", None)
         self.green = GreenLists(int(model_config.vocab_size), self.config, device)
         self.ignore_repeated_ngrams = ignore_repeated_ngrams
-        self._is_green = lru_cache(maxsize=4096)(self._green_ngram)
+        if not is_int(max_cache_size) or max_cache_size < 1:
+            raise ValueError(f"max_cache_size={max_cache_size!r} is invalid; expected an integer >= 1 (n-grams whose "
+                             "colour is remembered).")
+        self._is_green = lru_cache(maxsize=max_cache_size)(self._green_ngram)
 
     def _green_ngram(self, ngram: tuple[int, ...]) -> bool:
         tokens = torch.tensor(ngram, device=self.green.table.device)
         prefix = tokens if self.config.seeding_scheme == "selfhash" else tokens[:-1]
         return bool((self.green.after(prefix) == ngram[-1]).any())
 
-    def __call__(self, input_ids: torch.LongTensor, z_threshold: float = 3.0) -> WatermarkDetection:
+    def __call__(self, input_ids: torch.LongTensor, z_threshold: float = 3.0, return_dict: bool = False):
+        """As transformers': a numpy bool array of predictions (z-score > `z_threshold`), or with `return_dict=True`
+        the whole WatermarkDetectorOutput (its fields numpy arrays, as WatermarkDetectorOutput's)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("WatermarkDetector takes token ids as a LongTensor [batch, length].")
         if self.bos_token_id is not None:
@@ -296,9 +312,14 @@ class WatermarkDetector:
                 greens.append(sum(c * self._is_green(g) for g, c in counts.items()))
         ratio = self.config.greenlist_ratio
         z = [(g - ratio * t) / math.sqrt(t * ratio * (1 - ratio)) for g, t in zip(greens, scored)]
-        return WatermarkDetection(
-            num_tokens_scored=scored, num_green_tokens=greens, green_fraction=[g / t for g, t in zip(greens, scored)],
-            z_score=z, p_value=[p_value(v) for v in z], prediction=[v > z_threshold for v in z])
+        prediction = np.array([v > z_threshold for v in z])
+        if not return_dict:
+            return prediction
+        return WatermarkDetectorOutput(
+            num_tokens_scored=np.array(scored), num_green_tokens=np.array(greens),
+            green_fraction=np.array([g / t for g, t in zip(greens, scored)]), z_score=np.array(z),
+            p_value=np.array([p_value(v) for v in z]), prediction=prediction,
+            confidence=np.array([1 - p_value(v) for v in z]))
 
 
 # ---- SynthID Text ----
@@ -335,37 +356,66 @@ class SynthIDGValues:
         return self.of_keys(_hash(torch.ones(ngrams.shape[:-1], dtype=torch.long, device=ids.device), ngrams))
 
 
-class SynthIDLogitsProcessor:
-    """SynthID Text: the distribution is reweighted by one tournament round per key over the candidates'
-    g-values; a row whose context was seen within the last context_history_size steps is left as it is.
-    Returns log-probabilities. One call per generated token (it keeps the context itself)."""
+class SynthIDTextWatermarkState:
+    """A SynthID processor's state for one batch: the last ngram_len - 1 tokens of each row (zeros at first, as
+    transformers), the hashes of the contexts seen lately, and the number of calls."""
 
-    def __init__(self, config: SynthIDTextWatermarkingConfig, device=None):
-        self.config, self.g = config, SynthIDGValues(config, device)
-        self.context = self.history = None
-        self.calls = 0
+    def __init__(self, batch_size: int, ngram_len: int, context_history_size: int, device=None):
+        self.context = torch.zeros(batch_size, ngram_len - 1, dtype=torch.long, device=device)
+        self.context_history = torch.zeros(batch_size, context_history_size, dtype=torch.long, device=device)
+        self.num_calls = 0
+
+
+class SynthIDTextWatermarkLogitsProcessor:
+    """SynthID Text: the distribution is reweighted by one tournament round per key over the candidates'
+    g-values; a row whose context was seen within the last `context_history_size` steps is left as it is.
+    Returns log-probabilities. One call per generated token (its `state` follows the tokens itself).
+
+    Takes transformers' arguments (SynthIDTextWatermarkingConfig's fields and `device`); `debug_mode` replaces the
+    scores by ones first, so only the watermark shows."""
+
+    def __init__(self, ngram_len: int, keys, sampling_table_size: int, sampling_table_seed: int,
+                 context_history_size: int, device=None, skip_first_ngram_calls: bool = False, debug_mode: bool = False):
+        self.config = SynthIDTextWatermarkingConfig.of(dict(
+            keys=list(keys), ngram_len=ngram_len, sampling_table_size=sampling_table_size,
+            sampling_table_seed=sampling_table_seed, context_history_size=context_history_size,
+            skip_first_ngram_calls=skip_first_ngram_calls))
+        self.g = SynthIDGValues(self.config, device)
+        self.device, self.debug_mode, self.state = device, debug_mode, None
+
+    def compute_g_values(self, input_ids: torch.LongTensor) -> torch.LongTensor:
+        """The g-values of each n-gram of `input_ids` [B, T] -> [B, T - ngram_len + 1, depth]."""
+        return self.g.of_sequences(input_ids)
+
+    @staticmethod
+    def update_scores(scores: torch.Tensor, g_values: torch.Tensor) -> torch.Tensor:
+        """scores [B, V] reweighted by g_values [B, V, depth], one tournament round per depth: log-probabilities."""
+        probs = torch.softmax(scores, dim=1)
+        for depth in range(g_values.shape[-1]):
+            layer = g_values[:, :, depth]
+            probs = probs * (1 + layer - (layer * probs).sum(dim=1, keepdim=True))
+        logs = torch.log(probs)
+        return torch.where(torch.isfinite(logs), logs, torch.finfo(logs.dtype).min)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, vocab = scores.shape
-        if self.context is None:  # as transformers: the first context is all zeros, then the tokens follow
-            self.context = torch.zeros(rows, self.config.ngram_len - 1, dtype=torch.long, device=scores.device)
-            self.history = torch.zeros(rows, self.config.context_history_size, dtype=torch.long, device=scores.device)
+        if self.debug_mode:
+            scores = torch.ones_like(scores)
+        state = self.state
+        if state is None:
+            state = self.state = SynthIDTextWatermarkState(rows, self.config.ngram_len, self.config.context_history_size,
+                                                           scores.device)
         else:
-            self.context = torch.cat((self.context[:, 1:], input_ids[:, -1:]), dim=1)
-        self.calls += 1
-        if self.config.skip_first_ngram_calls and self.calls < self.config.ngram_len:
+            state.context = torch.cat((state.context[:, 1:], input_ids[:, -1:]), dim=1)
+        state.num_calls += 1
+        if self.config.skip_first_ngram_calls and state.num_calls < self.config.ngram_len:
             return scores
-        seen = self.g.context_hash(self.context)
+        seen = self.g.context_hash(state.context)
         candidates = torch.arange(vocab, device=scores.device)
         g = self.g.of_keys((seen[:, None] + candidates[None, :]) * HASH_MULTIPLIER + 1)  # [rows, vocab, depth]
-        probs = torch.softmax(scores, dim=1)
-        for depth in range(g.shape[-1]):
-            layer = g[:, :, depth]
-            probs = probs * (1 + layer - (layer * probs).sum(dim=1, keepdim=True))
-        logs = torch.log(probs)
-        logs = torch.where(torch.isfinite(logs), logs, torch.finfo(logs.dtype).min)
-        repeated = (self.history == seen[:, None]).any(dim=1, keepdim=True)
-        self.history = torch.cat((seen[:, None], self.history[:, :-1]), dim=1)
+        logs = self.update_scores(scores, g)
+        repeated = (state.context_history == seen[:, None]).any(dim=1, keepdim=True)
+        state.context_history = torch.cat((seen[:, None], state.context_history[:, :-1]), dim=1)
         return torch.where(repeated, scores, logs)
 
 

@@ -17,6 +17,9 @@ VOCAB = 96
 PAD, EOS = 0, 95
 COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
 
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+
 ARCHITECTURES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4)),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
@@ -48,6 +51,40 @@ ARCHITECTURES = {
                                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                                                 num_experts=4, num_experts_per_tok=2,
                                                                 max_position_embeddings=64)),
+    # The rest of the differential suite (test_differential.py): decoder-only families as transformers 5.23 builds
+    # them, each at the smallest size its config accepts.
+    **{name: (f"{prefix}Config", f"{prefix}ForCausalLM", dict(LLAMA_LIKE, **extra)) for name, (prefix, extra) in {
+        "llama": ("Llama", {}), "mistral": ("Mistral", dict(sliding_window=4)), "qwen2": ("Qwen2", {}),
+        "qwen3": ("Qwen3", dict(head_dim=8)), "phi3": ("Phi3", {}), "gemma": ("Gemma", dict(head_dim=8)),
+        "granite": ("Granite", {}), "olmo": ("Olmo", {}), "olmo2": ("Olmo2", {}), "stablelm": ("StableLm", {}),
+        "starcoder2": ("Starcoder2", dict(sliding_window=None)), "cohere": ("Cohere", {}),
+        "nemotron": ("Nemotron", dict(head_dim=8)), "glm": ("Glm", dict(head_dim=8)), "helium": ("Helium", dict(head_dim=8)),
+        "smollm3": ("SmolLM3", {}), "exaone4": ("Exaone4", dict(head_dim=8)),
+    }.items()},
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                                 num_attention_heads=4, max_position_embeddings=64)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                                                           n_ctx=64)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=2, n_head=4)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                                     multi_query=True)),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                                                         attention_types=[[["global", "local"], 1]],
+                                                         max_position_embeddings=64)),
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                                                  max_position_embeddings=64)),
+    "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+                        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, lru_width=32, attention_window_size=8)),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(LLAMA_LIKE, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                                                      attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)),
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(hidden_size=32, state_size=8, num_hidden_layers=2,
+                                                      intermediate_size=64, expand=2, conv_kernel=4)),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(hidden_size=32, state_size=8, num_hidden_layers=2,
+                                                                         intermediate_size=64, expand=2, conv_kernel=4)),
 }
 
 

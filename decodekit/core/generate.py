@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .cache import cached_length
 from .config import GenerationConfig, add_plugin_fields, closest, is_int
 from .limits import check_call_size
 from .outputs import loop_result
@@ -353,7 +354,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     # Positions follow the real tokens of each row (given explicitly: a transformers model derives them from the
     # cache length, not the mask); without padding the model derives them from the cache.
     positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
-    cached = cache.get_seq_length() if use_cache else 0
+    cached = cached_length(cache) if use_cache else 0
     step_ids = input_ids[:, cached:]
     step_positions = mask_positions(attention_mask)[:, cached:] if attention_mask is not None else None
     chunk = gc.prefill_chunk_size

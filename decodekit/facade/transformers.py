@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Any
 
+import torch
+
 from ..core.config import GenerationConfig, accepted_fields
 
 logger = logging.getLogger("decodekit")
@@ -67,6 +69,31 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     return GenerationConfig(**fields)
 
 
+def cache_keyword(model) -> str:
+    """The keyword `model`'s forward takes its cache by: past_key_values, or cache_params (Mamba, FalconMamba);
+    decodekit's loops always pass past_key_values and the facade renames it."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
+
+
+def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
+    """With a static (compileable) transformers cache, the 2D padding mask in `kwargs` becomes the mask the model's
+    create_masks_for_generate makes of it, as transformers' generate() does before each forward: a 4D mask over the
+    cache's whole length, or what a model overrides it with (BLOOM's ALiBi reads a 2D mask padded to that length)."""
+    cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+    if mask is None or mask.ndim != 2 or not getattr(cache, "is_compileable", False) or not hasattr(cache, "layers"):
+        return
+    from transformers.masking_utils import create_masks_for_generate
+
+    ids = args[0] if args else kwargs.get("input_ids")
+    make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+    kwargs["attention_mask"] = make(config=model.config, attention_mask=mask, past_key_values=cache,
+                                    inputs_embeds=torch.empty((*ids.shape, 0), dtype=model.dtype, device=ids.device),
+                                    position_ids=kwargs.get("position_ids"))
+
+
 def make_cache(model, kind: str, max_length: int):
     """A transformers Cache laid out as `model`'s config asks (sliding-window and hybrid layers included), or None
     for a model that keeps a cache of its own kind (state-space models)."""
@@ -75,6 +102,12 @@ def make_cache(model, kind: str, max_length: int):
     if not model._supports_default_dynamic_cache():
         return None
     config = model.config.get_text_config(decoder=True)
+    if kind == "static" and "local" in (getattr(config, "attention_layers", None) or ()):
+        # GPT-Neo's local-attention layers are not laid out by StaticCache (no layer_types): transformers' own
+        # static output differs from its dynamic one there. A dynamic cache gives the model's real output.
+        logger.info("cache_implementation='static': %s has local-attention layers a static cache does not lay out; "
+                    "a dynamic cache is used", type(model).__name__)
+        kind = "dynamic"
     if kind == "static":
         return StaticCache(config=config, max_cache_len=max_length)
     return DynamicCache(config=config)

@@ -36,15 +36,48 @@ def reorder_rows(cache, indices: torch.Tensor) -> None:
         cache.reorder_cache(indices)
 
 
+def cached_length(cache) -> int:
+    """How many positions `cache` holds. transformers' caches of a state-space model (Mamba) hold recurrent states
+    only and refuse get_seq_length(); a fresh one holds nothing (0), and one that has read tokens cannot say how
+    many: a ValueError says so."""
+    try:
+        return cache.get_seq_length()
+    except ValueError:
+        if not recurrent(cache):
+            raise
+        written = any(any(getattr(layer, name, {}).values()) for layer in cache.layers
+                      for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"))
+        if written:
+            raise ValueError("past_key_values holds a state-space model's recurrent states, which do not record how "
+                             "many tokens they have read: pass a fresh cache (or none) with the whole prompt.") from None
+        return 0
+
+
+def recurrent(cache) -> bool:
+    """Whether `cache` (a transformers Cache) has layers of recurrent state (Mamba, Jamba, RecurrentGemma's
+    linear-attention layers): they cannot be rolled back once they have read a token."""
+    return any("LinearAttention" in type(layer).__name__ for layer in getattr(cache, "layers", ()))
+
+
+def record_past(cache) -> None:
+    """Makes `cache` keep what it would drop (a sliding window's old positions), so crop_to can roll it back:
+    transformers' caches drop them unless asked (activate_past_recording); decodekit's keep everything."""
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+
+
 def crop_to(cache, length: int) -> None:
     """Keep the first `length` positions, on a decodekit cache (`crop(max_length)`) or a transformers `Cache`,
     whose `crop` takes the (negative) number of positions to drop."""
     if hasattr(cache, "reorder"):
         cache.crop(length)
         return
-    drop = cache.get_seq_length() - length
-    if drop > 0:
-        cache.crop(-drop)
+    # Layer by layer: a self-speculative draft writes only the first layers, so layers can differ in length (the
+    # cache's own crop would drop the same count from each); a sliding-window layer takes only counts to drop.
+    for layer in getattr(cache, "layers", None) or [cache]:
+        drop = layer.get_seq_length() - length
+        if drop > 0:
+            layer.crop(-drop)
 
 
 def new_cache(model, kind: str, batch_size: int, max_length: int):

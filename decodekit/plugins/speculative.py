@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import crop_to
+from ..core.cache import cached_length, crop_to, record_past, recurrent
 from ..core.config import is_int, is_number
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
@@ -209,6 +209,11 @@ class Speculative:
         cache, max_length = pipeline.cache, context.max_length
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
+        if recurrent(cache):
+            raise ValueError(f"speculative decoding rolls the cache back past rejected tokens, and this model's cache "
+                             f"({type(cache).__name__}) holds recurrent states (a state-space or linear-attention layer) "
+                             "that cannot be rolled back: use greedy decoding, sampling or beam search.")
+        record_past(cache)  # a sliding window keeps what a rejected draft would push out
         a_cache = translator = None
         if isinstance(assistant, EarlyExit):
             # The draft's layers are the target's first layers: it drafts on the target's cache, whose entries for
@@ -222,6 +227,11 @@ class Speculative:
             from ..registry.manager import call_first
 
             a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
+            if a_cache is not None and recurrent(a_cache):
+                raise ValueError("the assistant's cache holds recurrent states (a state-space model), which cannot be "
+                                 "rolled back past a rejected draft: use an attention-only assistant.")
+            if a_cache is not None:
+                record_past(a_cache)
             if gc.assistant_tokenizer is not None:
                 translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer,
                                         gc.target_lookbehind)
@@ -282,7 +292,7 @@ class Speculative:
             # Keep what the target saw and agreed with: all but the newest token.
             crop_to(cache, input_ids.shape[1] - 1)
             if a_cache is not None and a_cache is not cache and translator is None:  # the translator crops its own
-                crop_to(a_cache, min(a_cache.get_seq_length(), input_ids.shape[1] - 1))
+                crop_to(a_cache, min(cached_length(a_cache), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does
         if streamer is not None:
@@ -317,7 +327,7 @@ class Speculative:
         threshold = gc.assistant_confidence_threshold or 0
         ids = input_ids
         for _ in range(max(n, 0)):
-            fresh = ids[:, a_cache.get_seq_length():] if a_cache is not None else ids
+            fresh = ids[:, cached_length(a_cache):] if a_cache is not None else ids
             out = assistant(fresh, past_key_values=a_cache, use_cache=a_cache is not None)
             scores = pipeline.processors(ids, out.logits[:, -1, :].float())
             if gc.do_sample:

@@ -36,6 +36,54 @@ def generate(model, input_ids, generation_config=None, left_padding=None, **kwar
     return input_ids
 '''
 
+# A sampler's loop as Hub methods written for transformers have it: it reads both lengths from the config it is
+# handed (so both must be set: the call's prepared config).
+LENGTHS_FROM_CONFIG = '''
+import torch
+
+
+def generate(model, input_ids, generation_config=None, **kwargs):
+    generation_config = generation_config or model.generation_config
+    prompt = input_ids.shape[1]
+    while input_ids.shape[1] < generation_config.max_length and input_ids.shape[1] - prompt < generation_config.max_new_tokens:
+        next_tokens = model(input_ids).logits[:, -1, :].argmax(dim=-1)
+        input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
+    return input_ids
+'''
+
+# Greedy decoding through transformers' own generation internals, as many Hub methods are written: the config
+# prepared by _prepare_generation_config, processors and criteria from the model's private builders, inputs from
+# prepare_inputs_for_generation over a DynamicCache with cache_position.
+TRANSFORMERS_INTERNALS = '''
+import torch
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+
+OWN = ("logits_processor", "stopping_criteria", "streamer", "tokenizer", "input_ids")
+
+
+def generate(model, inputs=None, generation_config=None, **kwargs):
+    input_ids = inputs if inputs is not None else kwargs["input_ids"]
+    generation_config, _ = model._prepare_generation_config(
+        generation_config, **{k: v for k, v in kwargs.items() if k not in OWN and v is not None})
+    if generation_config.max_new_tokens is not None:
+        generation_config.max_length = input_ids.shape[1] + generation_config.max_new_tokens
+    model._prepare_special_tokens(generation_config, device=input_ids.device)
+    processors = model._get_logits_processor(
+        generation_config=generation_config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=input_ids.device, model_kwargs={})
+    criteria = model._get_stopping_criteria(generation_config=generation_config, stopping_criteria=StoppingCriteriaList())
+    cache = DynamicCache(config=model.config)
+    ids, cache_position, first = input_ids, torch.arange(input_ids.shape[1], device=input_ids.device), True
+    while True:
+        step = model.prepare_inputs_for_generation(ids, past_key_values=cache, is_first_iteration=first, use_cache=True,
+                                                   next_sequence_length=None if first else 1)
+        scores = processors(ids, model(**step, cache_position=cache_position).logits[:, -1, :].float())
+        ids = torch.cat([ids, scores.argmax(-1)[:, None]], dim=-1)
+        if criteria(ids, scores).all():
+            return ids
+        cache_position, first = cache_position[-1:] + 1, False
+'''
+
 # Contributes to the core loop through decodekit's hooks instead of replacing it.
 HOOK_METHOD = '''
 """Bans one token through the logits hook point; the core loop does the rest."""

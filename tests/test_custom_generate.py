@@ -11,7 +11,7 @@ from decodekit.hub_loader import UntrustedCodeError
 from decodekit.registry import get_plugin_manager
 
 from helpers import write_tiny_model
-from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method
+from methods import HOOK_METHOD, LENGTHS_FROM_CONFIG, TRANSFORMERS_STYLE_GREEDY, write_method
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,15 @@ def test_model_repo_with_custom_generate_becomes_generate(hub, tmp_path, caplog)
     assert out.shape == (1, 1 + 4 + 2) and custom.custom_generate_source.revision == sha
     # The built-in generate stays reachable, and a method calling model.generate() does not recurse.
     assert custom.generate(PROMPT, custom_generate=lambda m, ids, *a, **k: "builtin path") == "builtin path"
+
+
+def test_a_method_bound_from_a_model_repo_gets_the_calls_prepared_config(tmp_path):
+    repo = write_tiny_model(tmp_path / "model")
+    write_method(repo, LENGTHS_FROM_CONFIG)
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    plain = AutoModelForCausalLM.from_pretrained(repo)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=3), plain.generate(PROMPT, max_new_tokens=3, eos_token_id=None))
+    assert model.generate(input_ids=PROMPT, max_length=7).shape == (1, 7)  # by name too
 
 
 def test_hook_method_in_a_model_repo(tmp_path):

@@ -11,6 +11,7 @@ from decodekit import AutoModelForCausalLM
 
 from tiny_transformers import ARCHITECTURES, EOS, PAD, tiny_transformers_model, transformers
 
+from decodekit.facade.transformers import cache_keyword as hf_cache_keyword  # noqa: E402
 from decodekit.integrations.transformers import TransformersModel, wrap  # noqa: E402  (after the importorskip)
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
@@ -347,3 +348,103 @@ def test_a_wrapped_model_can_be_copied(gpt2):
     hf, model = gpt2
     twin = copy.copy(model)
     assert twin.module is hf and torch.equal(ours(twin, PROMPT), ours(model, PROMPT))
+
+
+def unconditional_guidance(hf, prompt, scale: float, steps: int) -> torch.Tensor:
+    """Greedy decoding with classifier-free guidance computed without any cache: the oracle for models whose
+    guidance transformers runs without their cache (a state-space model's forward takes cache_params, and its
+    unconditional run is handed past_key_values, which it ignores)."""
+    ids, unconditional = prompt, prompt[:, -1:]
+    for _ in range(steps):
+        with torch.no_grad():
+            cond = hf(ids).logits[:, -1].log_softmax(-1)
+            uncond = hf(unconditional).logits[:, -1].log_softmax(-1)
+        token = (scale * (cond - uncond) + uncond).argmax(-1, keepdim=True)
+        ids, unconditional = torch.cat((ids, token), 1), torch.cat((unconditional, token), 1)
+    return ids
+
+
+def test_guidance_and_watermark_equal_transformers(pair):
+    hf, model = pair
+    watermark = dict(watermarking_config={"bias": 2.5, "greenlist_ratio": 0.5})
+    assert torch.equal(ours(model, PROMPT, **watermark), reference(hf, PROMPT, **watermark))
+    if model.holds_recurrent_state:  # RecurrentGemma: refused with the reason
+        with pytest.raises(ValueError, match="keeps its recurrent state in its own layers"):
+            ours(model, PROMPT, guidance_scale=1.5)
+    elif hf_cache_keyword(hf) == "cache_params":
+        assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), unconditional_guidance(hf, PROMPT, 1.5, NEW))
+    else:
+        assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), reference(hf, PROMPT, guidance_scale=1.5))
+
+
+@pytest.mark.parametrize("architecture", ["mamba", "jamba", "recurrent_gemma"])
+def test_every_other_strategy_runs_on_state_space_models_or_says_why(architecture):
+    # No transformers oracle for these here (contrastive search and DoLa moved to Hub repos in transformers 5):
+    # each runs and keeps the prompt, the chunked prefill gives greedy's tokens, and a choice that cannot apply
+    # is refused with the reason.
+    model = wrap(tiny_transformers_model(architecture))
+    greedy = ours(model, LONG)
+    assert torch.equal(ours(model, LONG, prefill_chunk_size=4), greedy)
+    strategies = [dict(dola_layers=[0, 1], repetition_penalty=1.2), dict(compile=True), dict(do_sample=True, num_beams=3, seed=0),
+                  dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5)]
+    if not model.holds_recurrent_state:
+        strategies.append(dict(penalty_alpha=0.6, top_k=4))
+    else:
+        with pytest.raises(ValueError, match="contrastive search .* keeps its recurrent state"):
+            ours(model, LONG, penalty_alpha=0.6, top_k=4)
+    for options in strategies:
+        out = ours(model, LONG, **options)
+        assert torch.equal(out[:, :LONG.shape[1]], LONG) and out.shape[1] == LONG.shape[1] + NEW, options
+    if model.config.tie_word_embeddings:
+        with pytest.raises(ValueError, match=f"picks no layer of this {model.config.num_hidden_layers}-layer model"):
+            ours(model, LONG, dola_layers="low")
+
+
+# --- Hub methods written for transformers, and mixed native / transformers speculative pairs -----------------------
+
+
+def test_a_method_using_transformers_internals_runs_on_a_wrapped_model_as_on_transformers(tmp_path):
+    from methods import TRANSFORMERS_INTERNALS, write_method
+
+    hf = tiny_transformers_model("llama")
+    repo = str(write_method(tmp_path / "internals", TRANSFORMERS_INTERNALS))
+    options = dict(max_new_tokens=6, repetition_penalty=1.3, eos_token_id=None, pad_token_id=PAD)
+    theirs = hf.generate(PROMPT, custom_generate=repo, trust_remote_code=True, **options)
+    assert torch.equal(theirs, hf.generate(PROMPT, do_sample=False, **options))
+    assert torch.equal(wrap(hf).generate(PROMPT, custom_generate=repo, trust_remote_code=True, **options), theirs)
+
+
+def test_a_method_using_transformers_internals_names_what_a_native_model_lacks(tmp_path):
+    from methods import TRANSFORMERS_INTERNALS, write_method
+
+    from helpers import write_tiny_model
+
+    native = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "native"))
+    repo = str(write_method(tmp_path / "internals", TRANSFORMERS_INTERNALS))
+    with pytest.raises(AttributeError, match=r"_prepare_generation_config is an internal of transformers' generate\(\)"):
+        native.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=3)
+
+
+def test_methods_get_the_calls_prepared_config_on_both_backends(tmp_path):
+    from methods import LENGTHS_FROM_CONFIG, write_method
+
+    from helpers import write_tiny_model
+
+    repo = str(write_method(tmp_path / "lengths", LENGTHS_FROM_CONFIG))
+    native = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "native"))
+    for model in (native, wrap(tiny_transformers_model("llama"))):
+        greedy = model.generate(PROMPT, max_new_tokens=5, eos_token_id=None)
+        assert torch.equal(model.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=5), greedy)
+        by_length = model.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_length=8)
+        assert by_length.shape == (1, 8)
+
+
+def test_a_native_target_with_a_plain_transformers_assistant_and_the_reverse(tmp_path):
+    from helpers import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "llama")
+    native = AutoModelForCausalLM.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    greedy = native.generate(LONG, max_new_tokens=NEW, eos_token_id=None)
+    assert torch.equal(native.generate(LONG, max_new_tokens=NEW, eos_token_id=None, assistant_model=hf), greedy)
+    assert torch.equal(wrap(hf).generate(LONG, max_new_tokens=NEW, eos_token_id=None, assistant_model=native), greedy)

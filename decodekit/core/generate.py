@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .cache import cached_length
-from .config import GenerationConfig, add_plugin_fields, closest, is_int
+from .cache import cached_length, recurrent
+from .config import GenerationConfig, accepted_fields, add_plugin_fields, closest, is_int
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
@@ -30,8 +30,13 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     an error, so a typo never passes silently.
     """
     base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if base is not None and not isinstance(base, GenerationConfig) and callable(getattr(base, "to_diff_dict", None)):
+        # transformers' GenerationConfig (a Hub method passing its own back): the fields it sets, those decodekit knows.
+        known = set(accepted_fields())
+        base = GenerationConfig(**{k: v for k, v in base.to_diff_dict().items() if k in known})
     if base is not None and not isinstance(base, GenerationConfig):
-        raise TypeError(f"generation_config must be a decodekit GenerationConfig, got {type(base).__name__}.")
+        raise TypeError(f"generation_config must be a decodekit or transformers GenerationConfig, got "
+                        f"{type(base).__name__}.")
     gc = base.copy() if base is not None else GenerationConfig()
     known = add_plugin_fields(gc)
     model_kwargs = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
@@ -316,7 +321,8 @@ def method_arguments(model, fn, arguments: dict) -> dict:
         length = prompt.shape[1]
         max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         gc = prepared_config(gc, length, gc.max_length_for(length, max_positions))
-    return {**arguments, "generation_config": gc}
+    convert = getattr(model, "method_generation_config", None)  # the facade's: transformers' config for its models
+    return {**arguments, "generation_config": convert(gc) if convert is not None else gc}
 
 
 def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
@@ -358,8 +364,9 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     step_ids = input_ids[:, cached:]
     step_positions = mask_positions(attention_mask)[:, cached:] if attention_mask is not None else None
     chunk = gc.prefill_chunk_size
-    if chunk and use_cache and not (gc.output_hidden_states or gc.output_attentions):
+    if chunk and use_cache and not recurrent(cache) and not (gc.output_hidden_states or gc.output_attentions):
         # The prompt in pieces: less memory for its activations; the logits of the last piece decide as before.
+        # Not for a recurrent (state-space) cache: transformers' Mamba reads a multi-token input as a new prompt.
         while step_ids.shape[1] > chunk:
             cached += chunk
             model(step_ids[:, :chunk], attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,

@@ -25,6 +25,16 @@ from . import transformers as hf
 
 BACKENDS = ("native", "transformers")
 
+# transformers' generation internals that Hub methods call (model._get_logits_processor(...)): on a native model the
+# facade names what is missing and what to do instead of a bare AttributeError.
+TRANSFORMERS_INTERNALS = frozenset({
+    "_get_logits_processor", "_get_stopping_criteria", "_prepare_special_tokens", "_prepare_generation_config",
+    "prepare_inputs_for_generation", "_prepare_cache_for_generation", "_update_model_kwargs_for_generation",
+    "_prepare_attention_mask_for_generation", "_expand_inputs_for_generation", "_has_unfinished_sequences",
+    "_supports_default_dynamic_cache", "_get_candidate_generator", "_validate_model_kwargs", "_sample",
+    "_beam_search", "_assisted_decoding", "heal_tokens", "create_masks_for_generate",
+})
+
 # Module methods that return the module: on the facade they return the facade, so
 # `model = AutoModelForCausalLM.from_pretrained(...).to("cuda")` keeps generate().
 _CHAINED = ("to", "cpu", "cuda", "half", "float", "bfloat16", "double", "eval", "train", "requires_grad_")
@@ -83,6 +93,12 @@ class Model(GenerationMixin):
         module = self.__dict__.get("module")
         if module is None:
             raise AttributeError(name)
+        if name in TRANSFORMERS_INTERNALS and not hasattr(module, name):
+            raise AttributeError(
+                f"{name} is an internal of transformers' generate(), which a Hub method written for transformers may "
+                f"call; {type(module).__name__} is a decodekit model and has no such method. Run the method on a "
+                "transformers model (AutoModelForCausalLM.from_pretrained(..., backend='transformers') or "
+                "decodekit.wrap(a transformers model)), or have it use decodekit's hooks (docs/custom-generate.md).")
         return getattr(module, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -112,6 +128,19 @@ class Model(GenerationMixin):
     def makes_caches(self) -> bool:
         """Whether the model's own library lays out its KV caches (transformers), rather than decodekit."""
         return self.backend == "transformers"
+
+    def method_generation_config(self, gc: GenerationConfig):
+        """The generation config a custom_generate method written for the model's library receives: a transformers
+        GenerationConfig for a transformers model (its generation internals, `_get_logits_processor` and the rest,
+        read transformers' fields), decodekit's own for a native model."""
+        return hf.to_transformers_config(gc) if self.backend == "transformers" else gc
+
+    @property
+    def holds_recurrent_state(self) -> bool:
+        """Whether the module keeps recurrent state in its own layers rather than in the cache it is handed
+        (RecurrentGemma): it then cannot run a second sequence beside the first (guidance's unconditional run) or
+        grow its batch in the middle of a call (contrastive search)."""
+        return self.backend == "transformers" and hf.holds_recurrent_state(self.module)
 
     def make_cache(self, kind: str, batch_size: int, max_length: int):
         """The cache the hook point gives a transformers model (see makes_caches): a transformers Cache laid

@@ -69,6 +69,25 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     return GenerationConfig(**fields)
 
 
+def to_transformers_config(gc: GenerationConfig):
+    """transformers' GenerationConfig with every field of `gc` transformers has (a config object such as a
+    watermark's as its dict; models and tensors, which no config file holds, are left out)."""
+    from transformers import GenerationConfig as TransformersConfig
+
+    theirs = set(TransformersConfig().to_dict())
+    fields = {}
+    for name, value in gc.to_dict().items():
+        if name not in theirs or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        fields[name] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value
+    return TransformersConfig(**fields)
+
+
+def holds_recurrent_state(model) -> bool:
+    """Whether a layer of `model` sets up recurrent state of its own (`_setup_cache`, RecurrentGemma's)."""
+    return any(hasattr(module, "_setup_cache") for module in model.modules())
+
+
 def cache_keyword(model) -> str:
     """The keyword `model`'s forward takes its cache by: past_key_values, or cache_params (Mamba, FalconMamba);
     decodekit's loops always pass past_key_values and the facade renames it."""

@@ -33,6 +33,10 @@ def decodekit_validate_config(generation_config, context):
     alpha = gc.penalty_alpha
     if alpha is None:
         return
+    if alpha > 0 and getattr(context.model, "holds_recurrent_state", False):
+        raise ValueError(f"contrastive search scores top_k candidates as extra rows of the batch, and "
+                         f"{type(context.model.module).__name__} keeps its recurrent state in its own layers, sized "
+                         "for the call's batch: use greedy decoding, sampling or beam search.")
     if not is_number(alpha) or not 0 <= alpha <= 1:
         raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and gc.number("top_k", 0) <= 1:

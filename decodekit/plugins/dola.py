@@ -59,6 +59,11 @@ def decodekit_validate_config(generation_config, context):
         raise generation_config.invalid(
             "dola_layers", f"a list of layer indices must be non-empty, each in [0, {n}) for this {n}-layer model "
             "(0 is the embedding output)")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if isinstance(layers, str) and not candidate_layers(layers, n, tied):
+        raise generation_config.invalid("dola_layers", f"'{layers}' picks no layer of this {n}-layer model"
+                                        + (" (with tied embeddings the first two are skipped)" if tied else "")
+                                        + f"; pass a list of layer indices in [0, {n})")
     if generation_config.number("num_beams", 1) > 1:
         raise ValueError("dola_layers is not supported with beam search (num_beams > 1).")
     if generation_config.number("repetition_penalty", 1.0) < 1.2:

@@ -32,6 +32,10 @@ def decodekit_validate_config(generation_config, context):
         return
     if not is_number(gc.guidance_scale) or gc.guidance_scale < 0:
         raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
+    if gc.guidance_scale != 1 and getattr(context.model, "holds_recurrent_state", False):
+        raise ValueError(f"guidance_scale runs a second, unconditional sequence through the model beside the prompt's, "
+                         f"and {type(context.model.module).__name__} keeps its recurrent state in its own layers, so "
+                         "the two would overwrite each other: generate without guidance_scale.")
     neg = gc.negative_prompt_ids
     if neg is None and gc.negative_prompt_attention_mask is not None:
         raise ValueError("negative_prompt_attention_mask is the mask of negative_prompt_ids, which is not set; set both "

@@ -139,6 +139,10 @@ class Tokenizer:
     def convert_tokens_to_ids(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """{token: id} for the whole vocabulary, added tokens included (transformers' method of that name)."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
     def convert_ids_to_tokens(self, ids: int | Sequence[int]):
         if isinstance(ids, int):
             return self.backend.id_to_token(ids)

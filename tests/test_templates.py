@@ -1,6 +1,7 @@
 """The authoring workflow: `decodekit new` renders templates whose own tests pass, `decodekit check`
 finds what would break a shared repo, and the results run through generate() and `decodekit list`."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,47 @@ def test_rendered_hub_repo_runs_through_generate(tmp_path):
                          avoid_last_n=4, eos_token_id=None)
     new = out[0].tolist()
     assert all(new[i] not in new[i - 4:i] for i in range(4, len(new)))
+
+
+def venv_without_decodekit(root: Path) -> Path:
+    """A virtual environment that sees this one's packages (torch, transformers) but not decodekit: its
+    site-packages is added by a .pth line, which Python reads as a plain path, so the editable install's own
+    finder (a .pth file inside that directory) never runs."""
+    import site
+    import venv
+
+    venv.create(root, with_pip=False)
+    target = next((root / "lib").glob("python3*/site-packages"))
+    (target / "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return root / "bin" / "python"
+
+
+HOOK_OPTIONS = {"logits processor": ("_penalty", 1e9), "selector": ("_no_immediate_repeat", True),
+                "stopping rule": ("_stop_token", None), "cache": ("_cache", True)}
+
+
+@pytest.mark.parametrize("hook", list(HOOK_OPTIONS))
+def test_a_hook_only_repo_runs_under_transformers_without_decodekit(tmp_path, hook):
+    project = render("hub-repo", tmp_path, {"name": "Lone Method", "hook_point": hook}, no_input=True)
+    model = tiny_model(tmp_path)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    suffix, value = HOOK_OPTIONS[hook]
+    plain = model.generate(prompt, max_new_tokens=8, eos_token_id=None)
+    value = int(plain[0, 6]) if value is None else value  # stop at the third new token
+    option = {f"lone_method{suffix}": value}
+    expected = model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=8,
+                              eos_token_id=None, **option)
+    python = venv_without_decodekit(tmp_path / "venv")
+    script = (
+        "import json, sys, torch, transformers\n"
+        "try:\n    import decodekit\nexcept ImportError:\n    pass\nelse:\n    sys.exit('decodekit is importable')\n"
+        f"model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'tiny-llama')!r})\n"
+        f"out = model.generate(torch.tensor([[5, 6, 7, 8]]), custom_generate={str(project)!r}, trust_remote_code=True,"
+        f" max_new_tokens=8, eos_token_id=None, **{option!r})\n"
+        "print(json.dumps(out.tolist()))\n")
+    done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
 
 
 @pytest.mark.parametrize("hook", template_choices("plugin-package")["hook_point"])

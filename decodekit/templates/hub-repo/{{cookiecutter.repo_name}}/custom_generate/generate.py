@@ -70,10 +70,15 @@ def generate(model, input_ids=None, generation_config=None, attention_mask=None,
 {% include "hooks.py.j2" %}
 
 
-# The entry point transformers' generate(custom_generate=...) calls: it runs the hooks above inside
-# transformers' own loop (decodekit's loop where the method selects tokens or makes the cache).
-# decodekit itself uses the hooks directly.
-from decodekit.integrations.entry import hooks_entry_point  # noqa: E402
+# The entry point transformers' generate(custom_generate=...) calls. With decodekit installed it runs the hooks
+# above inside transformers' own loop (decodekit's loop where the method selects tokens or makes the cache), and
+# decodekit itself uses the hooks directly. With transformers alone (transformers only checks imports outside
+# try/except), standalone_generate runs them in transformers' loop by itself.
+try:
+    from decodekit.integrations.entry import hooks_entry_point
+except ImportError:
+    hooks_entry_point = None
+{% include "standalone.py.j2" %}
 
-generate = hooks_entry_point(__name__)
+generate = hooks_entry_point(__name__) if hooks_entry_point is not None else standalone_generate
 {%- endif %}

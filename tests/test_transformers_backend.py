@@ -448,3 +448,17 @@ def test_a_native_target_with_a_plain_transformers_assistant_and_the_reverse(tmp
     greedy = native.generate(LONG, max_new_tokens=NEW, eos_token_id=None)
     assert torch.equal(native.generate(LONG, max_new_tokens=NEW, eos_token_id=None, assistant_model=hf), greedy)
     assert torch.equal(wrap(hf).generate(LONG, max_new_tokens=NEW, eos_token_id=None, assistant_model=native), greedy)
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama", "opt"])
+def test_finished_beams_are_filled_as_transformers_fills_them(architecture):
+    # pad_token_id=0 counts as unset in transformers' fill (`pad or eos[0]`): beams that end early are filled with
+    # EOS there, and so here, where a literal pad 0 was written before.
+    hf = tiny_transformers_model(architecture)
+    plain = reference(hf, PROMPT)
+    for step in (1, 2, 3):
+        eos = int(plain[0, PROMPT.shape[1] + step])
+        options = dict(num_beams=4, num_return_sequences=3, early_stopping=True, length_penalty=0.5, pad_token_id=0,
+                       eos_token_id=eos, max_new_tokens=10)
+        theirs = hf.generate(PROMPT, do_sample=False, **options)
+        assert torch.equal(wrap(hf).generate(PROMPT, **options), theirs)

@@ -70,28 +70,30 @@ HOOK_OPTIONS = {"logits processor": ("_penalty", 1e9), "selector": ("_no_immedia
                 "stopping rule": ("_stop_token", None), "cache": ("_cache", True)}
 
 
-@pytest.mark.parametrize("hook", list(HOOK_OPTIONS))
-def test_a_hook_only_repo_runs_under_transformers_without_decodekit(tmp_path, hook):
-    project = render("hub-repo", tmp_path, {"name": "Lone Method", "hook_point": hook}, no_input=True)
+def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
+    # One repository per hook point, all run by one child in one environment without decodekit.
     model = tiny_model(tmp_path)
     prompt = torch.tensor([[5, 6, 7, 8]])
-    suffix, value = HOOK_OPTIONS[hook]
     plain = model.generate(prompt, max_new_tokens=8, eos_token_id=None)
-    value = int(plain[0, 6]) if value is None else value  # stop at the third new token
-    option = {f"lone_method{suffix}": value}
-    expected = model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=8,
-                              eos_token_id=None, **option)
+    runs, expected = [], []
+    for hook, (suffix, value) in HOOK_OPTIONS.items():
+        project = render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "Lone Method", "hook_point": hook},
+                         no_input=True)
+        option = {f"lone_method{suffix}": int(plain[0, 6]) if value is None else value}  # stop: the third new token
+        runs.append((str(project), option))
+        expected.append(model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=8,
+                                       eos_token_id=None, **option).tolist())
     python = venv_without_decodekit(tmp_path / "venv")
     script = (
         "import json, sys, torch, transformers\n"
         "try:\n    import decodekit\nexcept ImportError:\n    pass\nelse:\n    sys.exit('decodekit is importable')\n"
         f"model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'tiny-llama')!r})\n"
-        f"out = model.generate(torch.tensor([[5, 6, 7, 8]]), custom_generate={str(project)!r}, trust_remote_code=True,"
-        f" max_new_tokens=8, eos_token_id=None, **{option!r})\n"
-        "print(json.dumps(out.tolist()))\n")
+        f"outs = [model.generate(torch.tensor([[5, 6, 7, 8]]), custom_generate=repo, trust_remote_code=True,"
+        f" max_new_tokens=8, eos_token_id=None, **option).tolist() for repo, option in {runs!r}]\n"
+        "print(json.dumps(outs))\n")
     done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected.tolist()
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
 
 @pytest.mark.parametrize("hook", template_choices("plugin-package")["hook_point"])

@@ -33,7 +33,7 @@ def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, confi
     model, tok = default_model
     prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
     n = prompt.shape[1]
-    kwargs = dict(max_new_tokens=200, min_new_tokens=200, do_sample=True, seed=0)
+    kwargs = dict(max_new_tokens=120, min_new_tokens=120, do_sample=True, seed=0)  # z > 5 here
     marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
     plain = model.generate(prompt, **kwargs)[:, n:]
     detector = WatermarkDetector(model.config, "cpu", config)
@@ -42,7 +42,7 @@ def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, confi
     assert clean.z_score[0] < 2 and clean.prediction.tolist() == [False]
     # Without return_dict, as transformers: the predictions alone, a numpy bool array.
     assert detector(torch.cat((marked, plain))).tolist() == [True, False]
-    assert found.num_tokens_scored[0] == 200 - (config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1)
+    assert found.num_tokens_scored[0] == 120 - (config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1)
     their_config = transformers.LlamaConfig(vocab_size=model.config.vocab_size, bos_token_id=model.config.bos_token_id)
     theirs = transformers.WatermarkDetector(model_config=their_config, device="cpu", watermarking_config=config.to_dict())
     reference = theirs(torch.cat((marked, plain)), return_dict=True)
@@ -111,7 +111,7 @@ def test_synthid_text_is_detected_and_plain_text_is_not(default_model):
     model, tok = default_model
     prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
     n = prompt.shape[1]
-    kwargs = dict(max_new_tokens=200, min_new_tokens=200, do_sample=True, seed=0)
+    kwargs = dict(max_new_tokens=120, min_new_tokens=120, do_sample=True, seed=0)  # z > 5 here
     config = SynthIDTextWatermarkingConfig(**SYNTHID)
     marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
     plain = model.generate(prompt, **kwargs)[:, n:]

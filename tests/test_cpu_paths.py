@@ -134,7 +134,8 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == 6  # a warm-up and 5 timed
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6  # remembered in this process
     stored = json.loads((tmp_path / "choices.json").read_text())
-    assert stored == {cpu.signature(): {"demo(fast,slow)": "fast"}}
+    assert stored == {choices.signature(): {"demo(fast,slow)": "fast"}}
+    assert choices.signature().startswith(cpu.signature())  # and the kernels' source: a changed kernel is measured again
     monkeypatch.setattr(choices, "_made", {})  # a new process on the same machine reads the file
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6
     monkeypatch.setattr(choices, "_made", {})  # a later version offers one more route: measured, not skipped

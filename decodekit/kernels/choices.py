@@ -4,8 +4,9 @@ Which kernel is fastest for a product depends on the CPU (AVX2 only, AVX-512, AV
 thread count and the torch build: a choice tuned on one machine is wrong on another. `choose(name,
 candidates)` times each candidate on a small representative problem the first time `name` is asked for,
 keeps the fastest, logs the choice on the `decodekit` logger, and caches it in memory and in
-`choices.json` under the kernels' cache folder, keyed by cpu.signature() (CPU model, flags, torch version,
-threads), so the next process on the same machine does not measure again.
+`choices.json` under the kernels' cache folder, keyed by signature() (cpu.signature(): CPU model, flags, torch
+version, threads; and the kernels' source, so a changed kernel is measured again), so the next process on the same
+machine does not measure again.
 
     DECODEKIT_CHOICES=measure   measure again now, ignoring the file (it is rewritten)
     clear()                     forget every cached choice (memory and file)
@@ -15,6 +16,7 @@ threads), so the next process on the same machine does not measure again.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -57,12 +59,20 @@ def _key(name: str, candidates) -> str:
     return f"{name}({','.join(sorted(candidates))})"
 
 
+def signature() -> str:
+    """What a cached choice holds for: this CPU and torch (cpu.signature()) and the kernels' source."""
+    from .native import SOURCE
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"{cpu.signature()} kernels {digest}"
+
+
 def _write(key: str, choice: str) -> None:
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         stored = _read()
-        stored.setdefault(cpu.signature(), {})[key] = choice
+        stored.setdefault(signature(), {})[key] = choice
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
         os.replace(scratch, path)  # never a half-written file for another process
@@ -95,7 +105,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
         if name in _made:
             return _made[name]
         remeasure = os.environ.get(VARIABLE) == "measure"
-        stored = {} if remeasure else _read().get(cpu.signature(), {})
+        stored = {} if remeasure else _read().get(signature(), {})
         choice = stored.get(_key(name, candidates))
         if choice not in candidates:
             timings = {label: median_seconds(fn) for label, fn in candidates.items()}

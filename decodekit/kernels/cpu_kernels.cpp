@@ -963,6 +963,59 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
 // enough for the library's matmul to run near its peak, where attention kernels with head_dim 64 products of one
 // head at a time ran at a third of it.
 constexpr int64_t kQueryBlock = 64;
+// Past this many visible keys a block's scores ([heads x 64, keys] floats) no longer stay in a core's L2: the keys
+// are then taken kKeyBlock at a time with an online softmax (a running maximum and sum per row, the output
+// rescaled when the maximum grows), so the scores, probabilities and the output block stay in cache throughout.
+constexpr int64_t kWholeRowKeys = 768, kKeyBlock = 256;
+
+// The task's queries [M, D] (scaled) against keys [lo, hi) of one kv head, key block by key block; `row_range(r)`
+// gives row r's visible keys as [from, to) relative to lo. Writes the normalised output [M, D] to `result`.
+template <typename Range>
+void attend_in_key_blocks(const at::Tensor& qt, const float* keys, const float* values, int64_t lo, int64_t hi,
+                          int64_t D, Range row_range, std::vector<float>& scores, float* result) {
+  const int64_t M = qt.size(0);
+  const auto opts = qt.options();
+  std::vector<float> best(M, -std::numeric_limits<float>::infinity()), total(M, 0.f);
+  std::fill(result, result + M * D, 0.f);
+  at::Tensor rt = at::from_blob(result, {M, D}, opts);
+  scores.resize(M * kKeyBlock);
+  for (int64_t k0 = lo; k0 < hi; k0 += kKeyBlock) {
+    const int64_t width = std::min(kKeyBlock, hi - k0);
+    at::Tensor kt = at::from_blob(const_cast<float*>(keys) + k0 * D, {width, D}, opts);
+    at::Tensor vt = at::from_blob(const_cast<float*>(values) + k0 * D, {width, D}, opts);
+    at::Tensor st = at::from_blob(scores.data(), {M, width}, opts);
+    at::mm_out(st, qt, kt.t());
+    bool any = false;
+    for (int64_t r = 0; r < M; ++r) {
+      const auto [row_from, row_to] = row_range(r);
+      const int64_t from = std::max<int64_t>(row_from - (k0 - lo), 0), to = std::min<int64_t>(row_to - (k0 - lo), width);
+      float* row = scores.data() + r * width;
+      if (from >= to) {  // nothing of this block is visible to the row
+        std::fill(row, row + width, 0.f);
+        continue;
+      }
+      any = true;
+      float top = row[from];
+      for (int64_t j = from + 1; j < to; ++j) top = std::max(top, row[j]);
+      if (top > best[r]) {  // the running maximum grows: what was summed so far shrinks by exp(old - new)
+        const float shrink = std::exp(best[r] - top);
+        total[r] *= shrink;
+        float* out = result + r * D;
+        for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
+        best[r] = top;
+      }
+      total[r] += exp_and_sum(row + from, to - from, best[r]);
+      std::fill(row, row + from, 0.f);
+      std::fill(row + to, row + width, 0.f);
+    }
+    if (any) rt.addmm_(st, vt);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const float inverse = total[r] > 0.f ? 1.f / total[r] : 0.f;
+    float* out = result + r * D;
+    for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
+  }
+}
 
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
@@ -995,9 +1048,20 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
           float* to = query.data() + (h * rows + i) * D;
           for (int64_t d = 0; d < D; ++d) to[d] = from[d] * scale;
         }
-      scores.resize(M * width);
       const auto opts = q.options();
       at::Tensor qt = at::from_blob(query.data(), {M, D}, opts);
+      if (width > kWholeRowKeys) {
+        auto row_range = [&](int64_t r) {
+          const int64_t position = first + i0 + r % rows;
+          const int64_t from = window > 0 ? std::max(lo, position - window + 1) - lo : 0;
+          return std::pair<int64_t, int64_t>(from, position - lo + 1);
+        };
+        attend_in_key_blocks(qt, ks + g * L * D, vs + g * L * D, lo, hi, D, row_range, scores, result.data());
+        for (int64_t h = 0; h < group; ++h)
+          std::memcpy(os + ((g * group + h) * T + i0) * D, result.data() + h * rows * D, rows * D * sizeof(float));
+        continue;
+      }
+      scores.resize(M * width);
       at::Tensor kt = at::from_blob(const_cast<float*>(ks) + (g * L + lo) * D, {width, D}, opts);
       at::Tensor vt = at::from_blob(const_cast<float*>(vs) + (g * L + lo) * D, {width, D}, opts);
       at::Tensor st = at::from_blob(scores.data(), {M, width}, opts);

@@ -96,11 +96,15 @@ def test_repetition_penalty_on_a_left_padded_batch_equals_transformers(pair):
 
 
 def test_first_sampling_scores_equal_transformers(pair):
+    # The first step's processed scores: sampling with every warper, and beam sampling (whose warpers keep
+    # len(eos) + 1 tokens so a beam can always go on), where the random draws that follow differ by design.
     hf, model = pair
-    options = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, top_h=0.9, max_new_tokens=1,
-                   return_dict_in_generate=True, output_scores=True, eos_token_id=None, pad_token_id=PAD)
-    torch.testing.assert_close(model.generate(PROMPT, **options).scores[0], hf.generate(PROMPT, **options).scores[0],
-                               atol=1e-4, rtol=1e-4)
+    common = dict(do_sample=True, max_new_tokens=1, return_dict_in_generate=True, output_scores=True, eos_token_id=None,
+                  pad_token_id=PAD)
+    for options in (dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, top_h=0.9),
+                    dict(num_beams=3, num_return_sequences=2, temperature=0.7, top_k=10, top_p=0.8)):
+        torch.testing.assert_close(model.generate(PROMPT, **common, **options).scores[0],
+                                   hf.generate(PROMPT, **common, **options).scores[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))

@@ -48,10 +48,11 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return wide and x.device.type == "cpu" and probe is not None and not cpu.has(probe)
 
 
-# Prompts are measured in two classes, short (up to 256 rows) and long, each at a size that stands for it: the
-# better route differs between them (on the AVX2 bench machine tiles won at 128 rows of float32 weights, 1.1-1.7x,
-# and lost a few percent at 1,024).
-SHORT_PROMPT_ROWS = 256
+# Prompts are measured in three classes (up to 256 rows, up to 1,024, longer), each at a size that stands for it:
+# the better route differs between them. On the AVX2 bench machine tiles won at 128 rows of float32 weights
+# (1.1-1.7x) and lost a few percent at 1,024; for bfloat16 weights a whole prefill ran 1.03x fp32 with tiles and
+# 0.90x with the library at 512 tokens, 0.97x and 1.04x at 2,048, so one choice for both lengths was wrong at one.
+SHORT_PROMPT_ROWS, MEDIUM_PROMPT_ROWS = 256, 1024
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 
 
@@ -63,7 +64,7 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     a float32 copy of it written and read back through memory)."""
     from . import choices
 
-    size = 128 if rows <= SHORT_PROMPT_ROWS else 1024
+    size = 128 if rows <= SHORT_PROMPT_ROWS else 512 if rows <= MEDIUM_PROMPT_ROWS else 2048
 
     def candidates() -> dict:
         if dtype not in TILED_DTYPES or not native.load():

@@ -466,3 +466,17 @@ def test_finished_beams_are_filled_as_transformers_fills_them(architecture):
                        eos_token_id=eos, max_new_tokens=10)
         theirs = hf.generate(PROMPT, do_sample=False, **options)
         assert torch.equal(wrap(hf).generate(PROMPT, **options), theirs)
+
+
+@pytest.mark.parametrize("architecture", ["mamba", "jamba", "recurrent_gemma"])
+def test_continuous_batching_on_state_space_models_equals_generate_or_says_why(architecture):
+    model = wrap(tiny_transformers_model(architecture))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    if model.holds_recurrent_state:  # RecurrentGemma: requests would share the layers' state
+        with pytest.raises(ValueError, match="keeps its recurrent state in its own layers"):
+            model.generate_batch(prompts, max_new_tokens=4, eos_token_id=None, progress_bar=False)
+        return
+    out = model.generate_batch(prompts, max_new_tokens=4, eos_token_id=None, progress_bar=False)
+    for prompt, result in zip(prompts, out.values()):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, eos_token_id=None)[0, len(prompt):].tolist()
+        assert result.generated_tokens == alone

@@ -166,6 +166,10 @@ class Model(GenerationMixin):
         field, a default of every request."""
         from ..batching.manager import MANAGER_OPTIONS, ContinuousBatchingManager
 
+        if self.holds_recurrent_state:
+            raise ValueError(f"continuous batching runs many requests through the model, each with its own cache, and "
+                             f"{type(self.module).__name__} keeps its recurrent state in its own layers, so the requests "
+                             "would overwrite each other's: call generate() with a batch of prompts instead.")
         fields = {k: options.pop(k) for k in list(options) if k not in MANAGER_OPTIONS and k != "methods"}
         if fields:
             base = generation_config if generation_config is not None else self.generation_config

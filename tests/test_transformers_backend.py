@@ -11,7 +11,7 @@ from decodekit import AutoModelForCausalLM
 
 from tiny_transformers import ARCHITECTURES, EOS, PAD, tiny_transformers_model, transformers
 
-from decodekit.facade.transformers import cache_keyword as hf_cache_keyword  # noqa: E402
+from decodekit.facade.transformers import masks_prompt_only  # noqa: E402
 from decodekit.integrations.transformers import TransformersModel, wrap  # noqa: E402  (after the importorskip)
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
@@ -356,7 +356,7 @@ def test_a_wrapped_model_can_be_copied(gpt2):
 
 def unconditional_guidance(hf, prompt, scale: float, steps: int) -> torch.Tensor:
     """Greedy decoding with classifier-free guidance computed without any cache: the oracle for models whose
-    guidance transformers runs without their cache (a state-space model's forward takes cache_params, and its
+    guidance transformers runs without their cache (a state-space model's forward takes cache_params or cache, and its
     unconditional run is handed past_key_values, which it ignores)."""
     ids, unconditional = prompt, prompt[:, -1:]
     for _ in range(steps):
@@ -375,7 +375,7 @@ def test_guidance_and_watermark_equal_transformers(pair):
     if model.holds_recurrent_state:  # RecurrentGemma: refused with the reason
         with pytest.raises(ValueError, match="keeps its recurrent state in its own layers"):
             ours(model, PROMPT, guidance_scale=1.5)
-    elif hf_cache_keyword(hf) == "cache_params":
+    elif masks_prompt_only(hf):
         assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), unconditional_guidance(hf, PROMPT, 1.5, NEW))
     else:
         assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), reference(hf, PROMPT, guidance_scale=1.5))

@@ -69,22 +69,14 @@ class Model(GenerationMixin):
         own = self.__dict__
         own["module"], own["backend"], own["generation_config"] = module, backend, generation_config
         own["_cache_keyword"] = hf.cache_keyword(module) if backend == "transformers" else "past_key_values"
+        own["_prompt_only_mask"] = backend == "transformers" and hf.masks_prompt_only(module)
         own["name_or_path"] = name_or_path or getattr(module, "name_or_path", None) or type(module).__name__
 
     # --- the module, seen through the facade ---------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        keyword = self.__dict__.get("_cache_keyword", "past_key_values")
-        if keyword != "past_key_values" and "past_key_values" in kwargs:
-            # A state-space model (Mamba): its forward names the cache cache_params, and masks padding only while
-            # it reads the prompt; once its state holds the prompt a step's mask would be read as the step's own.
-            kwargs[keyword] = kwargs.pop("past_key_values")
-            ids = args[0] if args else kwargs.get("input_ids")
-            mask = kwargs.get("attention_mask")
-            if kwargs[keyword] is not None and mask is not None and ids is not None and mask.shape[-1] > ids.shape[-1]:
-                kwargs["attention_mask"] = None
-        elif self.__dict__.get("backend") == "transformers":
-            hf.static_cache_mask(self.module, args, kwargs)
+        if self.__dict__.get("backend") == "transformers":
+            hf.forward_arguments(self.module, self._cache_keyword, self._prompt_only_mask, args, kwargs)
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -89,12 +89,38 @@ def holds_recurrent_state(model) -> bool:
 
 
 def cache_keyword(model) -> str:
-    """The keyword `model`'s forward takes its cache by: past_key_values, or cache_params (Mamba, FalconMamba);
+    """The keyword `model`'s forward (or a function of transformers) takes its cache by: past_key_values, or cache (every model from transformers
+    5.24 on; past_key_values still works there, deprecated) or cache_params (Mamba and FalconMamba up to 5.23).
     decodekit's loops always pass past_key_values and the facade renames it."""
     import inspect
 
-    parameters = inspect.signature(model.forward).parameters
-    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
+    parameters = inspect.signature(getattr(model, "forward", model)).parameters
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    return next((name for name in ("cache", "cache_params") if name in parameters), "past_key_values")
+
+
+# Models that multiply their hidden states by the 2D padding mask (state-space layers, no attention): transformers'
+# generate() hands them the mask only while they read the prompt; after it a step's mask would be read as the
+# step's own (and has the wrong length).
+MASK_ON_PROMPT_ONLY = frozenset({"mamba", "mamba2", "falcon_mamba"})
+
+
+def masks_prompt_only(model) -> bool:
+    return getattr(model.config, "model_type", None) in MASK_ON_PROMPT_ONLY
+
+
+def forward_arguments(model, keyword: str, prompt_only_mask: bool, args: tuple, kwargs: dict) -> None:
+    """decodekit's call of a transformers model made as transformers' generate() makes it: a static cache's 4D
+    mask, the cache under the keyword the forward takes, no padding mask for a state-space model's steps."""
+    if not prompt_only_mask:  # (a state-space model has no attention to mask)
+        static_cache_mask(model, args, kwargs)
+    if keyword != "past_key_values" and "past_key_values" in kwargs:
+        kwargs[keyword] = kwargs.pop("past_key_values")
+    if prompt_only_mask and kwargs.get(keyword) is not None and kwargs.get("attention_mask") is not None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None and kwargs["attention_mask"].shape[-1] > ids.shape[-1]:
+            kwargs["attention_mask"] = None
 
 
 def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
@@ -108,7 +134,8 @@ def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
 
     ids = args[0] if args else kwargs.get("input_ids")
     make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
-    kwargs["attention_mask"] = make(config=model.config, attention_mask=mask, past_key_values=cache,
+    named = {cache_keyword(make): cache}  # (renamed cache in transformers 5.24, as the forwards' argument)
+    kwargs["attention_mask"] = make(config=model.config, attention_mask=mask, **named,
                                     inputs_embeds=torch.empty((*ids.shape, 0), dtype=model.dtype, device=ids.device),
                                     position_ids=kwargs.get("position_ids"))
 

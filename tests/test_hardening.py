@@ -81,7 +81,7 @@ def test_a_symlinked_folder_is_read_hashed_and_listed_so_a_pin_holds(model, tmp_
     (repo / "custom_generate" / "shared").symlink_to(outside, target_is_directory=True)
     with pytest.raises(UntrustedCodeError) as refused:
         run(model, repo, trust=None)
-    assert f"shared/value.py  sha256:" in str(refused.value) and f"a link to {outside / 'value.py'}" in str(refused.value)
+    assert "shared/value.py  sha256:" in str(refused.value) and f"a link to {outside / 'value.py'}" in str(refused.value)
     pin = load_method(str(repo), True).source.revision
     assert run(model, repo, trust=pin) == "first"
     (outside / "value.py").write_text("MARK = 'second'\n")  # the target changes under the same pin

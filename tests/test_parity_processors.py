@@ -7,7 +7,7 @@ import torch
 import decodekit
 from decodekit.core import processors as P
 
-from tiny_transformers import EOS, tiny_transformers_model, transformers
+from tiny_transformers import tiny_transformers_model, transformers
 
 INPUT_IDS = torch.tensor([[7, 3, 5, 6, 3], [9, 9, 4, 5, 6]])
 

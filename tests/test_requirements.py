@@ -16,7 +16,7 @@ def fake_dists(tmp_path, monkeypatch):
     ):
         info = site / f"{name}-{ver}.dist-info"
         info.mkdir(parents=True)
-        lines = [f"Metadata-Version: 2.1", f"Name: {name.replace('_', '-')}", f"Version: {ver}"]
+        lines = ["Metadata-Version: 2.1", f"Name: {name.replace('_', '-')}", f"Version: {ver}"]
         lines += [f"Requires-Dist: {r}" for r in requires]
         (info / "METADATA").write_text("\n".join(lines) + "\n")
     monkeypatch.syspath_prepend(str(site))

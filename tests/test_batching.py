@@ -215,6 +215,55 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
         assert model.init_continuous_batching().warm_up() == []  # eager steps: nothing to compile
 
 
+def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
+    # Rows of requests that need no processors and a built-in selector are chosen in one pass over their stacked
+    # logits (the manager's step does this), eagerly and compiled; each equals its request's own selector's.
+    from decodekit.batching.manager import MethodCache
+    from decodekit.batching.request import prepare_request, select_together
+    from decodekit.core.selectors import race_rows
+    from decodekit.plugins.fused import compile_own
+
+    fields = [dict(do_sample=True, top_k=0, seed=s) for s in range(6)] + [{}, {}] + [dict(do_sample=True, seed=9)]
+    requests = [prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())
+                for i, f in enumerate(fields)]
+    generator = torch.Generator().manual_seed(0)
+    logits = {r.id: 3 * torch.randn(1, model.config.vocab_size, generator=generator) for r in requests}
+    own = {r.id: r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id])) for r in requests}
+    assert len({int(t) for t in own.values()}) > 3  # the draws differ: the test can tell rows apart
+    for race in (race_rows, compile_own(race_rows, {"dynamic": True})):
+        chosen = select_together(requests, logits, race)
+        assert set(chosen) == {r.id for r in requests[:-1]}  # top_k=50 (the default) is a processor: chosen alone
+        assert all(torch.equal(chosen[rid], own[rid]) for rid in chosen)
+    logits["r0"][0, :] = float("nan")  # a bad row: no shared choice, so each request's own step names the fault
+    assert select_together(requests, logits) == {}
+
+
+def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_call(tmp_path, monkeypatch):
+    # A trace cannot measure, so a route first asked for inside one was the fallback, compiled in for good: the
+    # decode step of continuous batching multiplied its 17-64 rows by the library's matmul though this CPU had
+    # chosen tiles (0.3-0.7x their speed). The choice is read before the step is traced now.
+    from torch.profiler import profile
+
+    from decodekit.models import choices
+
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    on_disk = {choices.signature(): {"float32_rows_32(library,tiles)": "tiles"}}
+    monkeypatch.setattr(choices, "_made", {})  # a fresh process: the choice is in the cache file only
+    monkeypatch.setattr(choices, "_read", lambda: on_disk)
+    monkeypatch.setattr(choices, "_write", lambda key, choice: None)
+    fresh = tiny_model(tmp_path, "llama").eval()  # no step compiled for it yet
+    rows = 20
+    manager = fresh.init_continuous_batching(compile=True, block_size=4, max_running=rows)
+    assert manager.warm_up() == [1, rows]  # traced here
+    tables = [manager.runner.cache.allocator.allocate(2) for _ in range(rows)]
+    with torch.inference_mode():
+        with profile() as run:
+            manager.runner.compiled([1] * rows, tables, [3] * rows)
+    assert manager.runner.compiled.broken is None
+    assert "decodekit::tiled_product" in {event.key for event in run.key_averages()}
+
+
 def test_warm_up_writes_every_page_of_the_cache_before_any_step(model):
     # Writing the pools is what takes their memory now (an untouched page is not resident until a step writes
     # it); whatever they held before (NaN here) is overwritten everywhere.

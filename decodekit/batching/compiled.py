@@ -54,6 +54,7 @@ class CompiledDecode:
         rows = len(tokens)
         size = max(MIN_SIZE, rows)
         pad = size - rows
+        kernels.settle_routes(self.model, size)  # before the step is traced for this many rows
         width = max(MIN_SIZE, max(len(t) for t in tables))
         bs, device = self.cache.block_size, self.cache.keys[0].device
         table = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad,

@@ -51,8 +51,13 @@ def race_noise(key: torch.Tensor, position, rows: int, vocab: int) -> torch.Tens
     """
     device = key.device
     position = torch.as_tensor(position, dtype=torch.int32, device=device)
-    row = torch.arange(rows, device=device, dtype=torch.int32)[:, None]
-    token = torch.arange(vocab, device=device, dtype=torch.int32)
+    return row_noise(key, position, torch.arange(rows, device=device, dtype=torch.int32)[:, None], vocab)
+
+
+def row_noise(key: torch.Tensor, position: torch.Tensor, row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """race_noise's noise for int32 `key`, `position` and `row` that broadcast to [rows, 1]: rows of different
+    calls (each its own key and position) in one computation, each equal to what its call draws alone."""
+    token = torch.arange(vocab, device=key.device, dtype=torch.int32)
     stream = mix32(key + position * 0x1E3779B9 + row * 0x05EBCA6B)  # one per (row, position)
     bits = mix32(stream ^ token)
     uniform = (((bits >> 9) & 0x7FFFFF) * 2 + 1).float() * 2.0**-24
@@ -79,6 +84,13 @@ class SamplingSelector:
 
     def __call__(self, input_ids, scores):
         return race(scores, self.key.to(scores.device), input_ids.shape[1])
+
+
+def race_rows(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The exponential race of rows of different calls: row i of `scores` [R, V] drawn with keys[i] at
+    positions[i] (int32, [R, 1]), as race() draws the first row of its call. Continuous batching's requests."""
+    noise = row_noise(keys, positions, torch.zeros_like(positions), scores.shape[-1])
+    return (scores.softmax(dim=-1) / noise).argmax(dim=-1)
 
 
 def race(scores: torch.Tensor, key: torch.Tensor, position) -> torch.Tensor:

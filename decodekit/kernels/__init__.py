@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import native
+from . import linear, native
 from .linear import Linear
 from .packed import pack_linears, plain_weights
 from .quantize import QUANTIZATIONS, Int8Linear, many_rows_route
@@ -26,8 +26,8 @@ def step_layout(model, rows: int):
     """Holds `model`'s weights in the layout a compiled step of `rows` rows runs fastest on, for the duration, and
     yields that layout's key (dtype, device, packed, quantization), part of the compiled step's own key.
 
-    On CPU the kernels are loaded first (the traced products read whether they are there) and an int8 model's
-    route for many rows is measured (a trace cannot time anything). A step of up to PLAIN_WEIGHTS_ROWS rows runs on plain
+    On CPU the kernels are loaded first (the traced products read whether they are there) and the routes for
+    `rows` rows are measured (settle_routes). A step of up to PLAIN_WEIGHTS_ROWS rows runs on plain
     weights, unpacked for the duration; a wider one on packed weights where packing pays on this CPU. The choice
     is made here, once per call: a model holds one layout at a time."""
     quantization = getattr(model, "quantization", None)
@@ -35,8 +35,7 @@ def step_layout(model, rows: int):
         yield (model.dtype, model.device, pack_linears(model), quantization)
         return
     native.load()
-    if rows > MAX_ROWS and quantization == "int8":
-        many_rows_route()
+    settle_routes(model, rows)
     if rows <= PLAIN_WEIGHTS_ROWS:
         with plain_weights(model):
             yield (model.dtype, model.device, False, quantization)
@@ -44,15 +43,27 @@ def step_layout(model, rows: int):
         yield (model.dtype, model.device, pack_linears(model), quantization)
 
 
-def paged_step_ready(model, keys) -> bool:
-    """Whether a compiled decode step over a paged cache whose key pool is `keys` can run decodekit's kernels: on
-    CPU, float32 or bfloat16 pools in the model's dtype, the kernels built. Prepares what such a step reads (the
-    int8 route for many rows, measured outside any trace)."""
-    if keys.device.type != "cpu" or keys.dtype != model.dtype or keys.dtype not in native.LAYER_DTYPES:
-        return False
+def settle_routes(model, rows: int) -> None:
+    """Makes now, outside any trace, the measured choices a step of `rows` rows reads: how a product of that many
+    rows runs (linear.many_rows_route for float32 and bfloat16 weights, quantize.many_rows_route for int8). A
+    trace cannot time anything, so a choice first asked for inside one is the fallback, compiled into the step for
+    good: continuous batching's float32 decode step of 32 rows multiplied by the library's matmul, 0.3-0.7x the
+    speed of the tiles this CPU had chosen, the lm_head the slowest."""
+    if model.device.type != "cpu" or rows <= MAX_ROWS:
+        return
     if getattr(model, "quantization", None) == "int8":
         many_rows_route()
+    elif model.dtype in linear.TILED_DTYPES:
+        linear.many_rows_route(model.dtype, rows)
+
+
+def paged_step_ready(model, keys) -> bool:
+    """Whether a compiled decode step over a paged cache whose key pool is `keys` can run decodekit's kernels: on
+    CPU, float32 or bfloat16 pools in the model's dtype, the kernels built."""
+    if keys.device.type != "cpu" or keys.dtype != model.dtype or keys.dtype not in native.LAYER_DTYPES:
+        return False
     return native.ready(keys)
 
 
-__all__ = ["Int8Linear", "Linear", "MAX_ROWS", "PLAIN_WEIGHTS_ROWS", "QUANTIZATIONS", "paged_step_ready", "step_layout"]
+__all__ = ["Int8Linear", "Linear", "MAX_ROWS", "PLAIN_WEIGHTS_ROWS", "QUANTIZATIONS", "paged_step_ready", "settle_routes",
+           "step_layout"]

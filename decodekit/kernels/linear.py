@@ -48,11 +48,12 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return wide and x.device.type == "cpu" and probe is not None and not cpu.has(probe)
 
 
-# Prompts are measured in three classes (up to 256 rows, up to 1,024, longer), each at a size that stands for it:
-# the better route differs between them. On the AVX2 bench machine tiles won at 128 rows of float32 weights
+# Products of many rows are measured in four classes, each at a size that stands for it: the better route differs
+# between them. Up to 64 rows: a continuous-batching decode step (one row per request) or a short prompt; up to
+# 256, up to 1,024 and longer: prompts. On the AVX2 bench machine tiles won at 128 rows of float32 weights
 # (1.1-1.7x) and lost a few percent at 1,024; for bfloat16 weights a whole prefill ran 1.03x fp32 with tiles and
 # 0.90x with the library at 512 tokens, 0.97x and 1.04x at 2,048, so one choice for both lengths was wrong at one.
-SHORT_PROMPT_ROWS, MEDIUM_PROMPT_ROWS = 256, 1024
+ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); longer: 2,048
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 
 
@@ -64,7 +65,7 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     a float32 copy of it written and read back through memory)."""
     from . import choices
 
-    size = 128 if rows <= SHORT_PROMPT_ROWS else 512 if rows <= MEDIUM_PROMPT_ROWS else 2048
+    size = next((at for most, at in ROW_CLASSES if rows <= most), 2048)
 
     def candidates() -> dict:
         if dtype not in TILED_DTYPES or not native.load():

@@ -253,14 +253,17 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
     monkeypatch.setattr(choices, "_read", lambda: on_disk)
     monkeypatch.setattr(choices, "_write", lambda key, choice: None)
     fresh = tiny_model(tmp_path, "llama").eval()  # no step compiled for it yet
-    rows = 20
-    manager = fresh.init_continuous_batching(compile=True, block_size=4, max_running=rows)
-    assert manager.warm_up() == [1, rows]  # traced here
+    from torch._dynamo.utils import counters
+
+    manager = fresh.init_continuous_batching(compile=True, block_size=4, max_running=70)
+    # Traced here, on both sides of the route classes' bound at 64 rows, so no step compiles while serving.
+    assert manager.warm_up() == [1, 64, 70]
+    graphs, rows = counters["stats"]["unique_graphs"], 20
     tables = [manager.runner.cache.allocator.allocate(2) for _ in range(rows)]
     with torch.inference_mode():
         with profile() as run:
             manager.runner.compiled([1] * rows, tables, [3] * rows)
-    assert manager.runner.compiled.broken is None
+    assert manager.runner.compiled.broken is None and counters["stats"]["unique_graphs"] == graphs
     assert "decodekit::tiled_product" in {event.key for event in run.key_averages()}
 
 

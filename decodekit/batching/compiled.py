@@ -75,9 +75,10 @@ class CompiledDecode:
 
     def warm_up(self, max_rows: int) -> list[int]:
         """Compiles the step now instead of at the first decode step, and runs it at one row and at `max_rows`
-        rows (padding rows on the scratch block), the two ends of what the manager's steps take; returns those
-        row counts ([] where steps cannot run compiled)."""
-        sizes = sorted({1, max_rows})
+        rows (padding rows on the scratch block), the two ends of what the manager's steps take, and at the top
+        of each product route class below `max_rows` (kernels.linear.ROW_CLASSES: the traced code differs on
+        either side); returns those row counts ([] where steps cannot run compiled)."""
+        sizes = sorted({1, max_rows, *(most for most, _ in kernels.linear.ROW_CLASSES if most < max_rows)})
         with torch.inference_mode():  # as the manager's steps run: the compiled code is specialised to it
             # One eager forward first, as a prefill would: the model's first call prepares what the traced code
             # reads (packed weights, loaded kernels) and cannot be traced itself.

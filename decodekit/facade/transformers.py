@@ -89,9 +89,9 @@ def holds_recurrent_state(model) -> bool:
 
 
 def cache_keyword(model) -> str:
-    """The keyword `model`'s forward (or a function of transformers) takes its cache by: past_key_values, or cache (every model from transformers
-    5.24 on; past_key_values still works there, deprecated) or cache_params (Mamba and FalconMamba up to 5.23).
-    decodekit's loops always pass past_key_values and the facade renames it."""
+    """The keyword `model`'s forward (or a function of transformers) takes its cache by: past_key_values, or
+    cache (every model from transformers 5.24 on; past_key_values still works there, deprecated) or cache_params
+    (Mamba and FalconMamba up to 5.23). decodekit's loops always pass past_key_values and the facade renames it."""
     import inspect
 
     parameters = inspect.signature(getattr(model, "forward", model)).parameters
@@ -107,6 +107,7 @@ MASK_ON_PROMPT_ONLY = frozenset({"mamba", "mamba2", "falcon_mamba"})
 
 
 def masks_prompt_only(model) -> bool:
+    """Whether `model` is one of MASK_ON_PROMPT_ONLY."""
     return getattr(model.config, "model_type", None) in MASK_ON_PROMPT_ONLY
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_limits, merge_config, settle_config
-from ..core.processors import check_scores
+from ..core.processors import check_scores, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
 from ..plugins.fused import FusedTokens
 from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
@@ -175,7 +175,7 @@ def select_together(requests: list[Request], logits: dict[str, torch.Tensor], ra
     if len(plain) < 2:
         return {}
     scores = torch.cat([logits[r.id] for r in plain]).float()
-    if bool((scores.isnan().any(-1) | scores.isneginf().all(-1)).any()):
+    if bool(unusable_rows(scores).any()):
         return {}
     tokens = scores.argmax(-1)
     sampled = [i for i, r in enumerate(plain) if type(r.pipeline.selector) is SamplingSelector]

@@ -83,10 +83,15 @@ class LogitsProcessorList(list):
                           f"scores it was given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
 
 
+def unusable_rows(scores: torch.Tensor) -> torch.BoolTensor:
+    """The rows [B] of `scores` [B, V] no token can be chosen from: a NaN, or -inf for every token."""
+    return scores.isnan().any(-1) | scores.isneginf().all(-1)
+
+
 def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinished: torch.Tensor, position: int) -> None:
     """Raises where a running row's scores are NaN or -inf for every token: any selector would then pick token 0 (or
     garbage) silently. One reduction over the scores and one synchronisation a step; eager loops only."""
-    bad = (scores.isnan().any(-1) | scores.isneginf().all(-1)) & unfinished
+    bad = unusable_rows(scores) & unfinished
     if not bool(bad.any()):
         return
     row = int(bad.nonzero()[0, 0])

@@ -4,6 +4,7 @@ only when such a model is handed over."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -124,6 +125,11 @@ def forward_arguments(model, keyword: str, prompt_only_mask: bool, args: tuple, 
             kwargs["attention_mask"] = None
 
 
+@functools.cache
+def _mask_cache_keyword(function) -> str:
+    return cache_keyword(function)
+
+
 def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
     """With a static (compileable) transformers cache, the 2D padding mask in `kwargs` becomes the mask the model's
     create_masks_for_generate makes of it, as transformers' generate() does before each forward: a 4D mask over the
@@ -135,7 +141,8 @@ def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
 
     ids = args[0] if args else kwargs.get("input_ids")
     make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
-    named = {cache_keyword(make): cache}  # (renamed cache in transformers 5.24, as the forwards' argument)
+    # (renamed cache in transformers 5.24, as the forwards' argument; read once per function, not every step)
+    named = {_mask_cache_keyword(getattr(make, "__func__", make)): cache}
     kwargs["attention_mask"] = make(config=model.config, attention_mask=mask, **named,
                                     inputs_embeds=torch.empty((*ids.shape, 0), dtype=model.dtype, device=ids.device),
                                     position_ids=kwargs.get("position_ids"))

@@ -39,7 +39,13 @@ def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
                      (torch.ops.decodekit.tiled_product(x, int8), exact(x, int8))]
             if k % 32 == 0:  # an interleaved int8 weight (quantize.interleaved_columns), rows in the input's order
                 stored = int8[:, interleaved_columns(k)].contiguous()
-                cases.append((torch.ops.decodekit.tiled_product(x, stored, scales, True), exact(x, int8, scales)))
+                cases += [(torch.ops.decodekit.tiled_product(x, stored, scales, True), exact(x, int8, scales)),
+                          (torch.ops.decodekit.tiled_product(x, stored, scales, True, True), exact(x, int8, scales))]
+            if k % 8 == 0:  # register blocks of 3 rows by 4 weight rows, with the rows and weight rows left over
+                cases += [(torch.ops.decodekit.tiled_product(x, weight, blocks=True), exact(x, weight)),
+                          (torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True),
+                           exact(x, weight.bfloat16().float())),
+                          (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True), exact(x, int8, scales))]
     finally:
         torch.set_num_threads(saved)
     for got, want in cases:
@@ -57,6 +63,8 @@ def test_tiled_product_refuses_what_it_does_not_take():
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), torch.ones(8))
     with pytest.raises(RuntimeError, match="interleaved columns are an int8 weight's"):
         torch.ops.decodekit.tiled_product(x, torch.zeros(8, 16, dtype=torch.int8), None, True)
+    with pytest.raises(RuntimeError, match="blocks=True takes rows of a width that is a multiple of 8"):
+        torch.ops.decodekit.tiled_product(torch.randn(20, 12), torch.randn(8, 12), blocks=True)
 
 
 def prefill(model, ids):
@@ -71,12 +79,13 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         model = model.to(torch.bfloat16)
     name = f"{fmt}_rows_128"  # LONG has 40 rows: a short prompt
     results = {}
-    for route in ("library", "tiles"):
+    for route in ("library", "tiles", "blocks"):
         with choices.forced(**{name: route}), cpu.forced(onednn_bf16=False):  # bf16 products in float32 (AVX2's way)
             results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
-    (logits, tokens), (tiled_logits, tiled_tokens) = results["library"], results["tiles"]
-    assert float((tiled_logits - logits).norm() / logits.norm()) < 1e-5
-    assert torch.equal(tiled_tokens, tokens)
+    logits, tokens = results["library"]
+    for route in ("tiles", "blocks"):
+        assert float((results[route][0] - logits).norm() / logits.norm()) < 1e-5, route
+        assert torch.equal(results[route][1], tokens), route
 
 
 def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):

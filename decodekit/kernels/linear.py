@@ -53,16 +53,22 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # 256, up to 1,024 and longer: prompts. On the AVX2 bench machine tiles won at 128 rows of float32 weights
 # (1.1-1.7x) and lost a few percent at 1,024; for bfloat16 weights a whole prefill ran 1.03x fp32 with tiles and
 # 0.90x with the library at 512 tokens, 0.97x and 1.04x at 2,048, so one choice for both lengths was wrong at one.
+# Blocks won the decode class there (1.2-1.3x the tiles at 32 rows) and lost at 512.
 ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); longer: 2,048
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
+DECODEKIT_ROUTES = ("tiles", "blocks")  # the routes through decodekit::tiled_product
 
 
 def many_rows_route(dtype: torch.dtype, rows: int) -> str:
-    """How a float32 product of `rows` rows (a prompt's prefill) by a float32 or bfloat16 weight runs on this CPU,
-    measured once per weight dtype and prompt class (choices.py): "tiles" (decodekit::tiled_product: each thread
-    multiplies its own tiles of weight rows with a one-thread matmul, a bfloat16 tile converted to float32 into a
-    buffer first) or "library" (the library's threaded matmul; a bfloat16 weight converted whole on every call,
-    a float32 copy of it written and read back through memory)."""
+    """How a float32 product of `rows` rows (a prompt's prefill, a continuous-batching step) by a float32 or bfloat16
+    weight runs on this CPU, measured once per weight dtype and row class (choices.py). Each route but the
+    library's splits the weight's rows into tiles, one thread's own each (decodekit::tiled_product):
+    "tiles"    each tile's product is a one-thread library matmul (MKL packs the tile: near the peak for many rows),
+               a bfloat16 tile converted to float32 into a buffer that stays in cache first;
+    "blocks"   register blocks of 3 rows by 4 weight rows read the weights as stored, no packing (a bfloat16
+               weight converted in registers): for a few dozen rows, which a packed tile would serve too few times;
+    "library"  the library's threaded matmul; a bfloat16 weight converted whole on every call, a float32 copy of it
+               written and read back through memory."""
     from . import choices
 
     size = next((at for most, at in ROW_CLASSES if rows <= most), 2048)
@@ -75,15 +81,17 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
         layer = [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
                  for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 
-        def tiles():
-            for x, weight in layer:
-                torch.ops.decodekit.tiled_product(x, weight)
+        def through_decodekit(blocks: bool):
+            def run():
+                for x, weight in layer:
+                    torch.ops.decodekit.tiled_product(x, weight, blocks=blocks)
+            return run
 
         def library():
             for x, weight in layer:
                 x @ weight.float().t()
 
-        return {"tiles": tiles, "library": library}
+        return {"tiles": through_decodekit(False), "blocks": through_decodekit(True), "library": library}
 
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
@@ -110,10 +118,11 @@ class Linear(nn.Linear):
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route)."""
         flat = x.reshape(rows, -1).float()
-        tiled = self.weight.dtype in TILED_DTYPES and many_rows_route(self.weight.dtype, rows) == "tiles"
+        route = many_rows_route(self.weight.dtype, rows) if self.weight.dtype in TILED_DTYPES else "library"
         bias = None if self.bias is None else self.bias.float()
-        if tiled and native.ready(flat, self.weight, self.bias):
-            y = torch.ops.decodekit.tiled_product(flat, self.weight)
+        if route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
+            blocks = route == "blocks" and self.in_features % 8 == 0  # blocks read 8 columns at a time
+            y = torch.ops.decodekit.tiled_product(flat, self.weight, blocks=blocks)
             y = y if bias is None else y + bias
         else:
             y = F.linear(flat, self.weight.float(), bias)

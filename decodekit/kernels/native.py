@@ -161,7 +161,7 @@ def _register_fakes() -> None:
     def join_sums(sums, scales):
         return scales.new_empty((sums.shape[0] // 2, sums.shape[1]))
 
-    def tiled_product(rows, weight, scales=None, interleaved=False):
+    def tiled_product(rows, weight, scales=None, interleaved=False, blocks=False):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)

@@ -158,3 +158,65 @@ def test_both_prompt_attention_routes_give_the_same_logits_tokens_and_batches(tm
     calls = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prefill_attention", 0)
     layers = model.config.num_hidden_layers
     assert calls == (2 * layers if model_type == "llama" else layers)
+
+
+@pytest.mark.parametrize("shape", [(40, 576), (3, 17, 100), (20, 8)])
+def test_fused_norm_and_silu_equal_the_library_passes(shape):
+    # One pass each where the library makes several; widths that are not a multiple of 8 take the scalar tail.
+    from decodekit.kernels import elementwise
+
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, weight = torch.randn(*shape, generator=generator) * 3, torch.randn(shape[-1], generator=generator)
+    want = weight * torch.nn.functional.rms_norm(x, (shape[-1],), eps=1e-5)
+    torch.testing.assert_close(elementwise.rms_norm(x, weight, 1e-5), want, rtol=1e-6, atol=1e-6)
+    gate, up = x.split(shape[-1] // 2, dim=-1)
+    x[..., 0] = -200.0  # far below exp's range: silu is 0 there, not NaN
+    torch.testing.assert_close(elementwise.silu_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    few = x.reshape(-1, shape[-1])[:native.MAX_ROWS]  # a decode step's few rows: the library's (or a compiled step's)
+    assert elementwise.rms_norm(few, weight, 1e-5) is None and elementwise.silu_mul(few) is None
+    assert elementwise.rms_norm(x.bfloat16(), weight, 1e-5) is None
+    with pytest.raises(RuntimeError, match="rms_norm: rows \\[..., D\\] and weight \\[D\\]"):
+        torch.ops.decodekit.rms_norm(x, weight[:-1], 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul: float32 rows \\[..., 2 \\* I\\]"):
+        torch.ops.decodekit.silu_mul(torch.randn(20, 7))
+
+
+@pytest.mark.parametrize("batch, heads, tokens, dim, table_rows", [(1, 9, 40, 64, 1), (2, 3, 20, 64, 2), (1, 4, 30, 10, 1)])
+def test_fused_rotary_equals_rotate_half_on_the_strided_split_of_qkv(batch, heads, tokens, dim, table_rows):
+    from decodekit.families.rope import apply_rotary
+    from decodekit.kernels import elementwise
+
+    generator = torch.Generator().manual_seed(tokens + dim)
+    qkv = torch.randn(batch, tokens, 2 * heads * dim, generator=generator)
+    x = qkv[..., : heads * dim].view(batch, tokens, heads, dim).transpose(1, 2)  # as Attention.forward passes q
+    cos, sin = (torch.randn(table_rows, 1, tokens, dim, generator=generator) for _ in range(2))
+    half = dim // 2
+    want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    got = elementwise.rotary(x, cos, sin)
+    assert got is not None and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_prompt_with_the_fused_passes_gives_the_library_passes_logits_and_tokens(tmp_path, monkeypatch):
+    from decodekit.kernels import elementwise
+
+    model = tiny_model(tmp_path, "qwen3")  # q/k norms too (strided: those keep the library's passes)
+    ran = []
+
+    def spy(fn):
+        def call(*args):
+            out = fn(*args)
+            ran.append((fn.__name__, out is not None))
+            return out
+        return call
+
+    for name in ("rms_norm", "silu_mul", "rotary"):
+        monkeypatch.setattr(elementwise, name, spy(getattr(elementwise, name)))
+    fused = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    assert {name for name, done in ran if done} == {"rms_norm", "silu_mul", "rotary"}
+    for name in ("rms_norm", "silu_mul", "rotary"):
+        monkeypatch.setattr(elementwise, name, lambda *args: None)
+    plain = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    assert float((fused[0] - plain[0]).norm() / plain[0].norm()) < 1e-5
+    assert torch.equal(fused[1], plain[1])

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import native
+from ..kernels import elementwise, native
 from ..kernels.linear import Linear
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import prompt_attention
@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = elementwise.rms_norm(x, self.weight, self.eps)  # a float32 prompt on CPU: one pass
+        if fused is not None:
+            return fused
         # Normalise in fp32 and scale after casting back, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -121,8 +124,12 @@ class MLP(nn.Module):
         self.down = Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        hidden = elementwise.silu_mul(gate_up)  # a float32 prompt on CPU: one pass
+        if hidden is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.down(hidden)
 
 
 class Block(nn.Module):

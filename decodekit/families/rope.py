@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..kernels import elementwise
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -71,6 +73,9 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    fused = elementwise.rotary(x, cos, sin)  # a float32 prompt on CPU: one pass
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

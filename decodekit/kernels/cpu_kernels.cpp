@@ -1172,106 +1172,133 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
 
 // The elementwise work between a prompt's products, one pass each where the library makes several: RMSNorm
 // (torch's CPU rms_norm is composite: a square, a mean, an add, a reciprocal root and two products, each a pass
-// over the rows, then the weight's) and SiLU(gate) * up (two passes and a temporary). Float32 rows, rows split
-// among the threads. About 5% of a 512-token fp32 prefill on the AVX2 bench machine went to these passes.
+// over the rows, then the weight's), SiLU(gate) * up (two passes and a temporary) and the rotary embedding (four).
+// Rows of float32 or bfloat16 (read as float32, the result float32: the caller rounds a bfloat16 model's once),
+// split among the threads. About 5% of a 512-token fp32 prefill on the AVX2 bench machine went to these passes.
 
-// x [..., D] (float32, contiguous) -> weight * x / sqrt(mean(x^2) + eps) per row, weight float32 [D].
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 rows and weight expected");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: rows [..., D] and weight [D] expected");
-  const at::Tensor rows = x.contiguous(), w = weight.contiguous();
-  const int64_t D = w.size(0), M = D == 0 ? 0 : rows.numel() / D;
-  at::Tensor out = at::empty_like(rows);
-  const float* xp = rows.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+inline void check_elementwise(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  const at::ScalarType dtype = (*tensors.begin())->scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16 tensors expected");
+  for (const at::Tensor* t : tensors) TORCH_CHECK(t->scalar_type() == dtype, op, ": tensors of one dtype expected");
+}
+
+// x [..., D] -> weight * x / sqrt(mean(x^2) + eps) per row, weight [D].
+template <typename A>
+void rms_norm_as(const A* xp, const A* wp, int64_t M, int64_t D, double eps, float* op) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float* r = xp + m * D;
+      const A* r = xp + m * D;
       float* o = op + m * D;
       __m256 sum8 = _mm256_setzero_ps();
       int64_t d = 0;
-      for (; d + 8 <= D; d += 8) sum8 = _mm256_fmadd_ps(_mm256_loadu_ps(r + d), _mm256_loadu_ps(r + d), sum8);
+      for (; d + 8 <= D; d += 8) sum8 = _mm256_fmadd_ps(load8(r + d), load8(r + d), sum8);
       float squares = horizontal_sum(sum8);
-      for (; d < D; ++d) squares += r[d] * r[d];
+      for (; d < D; ++d) squares += static_cast<float>(r[d]) * static_cast<float>(r[d]);
       const float inv = 1.f / std::sqrt(squares / D + static_cast<float>(eps));
       const __m256 inv8 = _mm256_set1_ps(inv);
-      for (d = 0; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(wp + d), _mm256_mul_ps(_mm256_loadu_ps(r + d), inv8)));
-      for (; d < D; ++d) o[d] = wp[d] * (r[d] * inv);
+      for (d = 0; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(load8(wp + d), _mm256_mul_ps(load8(r + d), inv8)));
+      for (; d < D; ++d) o[d] = static_cast<float>(wp[d]) * (static_cast<float>(r[d]) * inv);
     }
   });
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_elementwise("rms_norm", {&x, &weight});
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: rows [..., D] and weight [D] expected");
+  const at::Tensor rows = x.contiguous(), w = weight.contiguous();
+  const int64_t D = w.size(0), M = D == 0 ? 0 : rows.numel() / D;
+  at::Tensor out = at::empty(rows.sizes(), rows.options().dtype(at::kFloat));
+  if (rows.scalar_type() == at::kBFloat16) {
+    rms_norm_as(rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), M, D, eps, out.data_ptr<float>());
+  } else {
+    rms_norm_as(rows.data_ptr<float>(), w.data_ptr<float>(), M, D, eps, out.data_ptr<float>());
+  }
   return out;
 }
 
-// gate_up [..., 2I] (float32, contiguous; gate then up, as MLP's fused product) -> silu(gate) * up [..., I].
+// gate_up [..., 2I] (gate then up, as MLP's fused product) -> silu(gate) * up [..., I].
+template <typename A>
+void silu_mul_as(const A* gp, int64_t M, int64_t I, float* op) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t m = begin; m < end; ++m) {
+      const A* g = gp + m * 2 * I;
+      const A* u = g + I;
+      float* o = op + m * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {  // exp8 clamps its input: a gate below -87 gives a silu of about 0, as it should
+        const __m256 x = load8(g + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load8(u + i)));
+      }
+      for (; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        o[i] = x / (1.f + std::exp(-x)) * static_cast<float>(u[i]);
+      }
+    }
+  });
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-              "silu_mul: float32 rows [..., 2 * I] expected");
+  check_elementwise("silu_mul", {&gate_up});
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: rows [..., 2 * I] expected");
   const at::Tensor rows = gate_up.contiguous();
   const int64_t I = rows.size(-1) / 2, M = I == 0 ? 0 : rows.numel() / (2 * I);
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = I;
-  at::Tensor out = at::empty(shape, rows.options());
-  const float* gp = rows.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (int64_t m = begin; m < end; ++m) {
-      const float* g = gp + m * 2 * I;
-      const float* u = g + I;
-      float* o = op + m * I;
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {  // exp8 clamps its input: a gate below -87 gives a silu of about 0, as it should
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
+  at::Tensor out = at::empty(shape, rows.options().dtype(at::kFloat));
+  if (rows.scalar_type() == at::kBFloat16) {
+    silu_mul_as(rows.data_ptr<c10::BFloat16>(), M, I, out.data_ptr<float>());
+  } else {
+    silu_mul_as(rows.data_ptr<float>(), M, I, out.data_ptr<float>());
+  }
   return out;
 }
 
 // Rotary embedding of q or k [B, H, T, D] (any strides but a contiguous last dimension: the split of the fused
 // q/k/v product, transposed) by cos, sin [B or 1, 1, T, D]: x * cos + rotate_half(x) * sin, as rope.apply_rotary,
-// in one pass where the library made four (a negation, a concatenation, two products and a sum), written
-// contiguous [B, H, T, D].
+// written contiguous [B, H, T, D].
+template <typename A>
+void rotary_as(const at::Tensor& x, const A* cp, const A* sp, int64_t table_b, float* op) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
+  const A* xp = x.data_ptr<A>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
+  at::parallel_for(0, B * H * T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / (H * T), h = r / T % H, t = r % T;
+      const A* in = xp + b * sb + h * sh + t * st;
+      const A* co = cp + b * table_b + t * D;
+      const A* si = sp + b * table_b + t * D;
+      float* o = op + r * D;
+      int64_t d = 0;
+      for (; d + 8 <= half; d += 8) {  // the first half pairs with minus the second, the second with the first
+        const __m256 lo = load8(in + d), hi = load8(in + half + d);
+        _mm256_storeu_ps(o + d, _mm256_fnmadd_ps(hi, load8(si + d), _mm256_mul_ps(lo, load8(co + d))));
+        _mm256_storeu_ps(o + half + d, _mm256_fmadd_ps(lo, load8(si + half + d), _mm256_mul_ps(hi, load8(co + half + d))));
+      }
+      for (; d < half; ++d) {
+        const float lo = static_cast<float>(in[d]), hi = static_cast<float>(in[half + d]);
+        o[d] = lo * static_cast<float>(co[d]) - hi * static_cast<float>(si[d]);
+        o[half + d] = hi * static_cast<float>(co[half + d]) + lo * static_cast<float>(si[half + d]);
+      }
+    }
+  });
+}
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "rotary: float32 x, cos and sin expected");
+  check_elementwise("rotary", {&x, &cos, &sin});
   TORCH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.sizes() == cos.sizes() && x.size(3) % 2 == 0 && x.stride(3) == 1 &&
               cos.size(1) == 1 && cos.size(2) == x.size(2) && cos.size(3) == x.size(3) &&
               (cos.size(0) == x.size(0) || cos.size(0) == 1),
               "rotary: x [B, H, T, D] (D even, its last dimension contiguous) and cos, sin [B or 1, 1, T, D] expected");
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
-  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
-  at::Tensor out = at::empty({B, H, T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
-  const float* sp = sn.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2), table_b = c.size(0) == 1 ? 0 : T * D;
-  at::parallel_for(0, B * H * T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / (H * T), h = r / T % H, t = r % T;
-      const float* in = xp + b * sb + h * sh + t * st;
-      const float* co = cp + b * table_b + t * D;
-      const float* si = sp + b * table_b + t * D;
-      float* o = op + r * D;
-      int64_t d = 0;
-      for (; d + 8 <= half; d += 8) {  // the first half pairs with minus the second, the second with the first
-        const __m256 lo = _mm256_loadu_ps(in + d), hi = _mm256_loadu_ps(in + half + d);
-        _mm256_storeu_ps(o + d, _mm256_fnmadd_ps(hi, _mm256_loadu_ps(si + d), _mm256_mul_ps(lo, _mm256_loadu_ps(co + d))));
-        _mm256_storeu_ps(o + half + d, _mm256_fmadd_ps(lo, _mm256_loadu_ps(si + half + d),
-                                                       _mm256_mul_ps(hi, _mm256_loadu_ps(co + half + d))));
-      }
-      for (; d < half; ++d) {
-        o[d] = in[d] * co[d] - in[half + d] * si[d];
-        o[half + d] = in[half + d] * co[half + d] + in[d] * si[half + d];
-      }
-    }
-  });
+  const int64_t table_b = c.size(0) == 1 ? 0 : x.size(2) * x.size(3);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_as(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(), table_b, out.data_ptr<float>());
+  } else {
+    rotary_as(x, c.data_ptr<float>(), sn.data_ptr<float>(), table_b, out.data_ptr<float>());
+  }
   return out;
 }
 

@@ -1,8 +1,11 @@
 """The elementwise passes between a prompt's products on CPU, fused: RMSNorm, rotary embeddings and SiLU(gate) * up.
 
-Each returns None where the fused kernel does not apply (off CPU, not float32, few rows, autograd recording, code
-being compiled: inductor fuses those passes itself), and the caller computes the same values with the library's
-operations. Only prompts take them: a decode step of a few rows is the C++ layer stack's or a compiled step's.
+Each returns None where the fused kernel does not apply (off CPU, a dtype other than float32 or bfloat16, operands
+of two dtypes, few rows, autograd recording, code being compiled: inductor fuses those passes itself), and the
+caller computes the same values with the library's operations. Only prompts take them: a decode step of a few rows
+is the C++ layer stack's or a compiled step's. A bfloat16 model's values are computed in float32 and rounded once,
+where the library's passes round after each operation (the results differ in the last bit, as the C++ layer stack's
+do).
 """
 
 from __future__ import annotations
@@ -11,24 +14,26 @@ import torch
 
 from . import native
 
+DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _applies(x: torch.Tensor, *others: torch.Tensor, contiguous: bool = True) -> bool:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    if x.device.type != "cpu" or x.dtype not in DTYPES or torch.compiler.is_compiling():
         return False
-    if x.numel() // max(x.shape[-1], 1) <= native.MAX_ROWS or not (x.is_contiguous() or not contiguous):
+    if x.numel() // max(x.shape[-1], 1) <= native.MAX_ROWS or (contiguous and not x.is_contiguous()):
         return False
-    return all(t.dtype == torch.float32 for t in others) and native.ready(x, *others)
+    return all(t.dtype == x.dtype for t in others) and native.ready(x, *others)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension in one pass (decodekit::rms_norm), or None."""
-    return torch.ops.decodekit.rms_norm(x, weight, eps) if _applies(x, weight) else None
+    return torch.ops.decodekit.rms_norm(x, weight, eps).to(x.dtype) if _applies(x, weight) else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of a fused gate/up product [..., 2 * I] (gate first) in one pass (decodekit::silu_mul), or
     None."""
-    return torch.ops.decodekit.silu_mul(gate_up) if _applies(gate_up) else None
+    return torch.ops.decodekit.silu_mul(gate_up).to(gate_up.dtype) if _applies(gate_up) else None
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -38,4 +43,4 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     if cos.shape[0] not in (1, x.shape[0]) or not _applies(x, cos, sin, contiguous=False):
         return None
-    return torch.ops.decodekit.rotary(x, cos, sin)
+    return torch.ops.decodekit.rotary(x, cos, sin).to(x.dtype)

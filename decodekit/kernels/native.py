@@ -166,9 +166,10 @@ def _register_fakes() -> None:
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)
     torch.library.register_fake("decodekit::prefill_attention")(lambda q, k, v, window=0: torch.empty_like(q))
-    torch.library.register_fake("decodekit::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
-    torch.library.register_fake("decodekit::rotary")(lambda x, cos, sin: torch.empty(x.shape, dtype=x.dtype))
-    torch.library.register_fake("decodekit::silu_mul")(lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2].clone())
+    torch.library.register_fake("decodekit::rms_norm")(lambda x, weight, eps: torch.empty_like(x, dtype=torch.float32))
+    torch.library.register_fake("decodekit::rotary")(lambda x, cos, sin: torch.empty(x.shape, dtype=torch.float32))
+    torch.library.register_fake("decodekit::silu_mul")(
+        lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=torch.float32))
     torch.library.register_fake("decodekit::split_rows")(split_rows)
     torch.library.register_fake("decodekit::join_sums")(join_sums)
     torch.library.register_fake("decodekit::row_product")(row_product)

@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = elementwise.rms_norm(x, self.weight, self.eps)  # a float32 prompt on CPU: one pass
+        fused = elementwise.rms_norm(x, self.weight, self.eps)  # a prompt on CPU: one pass (kernels/elementwise.py)
         if fused is not None:
             return fused
         # Normalise in fp32 and scale after casting back, as the reference implementation does.
@@ -125,7 +125,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up(x)
-        hidden = elementwise.silu_mul(gate_up)  # a float32 prompt on CPU: one pass
+        hidden = elementwise.silu_mul(gate_up)  # a prompt on CPU: one pass (kernels/elementwise.py)
         if hidden is None:
             gate, up = gate_up.split(self.inter, dim=-1)
             hidden = F.silu(gate) * up

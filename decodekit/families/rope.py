@@ -73,7 +73,7 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    fused = elementwise.rotary(x, cos, sin)  # a float32 prompt on CPU: one pass
+    fused = elementwise.rotary(x, cos, sin)  # a prompt on CPU: one pass (kernels/elementwise.py)
     if fused is not None:
         return fused
     half = x.shape[-1] // 2

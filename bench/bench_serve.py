@@ -3,13 +3,15 @@ from the `make test-vllm` environment) against `decodekit serve` and against vLL
 model's weights (float32), random prompts, at several request rates.
 
     python bench/bench_serve.py [--vllm-python .venv-vllm/bin/python] [--num-prompts 64] [--rates 1,4,16,inf]
-                                [--input-len 256] [--output-len 128] [--skip-vllm]
+                                [--input-len 256] [--output-len 128] [--rounds 1] [--skip-vllm]
 
-Each server starts, warms up (decodekit: compiled steps, as `decodekit serve` defaults; vLLM: eager, its CPU
-build's documented setting, VLLM_CPU_KVCACHE_SPACE=2), serves one run per rate, and stops before the other starts,
-so they never share the machine's two cores. The benchmark client runs with --ignore-eos so every request generates
-output-len tokens on both. Prints a table and one JSON object: output tokens/s, TTFT and ITL p50/p99 per server and
-rate, and decodekit / vLLM ratios.
+Both servers start and warm up (decodekit: compiled steps, as `decodekit serve` defaults; vLLM: eager, its CPU
+build's documented setting, VLLM_CPU_KVCACHE_SPACE=2) and stay up, idle but for the one under load: at each rate
+one server's run is followed at once by the other's (the order flips every other round), so a machine whose speed
+drifts by minutes compares the two within minutes rather than one whole series after the other. The benchmark
+client runs with --ignore-eos so every request generates output-len tokens on both. Prints a table (medians over
+the rounds) and one JSON object: output tokens/s, TTFT and ITL p50/p99 per server, rate and round, and per rate
+the median over the rounds of each round's decodekit / vLLM ratio.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,16 +67,16 @@ def run_client(vllm_python: str, url: str, model_name: str, tokenizer: str, rate
             "ttft_p99_s": result["p99_ttft_ms"] / 1000, "itl_p50_ms": result["p50_itl_ms"], "itl_p99_ms": result["p99_itl_ms"]}
 
 
-def measure(server: list[str], env: dict, name: str, tokenizer: str, args, out_dir: Path) -> dict:
+def start(server: list[str], env: dict) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(server + ["--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        return {rate: run_client(args.vllm_python, url, name, tokenizer, rate, args, out_dir) for rate in args.rates}
-    finally:
+    except BaseException:
         proc.terminate()
-        proc.wait(60)
+        raise
+    return proc, url
 
 
 def main() -> None:
@@ -83,6 +86,7 @@ def main() -> None:
     parser.add_argument("--rates", default="1,4,16,inf", type=lambda text: text.split(","))
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
     from decodekit.models import cpu
@@ -91,24 +95,45 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     model_dir = str(default_model_as_transformers(work / "model"))  # the same weights for both, and the tokenizer
     name = "SmolLM2-135M-Instruct"
-    results = {"cpu": cpu.describe(), "settings": vars(args) | {"rates": args.rates}, "servers": {}}
-    ours = [sys.executable, "-m", "decodekit.cli", "serve", "--model", model_dir, "--served-model-name", name,
-            "--max-tokens-limit", str(args.output_len)]
-    results["servers"]["decodekit"] = measure(ours, dict(os.environ), name, model_dir, args, work)
+    servers = {"decodekit": ([sys.executable, "-m", "decodekit.cli", "serve", "--model", model_dir,
+                              "--served-model-name", name, "--max-tokens-limit", str(args.output_len)], dict(os.environ))}
     if not args.skip_vllm:
-        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", name, "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-        results["servers"]["vllm"] = measure(vllm, env, name, model_dir, args, work)
-        results["ratios"] = {rate: {"output_tok_s": results["servers"]["decodekit"][rate]["output_tok_s"]
-                                    / results["servers"]["vllm"][rate]["output_tok_s"],
-                                    "ttft_p99": results["servers"]["decodekit"][rate]["ttft_p99_s"]
-                                    / results["servers"]["vllm"][rate]["ttft_p99_s"]} for rate in args.rates}
+        servers["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                            "--served-model-name", name, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+                            "4096"], {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    running = {}
+    runs = {server: {rate: [] for rate in args.rates} for server in servers}
+    try:
+        for server, (command, env) in servers.items():
+            running[server] = start(command, env)
+        for round_ in range(args.rounds):
+            for rate in args.rates:
+                for server in (list(servers) if round_ % 2 == 0 else list(servers)[::-1]):
+                    runs[server][rate].append(run_client(args.vllm_python, running[server][1], name, model_dir, rate,
+                                                         args, work))
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+            proc.wait(60)
+    results = {"cpu": cpu.describe(), "settings": vars(args) | {"rates": args.rates}, "runs": runs,
+               "servers": {server: {rate: {key: statistics.median(run[key] for run in by_rate[rate])
+                                           for key in by_rate[rate][0]} for rate in args.rates}
+                           for server, by_rate in runs.items()}}
+    if "vllm" in runs:
+        results["ratios"] = {rate: {
+            "output_tok_s": statistics.median(a["output_tok_s"] / b["output_tok_s"]
+                                              for a, b in zip(runs["decodekit"][rate], runs["vllm"][rate])),
+            "ttft_p99": statistics.median(a["ttft_p99_s"] / b["ttft_p99_s"]
+                                          for a, b in zip(runs["decodekit"][rate], runs["vllm"][rate]))}
+            for rate in args.rates}
     print(f"{'server':<10} {'rate':>5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
     for server, by_rate in results["servers"].items():
         for rate, r in by_rate.items():
             print(f"{server:<10} {rate:>5} {r['output_tok_s']:8.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
                   f"{r['itl_p50_ms']:6.0f}ms {r['itl_p99_ms']:6.0f}ms")
+    for rate, ratio in results.get("ratios", {}).items():
+        print(f"rate {rate}: decodekit / vLLM output tok/s {ratio['output_tok_s']:.2f}x, p99 TTFT {ratio['ttft_p99']:.2f}x"
+              f" (median of {args.rounds} paired rounds)")
     print(json.dumps(results))
 
 

@@ -6,12 +6,13 @@ model's weights (float32), random prompts, at several request rates.
                                 [--input-len 256] [--output-len 128] [--rounds 1] [--skip-vllm]
 
 Both servers start and warm up (decodekit: compiled steps, as `decodekit serve` defaults; vLLM: eager, its CPU
-build's documented setting, VLLM_CPU_KVCACHE_SPACE=2) and stay up, idle but for the one under load: at each rate
-one server's run is followed at once by the other's (the order flips every other round), so a machine whose speed
-drifts by minutes compares the two within minutes rather than one whole series after the other. The benchmark
-client runs with --ignore-eos so every request generates output-len tokens on both. Prints a table (medians over
-the rounds) and one JSON object: output tokens/s, TTFT and ITL p50/p99 per server, rate and round, and per rate
-the median over the rounds of each round's decodekit / vLLM ratio.
+build's documented setting, VLLM_CPU_KVCACHE_SPACE=2) and stay up, the one not under load stopped (SIGSTOP to its
+process group: an idle vLLM server polls at about a core per process). At each rate one server's run is followed at
+once by the other's (the order flips every other round), so a machine whose speed drifts by the minute compares the
+two within minutes rather than one whole series after the other. The benchmark client runs with --ignore-eos so
+every request generates output-len tokens on both. Prints a table (medians over the rounds) and one JSON object:
+output tokens/s, TTFT and ITL p50/p99 per server, rate and round, and per rate the median over the rounds of each
+round's decodekit / vLLM ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -69,7 +71,9 @@ def run_client(vllm_python: str, url: str, model_name: str, tokenizer: str, rate
 
 def start(server: list[str], env: dict) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen(server + ["--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A session of its own: the server and its workers are paused and resumed together (pause).
+    proc = subprocess.Popen(server + ["--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
@@ -101,19 +105,28 @@ def main() -> None:
         servers["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                             "--served-model-name", name, "--dtype", "float32", "--enforce-eager", "--max-model-len",
                             "4096"], {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    def pause(server: str, stopped: bool) -> None:
+        # An idle vLLM server is not idle: its engine core and worker poll at about a core each. The server not
+        # under load is stopped (SIGSTOP to its process group) for the other's run.
+        os.killpg(running[server][0].pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+
     running = {}
     runs = {server: {rate: [] for rate in args.rates} for server in servers}
     try:
         for server, (command, env) in servers.items():
             running[server] = start(command, env)
+            pause(server, True)
         for round_ in range(args.rounds):
             for rate in args.rates:
                 for server in (list(servers) if round_ % 2 == 0 else list(servers)[::-1]):
+                    pause(server, False)
                     runs[server][rate].append(run_client(args.vllm_python, running[server][1], name, model_dir, rate,
                                                          args, work))
+                    pause(server, True)
     finally:
-        for proc, _ in running.values():
-            proc.terminate()
+        for server, (proc, _) in running.items():
+            pause(server, False)
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
     results = {"cpu": cpu.describe(), "settings": vars(args) | {"rates": args.rates}, "runs": runs,
                "servers": {server: {rate: {key: statistics.median(run[key] for run in by_rate[rate])

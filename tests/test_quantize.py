@@ -145,3 +145,24 @@ def test_split_int8_rows_keep_fourteen_bits_where_bfloat16_rows_keep_eight(width
     assert split.dtype == torch.float32 and torch.all(split[7] == 0)
     assert error(split) < 2e-4 and torch.allclose(split, library, rtol=1e-6, atol=0)
     assert error(rows.bfloat16().double() @ plain.double().t()) > 1e-3  # the rows int8pack takes (any width)
+
+
+def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scales():
+    # decodekit::split_product splits, multiplies and joins 256 rows at a time into buffers it reuses: a prompt of
+    # 600 rows (two whole blocks and part of a third) gives the library operations' values (the kernel's float32
+    # arithmetic is ordered differently, which moves a low part's rounding now and then), the weight's channel
+    # scales applied as it joins.
+    from decodekit.models import cpu
+    from decodekit.models.quantize import split_int8_product
+
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(600, 64, generator=generator)
+    q = Int8Linear(nn.Linear(64, 48, bias=False))
+    scaled = split_int8_product(rows, q.weight_int8, True, q.scales)
+    with cpu.forced(native_kernels=False):
+        library = split_int8_product(rows, q.weight_int8, True)
+    unscaled = split_int8_product(rows, q.weight_int8, True)
+    assert torch.equal(scaled, unscaled * q.scales)
+    assert float((unscaled - library).norm() / library.norm()) < 1e-5
+    exact = rows.double() @ q.dequantized().double().t()
+    assert float((scaled.double() - exact).norm() / exact.norm()) < 2e-4

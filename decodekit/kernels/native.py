@@ -155,12 +155,6 @@ def _register_fakes() -> None:
     def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps, rows=None):
         return torch.empty_like(x)
 
-    def split_rows(rows, interleaved):
-        return rows.new_empty((2 * rows.shape[0], rows.shape[1]), dtype=torch.int8), rows.new_empty(rows.shape[0])
-
-    def join_sums(sums, scales):
-        return scales.new_empty((sums.shape[0] // 2, sums.shape[1]))
-
     def tiled_product(rows, weight, scales=None, interleaved=False, blocks=False):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
@@ -170,8 +164,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("decodekit::rotary")(lambda x, cos, sin: torch.empty(x.shape, dtype=torch.float32))
     torch.library.register_fake("decodekit::silu_mul")(
         lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=torch.float32))
-    torch.library.register_fake("decodekit::split_rows")(split_rows)
-    torch.library.register_fake("decodekit::join_sums")(join_sums)
+    torch.library.register_fake("decodekit::split_product")(tiled_product)  # the same shape: [rows, out] float32
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
     torch.library.register_fake("decodekit::decode_layers")(decode_layers)

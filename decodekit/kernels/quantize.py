@@ -92,7 +92,7 @@ class Int8Linear(nn.Module):
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
-            scaled = self._tiled(flat)
+            scaled = self._scaled(flat)
             if scaled is not None:
                 y = scaled.to(x.dtype).view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
@@ -100,19 +100,22 @@ class Int8Linear(nn.Module):
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def _tiled(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """The scaled float32 product of a prompt's rows by decodekit::tiled_product where that is this CPU's
-        route: scales and the interleaved columns' order are applied as each tile is converted, so neither the
-        rows nor the product take an extra pass through memory. None where another route runs."""
-        if flat.device.type != "cpu" or flat.shape[0] <= native.MAX_ROWS or many_rows_route() != "tiles":
+    def _scaled(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The scaled float32 product of a prompt's rows where this CPU's route is one of decodekit's kernels, which
+        apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
+        extra pass through memory: decodekit::tiled_product ("tiles") or decodekit::split_product ("int8_split").
+        None where another route runs."""
+        if flat.device.type != "cpu" or flat.shape[0] <= native.MAX_ROWS or not native.ready(flat, self.bias):
             return None
-        if not native.ready(flat, self.bias):
-            return None
+        route = many_rows_route()
         interleaved = self.input_order is not None
+        if route == "int8_split":
+            return split_int8_product(flat, self.weight_int8, interleaved, self.scales)
+        if route != "tiles":
+            return None
         if interleaved and self.in_features % 32:  # the kernel reads 32 interleaved columns at a time
             flat, interleaved = stored_order(flat), False
         return torch.ops.decodekit.tiled_product(flat.float().contiguous(), self.weight_int8, self.scales, interleaved)
-
 
     def _many_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """The unscaled product of more rows than the few-row kernels take (a prompt), by this CPU's route."""
@@ -140,22 +143,23 @@ def stored_order(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1, 4, width // 4).transpose(1, 2).reshape(-1, width)
 
 
-def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleaved: bool = False,
+                       scales: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, in] @ weight_int8^T [out, in] as int8 x int8 products (torch._int_mm: oneDNN's VNNI or AMX
-    kernels where the CPU has them), in float32 [M, out]; `interleaved`: the weight's columns are stored
-    interleaved (interleaved_columns) and the rows are given in the input's order.
+    kernels where the CPU has them), in float32 [M, out], times the per-channel `scales` [out] where given;
+    `interleaved`: the weight's columns are stored interleaved (interleaved_columns) and the rows are given in the
+    input's order.
 
     Each row is split into two int8 parts, row = s * (high + low / 127) with s = max|row| / 127, so the
     activations keep about 14 bits where the bfloat16 rows of torch._weight_int8pack_mm keep 8 (relative
     error of the product against the exact one 6e-5 against 2.3e-3), and the int32 sums are exact. One
-    int8 part alone would be faster still but 3x less exact than the bfloat16 rows. decodekit's kernels
-    (split_rows, join_sums) make the parts and join the sums in one pass each; the library operations
-    below compute the same values in about ten.
+    int8 part alone would be faster still but 3x less exact than the bfloat16 rows. decodekit's kernel
+    (split_product) splits, multiplies and joins a block of rows at a time, its sums staying in cache; the library
+    operations below compute the same values in about ten passes through memory.
     """
     rows = rows.float().contiguous()
     if native.ready(rows):
-        parts, scales = torch.ops.decodekit.split_rows(rows, interleaved)
-        return torch.ops.decodekit.join_sums(torch._int_mm(parts, weight_int8.t()), scales)
+        return torch.ops.decodekit.split_product(rows, weight_int8, scales, interleaved)
     if interleaved:
         rows = stored_order(rows)
     top = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
@@ -164,7 +168,8 @@ def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleave
     low = torch.round((scaled - high) * 127.0)
     sums = torch._int_mm(torch.cat([high, low]).to(torch.int8), weight_int8.t()).float()
     count, scale = rows.shape[0], top / 127.0
-    return sums[:count] * scale + sums[count:] * (scale / 127.0)
+    y = sums[:count] * scale + sums[count:] * (scale / 127.0)
+    return y if scales is None else y * scales
 
 
 def many_rows_route() -> str:

@@ -127,8 +127,8 @@ def main() -> int:
     prompts = {n: all_ids[:, :n] for n in args.lengths}
     jobs = {f"{fmt} {n}": first_token_job(model, p) for fmt, model in ours.items() for n, p in prompts.items()}
     for n, p in prompts.items():  # the same fp32 prefill with SDPA's attention, beside it in every round
-        jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(ours["fp32"], p, prompt_attention_512="sdpa",
-                                                             prompt_attention_2048="sdpa")
+        jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(ours["fp32"], p, prompt_attention_float32_512="sdpa",
+                                                             prompt_attention_float32_2048="sdpa")
     if not args.skip_transformers:
         import transformers
 

@@ -145,19 +145,33 @@ def test_both_prompt_attention_routes_give_the_same_logits_tokens_and_batches(tm
     prompts = [LONG[0].tolist(), LONG[0, :25].tolist()]
     results = {}
     for route in ("sdpa", "kernel"):
-        with choices.forced(prompt_attention_512=route, prompt_attention_2048=route):
+        with choices.forced(prompt_attention_float32_512=route, prompt_attention_float32_2048=route):
             batch = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False)
             results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None),
                               [r.generated_tokens for r in batch.values()])
     (logits, tokens, batched), (kernel_logits, kernel_tokens, kernel_batched) = results["sdpa"], results["kernel"]
     assert float((kernel_logits - logits).norm() / logits.norm()) < 1e-5
     assert torch.equal(kernel_tokens, tokens) and kernel_batched == batched
-    with choices.forced(prompt_attention_512="kernel"), torch.profiler.profile() as profile:
+    with choices.forced(prompt_attention_float32_512="kernel"), torch.profiler.profile() as profile:
         prefill(model, LONG)  # the kernel did run (mistral's window masks: only in batching's chunks)
         model.generate_batch(prompts[:1], max_new_tokens=1, progress_bar=False)
     calls = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prefill_attention", 0)
     layers = model.config.num_hidden_layers
     assert calls == (2 * layers if model_type == "llama" else layers)
+
+
+def test_a_bfloat16_model_takes_the_attention_route_measured_for_bfloat16(tmp_path):
+    # Each dtype has its own choice: SDPA's bfloat16 attention ran 3-4x the kernel's on an AMX CPU, while float32
+    # models there kept the kernel at 512 keys. The two routes agree to bfloat16's rounding.
+    model = tiny_model(tmp_path).to(torch.bfloat16)
+    outputs, calls = {}, {}
+    for bf16_route, fp32_route in (("kernel", "sdpa"), ("sdpa", "kernel")):
+        with choices.forced(prompt_attention_bfloat16_512=bf16_route, prompt_attention_float32_512=fp32_route), \
+                torch.profiler.profile() as profile:
+            outputs[bf16_route] = prefill(model, LONG).float()
+        calls[bf16_route] = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prefill_attention", 0)
+    assert calls == {"kernel": model.config.num_hidden_layers, "sdpa": 0}
+    assert float((outputs["kernel"] - outputs["sdpa"]).norm() / outputs["sdpa"].norm()) < 2e-2
 
 
 # float32 within float32's rounding; bfloat16 computed in float32 and rounded once, the library rounding after each

@@ -15,24 +15,38 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 runs through floa
 SHORT_KEYS = 1024
 
 
-def prompt_attention_route(keys: int) -> str:
-    """"kernel" (decodekit::prefill_attention) or "sdpa" for attention over `keys` keys, measured once per CPU and
-    class of lengths (choices.py) on a prompt of 512 or 2,048 tokens through one layer of the default model's shape
-    (9 query heads, 3 kv heads, head_dim 64)."""
-    size = 512 if keys <= SHORT_KEYS else 2048
+def route_name(dtype: torch.dtype, keys: int) -> str:
+    """The name of the choice (choices.py) for attention in `dtype` over `keys` keys: prompt_attention_float32_512,
+    prompt_attention_bfloat16_2048, ..."""
+    return f"prompt_attention_{str(dtype).removeprefix('torch.')}_{512 if keys <= SHORT_KEYS else 2048}"
+
+
+def prompt_attention_route(keys: int, dtype: torch.dtype = torch.float32) -> str:
+    """"kernel" (decodekit::prefill_attention) or "sdpa" for attention in `dtype` over `keys` keys, measured once per
+    CPU, dtype and class of lengths (choices.py) on a prompt of 512 or 2,048 tokens through one layer of the default
+    model's shape (9 query heads, 3 kv heads, head_dim 64). The dtypes are measured apart: the kernel computes in
+    float32, SDPA in the model's dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16
+    attention 3-4x as fast as the kernel."""
+    name = route_name(dtype, keys)
+    size = int(name.rpartition("_")[2])
 
     def candidates() -> dict:
         if not native.load():
             return {}
         generator = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 9, size, 64, generator=generator)
-        k, v = torch.randn(1, 3, size, 64, generator=generator), torch.randn(1, 3, size, 64, generator=generator)
+        q = torch.randn(1, 9, size, 64, generator=generator).to(dtype)
+        k, v = (torch.randn(1, 3, size, 64, generator=generator).to(dtype) for _ in range(2))
         return {
-            "kernel": lambda: torch.ops.decodekit.prefill_attention(q[0], k[0], v[0], 0),
+            "kernel": lambda: kernel(q[0], k[0], v[0], 0),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
 
-    return choices.decide(f"prompt_attention_{size}", candidates, otherwise="sdpa")
+    return choices.decide(name, candidates, otherwise="sdpa")
+
+
+def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """decodekit::prefill_attention in float32, the result in q's dtype."""
+    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window).to(q.dtype)
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:
@@ -41,7 +55,6 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     autograd recording, code being compiled) or SDPA measured faster here: the caller runs SDPA."""
     if q.device.type != "cpu" or q.dtype not in ATTENTION_DTYPES or torch.compiler.is_compiling():
         return None
-    if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v) or prompt_attention_route(k.shape[1]) != "kernel":
+    if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v):
         return None
-    y = torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window or 0)
-    return y.to(q.dtype)
+    return kernel(q, k, v, window or 0) if prompt_attention_route(k.shape[1], q.dtype) == "kernel" else None

@@ -120,35 +120,39 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
 
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choices, "_made", {})
-    runs = {"slow": 0, "fast": 0}
+    runs, order = {"slow": 0, "fast": 0}, []
+    per = choices.WARM_UP_CALLS + choices.ROUNDS  # calls of each candidate in one measurement
 
     def candidate(label, seconds):
         def run():
             runs[label] += 1
+            order.append(label)
             time.sleep(seconds)
         return run
 
     candidates = {"slow": candidate("slow", 0.004), "fast": candidate("fast", 0.0)}
     with caplog.at_level(logging.INFO, logger="decodekit"):
         assert choices.choose("demo", candidates) == "fast"
-    assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == 6  # a warm-up and 5 timed
-    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6  # remembered in this process
+    assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == per
+    # Timed round-robin after the warm-up calls: a slow spell of the machine falls on both alike.
+    assert order[-2 * choices.ROUNDS:] == ["slow", "fast"] * choices.ROUNDS
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == per  # remembered in this process
     stored = json.loads((tmp_path / "choices.json").read_text())
     assert stored == {choices.signature(): {"demo(fast,slow)": "fast"}}
     assert choices.signature().startswith(cpu.signature())  # and the kernels' source: a changed kernel is measured again
     monkeypatch.setattr(choices, "_made", {})  # a new process on the same machine reads the file
-    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 6
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == per
     monkeypatch.setattr(choices, "_made", {})  # a later version offers one more route: measured, not skipped
     runs["faster"] = 0
     with_new = {**candidates, "faster": candidate("faster", 0.0)}
     choices.choose("demo", with_new)
-    assert runs["faster"] == 6 and runs["slow"] == 12
+    assert runs["faster"] == per and runs["slow"] == 2 * per
     candidates = {"slow": candidates["slow"], "fast": candidates["fast"]}
     monkeypatch.setattr(choices, "_made", {})
-    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 12  # the old set's entry is kept
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 2 * per  # the old set's entry is kept
     monkeypatch.setattr(choices, "_made", {})
     monkeypatch.setenv("DECODEKIT_CHOICES", "measure")
-    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 18
+    assert choices.choose("demo", candidates) == "fast" and runs["slow"] == 3 * per
     choices.clear()
     assert not (tmp_path / "choices.json").exists() and choices._made == {}
     with choices.forced(demo="slow"):

@@ -91,6 +91,28 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+# Untimed calls of each candidate, then timed rounds. A product's first calls in a process ran 2-20x its later ones
+# on the AMX bench machine (oneDNN's kernels generated, AMX state granted to each thread) for three or four calls,
+# and that machine's speed moved 2x between seconds: one warm-up call and each candidate timed in a block of its
+# own picked the tiles over int8 products half their time there.
+WARM_UP_CALLS, ROUNDS = 4, 7
+
+
+def fastest(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """{label: median seconds} of the candidates, timed round-robin (one call of each per round) after warm-up
+    calls, so a slow spell of the machine falls on every candidate alike."""
+    for fn in candidates.values():
+        for _ in range(WARM_UP_CALLS):
+            fn()
+    times: dict[str, list[float]] = {label: [] for label in candidates}
+    for _ in range(ROUNDS):
+        for label, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
 def made(name: str) -> str | None:
     """The choice for `name` if it is pinned or already made in this process, else None (nothing is measured)."""
     return _forced.get(name) or _made.get(name)
@@ -108,7 +130,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
         stored = {} if remeasure else _read().get(signature(), {})
         choice = stored.get(_key(name, candidates))
         if choice not in candidates:
-            timings = {label: median_seconds(fn) for label, fn in candidates.items()}
+            timings = fastest(candidates)
             choice = min(timings, key=timings.get)
             logger.info("%s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
                         ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))

@@ -60,11 +60,12 @@ def _key(name: str, candidates) -> str:
 
 
 def signature() -> str:
-    """What a cached choice holds for: this CPU and torch (cpu.signature()) and the kernels' source."""
+    """What a cached choice holds for: this CPU and torch (cpu.signature()), the kernels' source and how choices are
+    timed (a choice made by an earlier, less careful timing is made again)."""
     from .native import SOURCE
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"{cpu.signature()} kernels {digest}"
+    return f"{cpu.signature()} kernels {digest} timed {WARM_UP_CALLS}+{ROUNDS}"
 
 
 def _write(key: str, choice: str) -> None:

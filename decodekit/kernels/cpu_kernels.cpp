@@ -320,18 +320,18 @@ void join_row(const int32_t* high, const int32_t* low, int64_t N, float scale, c
   }
 }
 
-// Rows per block of split_product. The int32 sums of a block ([2R, N]: 6 MB for the default model's widest
-// product at R = 256) are written by the library's product and read back by the join while still in cache; one
-// call over a whole long prompt wrote them through memory into a fresh allocation, which the kernel's page
-// faults made the slowest step of an int8 prefill (a 2,048-token prompt's products at 580 GOP/s of a 2,000
-// GOP/s AMX peak, against 1,700 into a buffer already mapped).
-constexpr int64_t kSplitRows = 256;
+// Blocks of split_product: as many rows as keep the block's int32 sums ([2R, N]) within kSplitSumBytes, at most
+// kSplitRows. The sums are written by the library's product and read back by the join while still in cache; one call
+// over a whole long prompt wrote them through memory into a fresh allocation, whose page faults made it the slowest
+// step of an int8 prefill on the AMX bench machine (a 2,048-token prompt's products at 580 GOP/s of a 2,000 GOP/s
+// peak, against 1,700 into a buffer already mapped). The buffers are the calling thread's, kept between calls.
+constexpr int64_t kSplitRows = 256, kSplitSumBytes = int64_t{8} << 20;
 
 // rows [M, K] float32 @ weight [N, K]^T int8 -> [M, N] float32 through int8 x int8 products (at::_int_mm:
 // oneDNN's VNNI or AMX kernels where the CPU has them): each row split into two int8 parts (split_row), so the
 // activations keep about 14 bits, the int32 sums exact, joined and scaled by `scales` [N] (the weight's
 // per-channel scales) where given. `interleaved`: the weight's columns are stored interleaved and the rows are
-// in the input's order. A block of kSplitRows rows at a time, into buffers reused across blocks.
+// in the input's order. A block of rows at a time, into buffers reused across blocks and calls.
 at::Tensor split_product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                          bool interleaved) {
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2,
@@ -347,9 +347,13 @@ at::Tensor split_product(const at::Tensor& rows, const at::Tensor& weight, const
     columns = scales->data_ptr<float>();
   }
   at::Tensor out = at::empty({M, N}, rows.options());
-  const int64_t R = std::max<int64_t>(std::min(M, kSplitRows), 1);
-  at::Tensor parts = at::empty({2 * R, K}, rows.options().dtype(at::kChar));
-  at::Tensor sums = at::empty({2 * R, N}, rows.options().dtype(at::kInt));
+  const int64_t fit = std::max<int64_t>(kSplitSumBytes / (2 * N * int64_t{sizeof(int32_t)}), 8);
+  const int64_t R = std::max<int64_t>(std::min({M, kSplitRows, fit}), 1);
+  thread_local at::Tensor part_buffer, sum_buffer;  // the library's allocations: aligned for its vector stores
+  if (!part_buffer.defined() || part_buffer.numel() < 2 * R * K) part_buffer = at::empty({2 * R * K}, rows.options().dtype(at::kChar));
+  if (!sum_buffer.defined() || sum_buffer.numel() < 2 * R * N) sum_buffer = at::empty({2 * R * N}, rows.options().dtype(at::kInt));
+  at::Tensor parts = part_buffer.narrow(0, 0, 2 * R * K).view({2 * R, K});
+  at::Tensor sums = sum_buffer.narrow(0, 0, 2 * R * N).view({2 * R, N});
   std::vector<float> row_scales(R);
   const at::Tensor transposed = weight.t();
   const float* x = rows.data_ptr<float>();

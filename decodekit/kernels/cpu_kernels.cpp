@@ -825,9 +825,7 @@ void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::T
       std::fill(result.begin(), result.end(), 0.f);
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * L;
-        float best = masked;
-        for (int64_t j = 0; j < L; ++j) best = std::max(best, s[j]);
-        inverse[h] = 1.f / exp_and_sum(s, L, best);
+        inverse[h] = 1.f / exp_and_sum(s, L, row_max(s, L));
       }
       for (int64_t j = first; j <= p; ++j) {
         prefetch_row(vs, j + kSlotsAhead);

@@ -248,7 +248,9 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
 
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
-    on_disk = {choices.signature(): {"float32_rows_32(blocks,library,tiles)": "blocks"}}
+    from decodekit.kernels.linear import many_rows_routes
+
+    on_disk = {choices.signature(): {choices._key("float32_rows_32", many_rows_routes()): "blocks"}}
     monkeypatch.setattr(choices, "_made", {})  # a fresh process: the choice is in the cache file only
     monkeypatch.setattr(choices, "_read", lambda: on_disk)
     monkeypatch.setattr(choices, "_write", lambda key, choice: None)

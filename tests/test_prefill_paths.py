@@ -46,6 +46,12 @@ def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
                           (torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True),
                            exact(x, weight.bfloat16().float())),
                           (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True), exact(x, int8, scales))]
+            if k % 16 == 0 and cpu.has("avx512f"):  # the AVX-512 blocks (4 rows by 4 weight rows), where the CPU has it
+                cases += [(torch.ops.decodekit.tiled_product(x, weight, blocks=True, wide=True), exact(x, weight)),
+                          (torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True, wide=True),
+                           exact(x, weight.bfloat16().float())),
+                          (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True, wide=True),
+                           exact(x, int8, scales))]
     finally:
         torch.set_num_threads(saved)
     for got, want in cases:
@@ -65,6 +71,10 @@ def test_tiled_product_refuses_what_it_does_not_take():
         torch.ops.decodekit.tiled_product(x, torch.zeros(8, 16, dtype=torch.int8), None, True)
     with pytest.raises(RuntimeError, match="blocks=True takes rows of a width that is a multiple of 8"):
         torch.ops.decodekit.tiled_product(torch.randn(20, 12), torch.randn(8, 12), blocks=True)
+    with pytest.raises(RuntimeError, match="wide=True goes with blocks=True and rows of a width that is a multiple of 16"):
+        torch.ops.decodekit.tiled_product(torch.randn(20, 24), torch.randn(8, 24), blocks=True, wide=True)
+    with pytest.raises(RuntimeError, match="wide=True goes with blocks=True"):
+        torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), wide=True)
 
 
 def prefill(model, ids):
@@ -79,11 +89,12 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         model = model.to(torch.bfloat16)
     name = f"{fmt}_rows_128"  # LONG has 40 rows: a short prompt
     results = {}
-    for route in ("library", "tiles", "blocks"):
+    # wide_blocks runs the AVX2 blocks where the CPU has no AVX-512 (a cached choice from another machine, say).
+    for route in ("library", "tiles", "blocks", "wide_blocks"):
         with choices.forced(**{name: route}), cpu.forced(onednn_bf16=False):  # bf16 products in float32 (AVX2's way)
             results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
     logits, tokens = results["library"]
-    for route in ("tiles", "blocks"):
+    for route in ("tiles", "blocks", "wide_blocks"):
         assert float((results[route][0] - logits).norm() / logits.norm()) < 1e-5, route
         assert torch.equal(results[route][1], tokens), route
 

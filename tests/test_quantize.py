@@ -166,3 +166,17 @@ def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scal
     assert float((unscaled - library).norm() / library.norm()) < 1e-5
     exact = rows.double() @ q.dequantized().double().t()
     assert float((scaled.double() - exact).norm() / exact.norm()) < 2e-4
+
+
+def test_split_product_runs_in_and_out_of_inference_mode_in_one_thread():
+    # Its buffers outlive a call: made under inference mode (a prefill's) they were inference tensors, and the next
+    # call outside it (autograd off by no_grad only, as a test or a user's loop) failed writing to them.
+    from decodekit.models.quantize import split_int8_product
+
+    rows = torch.randn(300, 64)
+    q = Int8Linear(nn.Linear(64, 5000, bias=False))  # wider than earlier tests': the buffers grow in inference mode
+    with torch.inference_mode():
+        inside = split_int8_product(rows, q.weight_int8, True, q.scales)
+    with torch.no_grad():
+        outside = split_int8_product(rows, q.weight_int8, True, q.scales)
+    assert torch.equal(inside, outside) and not outside.is_inference()

@@ -155,7 +155,7 @@ def _register_fakes() -> None:
     def decode_layers(x, cos, sin, slots, masks, keys, values, weights, heads, kv_heads, eps, rows=None):
         return torch.empty_like(x)
 
-    def tiled_product(rows, weight, scales=None, interleaved=False, blocks=False):
+    def tiled_product(rows, weight, scales=None, interleaved=False, blocks=False, wide=False):
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)

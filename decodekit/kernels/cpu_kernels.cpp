@@ -979,32 +979,6 @@ inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_
   }
 }
 
-// Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): kBlockRows rows at a time.
-template <int NR, typename W>
-void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo) {
-  int64_t i = 0;
-  if (M >= kBlockRows) {  // the first block of rows prefetches the weight block kBlocksAhead on
-    block_dots<kBlockRows, NR>(x, w, K, out, ldo, w + kBlocksAhead * kBlockWeights * K);
-    i = kBlockRows;
-  }
-  for (; i + kBlockRows <= M; i += kBlockRows) block_dots<kBlockRows, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-  if (M - i == 2) block_dots<2, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-  if (M - i == 1) block_dots<1, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-}
-
-// x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K % 8 == 0.
-template <typename W>
-void blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t K, float* out, int64_t ldo) {
-  const int64_t range = std::max<int64_t>(kBlockRows, kRowRangeBytes / (4 * K) / kBlockRows * kBlockRows);
-  for (int64_t m0 = 0; m0 < M; m0 += range) {
-    const int64_t m = std::min(range, M - m0);
-    int64_t j = 0;
-    for (; j + kBlockWeights <= rows; j += kBlockWeights)
-      rows_by_weights<kBlockWeights>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
-    for (; j < rows; ++j) rows_by_weights<1>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
-  }
-}
-
 // The same blocks with AVX-512 (`wide`, where the CPU has avx512f: choices.py offers it as its own route): 16
 // lanes a vector and 32 registers, so blocks of 4 rows by 4 weight rows (16 accumulators, 4 rows, a weight vector).
 // The rest of the kernels are built for AVX2 on every x86 CPU; these functions alone carry the AVX-512 target and
@@ -1039,31 +1013,52 @@ DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t K, flo
     for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-template <int NR, typename W>
-DECODEKIT_AVX512 void wide_rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo) {
-  int64_t i = 0;
-  if (M >= kWideRows) {
-    wide_block_dots<kWideRows, NR>(x, w, K, out, ldo, w + kBlocksAhead * kBlockWeights * K);
-    i = kWideRows;
+// How a block of MR rows by NR weight rows is computed: AVX2's block_dots (blocks of 3 rows) or AVX-512's (4).
+struct NarrowDots {
+  static constexpr int kRows = kBlockRows;
+  template <int MR, int NR, typename W>
+  static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
+    block_dots<MR, NR>(x, w, K, out, ldo, ahead);
   }
-  for (; i + kWideRows <= M; i += kWideRows)
-    wide_block_dots<kWideRows, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-  if (M - i == 3) wide_block_dots<3, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-  if (M - i == 2) wide_block_dots<2, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
-  if (M - i == 1) wide_block_dots<1, NR>(x + i * K, w, K, out + i * ldo, ldo, (const W*)nullptr);
+};
+
+struct WideDots {
+  static constexpr int kRows = kWideRows;
+  template <int MR, int NR, typename W>
+  DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
+    wide_block_dots<MR, NR>(x, w, K, out, ldo, ahead);
+  }
+};
+
+// Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): Dots::kRows rows at a time, then the rest.
+template <typename Dots, int NR, typename W>
+void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo) {
+  constexpr int MR = Dots::kRows;
+  const W* none = nullptr;
+  int64_t i = 0;
+  if (M >= MR) {  // the first block of rows prefetches the weight block kBlocksAhead on
+    Dots::template run<MR, NR>(x, w, K, out, ldo, w + kBlocksAhead * kBlockWeights * K);
+    i = MR;
+  }
+  for (; i + MR <= M; i += MR) Dots::template run<MR, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+  if constexpr (MR > 3) {
+    if (M - i == 3) Dots::template run<3, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+  }
+  if (M - i == 2) Dots::template run<2, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+  if (M - i == 1) Dots::template run<1, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
 }
 
-// x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by AVX-512 register blocks; K % 16 == 0.
-template <typename W>
-DECODEKIT_AVX512 void wide_blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t K, float* out,
-                                          int64_t ldo) {
-  const int64_t range = std::max<int64_t>(kWideRows, kRowRangeBytes / (4 * K) / kWideRows * kWideRows);
+// x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K a multiple of the lanes.
+template <typename Dots, typename W>
+void blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t K, float* out, int64_t ldo) {
+  constexpr int MR = Dots::kRows;
+  const int64_t range = std::max<int64_t>(MR, kRowRangeBytes / (4 * K) / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += range) {
     const int64_t m = std::min(range, M - m0);
     int64_t j = 0;
     for (; j + kBlockWeights <= rows; j += kBlockWeights)
-      wide_rows_by_weights<kBlockWeights>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
-    for (; j < rows; ++j) wide_rows_by_weights<1>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
+      rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
+    for (; j < rows; ++j) rows_by_weights<Dots, 1>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
   }
 }
 
@@ -1072,9 +1067,9 @@ template <typename W>
 void any_blocks_product(bool wide, const float* x, int64_t M, const W* w, int64_t rows, int64_t K, float* out,
                         int64_t ldo) {
   if (wide) {
-    wide_blocks_product(x, M, w, rows, K, out, ldo);
+    blocks_product<WideDots>(x, M, w, rows, K, out, ldo);
   } else {
-    blocks_product(x, M, w, rows, K, out, ldo);
+    blocks_product<NarrowDots>(x, M, w, rows, K, out, ldo);
   }
 }
 

@@ -15,20 +15,13 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 runs through floa
 SHORT_KEYS = 1024
 
 
-def route_name(dtype: torch.dtype, keys: int) -> str:
-    """The name of the choice (choices.py) for attention in `dtype` over `keys` keys: prompt_attention_float32_512,
-    prompt_attention_bfloat16_2048, ..."""
-    return f"prompt_attention_{str(dtype).removeprefix('torch.')}_{512 if keys <= SHORT_KEYS else 2048}"
-
-
-def prompt_attention_route(keys: int, dtype: torch.dtype = torch.float32) -> str:
+def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
     """"kernel" (decodekit::prefill_attention) or "sdpa" for attention in `dtype` over `keys` keys, measured once per
-    CPU, dtype and class of lengths (choices.py) on a prompt of 512 or 2,048 tokens through one layer of the default
-    model's shape (9 query heads, 3 kv heads, head_dim 64). The dtypes are measured apart: the kernel computes in
-    float32, SDPA in the model's dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16
-    attention 3-4x as fast as the kernel."""
-    name = route_name(dtype, keys)
-    size = int(name.rpartition("_")[2])
+    CPU, dtype and class of lengths (choices.py: prompt_attention_float32_512, prompt_attention_bfloat16_2048, ...)
+    on a prompt of 512 or 2,048 tokens through one layer of the default model's shape (9 query heads, 3 kv heads,
+    head_dim 64). The dtypes are measured apart: the kernel computes in float32, SDPA in the model's dtype, which on
+    a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the kernel."""
+    size = 512 if keys <= SHORT_KEYS else 2048
 
     def candidates() -> dict:
         if not native.load():
@@ -41,7 +34,7 @@ def prompt_attention_route(keys: int, dtype: torch.dtype = torch.float32) -> str
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
 
-    return choices.decide(name, candidates, otherwise="sdpa")
+    return choices.decide(f"prompt_attention_{str(dtype).removeprefix('torch.')}_{size}", candidates, otherwise="sdpa")
 
 
 def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:

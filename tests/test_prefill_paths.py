@@ -12,6 +12,8 @@ from decodekit.testing import tiny_model
 pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
 
 LONG = torch.arange(3, 3 + 40)[None] % 90 + 3  # 40 tokens: more rows than the few-row kernels take
+# The AVX-512 variant of a kernel, tested where the CPU has it.
+WIDE = pytest.param(True, marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs a CPU with avx512f"))
 
 
 def exact(x, weight, scales=None):
@@ -118,9 +120,11 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
 @pytest.mark.parametrize("first, length, window", [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (300, 33, 64),
                                                    (0, 1000, 0), (700, 150, 0), (600, 260, 300)])
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
-def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_heads):
+@pytest.mark.parametrize("wide", [False, WIDE])
+def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_heads, wide):
     # Query i sits at position first + i and sees keys j <= it (and j > it - window with a window); a block's
     # query heads of one kv head are stacked, the blocks taken out of order so the threads' shares cost alike.
+    # Rows of every length: the AVX-512 softmax ends each row on a masked vector, AVX2's on a scalar tail.
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(first + length + window)
@@ -135,10 +139,24 @@ def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_h
         torch.set_num_threads(threads)
         try:
             with torch.inference_mode():
-                got = torch.ops.decodekit.prefill_attention(q, k, v, window)
+                got = torch.ops.decodekit.prefill_attention(q, k, v, window, wide)
         finally:
             torch.set_num_threads(saved)
         assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not cpu.has("avx512f"), reason="the AVX-512 softmax needs a CPU with avx512f")
+def test_prompt_attention_takes_the_avx512_softmax_only_where_the_probe_says_so():
+    from decodekit.kernels import attention
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(4, 300, 32, generator=generator), *torch.randn(2, 2, 300, 32, generator=generator)
+    with torch.inference_mode():
+        narrow, wide = (torch.ops.decodekit.prefill_attention(q, k, v, 0, flag) for flag in (False, True))
+        assert not torch.equal(narrow, wide)  # the two sum a row's exponentials in different orders
+        assert torch.equal(attention.kernel(q, k, v, 0), wide)
+        with cpu.forced(avx512f=False):
+            assert torch.equal(attention.kernel(q, k, v, 0), narrow)
 
 
 def test_prefill_attention_refuses_what_it_does_not_take():

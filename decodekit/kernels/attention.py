@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import choices, native
+from . import choices, cpu, native
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 runs through float32
 
@@ -38,8 +38,10 @@ def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
 
 
 def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """decodekit::prefill_attention in float32, the result in q's dtype."""
-    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window).to(q.dtype)
+    """decodekit::prefill_attention in float32, the result in q's dtype; its softmax passes with AVX-512 where the
+    CPU has it (cpu.py's avx512f probe, which a test can force off)."""
+    wide = cpu.has("avx512f")
+    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide).to(q.dtype)
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:

@@ -159,7 +159,7 @@ def _register_fakes() -> None:
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)
-    torch.library.register_fake("decodekit::prefill_attention")(lambda q, k, v, window=0: torch.empty_like(q))
+    torch.library.register_fake("decodekit::prefill_attention")(lambda q, k, v, window=0, wide=False: torch.empty_like(q))
     torch.library.register_fake("decodekit::rms_norm")(lambda x, weight, eps: torch.empty_like(x, dtype=torch.float32))
     torch.library.register_fake("decodekit::rotary")(lambda x, cos, sin: torch.empty(x.shape, dtype=torch.float32))
     torch.library.register_fake("decodekit::silu_mul")(

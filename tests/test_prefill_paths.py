@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decodekit.kernels import choices, cpu, native
+from decodekit.kernels.linear import mkl_packing
 from decodekit.kernels.quantize import interleaved_columns, quantize
 from decodekit.testing import tiny_model
 
@@ -84,21 +85,82 @@ def prefill(model, ids):
         return model(ids, use_cache=False).logits.float()
 
 
+PROMPT = torch.arange(3, 3 + 100)[None] % 90 + 3  # 100 tokens: the class of prompts up to 256 rows
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
 def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
     model = tiny_model(tmp_path, "qwen3")
     if fmt == "bfloat16":
         model = model.to(torch.bfloat16)
-    name = f"{fmt}_rows_128"  # LONG has 40 rows: a short prompt
+    name = f"{fmt}_rows_128"
+    routes = ["library", "tiles", "blocks", "wide_blocks"]
+    if fmt == "float32" and mkl_packing():
+        routes.append("packed")
+    # The kernel each route runs (wide_blocks runs the AVX2 blocks where the CPU has no AVX-512: a cached choice from
+    # another machine, say).
+    ran = {"tiles": "decodekit::tiled_product", "blocks": "decodekit::tiled_product",
+           "wide_blocks": "decodekit::tiled_product", "packed": "decodekit::packed_product"}
     results = {}
-    # wide_blocks runs the AVX2 blocks where the CPU has no AVX-512 (a cached choice from another machine, say).
-    for route in ("library", "tiles", "blocks", "wide_blocks"):
-        with choices.forced(**{name: route}), cpu.forced(onednn_bf16=False):  # bf16 products in float32 (AVX2's way)
-            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    for route in routes:
+        # "packed" is decided apart (over the route chosen among the others); the others are forced to pass it by.
+        pinned = {name: "library", "float32_packed_rows_128": "packed"} if route == "packed" else \
+            {name: route, "float32_packed_rows_128": route}
+        with choices.forced(**pinned), cpu.forced(onednn_bf16=False), torch.profiler.profile() as profile:
+            results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
+        if route in ran:  # bf16 products in float32 (AVX2's way) through the route
+            assert ran[route] in {event.key for event in profile.key_averages()}, route
     logits, tokens = results["library"]
-    for route in ("tiles", "blocks", "wide_blocks"):
+    for route in routes[1:]:
         assert float((results[route][0] - logits).norm() / logits.norm()) < 1e-5, route
         assert torch.equal(results[route][1], tokens), route
+
+
+needs_mkl_packing = pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packed products")
+
+
+@needs_mkl_packing
+@pytest.mark.parametrize("rows, n, k", [(1, 5, 3), (129, 2049, 8), (300, 37, 100), (700, 576, 1536)])
+def test_packed_product_equals_the_exact_product(rows, n, k):
+    generator = torch.Generator().manual_seed(rows + n + k)
+    x, weight = torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator)
+    with torch.inference_mode():
+        got = torch.ops.decodekit.packed_product(x, torch.ops.decodekit.mkl_pack(weight), n)
+    want = exact(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    with pytest.raises(RuntimeError, match="smaller than one of"):
+        torch.ops.decodekit.packed_product(torch.randn(2, k), torch.ops.decodekit.mkl_pack(weight), n + 4096)
+
+
+@needs_mkl_packing
+def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(monkeypatch):
+    # The packed copy is made on first use and made again when the weight changes (in place or replaced); past the
+    # budget none is made and the library's product runs; a released copy returns its bytes to the budget.
+    import gc
+
+    from decodekit.kernels import linear as kernels_linear
+
+    layer = kernels_linear.Linear(64, 48)
+    x = torch.randn(100, 64)
+    with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
+        first = layer(x)
+        packed = kernels_linear.packed_weight(layer)
+        assert packed is not None and kernels_linear.packed_weight(layer) is packed  # kept while unchanged
+        torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        with torch.inference_mode(False), torch.no_grad():
+            layer.weight.mul_(-2)  # a new version of the same storage
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert kernels_linear.packed_weight(layer) is not packed
+        used = kernels_linear._packing["used"]
+        del packed  # the copy of the old version: no one holds it now
+        gc.collect()
+        assert kernels_linear._packing["used"] == used - 64 * 48 * 4
+        monkeypatch.setitem(kernels_linear._packing, "budget", kernels_linear._packing["used"] - 1)  # no room left
+        with torch.inference_mode(False), torch.no_grad():
+            layer.weight.add_(1)
+        assert kernels_linear.packed_weight(layer) is None  # the stale copy released, no room for a new one
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):

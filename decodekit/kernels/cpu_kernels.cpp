@@ -38,6 +38,15 @@
 #include <unordered_map>
 #include <vector>
 
+// MKL's packed-matrix API, where libtorch_cpu carries MKL (null otherwise): see mkl_pack below.
+extern "C" {
+__attribute__((weak)) size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k);
+__attribute__((weak)) void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
+                                            const float* src, int ld, float* dest);
+__attribute__((weak)) void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
+                                               int lda, const float* b, int ldb, float beta, float* c, int ldc);
+}
+
 namespace {
 
 // How far ahead of the loads to prefetch. Measured on the bench machine, products of the default model's 120
@@ -981,8 +990,8 @@ inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_
 
 // The same blocks with AVX-512 (`wide`, where the CPU has avx512f: choices.py offers it as its own route): 16
 // lanes a vector and 32 registers, so blocks of 4 rows by 4 weight rows (16 accumulators, 4 rows, a weight vector).
-// The rest of the kernels are built for AVX2 on every x86 CPU; these functions alone carry the AVX-512 target and
-// run only where `wide` was asked for and the CPU was checked. On the AMX bench machine (AVX-512) the AVX2 blocks
+// The kernels are built for AVX2 on every x86 CPU; these functions and the prompt attention's softmax below carry
+// the AVX-512 target and run only where `wide` was asked for and the CPU was checked. On the AMX bench machine (AVX-512) the AVX2 blocks
 // ran a 32-row decode step's products at 128 GFLOP/s, near what AVX2 allows on its two cores.
 constexpr int kWideRows = 4;
 
@@ -1156,6 +1165,57 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
     tiled_product_as(x, w.data_ptr<float>(), nullptr, N, out, false, blocks, wide);
   } else {
     tiled_product_as(x, w.data_ptr<c10::BFloat16>(), nullptr, N, out, false, blocks, wide);
+  }
+  return out;
+}
+
+
+// ---- float32 products by a weight packed once for MKL's kernels (linear.py's "packed" route). ----
+//
+// The library's matmul packs the weight into its kernel's layout on every call: for a prompt of 128 rows by the
+// default model's layers that is as much memory traffic as the product's own and is not hidden behind it (its
+// products ran at 291 GFLOP/s where the same products by weights packed once ran at 375, on the AMX bench machine).
+// MKL's packed-matrix API (cblas_sgemm_pack / cblas_sgemm_compute) takes a weight packed once for any number of
+// rows. Its functions are weak symbols (declared at the top of this file) that libtorch_cpu provides: a torch
+// built without MKL has none, and then mkl_pack returns an empty tensor and the route is not offered.
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kMatrixB = 162;
+// The row count the layout is chosen for; the packed weight serves any number of rows.
+constexpr int kPackRows = 128;
+
+bool mkl_packing() {
+  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
+}
+
+// weight [N, K] float32 -> its MKL packing (bytes of MKL's own layout, never moved once made: MKL's buffer may point
+// into itself), or an empty tensor where torch has no MKL.
+at::Tensor mkl_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "mkl_pack: a float32 [out, in] weight on the CPU expected");
+  TORCH_CHECK(weight.size(0) < INT32_MAX && weight.size(1) < INT32_MAX, "mkl_pack: dimensions past MKL's int range");
+  const auto options = weight.options().dtype(at::kByte);
+  if (!mkl_packing()) return at::empty({0}, options);
+  const at::Tensor w = weight.contiguous();
+  const int N = static_cast<int>(w.size(0)), K = static_cast<int>(w.size(1));
+  at::Tensor packed = at::empty({static_cast<int64_t>(cblas_sgemm_pack_get_size(kMatrixB, kPackRows, N, K))}, options);
+  cblas_sgemm_pack(kRowMajor, kMatrixB, kTrans, kPackRows, N, K, 1.0f, w.data_ptr<float>(), K,
+                   reinterpret_cast<float*>(packed.data_ptr<uint8_t>()));
+  return packed;
+}
+
+// rows [M, K] float32 @ W^T, W [out_features, K] given as mkl_pack's result -> [M, out_features] float32.
+at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(mkl_packing() && packed.numel() > 0 && packed.scalar_type() == at::kByte,
+              "packed_product: a weight packed by mkl_pack expected");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.device().is_cpu(),
+              "packed_product: float32 rows [M, K] on the CPU expected");
+  const at::Tensor x = rows.contiguous();
+  const int M = static_cast<int>(x.size(0)), N = static_cast<int>(out_features), K = static_cast<int>(x.size(1));
+  TORCH_CHECK(packed.numel() >= static_cast<int64_t>(cblas_sgemm_pack_get_size(kMatrixB, kPackRows, N, K)),
+              "packed_product: the packed weight is smaller than one of [", N, ", ", K, "]");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (M > 0) {
+    cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, M, N, K, x.data_ptr<float>(), K,
+                        reinterpret_cast<const float*>(packed.data_ptr<uint8_t>()), N, 0.0f, out.data_ptr<float>(), N);
   }
   return out;
 }
@@ -1350,6 +1410,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
               "prefill_attention: shapes do not fit");
+  TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prefill_attention: wide=True needs a CPU with avx512f");
   return wide ? attend_prompt<WideSoftmax>(q, k, v, window) : attend_prompt<NarrowSoftmax>(q, k, v, window);
 }
 
@@ -1499,6 +1560,8 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
         &bind_weights);
   m.def("unbind_weights(int handle) -> ()", &unbind_weights);
   m.def("split_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False) -> Tensor");
+  m.def("mkl_pack(Tensor weight) -> Tensor");
+  m.def("packed_product(Tensor rows, Tensor packed, int out_features) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int window=0, bool wide=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -1520,4 +1583,6 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
   m.impl("paged_attention", &paged_attention);
+  m.impl("mkl_pack", &mkl_pack);
+  m.impl("packed_product", &packed_product);
 }

@@ -16,6 +16,8 @@ and the library kernels; float32 gained nothing in the compiled step and stays h
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,10 +61,92 @@ TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_produ
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
 
 
+# ---- The "packed" route: float32 weights packed once for MKL (decodekit::mkl_pack) for prompts' products. ----
+# A packed weight is one more copy of the weight. Copies are made while all of them together stay within this share
+# of the memory the system had available when the first was made; past it a product takes the next route.
+PACKED_MEMORY_SHARE = 0.25
+_packing = {"budget": None, "used": 0}
+
+
+def mkl_packing() -> bool:
+    """Whether this torch carries MKL's packed-matrix products (decodekit::mkl_pack answers an empty tensor if not)."""
+    if "available" not in _packing:
+        _packing["available"] = native.load() and torch.ops.decodekit.mkl_pack(torch.zeros(1, 1)).numel() > 0
+    return _packing["available"]
+
+
+def _memory_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes; 0 where there is none to read (no copies are made then)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _release(size: int) -> None:
+    _packing["used"] -= size
+
+
+def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
+    """`linear`'s float32 weight packed for MKL, made on first use and again when the weight has changed (its data
+    or version); None where MKL's packing is missing or the copy would pass the memory budget."""
+    weight = linear.weight
+    # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
+    # stands for it).
+    key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
+    held = linear.__dict__.pop("_mkl_packed", None)  # kept out of the module's state: never saved or moved
+    if held is not None and held[0] == key:
+        linear.__dict__["_mkl_packed"] = held
+        return held[1]
+    del held  # a stale copy is released before a new one is counted
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not mkl_packing():
+        return None
+    if _packing["budget"] is None:
+        _packing["budget"] = int(PACKED_MEMORY_SHARE * _memory_available())
+    size = weight.numel() * weight.element_size()
+    if _packing["used"] + size > _packing["budget"]:
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
+        packed = torch.ops.decodekit.mkl_pack(weight.detach())
+    _packing["used"] += size
+    weakref.finalize(packed, _release, size)
+    linear.__dict__["_mkl_packed"] = (key, packed)
+    return packed
+
+
 def many_rows_routes() -> tuple[str, ...]:
     """The routes many_rows_route measures on this CPU: "wide_blocks" only where it has AVX-512 (cpu.py's avx512f
     probe, which a test can force off)."""
     return ("tiles", "blocks", *(("wide_blocks",) if cpu.has("avx512f") else ()), "library")
+
+
+def row_class(rows: int) -> int:
+    """The size that stands for `rows` rows' class (ROW_CLASSES)."""
+    return next((at for most, at in ROW_CLASSES if rows <= most), 2048)
+
+
+def _layer(size: int, dtype: torch.dtype) -> list:
+    """A prompt of `size` rows and the weights of one default-model-sized layer: q/k/v, o, gate/up and down."""
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
+            for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+
+
+def _through(route: str, layer: list):
+    """A call of `layer`'s products by `route` (one of many_rows_routes())."""
+    def library():
+        for x, weight in layer:
+            x @ weight.float().t()
+
+    def through_decodekit():
+        for x, weight in layer:
+            torch.ops.decodekit.tiled_product(x, weight, blocks=route != "tiles", wide=route == "wide_blocks")
+
+    return library if route == "library" else through_decodekit
 
 
 def many_rows_route(dtype: torch.dtype, rows: int) -> str:
@@ -76,32 +160,42 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     "wide_blocks"  the same with AVX-512 (blocks of 4 rows, 16 lanes), offered where the CPU has it: on the AMX
                bench machine 1.12x the best other route for a 32-row decode step's products, 1.13x at 16 rows;
     "library"  the library's threaded matmul; a bfloat16 weight converted whole on every call, a float32 copy of it
-               written and read back through memory."""
+               written and read back through memory.
+    An eager prompt's float32 product may take a faster route still: packed_route_pays."""
     from . import choices
 
-    size = next((at for most, at in ROW_CLASSES if rows <= most), 2048)
+    size = row_class(rows)
 
     def candidates() -> dict:
         if dtype not in TILED_DTYPES or not native.load():
             return {}
-        generator = torch.Generator().manual_seed(0)
-        # A prompt through the products of one default-model-sized layer: q/k/v, o, gate/up and down.
-        layer = [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
-                 for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
-
-        def through_decodekit(route: str):
-            def run():
-                for x, weight in layer:
-                    torch.ops.decodekit.tiled_product(x, weight, blocks=route != "tiles", wide=route == "wide_blocks")
-            return run
-
-        def library():
-            for x, weight in layer:
-                x @ weight.float().t()
-
-        return {route: library if route == "library" else through_decodekit(route) for route in many_rows_routes()}
+        layer = _layer(size, dtype)
+        return {route: _through(route, layer) for route in many_rows_routes()}
 
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
+
+
+def packed_route_pays(rows: int) -> bool:
+    """Whether a float32 product of `rows` rows outside a trace runs faster by the weight packed once for MKL
+    (packed_weight: the library's matmul packs it on every call) than by many_rows_route's choice, measured once per
+    class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) where torch carries MKL. On the AMX
+    bench machine the packed products of the default model's layers ran 1.24x the library's at 128 rows and 1.05x at
+    512. Compiled steps (continuous batching's decode rows) keep many_rows_route's choice: a trace cannot make the
+    packed copy."""
+    from . import choices
+
+    size = row_class(rows)
+    if size <= ROW_CLASSES[0][1] or not mkl_packing():
+        return False
+    other = many_rows_route(torch.float32, rows)
+
+    def candidates() -> dict:
+        layer = _layer(size, torch.float32)
+        packs = [(x, torch.ops.decodekit.mkl_pack(weight), weight.shape[0]) for x, weight in layer]
+        return {"packed": lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs],
+                other: _through(other, layer)}
+
+    return choices.decide(f"float32_packed_rows_{size}", candidates, otherwise=other) == "packed"
 
 
 class Linear(nn.Linear):
@@ -123,12 +217,25 @@ class Linear(nn.Linear):
             return self._many_rows(x, rows)
         return F.linear(x, self.weight, self.bias)
 
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_mkl_packed", None)  # a copy, tied to this weight's memory: copies and pickles pack again
+        return state
+
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route)."""
+        """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route, or a weight
+        packed once where packed_route_pays)."""
         flat = x.reshape(rows, -1).float()
         route = many_rows_route(self.weight.dtype, rows) if self.weight.dtype in TILED_DTYPES else "library"
         bias = None if self.bias is None else self.bias.float()
-        if route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
+        packed = None
+        eager = not torch.compiler.is_compiling() and native.ready(flat, self.weight, self.bias)
+        if self.weight.dtype == torch.float32 and eager and packed_route_pays(rows):
+            packed = packed_weight(self)
+        if packed is not None:
+            y = torch.ops.decodekit.packed_product(flat, packed, self.out_features)
+            y = y if bias is None else y + bias
+        elif route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
             # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
             wide = route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f")
             blocks = route in ("blocks", "wide_blocks") and self.in_features % 8 == 0

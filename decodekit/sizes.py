@@ -1,4 +1,7 @@
-"""Byte counts as a person reads them, for the messages of every layer (it imports nothing of decodekit)."""
+"""Byte counts as a person reads them, for the messages of every layer, and the host memory still available (it
+imports nothing of decodekit)."""
+
+import os
 
 
 def human_size(n: float) -> str:
@@ -10,3 +13,19 @@ def human_size(n: float) -> str:
         if n < 1024:
             return f"{n:.1f} {unit}"
     return f"{n / 1024:.1f} GiB"
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable, else the free physical pages), or None where
+    neither can be read."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

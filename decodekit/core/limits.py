@@ -8,11 +8,9 @@ limit is the memory available now (the device's free memory on an accelerator).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..sizes import human_size
+from ..sizes import host_memory_available, human_size
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -20,17 +18,7 @@ def available_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return host_memory_available()
 
 
 def bytes_per_position(model) -> int:

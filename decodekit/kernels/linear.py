@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sizes import host_memory_available
 from . import cpu, native
 
 
@@ -75,18 +76,6 @@ def mkl_packing() -> bool:
     return _packing["available"]
 
 
-def _memory_available() -> int:
-    """MemAvailable of /proc/meminfo in bytes; 0 where there is none to read (no copies are made then)."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _release(size: int) -> None:
     _packing["used"] -= size
 
@@ -106,7 +95,7 @@ def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not mkl_packing():
         return None
     if _packing["budget"] is None:
-        _packing["budget"] = int(PACKED_MEMORY_SHARE * _memory_available())
+        _packing["budget"] = int(PACKED_MEMORY_SHARE * (host_memory_available() or 0))  # unknown: no copies
     size = weight.numel() * weight.element_size()
     if _packing["used"] + size > _packing["budget"]:
         return None

@@ -16,6 +16,7 @@ and the library kernels; float32 gained nothing in the compiled step and stays h
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -67,6 +68,7 @@ DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through deco
 # of the memory the system had available when the first was made; past it a product takes the next route.
 PACKED_MEMORY_SHARE = 0.25
 _packing = {"budget": None, "used": 0}
+_packing_lock = threading.RLock()  # generate() may run in several threads; re-entered if a collection releases a copy
 
 
 def mkl_packing() -> bool:
@@ -77,7 +79,8 @@ def mkl_packing() -> bool:
 
 
 def _release(size: int) -> None:
-    _packing["used"] -= size
+    with _packing_lock:
+        _packing["used"] -= size
 
 
 def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
@@ -94,14 +97,15 @@ def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
     del held  # a stale copy is released before a new one is counted
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not mkl_packing():
         return None
-    if _packing["budget"] is None:
-        _packing["budget"] = int(PACKED_MEMORY_SHARE * (host_memory_available() or 0))  # unknown: no copies
     size = weight.numel() * weight.element_size()
-    if _packing["used"] + size > _packing["budget"]:
-        return None
+    with _packing_lock:
+        if _packing["budget"] is None:
+            _packing["budget"] = int(PACKED_MEMORY_SHARE * (host_memory_available() or 0))  # unknown: no copies
+        if _packing["used"] + size > _packing["budget"]:
+            return None
+        _packing["used"] += size
     with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
         packed = torch.ops.decodekit.mkl_pack(weight.detach())
-    _packing["used"] += size
     weakref.finalize(packed, _release, size)
     linear.__dict__["_mkl_packed"] = (key, packed)
     return packed

@@ -106,6 +106,7 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         # "packed" is decided apart (over the route chosen among the others); the others are forced to pass it by.
         pinned = {name: "library", "float32_packed_rows_128": "packed"} if route == "packed" else \
             {name: route, "float32_packed_rows_128": route}
+        pinned[f"eager_weights_{fmt}"] = "plain"  # oneDNN's packed layers (packed.py) would take every product
         with choices.forced(**pinned), cpu.forced(onednn_bf16=False), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         if route in ran:  # bf16 products in float32 (AVX2's way) through the route
@@ -161,6 +162,14 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
             layer.weight.add_(1)
         assert kernels_linear.packed_weight(layer) is None  # the stale copy released, no room for a new one
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    other = kernels_linear.Linear(64, 48)
+    with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
+        monkeypatch.setitem(kernels_linear._packing, "budget", 2**40)
+        other(x)
+        held = kernels_linear._packing["used"]
+        other.to(torch.bfloat16)  # a new weight: its copy is let go at once, not when the layer is
+        gc.collect()
+        assert "_mkl_packed" not in other.__dict__ and kernels_linear._packing["used"] == held - 64 * 48 * 4
 
 
 def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):

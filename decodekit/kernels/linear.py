@@ -210,6 +210,10 @@ class Linear(nn.Linear):
             return self._many_rows(x, rows)
         return F.linear(x, self.weight, self.bias)
 
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_mkl_packed", None)  # .to(), .bfloat16() and friends replace the weight: its copy goes
+        return super()._apply(fn, recurse)
+
     def __getstate__(self):
         state = dict(super().__getstate__())
         state.pop("_mkl_packed", None)  # a copy, tied to this weight's memory: copies and pickles pack again

@@ -993,8 +993,9 @@ inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_
 // The same blocks with AVX-512 (`wide`, where the CPU has avx512f: choices.py offers it as its own route): 16
 // lanes a vector and 32 registers, so blocks of 4 rows by 4 weight rows (16 accumulators, 4 rows, a weight vector).
 // The kernels are built for AVX2 on every x86 CPU; these functions and the prompt attention's softmax below carry
-// the AVX-512 target and run only where `wide` was asked for and the CPU was checked. On the AMX bench machine (AVX-512) the AVX2 blocks
-// ran a 32-row decode step's products at 128 GFLOP/s, near what AVX2 allows on its two cores.
+// the AVX-512 target and run only where `wide` was asked for and the CPU was checked. On the AMX bench machine
+// (AVX-512) the AVX2 blocks ran a 32-row decode step's products at 128 GFLOP/s, near what AVX2 allows on its two
+// cores.
 constexpr int kWideRows = 4;
 
 #define DECODEKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -1256,6 +1257,11 @@ DECODEKIT_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The lanes of a 16-float vector that hold the first min(n, 16) of n remaining floats.
+DECODEKIT_AVX512 inline __mmask16 lanes_left(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 struct WideSoftmax {
   DECODEKIT_AVX512 static float top(const float* x, int64_t n) {
     const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -1267,10 +1273,7 @@ struct WideSoftmax {
       a2 = _mm512_max_ps(a2, _mm512_loadu_ps(x + j + 32));
       a3 = _mm512_max_ps(a3, _mm512_loadu_ps(x + j + 48));
     }
-    for (; j < n; j += 16) {
-      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      a0 = _mm512_max_ps(a0, _mm512_mask_loadu_ps(lowest, lanes, x + j));
-    }
+    for (; j < n; j += 16) a0 = _mm512_max_ps(a0, _mm512_mask_loadu_ps(lowest, lanes_left(n - j), x + j));
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
   }
 
@@ -1278,7 +1281,7 @@ struct WideSoftmax {
     const __m512 shift = _mm512_set1_ps(best);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 lanes = lanes_left(n - j);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift));
       _mm512_mask_storeu_ps(x + j, lanes, e);
       sum = _mm512_mask_add_ps(sum, lanes, sum, e);

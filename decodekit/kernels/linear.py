@@ -90,11 +90,11 @@ def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
     key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
-    held = linear.__dict__.pop("_mkl_packed", None)  # kept out of the module's state: never saved or moved
+    held = linear.__dict__.get("_mkl_packed")  # kept out of the module's state: never saved or moved
     if held is not None and held[0] == key:
-        linear.__dict__["_mkl_packed"] = held
         return held[1]
-    del held  # a stale copy is released before a new one is counted
+    linear.__dict__.pop("_mkl_packed", None)
+    held = None  # a stale copy is released before a new one is counted
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not mkl_packing():
         return None
     size = weight.numel() * weight.element_size()
@@ -168,19 +168,18 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
 
-def packed_route_pays(rows: int) -> bool:
+def packed_route_pays(rows: int, other: str) -> bool:
     """Whether a float32 product of `rows` rows outside a trace runs faster by the weight packed once for MKL
-    (packed_weight: the library's matmul packs it on every call) than by many_rows_route's choice, measured once per
-    class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) where torch carries MKL. On the AMX
-    bench machine the packed products of the default model's layers ran 1.24x the library's at 128 rows and 1.05x at
-    512. Compiled steps (continuous batching's decode rows) keep many_rows_route's choice: a trace cannot make the
-    packed copy."""
+    (packed_weight: the library's matmul packs it on every call) than by `other`, many_rows_route's choice for those
+    rows, measured once per class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) where torch
+    carries MKL. On the AMX bench machine the packed products of the default model's layers ran 1.24x the library's
+    at 128 rows and 1.05x at 512. Compiled steps (continuous batching's decode rows) keep many_rows_route's choice: a
+    trace cannot make the packed copy."""
     from . import choices
 
     size = row_class(rows)
     if size <= ROW_CLASSES[0][1] or not mkl_packing():
         return False
-    other = many_rows_route(torch.float32, rows)
 
     def candidates() -> dict:
         layer = _layer(size, torch.float32)
@@ -227,7 +226,7 @@ class Linear(nn.Linear):
         bias = None if self.bias is None else self.bias.float()
         packed = None
         eager = not torch.compiler.is_compiling() and native.ready(flat, self.weight, self.bias)
-        if self.weight.dtype == torch.float32 and eager and packed_route_pays(rows):
+        if self.weight.dtype == torch.float32 and eager and packed_route_pays(rows, route):
             packed = packed_weight(self)
         if packed is not None:
             y = torch.ops.decodekit.packed_product(flat, packed, self.out_features)

@@ -159,6 +159,20 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
         assert choices.choose("demo", candidates) == "slow"
 
 
+def test_choices_made_under_forced_probes_or_held_instructions_are_cached_apart(monkeypatch):
+    # With its probes forced off and the libraries held to AVX2 (ISA_VARIABLES), an AVX-512 machine measures what an
+    # AVX2-only one would choose: those choices must not be read back by a run without the limits, nor the reverse.
+    for name in cpu.ISA_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    plain = cpu.signature()
+    with cpu.forced(native_kernels=False):
+        assert cpu.signature() != plain
+    with cpu.forced(native_kernels=cpu.MACHINE["native_kernels"]):  # forced to what the machine says: the same
+        assert cpu.signature() == plain
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert cpu.signature() != plain
+
+
 def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
     # packing_pays times plain Linear layers, whose prompt products ask many_rows_route: a choice made inside
     # another's measurement. With a plain lock that waited forever on a machine with no cached choices (a fresh

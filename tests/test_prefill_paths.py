@@ -7,7 +7,8 @@ import torch
 
 from decodekit.kernels import choices, cpu, native
 from decodekit.kernels.linear import mkl_packing
-from decodekit.kernels.quantize import interleaved_columns, quantize
+from decodekit.kernels import quantize as kernels_quantize
+from decodekit.kernels.quantize import int_mm_exact, interleaved_columns, quantize
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
@@ -95,7 +96,7 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         model = model.to(torch.bfloat16)
     name = f"{fmt}_rows_128"
     routes = ["library", "tiles", "blocks", "wide_blocks"]
-    if fmt == "float32" and mkl_packing():
+    if mkl_packing():  # a bfloat16 weight packed as float32 (where the CPU has no bf16 instructions: forced below)
         routes.append("packed")
     # The kernel each route runs (wide_blocks runs the AVX2 blocks where the CPU has no AVX-512: a cached choice from
     # another machine, say).
@@ -104,8 +105,8 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
     results = {}
     for route in routes:
         # "packed" is decided apart (over the route chosen among the others); the others are forced to pass it by.
-        pinned = {name: "library", "float32_packed_rows_128": "packed"} if route == "packed" else \
-            {name: route, "float32_packed_rows_128": route}
+        pinned = {name: "library", f"{fmt}_packed_rows_128": "packed"} if route == "packed" else \
+            {name: route, f"{fmt}_packed_rows_128": route}
         pinned[f"eager_weights_{fmt}"] = "plain"  # oneDNN's packed layers (packed.py) would take every product
         with choices.forced(**pinned), cpu.forced(onednn_bf16=False), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
@@ -142,17 +143,20 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
 
     from decodekit.kernels import linear as kernels_linear
 
+    def packed_weight(layer):
+        return kernels_linear.packed_weight(layer, (layer.weight,), layer.weight.float)
+
     layer = kernels_linear.Linear(64, 48)
     x = torch.randn(100, 64)
     with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
         first = layer(x)
-        packed = kernels_linear.packed_weight(layer)
-        assert packed is not None and kernels_linear.packed_weight(layer) is packed  # kept while unchanged
+        packed = packed_weight(layer)
+        assert packed is not None and packed_weight(layer) is packed  # kept while unchanged
         torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         with torch.inference_mode(False), torch.no_grad():
             layer.weight.mul_(-2)  # a new version of the same storage
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert kernels_linear.packed_weight(layer) is not packed
+        assert packed_weight(layer) is not packed
         used = kernels_linear._packing["used"]
         del packed  # the copy of the old version: no one holds it now
         gc.collect()
@@ -160,7 +164,7 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
         monkeypatch.setitem(kernels_linear._packing, "budget", kernels_linear._packing["used"] - 1)  # no room left
         with torch.inference_mode(False), torch.no_grad():
             layer.weight.add_(1)
-        assert kernels_linear.packed_weight(layer) is None  # the stale copy released, no room for a new one
+        assert packed_weight(layer) is None  # the stale copy released, no room for a new one
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     other = kernels_linear.Linear(64, 48)
     with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
@@ -174,16 +178,78 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
 
 def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     model = quantize(tiny_model(tmp_path, "llama"), "int8")
+    # int8_split where torch._int_mm's sums are exact here (not so where oneDNN is held below VNNI on a VNNI CPU).
+    routes = ["float32", "tiles", "int8pack"] + (["int8_split"] if int_mm_exact() else []) + \
+        (["packed"] if mkl_packing() else [])
     results = {}
-    for route in ("float32", "tiles", "int8_split", "int8pack"):
-        with choices.forced(int8_many_rows=route):
-            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None))
+    for route in routes:
+        # "packed" (the dequantized weight packed once as float32) is decided over the int8 route: pinned off for
+        # the others.
+        pinned = {"int8_many_rows": "float32", "int8_packed_rows_128": "packed"} if route == "packed" else \
+            {"int8_many_rows": route, "int8_packed_rows_128": route}
+        with choices.forced(**pinned), torch.profiler.profile() as profile:
+            results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
+        ran = {event.key for event in profile.key_averages()}
+        assert ("decodekit::packed_product" in ran) == (route == "packed"), route
     reference, tokens = results["float32"]
-    # tiles and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8 (bfloat16).
-    bounds = {"float32": 0, "tiles": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
+    # tiles, packed and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8
+    # (bfloat16).
+    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
     for route, (logits, generated) in results.items():
         assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
-    assert torch.equal(results["tiles"][1], tokens)
+    for route in {"tiles", "packed"} & set(results):
+        assert torch.equal(results[route][1], tokens), route
+
+
+def test_int8_split_is_offered_only_where_the_int8_sums_are_exact(monkeypatch):
+    assert int_mm_exact.__wrapped__()  # torch's own check keeps oneDNN off CPUs without VNNI
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-2**15, 2**15 - 1))  # 16-bit sums
+    assert not int_mm_exact.__wrapped__()
+    offered = {}
+    monkeypatch.setattr(kernels_quantize, "int_mm_exact", lambda: False)
+    monkeypatch.setattr(choices, "decide", lambda name, candidates, otherwise: offered.update(candidates()) or otherwise)
+    kernels_quantize.many_rows_route()
+    assert "int8_split" not in offered and {"int8pack", "float32"} <= set(offered)
+
+
+@needs_mkl_packing
+def test_a_packed_int8_weight_follows_its_weight_and_is_not_pickled(tmp_path):
+    import pickle
+
+    from decodekit.kernels.quantize import Int8Linear
+
+    layer = Int8Linear(torch.nn.Linear(64, 48))
+    x = torch.randn(100, 64)
+    want = x @ layer.dequantized().t() + layer.bias
+    with choices.forced(int8_packed_rows_128="packed"), torch.inference_mode(), torch.profiler.profile() as profile:
+        got = layer(x)
+    assert "decodekit::packed_product" in {event.key for event in profile.key_averages()}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert "_mkl_packed" in layer.__dict__ and "_mkl_packed" not in pickle.loads(pickle.dumps(layer)).__dict__
+    with torch.no_grad():
+        layer.scales.mul_(2)  # the scales are part of the packed float32 weight
+    with choices.forced(int8_packed_rows_128="packed"), torch.inference_mode():
+        torch.testing.assert_close(layer(x), x @ layer.dequantized().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    layer.to(torch.float32)  # its tensors replaced (the same dtype here): the copy goes with them
+    assert "_mkl_packed" not in layer.__dict__
+
+
+@pytest.mark.parametrize("text, share", [("", 0.25), ("0", 0.0), ("0.5", 0.5), (" 1 ", 1.0)])
+def test_the_packed_copies_memory_share_comes_from_the_environment(monkeypatch, text, share):
+    from decodekit.kernels import linear as kernels_linear
+
+    monkeypatch.setenv("DECODEKIT_PACKED_MEMORY_SHARE", text)
+    assert kernels_linear.packed_memory_share() == share
+
+
+@pytest.mark.parametrize("text", ["half", "-0.1", "2", "nan"])
+def test_a_bad_packed_copies_memory_share_is_refused_with_the_accepted_values(monkeypatch, text):
+    from decodekit.kernels import linear as kernels_linear
+
+    monkeypatch.setenv("DECODEKIT_PACKED_MEMORY_SHARE", text)
+    with pytest.raises(ValueError, match="DECODEKIT_PACKED_MEMORY_SHARE=.*from 0 \\(no packed copies\\) to 1"):
+        kernels_linear.packed_memory_share()
 
 
 # The last cases see more than 768 keys: those take the keys in blocks of 256 with an online softmax (a window of

@@ -16,8 +16,10 @@ and the library kernels; float32 gained nothing in the compiled step and stays h
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +65,13 @@ TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_produ
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
 
 
-# ---- The "packed" route: float32 weights packed once for MKL (decodekit::mkl_pack) for prompts' products. ----
-# A packed weight is one more copy of the weight. Copies are made while all of them together stay within this share
-# of the memory the system had available when the first was made; past it a product takes the next route.
+# ---- The "packed" route: a float32 weight packed once for MKL (decodekit::mkl_pack) for prompts' products. ----
+# A packed weight is one more copy of the weight, as float32 whatever the weight's own format (a bfloat16 or int8
+# weight is converted first). Copies are made while all of them together stay within a share of the memory the
+# system had available when the first was made (PACKED_MEMORY_SHARE, or DECODEKIT_PACKED_MEMORY_SHARE: 0 makes
+# none); past it a product takes the next route.
 PACKED_MEMORY_SHARE = 0.25
+SHARE_VARIABLE = "DECODEKIT_PACKED_MEMORY_SHARE"
 _packing = {"budget": None, "used": 0}
 _packing_lock = threading.RLock()  # generate() may run in several threads; re-entered if a collection releases a copy
 
@@ -78,37 +83,72 @@ def mkl_packing() -> bool:
     return _packing["available"]
 
 
+def packed_memory_share() -> float:
+    """The share of available memory packed copies may take: DECODEKIT_PACKED_MEMORY_SHARE, else PACKED_MEMORY_SHARE."""
+    text = os.environ.get(SHARE_VARIABLE, "").strip()
+    if not text:
+        return PACKED_MEMORY_SHARE
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{SHARE_VARIABLE}={text!r}: expected a number from 0 (no packed copies) to 1 "
+                         f"(the default is {PACKED_MEMORY_SHARE}).")
+    return share
+
+
 def _release(size: int) -> None:
     with _packing_lock:
         _packing["used"] -= size
 
 
-def packed_weight(linear: nn.Linear) -> torch.Tensor | None:
-    """`linear`'s float32 weight packed for MKL, made on first use and again when the weight has changed (its data
-    or version); None where MKL's packing is missing or the copy would pass the memory budget."""
-    weight = linear.weight
+def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor]):
+    """`module`'s weight as float32 (`float32()`, computed from `sources`: the weight, and an int8 weight's scales)
+    packed for MKL, made on first use and again when a source has changed (its data or version); None where MKL's
+    packing is missing or the copy would pass the memory budget. The copy is held in the module's __dict__, out of its
+    state (HoldsPackedCopy)."""
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
-    key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
-    held = linear.__dict__.get("_mkl_packed")  # kept out of the module's state: never saved or moved
+    key = tuple((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources)
+    held = module.__dict__.get("_mkl_packed")
     if held is not None and held[0] == key:
         return held[1]
-    linear.__dict__.pop("_mkl_packed", None)
+    module.__dict__.pop("_mkl_packed", None)
     held = None  # a stale copy is released before a new one is counted
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not mkl_packing():
+    if any(t.device.type != "cpu" for t in sources) or not mkl_packing():
         return None
-    size = weight.numel() * weight.element_size()
+    size = 4 * sources[0].numel()  # float32, whatever the weight's own format
     with _packing_lock:
-        if _packing["budget"] is None:
-            _packing["budget"] = int(PACKED_MEMORY_SHARE * (host_memory_available() or 0))  # unknown: no copies
+        if _packing["budget"] is None:  # unknown available memory: no copies
+            _packing["budget"] = int(packed_memory_share() * (host_memory_available() or 0))
         if _packing["used"] + size > _packing["budget"]:
             return None
         _packing["used"] += size
-    with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
-        packed = torch.ops.decodekit.mkl_pack(weight.detach())
+    try:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
+            packed = torch.ops.decodekit.mkl_pack(float32().detach().float())
+    except BaseException:
+        _release(size)
+        raise
     weakref.finalize(packed, _release, size)
-    linear.__dict__["_mkl_packed"] = (key, packed)
+    module.__dict__["_mkl_packed"] = (key, packed)
     return packed
+
+
+class HoldsPackedCopy(nn.Module):
+    """A layer that may hold a packed copy of its weight (packed_weight). `.to()`, `.bfloat16()` and friends replace
+    the weight, so the copy goes at once, not when the layer does; copies and pickles of the layer pack again (the
+    copy is tied to this weight's memory)."""
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_mkl_packed", None)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_mkl_packed", None)
+        return state
 
 
 def many_rows_routes() -> tuple[str, ...]:
@@ -122,7 +162,7 @@ def row_class(rows: int) -> int:
     return next((at for most, at in ROW_CLASSES if rows <= most), 2048)
 
 
-def _layer(size: int, dtype: torch.dtype) -> list:
+def sample_layer(size: int, dtype: torch.dtype) -> list:
     """A prompt of `size` rows and the weights of one default-model-sized layer: q/k/v, o, gate/up and down."""
     generator = torch.Generator().manual_seed(0)
     return [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
@@ -162,19 +202,23 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     def candidates() -> dict:
         if dtype not in TILED_DTYPES or not native.load():
             return {}
-        layer = _layer(size, dtype)
+        layer = sample_layer(size, dtype)
         return {route: _through(route, layer) for route in many_rows_routes()}
 
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
 
-def packed_route_pays(rows: int, other: str) -> bool:
-    """Whether a float32 product of `rows` rows outside a trace runs faster by the weight packed once for MKL
-    (packed_weight: the library's matmul packs it on every call) than by `other`, many_rows_route's choice for those
-    rows, measured once per class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) where torch
-    carries MKL. On the AMX bench machine the packed products of the default model's layers ran 1.24x the library's
-    at 128 rows and 1.05x at 512. Compiled steps (continuous batching's decode rows) keep many_rows_route's choice: a
-    trace cannot make the packed copy."""
+def packed_route_pays(kind: str, rows: int, other: str,
+                      problem: Callable[[int], tuple[list, Callable[[], object]]]) -> bool:
+    """Whether a product of `rows` rows outside a trace runs faster by the weight as float32 packed once for MKL
+    (packed_weight: the library's matmul packs a float32 weight on every call, and a bfloat16 or int8 weight is
+    converted first) than by `other`, the route otherwise chosen for those rows and weights of `kind` ("float32",
+    "bfloat16", "int8"), measured once per kind and class of prompt rows (over 64; choices.py:
+    float32_packed_rows_128, ...) where torch carries MKL. `problem(size)` gives a default-model-sized layer's
+    [(rows, float32 weight)] and a call of the same products by `other`. On the AMX bench machine the packed products
+    of float32 layers ran 1.24x the library's at 128 rows and 1.05x at 512; with that machine held to AVX2, bfloat16
+    layers ran 1.12x their tiles at 128 rows. Compiled steps (continuous batching's decode rows) keep the other
+    route: a trace cannot make the packed copy."""
     from . import choices
 
     size = row_class(rows)
@@ -182,15 +226,23 @@ def packed_route_pays(rows: int, other: str) -> bool:
         return False
 
     def candidates() -> dict:
-        layer = _layer(size, torch.float32)
-        packs = [(x, torch.ops.decodekit.mkl_pack(weight), weight.shape[0]) for x, weight in layer]
-        return {"packed": lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs],
-                other: _through(other, layer)}
+        pairs, by_other = problem(size)
+        packs = [(x, torch.ops.decodekit.mkl_pack(weight), weight.shape[0]) for x, weight in pairs]
+        return {"packed": lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs], other: by_other}
 
-    return choices.decide(f"float32_packed_rows_{size}", candidates, otherwise=other) == "packed"
+    return choices.decide(f"{kind}_packed_rows_{size}", candidates, otherwise=other) == "packed"
 
 
-class Linear(nn.Linear):
+def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
+    """packed_route_pays's problem for a float32 or bfloat16 weight whose products otherwise take `other`."""
+    def problem(size: int):
+        layer = sample_layer(size, dtype)
+        return [(x, weight.float()) for x, weight in layer], _through(other, layer)
+
+    return problem
+
+
+class Linear(HoldsPackedCopy, nn.Linear):
     """nn.Linear whose products of up to 16 rows (native.MAX_ROWS) on CPU are decodekit's kernel for bfloat16 weights
     (native.py) where it is built; else one row inside a compiled step is `one_row`; F.linear otherwise.
 
@@ -209,15 +261,6 @@ class Linear(nn.Linear):
             return self._many_rows(x, rows)
         return F.linear(x, self.weight, self.bias)
 
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_mkl_packed", None)  # .to(), .bfloat16() and friends replace the weight: its copy goes
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):
-        state = dict(super().__getstate__())
-        state.pop("_mkl_packed", None)  # a copy, tied to this weight's memory: copies and pickles pack again
-        return state
-
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route, or a weight
         packed once where packed_route_pays)."""
@@ -226,8 +269,10 @@ class Linear(nn.Linear):
         bias = None if self.bias is None else self.bias.float()
         packed = None
         eager = not torch.compiler.is_compiling() and native.ready(flat, self.weight, self.bias)
-        if self.weight.dtype == torch.float32 and eager and packed_route_pays(rows, route):
-            packed = packed_weight(self)
+        if eager and self.weight.dtype in TILED_DTYPES:
+            kind = str(self.weight.dtype).removeprefix("torch.")
+            if packed_route_pays(kind, rows, route, _tiled_problem(self.weight.dtype, route)):
+                packed = packed_weight(self, (self.weight,), self.weight.float)
         if packed is not None:
             y = torch.ops.decodekit.packed_product(flat, packed, self.out_features)
             y = y if bias is None else y + bias

@@ -14,11 +14,13 @@ lookup reads one row per token).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from . import choices, native
-from .linear import one_row
+from .linear import HoldsPackedCopy, one_row, packed_route_pays, packed_weight, sample_layer
 
 QUANTIZATIONS = ("int8",)
 
@@ -47,7 +49,7 @@ def one_row_int8(row: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
     return acc.sum(-1)[None]
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(HoldsPackedCopy):
     """A linear layer with int8 weights [out, in] and float32 per-output-channel scales; y = (x @ q^T) * scale + b.
 
     When `in` is a multiple of 4 the weight columns are stored interleaved (interleaved_columns), for the
@@ -92,13 +94,29 @@ class Int8Linear(nn.Module):
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
-            scaled = self._scaled(flat)
+            scaled = self._packed(flat)
+            scaled = self._scaled(flat) if scaled is None else scaled
             if scaled is not None:
                 y = scaled.to(x.dtype).view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
             y = self._many_rows(flat)
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The scaled float32 product of a prompt's rows by the dequantized weight packed once for MKL, where that
+        measured faster than this CPU's int8 route (packed_route_pays; on a CPU without int8 instructions, where the
+        int8 routes convert the weight on every call) and the copy fits the memory budget; else None."""
+        rows = flat.shape[0]
+        if flat.device.type != "cpu" or rows <= native.MAX_ROWS or torch.compiler.is_compiling() \
+                or not native.ready(flat, self.bias):
+            return None
+        if not packed_route_pays("int8", rows, many_rows_route(), int8_problem):
+            return None
+        packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
+        if packed is None:
+            return None
+        return torch.ops.decodekit.packed_product(flat.float().contiguous(), packed, self.out_features)
 
     def _scaled(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The scaled float32 product of a prompt's rows where this CPU's route is one of decodekit's kernels, which
@@ -134,6 +152,23 @@ class Int8Linear(nn.Module):
         if route == "float32":
             return flat.float() @ self.weight_int8.float().t()
         return flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()  # a width int8pack does not take
+
+
+def int8_problem(size: int):
+    """packed_route_pays's problem for int8 weights: a default-model-sized layer quantized, its dequantized weights,
+    and a call of its products by this CPU's int8 route (what forward runs where the packed copy is not taken)."""
+    layer = []
+    for x, weight in sample_layer(size, torch.float32):
+        linear = nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=False)  # the global RNG untouched
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        layer.append((x, Int8Linear(linear)))
+
+    def by_int8_route():
+        for x, int8 in layer:
+            if int8._scaled(x) is None:
+                int8._many_rows(x).float() * int8.scales
+
+    return [(x, int8.dequantized()) for x, int8 in layer], by_int8_route
 
 
 def stored_order(rows: torch.Tensor) -> torch.Tensor:
@@ -172,6 +207,17 @@ def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleave
     return y if scales is None else y * scales
 
 
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm's int32 sums are exact here. oneDNN's int8 products without VNNI add pairs in 16 bits,
+    which overflow: torch calls oneDNN only where the CPU has VNNI, but a process that holds oneDNN to fewer
+    instructions (ONEDNN_MAX_CPU_ISA=AVX2 on a VNNI machine) got 8,160 for a sum of 1,032,256."""
+    a, b = torch.full((32, 64), 127, dtype=torch.int8), torch.full((64, 32), 127, dtype=torch.int8)
+    b[0] = -127
+    want = 127 * 127 * 62
+    return bool((torch._int_mm(a, b) == want).all())
+
+
 def many_rows_route() -> str:
     """How an int8 product of many rows (a prompt's prefill) runs on this CPU, measured once (choices.py):
     "int8_split" (the rows split into two int8 parts, int8 x int8 products; split_int8_product), "int8pack"
@@ -188,10 +234,11 @@ def many_rows_route() -> str:
         weight = torch.randint(-127, 128, (1536, 576), generator=generator, dtype=torch.int8)
         ones = torch.ones(1536, dtype=torch.bfloat16)
         offered = {
-            "int8_split": lambda: split_int8_product(x, weight),
             "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, ones),
             "float32": lambda: x @ weight.float().t(),
         }
+        if int_mm_exact():
+            offered["int8_split"] = lambda: split_int8_product(x, weight)
         if native.load():  # decodekit::tiled_product: converted a tile of weight rows at a time, in cache
             offered["tiles"] = lambda: torch.ops.decodekit.tiled_product(x, weight)
         return offered

@@ -131,8 +131,42 @@ def test_packed_product_equals_the_exact_product(rows, n, k):
     want = exact(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    bias = torch.randn(n, generator=generator)
+    with torch.inference_mode():  # bfloat16 rows, taken a block of 128 at a time, and a bias
+        half = torch.ops.decodekit.packed_product(x.bfloat16(), torch.ops.decodekit.mkl_pack(weight), n, bias)
+    want = exact(x.bfloat16(), weight) + bias.double()
+    assert half.dtype == torch.bfloat16 and half.shape == (rows, n)
+    assert float((half.double() - want).abs().max() / want.abs().max()) < 1e-2  # rounded to bfloat16 once
     with pytest.raises(RuntimeError, match="smaller than one of"):
         torch.ops.decodekit.packed_product(torch.randn(2, k), torch.ops.decodekit.mkl_pack(weight), n + 4096)
+    with pytest.raises(RuntimeError, match="the bias must be float32 \\[out_features\\]"):
+        torch.ops.decodekit.packed_product(x, torch.ops.decodekit.mkl_pack(weight), n, bias[:-1])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 rows"):
+        torch.ops.decodekit.packed_product(x.half(), torch.ops.decodekit.mkl_pack(weight), n)
+
+
+@needs_mkl_packing
+@pytest.mark.parametrize("through", ["weight", "bias"])
+def test_a_packed_product_of_bfloat16_rows_rounds_as_torch_does(through):
+    # Every output is one chosen float32 value (a weight times 1, or the bias): ties between two bfloat16 values,
+    # either sign, infinities, NaN, subnormals, values that round past the largest bfloat16; 37 of them, so each row
+    # ends on a tail shorter than a vector, and 300 rows, so the rows go in three blocks.
+    tie = 1 + 2**-8  # halfway between 1 and the next bfloat16
+    values = torch.tensor([tie, -tie, 1 + 3 * 2**-8, 2**-130, -(2**-133), float("inf"), -float("inf"), float("nan"),
+                           3.3961e38, -3.3961e38, 0.0, 1 / 3, 65504.5, 1e-3], dtype=torch.float32)
+    values = torch.cat([values, torch.randn(23, generator=torch.Generator().manual_seed(1)) * 100])
+    n, k = values.numel(), 8
+    rows = torch.zeros(300, k, dtype=torch.bfloat16)
+    weight, bias = torch.zeros(n, k), None
+    if through == "weight":
+        rows[:, 0], weight[:, 0] = 1, values
+    else:
+        bias = values
+    with torch.inference_mode():
+        got = torch.ops.decodekit.packed_product(rows, torch.ops.decodekit.mkl_pack(weight), n, bias)
+    want = values.bfloat16().expand(300, n)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
 
 
 @needs_mkl_packing

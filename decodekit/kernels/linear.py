@@ -264,19 +264,21 @@ class Linear(HoldsPackedCopy, nn.Linear):
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route, or a weight
         packed once where packed_route_pays)."""
-        flat = x.reshape(rows, -1).float()
         route = many_rows_route(self.weight.dtype, rows) if self.weight.dtype in TILED_DTYPES else "library"
         bias = None if self.bias is None else self.bias.float()
         packed = None
-        eager = not torch.compiler.is_compiling() and native.ready(flat, self.weight, self.bias)
+        eager = not torch.compiler.is_compiling() and native.ready(x, self.weight, self.bias)
         if eager and self.weight.dtype in TILED_DTYPES:
             kind = str(self.weight.dtype).removeprefix("torch.")
             if packed_route_pays(kind, rows, route, _tiled_problem(self.weight.dtype, route)):
                 packed = packed_weight(self, (self.weight,), self.weight.float)
-        if packed is not None:
-            y = torch.ops.decodekit.packed_product(flat, packed, self.out_features)
-            y = y if bias is None else y + bias
-        elif route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
+        if packed is not None:  # bfloat16 rows widened and the product rounded back a block at a time, in cache
+            flat = x.reshape(rows, -1)
+            flat = flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
+            y = torch.ops.decodekit.packed_product(flat, packed, self.out_features, bias)
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(rows, -1).float()
+        if route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
             # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
             wide = route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f")
             blocks = route in ("blocks", "wide_blocks") and self.in_features % 8 == 0

@@ -379,6 +379,24 @@ def test_a_bfloat16_model_takes_the_attention_route_measured_for_bfloat16(tmp_pa
 TOLERANCE = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2 * 2**-8, atol=2 * 2**-8)}
 
 
+@pytest.mark.parametrize("shape", [(40, 576), (3, 17, 100), (20, 8)])
+def test_bfloat16_passes_are_the_float32_ones_rounded_once(shape):
+    # A bfloat16 tensor in, the same tensor in: each kernel computes in float32 and rounds its result as torch does
+    # (widths that are not a multiple of 8 end on the scalar tail).
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, weight = torch.randn(*shape, generator=generator).bfloat16() * 3, torch.randn(shape[-1], generator=generator).bfloat16()
+    with torch.inference_mode():
+        pairs = [(torch.ops.decodekit.rms_norm(x, weight, 1e-5), torch.ops.decodekit.rms_norm(x.float(), weight.float(), 1e-5)),
+                 (torch.ops.decodekit.silu_mul(x), torch.ops.decodekit.silu_mul(x.float()))]
+        if shape[-1] % 2 == 0:
+            q = x.reshape(1, -1, shape[-2], shape[-1])
+            cos, sin = (torch.randn(1, 1, shape[-2], shape[-1], generator=generator).bfloat16() for _ in range(2))
+            pairs.append((torch.ops.decodekit.rotary(q, cos, sin), torch.ops.decodekit.rotary(q.float(), cos.float(), sin.float())))
+    for got, wide in pairs:
+        assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
+        assert torch.equal(got.view(torch.int16), wide.bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(40, 576), (3, 17, 100), (20, 8)])
 def test_fused_norm_and_silu_equal_the_library_passes(shape, dtype):

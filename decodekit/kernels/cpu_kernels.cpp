@@ -1485,8 +1485,16 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
 // The elementwise work between a prompt's products, one pass each where the library makes several: RMSNorm
 // (torch's CPU rms_norm is composite: a square, a mean, an add, a reciprocal root and two products, each a pass
 // over the rows, then the weight's), SiLU(gate) * up (two passes and a temporary) and the rotary embedding (four).
-// Rows of float32 or bfloat16 (read as float32, the result float32: the caller rounds a bfloat16 model's once),
-// split among the threads. About 5% of a 512-token fp32 prefill on the AVX2 bench machine went to these passes.
+// Rows of float32 or bfloat16, computed in float32 and written in their own dtype (bfloat16 rounded once, a row at a
+// time from a buffer in cache: rounded by the caller, a pass of its own, they cost a bf16 prefill about 2% more on
+// the AMX bench machine held to AVX2), split among the threads. About 5% of a 512-token fp32 prefill on the AVX2 bench
+// machine went to these passes.
+
+// Where a row computed in float32 goes: straight to a float32 output, or through `buffer` to a bfloat16 one.
+inline float* row_out(float* out, float*) { return out; }
+inline float* row_out(c10::BFloat16*, float* buffer) { return buffer; }
+inline void row_done(float*, const float*, int64_t) {}
+inline void row_done(c10::BFloat16* out, const float* buffer, int64_t n) { narrow_row(buffer, out, n); }
 
 inline void check_elementwise(const char* op, std::initializer_list<const at::Tensor*> tensors) {
   const at::ScalarType dtype = (*tensors.begin())->scalar_type();
@@ -1496,11 +1504,12 @@ inline void check_elementwise(const char* op, std::initializer_list<const at::Te
 
 // x [..., D] -> weight * x / sqrt(mean(x^2) + eps) per row, weight [D].
 template <typename A>
-void rms_norm_as(const A* xp, const A* wp, int64_t M, int64_t D, double eps, float* op) {
+void rms_norm_as(const A* xp, const A* wp, int64_t M, int64_t D, double eps, A* op) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(std::is_same_v<A, float> ? 0 : D);
     for (int64_t m = begin; m < end; ++m) {
       const A* r = xp + m * D;
-      float* o = op + m * D;
+      float* o = row_out(op + m * D, buffer.data());
       __m256 sum8 = _mm256_setzero_ps();
       int64_t d = 0;
       for (; d + 8 <= D; d += 8) sum8 = _mm256_fmadd_ps(load8(r + d), load8(r + d), sum8);
@@ -1510,6 +1519,7 @@ void rms_norm_as(const A* xp, const A* wp, int64_t M, int64_t D, double eps, flo
       const __m256 inv8 = _mm256_set1_ps(inv);
       for (d = 0; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(load8(wp + d), _mm256_mul_ps(load8(r + d), inv8)));
       for (; d < D; ++d) o[d] = static_cast<float>(wp[d]) * (static_cast<float>(r[d]) * inv);
+      row_done(op + m * D, o, D);
     }
   });
 }
@@ -1519,9 +1529,9 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: rows [..., D] and weight [D] expected");
   const at::Tensor rows = x.contiguous(), w = weight.contiguous();
   const int64_t D = w.size(0), M = D == 0 ? 0 : rows.numel() / D;
-  at::Tensor out = at::empty(rows.sizes(), rows.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(rows.sizes(), rows.options());
   if (rows.scalar_type() == at::kBFloat16) {
-    rms_norm_as(rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), M, D, eps, out.data_ptr<float>());
+    rms_norm_as(rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), M, D, eps, out.data_ptr<c10::BFloat16>());
   } else {
     rms_norm_as(rows.data_ptr<float>(), w.data_ptr<float>(), M, D, eps, out.data_ptr<float>());
   }
@@ -1530,13 +1540,14 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
 
 // gate_up [..., 2I] (gate then up, as MLP's fused product) -> silu(gate) * up [..., I].
 template <typename A>
-void silu_mul_as(const A* gp, int64_t M, int64_t I, float* op) {
+void silu_mul_as(const A* gp, int64_t M, int64_t I, A* op) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     const __m256 one = _mm256_set1_ps(1.f);
+    std::vector<float> buffer(std::is_same_v<A, float> ? 0 : I);
     for (int64_t m = begin; m < end; ++m) {
       const A* g = gp + m * 2 * I;
       const A* u = g + I;
-      float* o = op + m * I;
+      float* o = row_out(op + m * I, buffer.data());
       int64_t i = 0;
       for (; i + 8 <= I; i += 8) {  // exp8 clamps its input: a gate below -87 gives a silu of about 0, as it should
         const __m256 x = load8(g + i);
@@ -1547,6 +1558,7 @@ void silu_mul_as(const A* gp, int64_t M, int64_t I, float* op) {
         const float x = static_cast<float>(g[i]);
         o[i] = x / (1.f + std::exp(-x)) * static_cast<float>(u[i]);
       }
+      row_done(op + m * I, o, I);
     }
   });
 }
@@ -1558,9 +1570,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t I = rows.size(-1) / 2, M = I == 0 ? 0 : rows.numel() / (2 * I);
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = I;
-  at::Tensor out = at::empty(shape, rows.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(shape, rows.options());
   if (rows.scalar_type() == at::kBFloat16) {
-    silu_mul_as(rows.data_ptr<c10::BFloat16>(), M, I, out.data_ptr<float>());
+    silu_mul_as(rows.data_ptr<c10::BFloat16>(), M, I, out.data_ptr<c10::BFloat16>());
   } else {
     silu_mul_as(rows.data_ptr<float>(), M, I, out.data_ptr<float>());
   }
@@ -1571,17 +1583,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // q/k/v product, transposed) by cos, sin [B or 1, 1, T, D]: x * cos + rotate_half(x) * sin, as rope.apply_rotary,
 // written contiguous [B, H, T, D].
 template <typename A>
-void rotary_as(const at::Tensor& x, const A* cp, const A* sp, int64_t table_b, float* op) {
+void rotary_as(const at::Tensor& x, const A* cp, const A* sp, int64_t table_b, A* op) {
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
   const A* xp = x.data_ptr<A>();
   const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
   at::parallel_for(0, B * H * T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(std::is_same_v<A, float> ? 0 : D);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / (H * T), h = r / T % H, t = r % T;
       const A* in = xp + b * sb + h * sh + t * st;
       const A* co = cp + b * table_b + t * D;
       const A* si = sp + b * table_b + t * D;
-      float* o = op + r * D;
+      float* o = row_out(op + r * D, buffer.data());
       int64_t d = 0;
       for (; d + 8 <= half; d += 8) {  // the first half pairs with minus the second, the second with the first
         const __m256 lo = load8(in + d), hi = load8(in + half + d);
@@ -1593,6 +1606,7 @@ void rotary_as(const at::Tensor& x, const A* cp, const A* sp, int64_t table_b, f
         o[d] = lo * static_cast<float>(co[d]) - hi * static_cast<float>(si[d]);
         o[half + d] = hi * static_cast<float>(co[half + d]) + lo * static_cast<float>(si[half + d]);
       }
+      row_done(op + r * D, o, D);
     }
   });
 }
@@ -1605,9 +1619,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               "rotary: x [B, H, T, D] (D even, its last dimension contiguous) and cos, sin [B or 1, 1, T, D] expected");
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
   const int64_t table_b = c.size(0) == 1 ? 0 : x.size(2) * x.size(3);
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    rotary_as(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(), table_b, out.data_ptr<float>());
+    rotary_as(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(), table_b, out.data_ptr<c10::BFloat16>());
   } else {
     rotary_as(x, c.data_ptr<float>(), sn.data_ptr<float>(), table_b, out.data_ptr<float>());
   }

@@ -6,7 +6,7 @@ the same values with the library's operations. Prompts take them, and so do eage
 or a few, what counts is the number of operations each token calls (the library's RMSNorm on CPU is six, the rotary
 embedding eight), and an eager float32 decode token of the default model went from 35.2 to 32.3 ms with them on the
 AMX bench machine (2 cores); a fixed-shape step runs the C++ layer stack instead. A bfloat16 model's values are
-computed in float32 and rounded once, where the library's passes round after each operation (the results differ in
+computed in float32 and rounded once, in the kernel, where the library's passes round after each operation (the results differ in
 the last bit, as the C++ layer stack's do); its decode steps keep the library's passes, whose roundings its eager
 and compiled tokens were measured to agree with.
 """
@@ -31,13 +31,13 @@ def _applies(x: torch.Tensor, *others: torch.Tensor, contiguous: bool = True) ->
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension in one pass (decodekit::rms_norm), or None."""
-    return torch.ops.decodekit.rms_norm(x, weight, eps).to(x.dtype) if _applies(x, weight) else None
+    return torch.ops.decodekit.rms_norm(x, weight, eps) if _applies(x, weight) else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of a fused gate/up product [..., 2 * I] (gate first) in one pass (decodekit::silu_mul), or
     None."""
-    return torch.ops.decodekit.silu_mul(gate_up).to(gate_up.dtype) if _applies(gate_up) else None
+    return torch.ops.decodekit.silu_mul(gate_up) if _applies(gate_up) else None
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -47,4 +47,4 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     if cos.shape[0] not in (1, x.shape[0]) or not _applies(x, cos, sin, contiguous=False):
         return None
-    return torch.ops.decodekit.rotary(x, cos, sin).to(x.dtype)
+    return torch.ops.decodekit.rotary(x, cos, sin)

@@ -6,9 +6,9 @@ the same values with the library's operations. Prompts take them, and so do eage
 or a few, what counts is the number of operations each token calls (the library's RMSNorm on CPU is six, the rotary
 embedding eight), and an eager float32 decode token of the default model went from 35.2 to 32.3 ms with them on the
 AMX bench machine (2 cores); a fixed-shape step runs the C++ layer stack instead. A bfloat16 model's values are
-computed in float32 and rounded once, in the kernel, where the library's passes round after each operation (the results differ in
-the last bit, as the C++ layer stack's do); its decode steps keep the library's passes, whose roundings its eager
-and compiled tokens were measured to agree with.
+computed in float32 and rounded once, in the kernel, where the library's passes round after each operation (the
+results differ in the last bit, as the C++ layer stack's do); its decode steps keep the library's passes, whose
+roundings its eager and compiled tokens were measured to agree with.
 """
 
 from __future__ import annotations

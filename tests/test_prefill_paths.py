@@ -149,24 +149,31 @@ def test_packed_product_equals_the_exact_product(rows, n, k):
 
 @needs_mkl_packing
 @pytest.mark.parametrize("through", ["weight", "bias"])
-def test_a_packed_product_of_bfloat16_rows_rounds_as_torch_does(through):
+@pytest.mark.parametrize("rows, threads", [(300, 2), (300, 1), (200, 2)])
+def test_a_packed_product_of_bfloat16_rows_rounds_as_torch_does(through, rows, threads):
     # Every output is one chosen float32 value (a weight times 1, or the bias): ties between two bfloat16 values,
     # either sign, infinities, NaN, subnormals, values that round past the largest bfloat16; 37 of them, so each row
-    # ends on a tail shorter than a vector, and 300 rows, so the rows go in three blocks.
+    # ends on a tail shorter than a vector. 300 rows on two threads go in blocks of their own on each thread, on one
+    # thread in three blocks; 200 rows on two threads (less than a full block each) in blocks the threads share.
     tie = 1 + 2**-8  # halfway between 1 and the next bfloat16
     values = torch.tensor([tie, -tie, 1 + 3 * 2**-8, 2**-130, -(2**-133), float("inf"), -float("inf"), float("nan"),
                            3.3961e38, -3.3961e38, 0.0, 1 / 3, 65504.5, 1e-3], dtype=torch.float32)
     values = torch.cat([values, torch.randn(23, generator=torch.Generator().manual_seed(1)) * 100])
     n, k = values.numel(), 8
-    rows = torch.zeros(300, k, dtype=torch.bfloat16)
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
     weight, bias = torch.zeros(n, k), None
     if through == "weight":
-        rows[:, 0], weight[:, 0] = 1, values
+        x[:, 0], weight[:, 0] = 1, values
     else:
         bias = values
-    with torch.inference_mode():
-        got = torch.ops.decodekit.packed_product(rows, torch.ops.decodekit.mkl_pack(weight), n, bias)
-    want = values.bfloat16().expand(300, n)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got = torch.ops.decodekit.packed_product(x, torch.ops.decodekit.mkl_pack(weight), n, bias)
+    finally:
+        torch.set_num_threads(saved)
+    want = values.bfloat16().expand(rows, n)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
 

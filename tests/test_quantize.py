@@ -151,19 +151,20 @@ def test_split_int8_rows_keep_fourteen_bits_where_bfloat16_rows_keep_eight(width
 
 
 @needs_exact_int_mm
-@pytest.mark.parametrize("count", [600, 200])
-def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scales(count):
+@pytest.mark.parametrize("count, out", [(600, 48), (200, 48), (600, 9000)])
+def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scales(count, out):
     # decodekit::split_product splits, multiplies and joins a block of rows at a time into buffers it reuses: with a
     # full block of 128 for each thread, each thread takes blocks of its own (600 rows on two threads: six of 100);
-    # with fewer, the threads share each step of blocks of 256 (200 rows). Either gives the library operations'
-    # values (the kernel's float32 arithmetic is ordered differently, which moves a low part's rounding now and
-    # then), the weight's channel scales applied as it joins.
+    # with fewer, or outputs too wide for a thread's block of sums to stay small (9,000), the threads share each
+    # step of blocks of up to 256. Either gives the library operations' values (the kernel's float32 arithmetic is
+    # ordered differently, which moves a low part's rounding now and then), the weight's channel scales applied as
+    # it joins.
     from decodekit.models import cpu
     from decodekit.models.quantize import split_int8_product
 
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(count, 64, generator=generator)
-    q = Int8Linear(nn.Linear(64, 48, bias=False))
+    q = Int8Linear(nn.Linear(64, out, bias=False))
     scaled = split_int8_product(rows, q.weight_int8, True, q.scales)
     with cpu.forced(native_kernels=False):
         library = split_int8_product(rows, q.weight_int8, True)

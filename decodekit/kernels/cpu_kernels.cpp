@@ -363,7 +363,8 @@ at::Tensor split_product(const at::Tensor& rows, const at::Tensor& weight, const
   const at::Tensor transposed = weight.t();
   const auto int8 = rows.options().dtype(at::kChar), int32 = rows.options().dtype(at::kInt);
   const int64_t threads = at::get_num_threads();
-  if (M >= threads * kOwnSplitRows) {
+  const bool fits = 2 * kOwnSplitRows * N * int64_t{sizeof(int32_t)} <= kSplitSumBytes;  // each thread keeps its sums
+  if (M >= threads * kOwnSplitRows && fits) {
     // A block of up to kOwnSplitRows for each thread at a time, split, multiplied (the library's int8 product runs on
     // the calling thread inside the region) and joined by that thread, with no wait for the others between: int8
     // prefills of 512 and 2,048 tokens ran 1.08-1.16x and 1.05-1.09x faster so on the AMX bench machine than with

@@ -258,7 +258,7 @@ def test_int8_split_is_offered_only_where_the_int8_sums_are_exact(monkeypatch):
 
 
 @needs_mkl_packing
-def test_a_packed_int8_weight_follows_its_weight_and_is_not_pickled(tmp_path):
+def test_a_packed_int8_weight_follows_its_weight_and_is_not_pickled():
     import pickle
 
     from decodekit.kernels.quantize import Int8Linear

@@ -338,6 +338,14 @@ constexpr int64_t kSplitRows = 256, kSplitSumBytes = int64_t{8} << 20;
 // Rows of a block each thread splits, multiplies and joins alone, where every thread has a full one (below).
 constexpr int64_t kOwnSplitRows = 128;
 
+// M rows cut into `count` blocks of `rows` (the last shorter, or empty), as many for each of the threads, none longer
+// than `most`: the blocks threads take for their own (split_product, and packed_product's bfloat16 rows).
+struct OwnBlocks {
+  int64_t count, rows;
+  OwnBlocks(int64_t M, int64_t most, int64_t threads)
+      : count(threads * ((M + threads * most - 1) / (threads * most))), rows((M + count - 1) / count) {}
+};
+
 // rows [M, K] float32 @ weight [N, K]^T int8 -> [M, N] float32 through int8 x int8 products (at::_int_mm:
 // oneDNN's VNNI or AMX kernels where the CPU has them): each row split into two int8 parts (split_row), so the
 // activations keep about 14 bits, the int32 sums exact, joined and scaled by `scales` [N] (the weight's
@@ -370,9 +378,9 @@ at::Tensor split_product(const at::Tensor& rows, const at::Tensor& weight, const
     // prefills of 512 and 2,048 tokens ran 1.08-1.16x and 1.05-1.09x faster so on the AMX bench machine than with
     // the threads sharing each block's steps, as below (alternating processes, 3 rounds), and 1.00-1.05x with oneDNN
     // held to VNNI without AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI).
-    const int64_t blocks = threads * ((M + threads * kOwnSplitRows - 1) / (threads * kOwnSplitRows));
-    const int64_t block = (M + blocks - 1) / blocks;
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    const OwnBlocks own(M, kOwnSplitRows, threads);
+    const int64_t block = own.rows;
+    at::parallel_for(0, own.count, 1, [&](int64_t first, int64_t last) {
       thread_local at::Tensor own_parts, own_sums;  // this thread's, kept between calls (viewed per call, as below)
       if (!own_parts.defined() || own_parts.numel() < 2 * block * K) own_parts = at::empty({2 * block * K}, int8);
       if (!own_sums.defined() || own_sums.numel() < 2 * block * N) own_sums = at::empty({2 * block * N}, int32);
@@ -1317,12 +1325,12 @@ at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int6
     // product and rounding follow each other in that thread's cache. Held to AVX2, the AMX bench machine's bf16 rows
     // then cost 1.00-1.01x float32 rows' time at 512 and 2,048 rows (1.02-1.04x with MKL's threads sharing each
     // block's product, as below), but 1.06x at 128 rows, where each thread's block is half as long.
-    const int64_t blocks = threads * ((M + threads * kPackRows - 1) / (threads * kPackRows));
-    const int64_t block = (M + blocks - 1) / blocks;
+    const OwnBlocks own(M, kPackRows, threads);
+    const int64_t block = own.rows;
     const auto serially = [](int64_t m, const auto& fn) {
       for (int64_t i = 0; i < m; ++i) fn(i);
     };
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, own.count, 1, [&](int64_t first, int64_t last) {
       const std::unique_ptr<float[]> a(new float[block * K]), c(new float[block * N]);  // left uninitialised
       for (int64_t b = first; b < last && b * block < M; ++b)
         through(b * block, std::min(block, M - b * block), a.get(), c.get(), serially);

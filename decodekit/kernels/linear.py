@@ -208,12 +208,12 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
 
-def packed_route_pays(kind: str, rows: int, other: str,
+def packed_route_pays(dtype: torch.dtype, rows: int, other: str,
                       problem: Callable[[int], tuple[list, Callable[[], object]]]) -> bool:
     """Whether a product of `rows` rows outside a trace runs faster by the weight as float32 packed once for MKL
     (packed_weight: the library's matmul packs a float32 weight on every call, and a bfloat16 or int8 weight is
-    converted first) than by `other`, the route otherwise chosen for those rows and weights of `kind` ("float32",
-    "bfloat16", "int8"), measured once per kind and class of prompt rows (over 64; choices.py:
+    converted first) than by `other`, the route otherwise chosen for those rows and weights of `dtype` (float32,
+    bfloat16, int8), measured once per dtype and class of prompt rows (over 64; choices.py:
     float32_packed_rows_128, ...) where torch carries MKL. `problem(size)` gives a default-model-sized layer's
     [(rows, float32 weight)] and a call of the same products by `other`. On the AMX bench machine the packed products
     of float32 layers ran 1.24x the library's at 128 rows and 1.05x at 512; with that machine held to AVX2, bfloat16
@@ -230,7 +230,8 @@ def packed_route_pays(kind: str, rows: int, other: str,
         packs = [(x, torch.ops.decodekit.mkl_pack(weight), weight.shape[0]) for x, weight in pairs]
         return {"packed": lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs], other: by_other}
 
-    return choices.decide(f"{kind}_packed_rows_{size}", candidates, otherwise=other) == "packed"
+    name = f"{str(dtype).removeprefix('torch.')}_packed_rows_{size}"
+    return choices.decide(name, candidates, otherwise=other) == "packed"
 
 
 def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
@@ -264,21 +265,21 @@ class Linear(HoldsPackedCopy, nn.Linear):
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route, or a weight
         packed once where packed_route_pays)."""
-        route = many_rows_route(self.weight.dtype, rows) if self.weight.dtype in TILED_DTYPES else "library"
+        dtype = self.weight.dtype
+        route = many_rows_route(dtype, rows) if dtype in TILED_DTYPES else "library"
         bias = None if self.bias is None else self.bias.float()
+        ready = native.ready(x, self.weight, self.bias)
         packed = None
-        eager = not torch.compiler.is_compiling() and native.ready(x, self.weight, self.bias)
-        if eager and self.weight.dtype in TILED_DTYPES:
-            kind = str(self.weight.dtype).removeprefix("torch.")
-            if packed_route_pays(kind, rows, route, _tiled_problem(self.weight.dtype, route)):
-                packed = packed_weight(self, (self.weight,), self.weight.float)
+        if ready and dtype in TILED_DTYPES and not torch.compiler.is_compiling() and \
+                packed_route_pays(dtype, rows, route, _tiled_problem(dtype, route)):
+            packed = packed_weight(self, (self.weight,), self.weight.float)
+        flat = x.reshape(rows, -1)
         if packed is not None:  # bfloat16 rows widened and the product rounded back a block at a time, in cache
-            flat = x.reshape(rows, -1)
             flat = flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
             y = torch.ops.decodekit.packed_product(flat, packed, self.out_features, bias)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        flat = x.reshape(rows, -1).float()
-        if route in DECODEKIT_ROUTES and native.ready(flat, self.weight, self.bias):
+        flat = flat.float()
+        if route in DECODEKIT_ROUTES and ready:
             # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
             wide = route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f")
             blocks = route in ("blocks", "wide_blocks") and self.in_features % 8 == 0

@@ -94,8 +94,7 @@ class Int8Linear(HoldsPackedCopy):
         elif flat.shape[0] == 1 and torch.compiler.is_compiling():
             y = one_row(flat, self.weight_int8) if self.input_order is None else one_row_int8(flat, self.lanes)
         else:
-            scaled = self._packed(flat)
-            scaled = self._scaled(flat) if scaled is None else scaled
+            scaled = self._scaled(flat)
             if scaled is not None:
                 y = scaled.to(x.dtype).view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
@@ -103,29 +102,21 @@ class Int8Linear(HoldsPackedCopy):
         y = (y.float() * self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def _packed(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """The scaled float32 product of a prompt's rows by the dequantized weight packed once for MKL, where that
-        measured faster than this CPU's int8 route (packed_route_pays; on a CPU without int8 instructions, where the
-        int8 routes convert the weight on every call) and the copy fits the memory budget; else None."""
-        rows = flat.shape[0]
-        if flat.device.type != "cpu" or rows <= native.MAX_ROWS or torch.compiler.is_compiling() \
-                or not native.ready(flat, self.bias):
-            return None
-        if not packed_route_pays("int8", rows, many_rows_route(), int8_problem):
-            return None
-        packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
-        if packed is None:
-            return None
-        return torch.ops.decodekit.packed_product(flat.float().contiguous(), packed, self.out_features)
-
-    def _scaled(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _scaled(self, flat: torch.Tensor, packed_copy: bool = True) -> torch.Tensor | None:
         """The scaled float32 product of a prompt's rows where this CPU's route is one of decodekit's kernels, which
         apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
-        extra pass through memory: decodekit::tiled_product ("tiles") or decodekit::split_product ("int8_split").
-        None where another route runs."""
+        extra pass through memory: decodekit::tiled_product ("tiles") or decodekit::split_product ("int8_split"); or,
+        outside a trace and with `packed_copy`, the dequantized weight packed once for MKL, where that measured faster
+        than the int8 route (packed_route_pays: on a CPU without int8 instructions the int8 routes convert the weight
+        on every call) and the copy fits the memory budget. None where another route runs."""
         if flat.device.type != "cpu" or flat.shape[0] <= native.MAX_ROWS or not native.ready(flat, self.bias):
             return None
         route = many_rows_route()
+        if packed_copy and not torch.compiler.is_compiling() and \
+                packed_route_pays(torch.int8, flat.shape[0], route, int8_problem):
+            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
+            if packed is not None:
+                return torch.ops.decodekit.packed_product(flat.float().contiguous(), packed, self.out_features)
         interleaved = self.input_order is not None
         if route == "int8_split":
             return split_int8_product(flat, self.weight_int8, interleaved, self.scales)
@@ -165,7 +156,7 @@ def int8_problem(size: int):
 
     def by_int8_route():
         for x, int8 in layer:
-            if int8._scaled(x) is None:
+            if int8._scaled(x, packed_copy=False) is None:
                 int8._many_rows(x).float() * int8.scales
 
     return [(x, int8.dequantized()) for x, int8 in layer], by_int8_route

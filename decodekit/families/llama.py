@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import elementwise, native
-from ..kernels.linear import Linear
+from ..kernels import cpu, elementwise, native
+from ..kernels.linear import PROMPT_ROUTES, Linear, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
-from ..kernels.attention import prompt_attention
+from ..kernels.attention import prompt_attention, prompt_attention_route
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
 from .config import ModelConfig
@@ -27,7 +27,7 @@ from .outputs import CausalLMOutput
 from .rope import RotaryTable, apply_rotary
 
 
-# DECODEKIT_NATIVE_LAYERS=0 keeps the Python layers in fixed-shape steps (to compare the two).
+# DECODEKIT_NATIVE_LAYERS=0 keeps the Python layers in fixed-shape steps and prompts (to compare the two).
 NATIVE_LAYERS = os.environ.get("DECODEKIT_NATIVE_LAYERS", "1") != "0"
 
 
@@ -143,6 +143,23 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, masks, slots=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks, slots)
         return x + self.mlp(self.mlp_norm(x))
+
+    def prompt_plan(self, x: torch.Tensor, rows: int, choice: tuple[str, bool]) -> tuple[tuple, tuple] | None:
+        """The operands of decodekit::prompt_layer_start and prompt_layer_end (after the rows) for a float32 prompt of
+        `rows` rows like x: each product's operand and route (Linear.prompt_route by `choice`, linear.prompt_choice's
+        answer), biases and norms; None where a linear layer is not a float32 Linear."""
+        attn, mlp = self.attn, self.mlp
+        products = []
+        for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            if type(linear) is not Linear or linear.weight.dtype != torch.float32:
+                return None
+            route, operand = linear.prompt_route(x, rows, choice)
+            products.append((operand, PROMPT_ROUTES[route], linear.bias))
+        (qkv, o, gate_up, down), eps = products, self.attn_norm.eps
+        q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
+        start = (self.attn_norm.weight, eps, *qkv, q_norm, k_norm)
+        end = (*o, self.mlp_norm.weight, self.mlp_norm.eps, *gate_up, *down)
+        return start, end
 
     def native_operands(self) -> tuple | None:
         """(weights, scales, biases, norms) for decodekit::decode_layers (cpu_kernels.cpp), or None where a
@@ -311,7 +328,11 @@ class LlamaForCausalLM(nn.Module):
         masks = {} if paged else build_masks(attention_mask, past, T, self.windows, x.device)
 
         hidden_states = [x] if output_hidden_states else None
-        for layer in self.layers[:exit_layer]:
+        layers = self.layers[:exit_layer]
+        prompt = None if output_hidden_states or paged or masks else self._prompt_layers(layers, x, cos, sin, cache, past)
+        if prompt is not None:
+            x = prompt
+        for layer in layers if prompt is None else ():
             x = layer(x, cos, sin, cache, masks)
             if hidden_states is not None:
                 hidden_states.append(x)
@@ -324,6 +345,35 @@ class LlamaForCausalLM(nn.Module):
             past_key_values=cache if use_cache else None,
             hidden_states=tuple(hidden_states) if hidden_states is not None else None,
         )
+
+    def _prompt_layers(self, layers, x, cos, sin, cache, past: int) -> torch.Tensor | None:
+        """x after `layers` for one prompt of float32 rows on CPU with plain causal attention (no mask), two calls
+        into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block computes, by
+        the same kernels, without the Python between them), the cache updated between the two; None where the
+        Python layers run instead: fewer rows than a prompt's products take, autograd or a trace recording, a
+        weight that is not a float32 Linear, or attention that SDPA runs on this CPU (prompt_attention_route)."""
+        B, T, hidden = x.shape
+        if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
+            return None
+        if x.dtype != torch.float32 or torch.is_grad_enabled() or torch.compiler.is_compiling() or not native.load():
+            return None
+        if prompt_attention_route(past + T, torch.float32) != "kernel":
+            return None
+        choice = prompt_choice(torch.float32, T)  # the same for every layer
+        plans = [layer.prompt_plan(x, T, choice) for layer in layers]
+        if any(plan is None for plan in plans):
+            return None
+        c = self.config
+        cos, sin = cos[0, 0], sin[0, 0]
+        wide = cpu.has("avx512f")
+        rows = x.reshape(T, hidden).clone()  # updated in place, layer by layer; x may be the caller's inputs_embeds
+        for layer, (start, end) in zip(layers, plans):
+            q, k, v = torch.ops.decodekit.prompt_layer_start(rows, *start, cos, sin, c.num_attention_heads,
+                                                             c.num_key_value_heads)
+            if cache is not None:
+                k, v = cache.update(k, v, layer.attn.layer_idx)
+            torch.ops.decodekit.prompt_layer_end(rows, q, k, v, 0, wide, *end, c.intermediate_size)
+        return rows.view(B, T, hidden)
 
     def _forward_fixed(self, x, attention_mask, position_ids, cache, slots, logits_to_keep):
         """The fixed-shape forward of a compiled decode step: a StaticCache written at tensor slot indices,

@@ -19,7 +19,11 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/rms_norm.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -1272,20 +1276,25 @@ inline void narrow_row(const float* in, c10::BFloat16* out, int64_t n) {
 // bfloat16 go through in blocks of kPackRows: a block is widened into a buffer and its float32 product narrowed
 // while both are in cache (converting the whole rows and product in passes of their own cost a bfloat16 prefill
 // 5% on the AMX bench machine held to AVX2).
-at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features,
-                          const std::optional<at::Tensor>& bias) {
+void check_packed(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features,
+                  const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(mkl_packing() && packed.numel() > 0 && packed.scalar_type() == at::kByte,
               "packed_product: a weight packed by mkl_pack expected");
-  const bool bf16 = rows.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || bf16) && rows.device().is_cpu(),
-              "packed_product: float32 or bfloat16 rows [M, K] on the CPU expected");
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
+              rows.device().is_cpu(), "packed_product: float32 or bfloat16 rows [M, K] on the CPU expected");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat),
               "packed_product: the bias must be float32 [out_features]");
+  TORCH_CHECK(packed.numel() >= static_cast<int64_t>(
+                                    cblas_sgemm_pack_get_size(kMatrixB, kPackRows, out_features, rows.size(1))),
+              "packed_product: the packed weight is smaller than one of [", out_features, ", ", rows.size(1), "]");
+}
+
+// packed_product into `out` [M, out_features] (contiguous, in the rows' dtype), for a caller that keeps its buffers.
+void packed_product_into(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
   const at::Tensor x = rows.contiguous();
   const int64_t M = x.size(0), N = out_features, K = x.size(1);
-  TORCH_CHECK(packed.numel() >= static_cast<int64_t>(cblas_sgemm_pack_get_size(kMatrixB, kPackRows, N, K)),
-              "packed_product: the packed weight is smaller than one of [", N, ", ", K, "]");
-  at::Tensor out = at::empty({M, N}, x.options());
   const float* w = reinterpret_cast<const float*>(packed.data_ptr<uint8_t>());
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   const float* added = bias ? b.data_ptr<float>() : nullptr;
@@ -1293,7 +1302,7 @@ at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int6
     cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, static_cast<int>(m), static_cast<int>(N), static_cast<int>(K),
                         a, static_cast<int>(K), w, static_cast<int>(N), 0.0f, c, static_cast<int>(N));
   };
-  if (M == 0) return out;
+  if (M == 0) return;
   if (!bf16) {
     compute(M, x.data_ptr<float>(), out.data_ptr<float>());
     if (added) {
@@ -1303,7 +1312,7 @@ at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int6
           for (int64_t n = 0; n < N; ++n) y[m * N + n] += added[n];
       });
     }
-    return out;
+    return;
   }
   const c10::BFloat16* in = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* y = out.data_ptr<c10::BFloat16>();
@@ -1335,7 +1344,7 @@ at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int6
       for (int64_t b = first; b < last && b * block < M; ++b)
         through(b * block, std::min(block, M - b * block), a.get(), c.get(), serially);
     });
-    return out;
+    return;
   }
   // Fewer rows: MKL's threads share each block's product, and the block's rows are widened and rounded in parallel.
   const auto shared = [](int64_t m, const auto& fn) {
@@ -1346,6 +1355,13 @@ at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int6
   const int64_t block = std::min<int64_t>(M, kPackRows);
   const std::unique_ptr<float[]> a(new float[block * K]), c(new float[block * N]);  // left uninitialised
   for (int64_t m0 = 0; m0 < M; m0 += block) through(m0, std::min(block, M - m0), a.get(), c.get(), shared);
+}
+
+at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& packed, int64_t out_features,
+                          const std::optional<at::Tensor>& bias) {
+  check_packed(rows, packed, out_features, bias);
+  at::Tensor out = at::empty({rows.size(0), out_features}, rows.options());
+  packed_product_into(rows, packed, out_features, bias, out);
   return out;
 }
 
@@ -1464,14 +1480,22 @@ void attend_in_key_blocks(const at::Tensor& qt, const float* keys, const float* 
   }
 }
 
+// Writes the output to `os` as [H, T, D], or with `tokens_major` as [T, H, D] (the rows of the o projection).
 template <typename Softmax>
-at::Tensor attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
+void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, float* os,
+                   bool tokens_major) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
   const int64_t group = H / KV, first = L - T, blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = KV * blocks;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  at::Tensor out = at::empty({H, T, D}, q.options());
   const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
-  float* os = out.data_ptr<float>();
+  const int64_t head_stride = tokens_major ? D : T * D, token_stride = tokens_major ? H * D : D;
+  // The block's result [group x rows, D] to the heads of kv head g, queries i0...
+  const auto store = [&](int64_t g, int64_t i0, int64_t rows, const float* result) {
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(os + (g * group + h) * head_stride + (i0 + i) * token_stride, result + (h * rows + i) * D,
+                    D * sizeof(float));
+  };
   const at::ThreadLocalState caller;
   // Later blocks see more keys: tasks are taken in the order first, last, second, second to last, ... so that the
   // threads' contiguous shares of them cost about the same.
@@ -1499,8 +1523,7 @@ at::Tensor attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Ten
           return std::pair<int64_t, int64_t>(from, position - lo + 1);
         };
         attend_in_key_blocks<Softmax>(qt, ks + g * L * D, vs + g * L * D, lo, hi, D, row_range, scores, result.data());
-        for (int64_t h = 0; h < group; ++h)
-          std::memcpy(os + ((g * group + h) * T + i0) * D, result.data() + h * rows * D, rows * D * sizeof(float));
+        store(g, i0, rows, result.data());
         continue;
       }
       scores.resize(M * width);
@@ -1523,11 +1546,18 @@ at::Tensor attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Ten
         float* out = result.data() + r * D;
         for (int64_t d = 0; d < D; ++d) out[d] *= inverses[r];
       }
-      for (int64_t h = 0; h < group; ++h)
-        std::memcpy(os + ((g * group + h) * T + i0) * D, result.data() + h * rows * D, rows * D * sizeof(float));
+      store(g, i0, rows, result.data());
     }
   });
-  return out;
+}
+
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, bool wide, float* out,
+                 bool tokens_major) {
+  if (wide) {
+    attend_prompt<WideSoftmax>(q, k, v, window, out, tokens_major);
+  } else {
+    attend_prompt<NarrowSoftmax>(q, k, v, window, out, tokens_major);
+  }
 }
 
 // `wide`: the softmax passes with AVX-512; the caller checks that the CPU has it (attention.py).
@@ -1541,7 +1571,9 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
               "prefill_attention: shapes do not fit");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prefill_attention: wide=True needs a CPU with avx512f");
-  return wide ? attend_prompt<WideSoftmax>(q, k, v, window) : attend_prompt<NarrowSoftmax>(q, k, v, window);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  attend_into(q, k, v, window, wide, out.data_ptr<float>(), false);
+  return out;
 }
 
 // The elementwise work between a prompt's products, one pass each where the library makes several: RMSNorm
@@ -1690,6 +1722,129 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+
+// ---- A prompt's decoder layer in two calls (llama.py's prompt layers). ----
+//
+// What Block computes for one unpadded prompt on CPU in float32, by the kernels the Python layers call and in their
+// order, so the results are the same bits; what goes is the Python between some twenty operations a layer (about 5
+// ms of a 128-token prefill of the default model on the AMX bench machine). The cache stays with the caller: it
+// stores the keys and values prompt_layer_start returns and hands prompt_layer_end the keys and values to attend to.
+
+// The route of one product, as linear.Linear._many_rows takes it for float32 rows: the library's matmul by the
+// float32 weight, the weight packed by mkl_pack, or decodekit::tiled_product's tiles, blocks or AVX-512 blocks.
+enum ProductRoute : int64_t { kLibraryRoute = 0, kPackedRoute = 1, kTilesRoute = 2, kBlocksRoute = 3, kWideRoute = 4 };
+
+void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t route, int64_t N,
+                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK(route >= kLibraryRoute && route <= kWideRoute, "prompt layer: a product route from 0 to 4 expected, got ",
+              route);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
+              "prompt layer: a bias must be float32 [", N, "]");
+  if (route == kPackedRoute) {
+    check_packed(rows, weight, N, bias);
+    packed_product_into(rows, weight, N, bias, out);
+    return;
+  }
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == rows.size(1),
+              "prompt layer: a weight [", N, ", ", rows.size(1), "] expected, got ", weight.sizes());
+  if (route == kLibraryRoute) {  // as F.linear: addmm with a bias, mm without
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "prompt layer: the library's route takes a float32 weight");
+    if (bias) {
+      at::addmm_out(out, *bias, rows, weight.t());
+    } else {
+      at::mm_out(out, rows, weight.t());
+    }
+    return;
+  }
+  const at::Tensor y = tiled_product(rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+  if (bias) {
+    at::add_out(out, y, *bias);
+  } else {
+    out.copy_(y);
+  }
+}
+
+void check_prompt_rows(const char* op, const at::Tensor& x, const at::Tensor& norm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), op,
+              ": contiguous float32 rows [T, hidden] on the CPU expected");
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == x.size(1) && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
+              op, ": a float32 norm weight [hidden] expected");
+}
+
+// RMSNorm of a head's q or k rows [1, T, heads, D] (a view into the q/k/v product) as llama.RMSNorm computes it for
+// rows that are not contiguous: the library's rms_norm, then the weight.
+at::Tensor head_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  if (!weight) return x;
+  return at::mul(*weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps));
+}
+
+// x [T, hidden] -> (q [1, heads, T, D], k and v [1, kv_heads, T, D]): the attention norm, the q/k/v product, the
+// heads' q/k norms where the model has them and the rotary embedding by cos, sin [T, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
+    const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_route,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+    int64_t kv_heads) {
+  check_prompt_rows("prompt_layer_start", x, norm);
+  const int64_t T = x.size(0), hidden = x.size(1), D = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T && D % 2 == 0 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "prompt_layer_start: float32 cos, sin [T, head_dim] (head_dim even) expected");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "prompt_layer_start: heads a multiple of kv_heads");
+  const int64_t N = (heads + 2 * kv_heads) * D;
+  at::Tensor h = at::empty_like(x);
+  rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
+  at::Tensor product = at::empty({T, N}, x.options());
+  layer_product(h, qkv, qkv_route, N, qkv_bias, product);
+  const at::Tensor q = head_norm(product.narrow(1, 0, heads * D).view({1, T, heads, D}), q_norm, eps);
+  const at::Tensor k = head_norm(product.narrow(1, heads * D, kv_heads * D).view({1, T, kv_heads, D}), k_norm, eps);
+  const at::Tensor v = product.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({1, T, kv_heads, D});
+  const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  const auto rotated = [&](const at::Tensor& rows) {
+    const at::Tensor by_head = rows.transpose(1, 2);
+    at::Tensor out = at::empty(by_head.sizes(), x.options());
+    rotary_as(by_head, c.data_ptr<float>(), sn.data_ptr<float>(), 0, out.data_ptr<float>());
+    return out;
+  };
+  return {rotated(q), rotated(k), v.transpose(1, 2).contiguous()};
+}
+
+// The rest of the layer, x [T, hidden] updated in place: attention of q [1, heads, T, D] over k, v [1, kv_heads, L,
+// D] (causal, the prompt's queries last; a sliding window > 0), the o product added to x, the MLP norm, the gate/up
+// product [T, 2 x intermediate] (gate first), SiLU(gate) * up and the down product added to x. `wide`: the softmax
+// passes with AVX-512.
+at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             int64_t window, bool wide, const at::Tensor& o, int64_t o_route,
+                             const std::optional<at::Tensor>& o_bias, const at::Tensor& norm, double eps,
+                             const at::Tensor& gate_up, int64_t gate_up_route,
+                             const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, int64_t down_route,
+                             const std::optional<at::Tensor>& down_bias, int64_t intermediate) {
+  check_prompt_rows("prompt_layer_end", x, norm);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == 1 && k.size(0) == 1 &&
+              q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              q.size(2) == x.size(0) && k.size(2) >= q.size(2) && k.size(3) == q.size(3) &&
+              q.size(1) % k.size(1) == 0,
+              "prompt_layer_end: float32 q [1, heads, T, D] and k, v [1, kv_heads, L >= T, D] expected");
+  TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prompt_layer_end: wide=True needs a CPU with avx512f");
+  const int64_t T = x.size(0), hidden = x.size(1), heads = q.size(1), D = q.size(3);
+  TORCH_CHECK(intermediate > 0, "prompt_layer_end: a positive intermediate size expected");
+  at::Tensor y = at::empty({T, heads * D}, x.options());
+  attend_into(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), window, wide, y.data_ptr<float>(), true);
+  at::Tensor added = at::empty_like(x);
+  layer_product(y, o, o_route, hidden, o_bias, added);
+  x.add_(added);
+  at::Tensor h = at::empty_like(x);
+  rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
+  const int64_t I = intermediate;
+  at::Tensor both = at::empty({T, 2 * I}, x.options());
+  layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, both);
+  at::Tensor hidden_rows = at::empty({T, I}, x.options());
+  silu_mul_as(both.data_ptr<float>(), T, I, hidden_rows.data_ptr<float>());
+  layer_product(hidden_rows, down, down_route, hidden, down_bias, added);
+  x.add_(added);
+  return x;
+}
+
 }  // namespace
 
 
@@ -1710,6 +1865,11 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("prompt_layer_start(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_route, Tensor? qkv_bias, "
+        "Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("prompt_layer_end(Tensor(a!) x, Tensor q, Tensor k, Tensor v, int window, bool wide, Tensor o, int o_route, "
+        "Tensor? o_bias, Tensor norm, float eps, Tensor gate_up, int gate_up_route, Tensor? gate_up_bias, Tensor down, "
+        "int down_route, Tensor? down_bias, int intermediate) -> Tensor(a!)");
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False, bool blocks=False, "
         "bool wide=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
@@ -1726,6 +1886,8 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("rms_norm", &rms_norm_rows);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
+  m.impl("prompt_layer_start", &prompt_layer_start);
+  m.impl("prompt_layer_end", &prompt_layer_end);
   m.impl("paged_attention", &paged_attention);
   m.impl("mkl_pack", &mkl_pack);
   m.impl("packed_product", &packed_product);

@@ -63,6 +63,8 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); longer: 2,048
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
+# Linear.prompt_route's routes as the C++ prompt layers number them (ProductRoute in cpu_kernels.cpp).
+PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4}
 
 
 # ---- The "packed" route: a float32 weight packed once for MKL (decodekit::mkl_pack) for prompts' products. ----
@@ -243,6 +245,18 @@ def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list
     return problem
 
 
+def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[str, bool]:
+    """For a prompt's `rows` rows by a weight of `dtype`: the route many_rows_route measured ("library" for a dtype it
+    does not take) and whether the weight packed once beats it (packed_route_pays; never inside a trace, nor where
+    decodekit's kernels are not `ready`). The same for every layer of a model: its prompt layers look it up once."""
+    if dtype not in TILED_DTYPES:
+        return "library", False
+    route = many_rows_route(dtype, rows)
+    pays = ready and not torch.compiler.is_compiling() and \
+        packed_route_pays(dtype, rows, route, _tiled_problem(dtype, route))
+    return route, pays
+
+
 class Linear(HoldsPackedCopy, nn.Linear):
     """nn.Linear whose products of up to 16 rows (native.MAX_ROWS) on CPU are decodekit's kernel for bfloat16 weights
     (native.py) where it is built; else one row inside a compiled step is `one_row`; F.linear otherwise.
@@ -263,31 +277,39 @@ class Linear(HoldsPackedCopy, nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _many_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """The float32 product of a prompt's rows, by the route measured for this CPU (many_rows_route, or a weight
-        packed once where packed_route_pays)."""
-        dtype = self.weight.dtype
-        route = many_rows_route(dtype, rows) if dtype in TILED_DTYPES else "library"
+        """The float32 product of a prompt's rows, by the route prompt_route chooses."""
+        route, operand = self.prompt_route(x, rows)
         bias = None if self.bias is None else self.bias.float()
-        ready = native.ready(x, self.weight, self.bias)
-        packed = None
-        if ready and dtype in TILED_DTYPES and not torch.compiler.is_compiling() and \
-                packed_route_pays(dtype, rows, route, _tiled_problem(dtype, route)):
-            packed = packed_weight(self, (self.weight,), self.weight.float)
         flat = x.reshape(rows, -1)
-        if packed is not None:  # bfloat16 rows widened and the product rounded back a block at a time, in cache
+        if route == "packed":  # bfloat16 rows widened and the product rounded back a block at a time, in cache
             flat = flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
-            y = torch.ops.decodekit.packed_product(flat, packed, self.out_features, bias)
+            y = torch.ops.decodekit.packed_product(flat, operand, self.out_features, bias)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         flat = flat.float()
+        if route == "library":
+            y = F.linear(flat, operand.float(), bias)
+        else:
+            y = torch.ops.decodekit.tiled_product(flat, operand, blocks=route != "tiles", wide=route == "wide_blocks")
+            y = y if bias is None else y + bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def prompt_route(self, x: torch.Tensor, rows: int, choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor]:
+        """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
+        this weight's dtype and the rows, looked up where not given) says: ("packed", the packed copy), ("tiles",
+        "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or ("library", the weight: F.linear in
+        float32). PROMPT_ROUTES numbers them for the C++ prompt layers."""
+        ready = native.ready(x, self.weight, self.bias)
+        route, pays = choice or prompt_choice(self.weight.dtype, rows, ready)
+        if pays and ready:
+            packed = packed_weight(self, (self.weight,), self.weight.float)
+            if packed is not None:
+                return "packed", packed
         if route in DECODEKIT_ROUTES and ready:
             # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
-            wide = route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f")
-            blocks = route in ("blocks", "wide_blocks") and self.in_features % 8 == 0
-            y = torch.ops.decodekit.tiled_product(flat, self.weight, blocks=blocks, wide=wide)
-            y = y if bias is None else y + bias
-        else:
-            y = F.linear(flat, self.weight.float(), bias)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            if route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f"):
+                return "wide_blocks", self.weight
+            return ("blocks" if route != "tiles" and self.in_features % 8 == 0 else "tiles"), self.weight
+        return "library", self.weight
 
     def _few_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor | None:
         """flat @ weight^T in float32 by decodekit's kernel or one_row, or None where neither applies."""

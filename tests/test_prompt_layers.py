@@ -1,0 +1,134 @@
+"""The C++ prompt layers (llama.LlamaForCausalLM._prompt_layers: decodekit::prompt_layer_start / prompt_layer_end):
+the same bits as the Python layers for every product route and model variant, taken only where they apply, and
+their refusals. Which route this machine would pick is never assumed: each is forced in turn."""
+
+import pytest
+import torch
+
+from decodekit.families import llama
+from decodekit.families.cache import DynamicCache, StaticCache
+from decodekit.kernels import choices, cpu, native
+from decodekit.kernels.linear import mkl_packing
+from decodekit.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
+
+PROMPT = torch.arange(3, 3 + 100)[None] % 90 + 3  # 100 tokens: the class of prompts up to 256 rows
+MORE = torch.arange(5, 5 + 30)[None] % 90 + 3  # a second prompt after the first, over its cache (masked: Python layers)
+ROUTES = ["library", "tiles", "blocks",
+          pytest.param("wide_blocks", marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs avx512f")),
+          pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing"))]
+
+
+def pinned(route: str) -> dict:
+    """choices.forced settings that send every float32 prompt product of 100 rows by `route` and attention to
+    decodekit's kernel (oneDNN's packed layers, packed.py, would take the products otherwise)."""
+    pins = {"eager_weights_float32": "plain", "prompt_attention_float32_512": "kernel"}
+    if route == "packed":
+        return {**pins, "float32_rows_128": "library", "float32_packed_rows_128": "packed"}
+    return {**pins, "float32_rows_128": route, "float32_packed_rows_128": route}
+
+
+def run(model, native_layers: bool, monkeypatch, cache_kind="dynamic"):
+    """Logits of PROMPT then MORE over the same cache, the cache, and how many prompt layer calls ran."""
+    monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
+    cache = DynamicCache() if cache_kind == "dynamic" else StaticCache.for_model(model, 1, 160)
+    with torch.inference_mode(), torch.profiler.profile() as profile:
+        first = model(PROMPT, past_key_values=cache).logits
+        second = model(MORE, past_key_values=cache).logits
+    calls = {e.key: e.count for e in profile.key_averages()}
+    return (first, second, cache), calls.get("decodekit::prompt_layer_end", 0)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_type, route):
+    # qwen2: q/k/v biases; qwen3: q/k norms and a head_dim that is not hidden / heads.
+    model = tiny_model(tmp_path, model_type)
+    with choices.forced(**pinned(route)):
+        (first, second, cache), calls = run(model, True, monkeypatch)
+        (first_py, second_py, cache_py), calls_py = run(model, False, monkeypatch)
+    assert calls == model.config.num_hidden_layers and calls_py == 0
+    assert torch.equal(first, first_py) and torch.equal(second, second_py)
+    for mine, theirs in zip(cache.keys + cache.values, cache_py.keys + cache_py.values):
+        assert mine.shape == theirs.shape == (1, model.config.num_key_value_heads, 130, model.config.head_dim)
+        assert torch.equal(mine, theirs)
+
+
+def test_prompt_layers_fill_a_static_cache_as_the_python_layers_do(tmp_path, monkeypatch):
+    model = tiny_model(tmp_path, "llama")
+    with choices.forced(**pinned("library")):
+        (first, second, cache), calls = run(model, True, monkeypatch, "static")
+        (first_py, second_py, cache_py), _ = run(model, False, monkeypatch, "static")
+    assert calls == model.config.num_hidden_layers
+    assert torch.equal(first, first_py) and torch.equal(second, second_py)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
+
+
+def test_generate_through_the_prompt_layers_keeps_its_tokens_and_the_callers_embeddings(tmp_path, monkeypatch):
+    model = tiny_model(tmp_path, "llama")
+    embeds = model.get_input_embeddings()(PROMPT).detach()
+    kept = embeds.clone()
+    outputs = {}
+    with choices.forced(**pinned("library")):
+        for native_layers in (True, False):
+            monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
+            with torch.inference_mode():
+                outputs[native_layers] = (model.generate(PROMPT, max_new_tokens=6, eos_token_id=None),
+                                          model(inputs_embeds=embeds, use_cache=False).logits)
+    assert torch.equal(outputs[True][0], outputs[False][0])
+    assert torch.equal(outputs[True][1], outputs[False][1])
+    assert torch.equal(embeds, kept)  # the layers update a copy of the rows in place, never the caller's tensor
+
+
+def layer_calls(model, call) -> int:
+    with torch.profiler.profile() as profile:
+        call()
+    return {e.key: e.count for e in profile.key_averages()}.get("decodekit::prompt_layer_end", 0)
+
+
+def test_the_python_layers_run_where_the_prompt_layers_do_not_apply(tmp_path):
+    model = tiny_model(tmp_path, "llama")
+    padded = torch.ones(2, 100, dtype=torch.long)
+    padded[1, :7] = 0
+
+    def forward(ids=PROMPT, **kwargs):
+        return lambda: model(ids, use_cache=False, **kwargs)
+
+    with choices.forced(**pinned("library")):
+        with torch.inference_mode():
+            assert layer_calls(model, forward()) == model.config.num_hidden_layers  # they apply here
+            assert layer_calls(model, forward(output_hidden_states=True)) == 0  # each layer's output is kept
+            assert layer_calls(model, forward(PROMPT.expand(2, -1), attention_mask=padded)) == 0  # a mask
+            assert layer_calls(model, forward(PROMPT[:, :16])) == 0  # as few rows as the few-row kernels take
+            with choices.forced(prompt_attention_float32_512="sdpa"):  # SDPA measured faster here
+                assert layer_calls(model, forward()) == 0
+        with torch.no_grad():  # a bfloat16 model keeps the Python layers
+            assert layer_calls(model.to(torch.bfloat16), forward()) == 0
+        model.float()
+        assert layer_calls(model, forward()) == 0  # autograd recording: the C++ layers have no backward
+    window = tiny_model(tmp_path, "mistral")  # a sliding window shorter than the prompt: masks
+    with choices.forced(**pinned("library")), torch.inference_mode():
+        assert layer_calls(window, lambda: window(PROMPT, use_cache=False)) == 0
+
+
+def test_prompt_layer_calls_refuse_what_they_do_not_take():
+    x, norm = torch.randn(20, 8), torch.ones(8)
+    weight, cos = torch.randn(24, 8), torch.ones(20, 4)
+    start = torch.ops.decodekit.prompt_layer_start
+    with pytest.raises(RuntimeError, match="a product route from 0 to 4 expected, got 7"):
+        start(x, norm, 1e-6, weight, 7, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match=r"a weight \[24, 8\] expected"):
+        start(x, norm, 1e-6, weight[:20], 0, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="contiguous float32 rows"):
+        start(x.double(), norm, 1e-6, weight, 0, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match=r"cos, sin \[T, head_dim\]"):
+        start(x, norm, 1e-6, weight, 0, None, None, None, cos[:5], cos[:5], 2, 2)
+    with pytest.raises(RuntimeError, match=r"a bias must be float32 \[24\]"):
+        start(x, norm, 1e-6, weight, 0, torch.ones(3), None, None, cos, cos, 2, 2)
+    q, k, v = start(x, norm, 1e-6, weight, 0, None, None, None, cos, cos, 2, 2)
+    assert q.shape == k.shape == v.shape == (1, 2, 20, 4)
+    end = torch.ops.decodekit.prompt_layer_end
+    with pytest.raises(RuntimeError, match=r"k, v \[1, kv_heads, L >= T, D\]"):
+        end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, norm, 1e-6, weight, 0, None,
+            weight[:8, :4], 0, None, 12)

@@ -9,6 +9,7 @@ from decodekit.families import llama
 from decodekit.families.cache import DynamicCache, StaticCache
 from decodekit.kernels import choices, cpu, native
 from decodekit.kernels.linear import mkl_packing
+from decodekit.kernels.quantize import int_mm_exact, quantize
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kernels do not build on this machine")
@@ -27,6 +28,20 @@ def pinned(route: str) -> dict:
     if route == "packed":
         return {**pins, "float32_rows_128": "library", "float32_packed_rows_128": "packed"}
     return {**pins, "float32_rows_128": route, "float32_packed_rows_128": route}
+
+
+INT8_ROUTES = [
+    pytest.param("int8_split", marks=pytest.mark.skipif(not int_mm_exact(), reason="torch._int_mm is not exact here")),
+    "tiles",
+    pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing"))]
+
+
+def pinned_int8(route: str) -> dict:
+    """choices.forced settings that send an int8 model's prompt products of 100 rows by `route`."""
+    pins = {"prompt_attention_float32_512": "kernel"}
+    if route == "packed":
+        return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": "packed"}
+    return {**pins, "int8_many_rows": route, "int8_packed_rows_128": route}
 
 
 def run(model, native_layers: bool, monkeypatch, cache_kind="dynamic"):
@@ -53,6 +68,20 @@ def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_
     for mine, theirs in zip(cache.keys + cache.values, cache_py.keys + cache_py.values):
         assert mine.shape == theirs.shape == (1, model.config.num_key_value_heads, 130, model.config.head_dim)
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("route", INT8_ROUTES)
+# Every weight's columns stored interleaved in groups of 32, or some in groups of 4 only (tiles: Python layers).
+@pytest.mark.parametrize("width, inner", [(64, 128), (72, 112)])
+def test_prompt_layers_give_an_int8_models_bits(tmp_path, monkeypatch, route, width, inner):
+    model = quantize(tiny_model(tmp_path, "qwen2", hidden_size=width, intermediate_size=inner), "int8")  # q/k/v biases
+    with choices.forced(**pinned_int8(route)):
+        (first, second, cache), calls = run(model, True, monkeypatch)
+        (first_py, second_py, cache_py), _ = run(model, False, monkeypatch)
+    # Tiles of a width that is not a multiple of 32 reorder the rows in Python first: those layers stay in Python.
+    assert calls == (0 if route == "tiles" and width % 32 else model.config.num_hidden_layers)
+    assert torch.equal(first, first_py) and torch.equal(second, second_py)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
 
 
 def test_prompt_layers_fill_a_static_cache_as_the_python_layers_do(tmp_path, monkeypatch):
@@ -116,19 +145,23 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
     x, norm = torch.randn(20, 8), torch.ones(8)
     weight, cos = torch.randn(24, 8), torch.ones(20, 4)
     start = torch.ops.decodekit.prompt_layer_start
-    with pytest.raises(RuntimeError, match="a product route from 0 to 4 expected, got 7"):
-        start(x, norm, 1e-6, weight, 7, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="a product route from 0 to 6 expected .* got 7"):
+        start(x, norm, 1e-6, weight, 7, None, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="got 18"):  # interleaved columns are an int8 weight's
+        start(x, norm, 1e-6, weight, 2 + 16, None, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="scales go with an int8 weight's route"):
+        start(x, norm, 1e-6, weight, 0, None, torch.ones(24), None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match=r"a weight \[24, 8\] expected"):
-        start(x, norm, 1e-6, weight[:20], 0, None, None, None, cos, cos, 2, 2)
+        start(x, norm, 1e-6, weight[:20], 0, None, None, None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match="contiguous float32 rows"):
-        start(x.double(), norm, 1e-6, weight, 0, None, None, None, cos, cos, 2, 2)
+        start(x.double(), norm, 1e-6, weight, 0, None, None, None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match=r"cos, sin \[T, head_dim\]"):
-        start(x, norm, 1e-6, weight, 0, None, None, None, cos[:5], cos[:5], 2, 2)
+        start(x, norm, 1e-6, weight, 0, None, None, None, None, cos[:5], cos[:5], 2, 2)
     with pytest.raises(RuntimeError, match=r"a bias must be float32 \[24\]"):
-        start(x, norm, 1e-6, weight, 0, torch.ones(3), None, None, cos, cos, 2, 2)
-    q, k, v = start(x, norm, 1e-6, weight, 0, None, None, None, cos, cos, 2, 2)
+        start(x, norm, 1e-6, weight, 0, torch.ones(3), None, None, None, cos, cos, 2, 2)
+    q, k, v = start(x, norm, 1e-6, weight, 0, None, None, None, None, cos, cos, 2, 2)
     assert q.shape == k.shape == v.shape == (1, 2, 20, 4)
     end = torch.ops.decodekit.prompt_layer_end
     with pytest.raises(RuntimeError, match=r"k, v \[1, kv_heads, L >= T, D\]"):
-        end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, norm, 1e-6, weight, 0, None,
-            weight[:8, :4], 0, None, 12)
+        end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None,
+            weight[:8, :4], 0, None, None, 12)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu, elementwise, native
-from ..kernels.linear import PROMPT_ROUTES, Linear, prompt_choice
+from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import prompt_attention, prompt_attention_route
 from ..kernels.quantize import Int8Linear
@@ -146,15 +146,25 @@ class Block(nn.Module):
 
     def prompt_plan(self, x: torch.Tensor, rows: int, choice: tuple[str, bool]) -> tuple[tuple, tuple] | None:
         """The operands of decodekit::prompt_layer_start and prompt_layer_end (after the rows) for a float32 prompt of
-        `rows` rows like x: each product's operand and route (Linear.prompt_route by `choice`, linear.prompt_choice's
-        answer), biases and norms; None where a linear layer is not a float32 Linear."""
+        `rows` rows like x: each product's operand, route, bias and scales (Linear.prompt_route by `choice`,
+        linear.prompt_choice's answer; Int8Linear.prompt_route), and the norms; None where a linear layer is neither
+        a float32 Linear nor an Int8Linear whose route is one of decodekit's kernels."""
         attn, mlp = self.attn, self.mlp
         products = []
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
-            if type(linear) is not Linear or linear.weight.dtype != torch.float32:
+            scales, flags = None, 0
+            if type(linear) is Linear and linear.weight.dtype == torch.float32:
+                route, operand = linear.prompt_route(x, rows, choice)
+            elif type(linear) is Int8Linear and (named := linear.prompt_route(x, rows)) is not None:
+                (route, operand), scales = named, linear.scales.float()
+                interleaved = linear.input_order is not None
+                if route == "int8_tiles" and interleaved and linear.in_features % 32:
+                    return None  # the Python layer reorders the rows first
+                scales = None if route == "packed" else scales
+                flags = INTERLEAVED if interleaved and route != "packed" else 0
+            else:
                 return None
-            route, operand = linear.prompt_route(x, rows, choice)
-            products.append((operand, PROMPT_ROUTES[route], linear.bias))
+            products.append((operand, PROMPT_ROUTES[route] + flags, linear.bias, scales))
         (qkv, o, gate_up, down), eps = products, self.attn_norm.eps
         q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
         start = (self.attn_norm.weight, eps, *qkv, q_norm, k_norm)
@@ -351,7 +361,8 @@ class LlamaForCausalLM(nn.Module):
         into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block computes, by
         the same kernels, without the Python between them), the cache updated between the two; None where the
         Python layers run instead: fewer rows than a prompt's products take, autograd or a trace recording, a
-        weight that is not a float32 Linear, or attention that SDPA runs on this CPU (prompt_attention_route)."""
+        product none of whose routes the calls take (Block.prompt_plan), or attention that SDPA runs on this CPU
+        (prompt_attention_route)."""
         B, T, hidden = x.shape
         if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
             return None

@@ -1730,16 +1730,25 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // ms of a 128-token prefill of the default model on the AMX bench machine). The cache stays with the caller: it
 // stores the keys and values prompt_layer_start returns and hands prompt_layer_end the keys and values to attend to.
 
-// The route of one product, as linear.Linear._many_rows takes it for float32 rows: the library's matmul by the
-// float32 weight, the weight packed by mkl_pack, or decodekit::tiled_product's tiles, blocks or AVX-512 blocks.
-enum ProductRoute : int64_t { kLibraryRoute = 0, kPackedRoute = 1, kTilesRoute = 2, kBlocksRoute = 3, kWideRoute = 4 };
+// The route of one product, as the Python layers take it for float32 rows (linear.Linear.prompt_route,
+// quantize.Int8Linear.prompt_route): the library's matmul by a float32 weight, a weight packed by mkl_pack,
+// decodekit::tiled_product's tiles, blocks or AVX-512 blocks, or an int8 weight's split product or tiles (with its
+// scales; kInterleaved added where its columns are stored interleaved).
+enum ProductRoute : int64_t {
+  kLibraryRoute = 0, kPackedRoute = 1, kTilesRoute = 2, kBlocksRoute = 3, kWideRoute = 4, kInt8SplitRoute = 5,
+  kInt8TilesRoute = 6, kInterleaved = 16
+};
 
 void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t route, int64_t N,
-                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
-  TORCH_CHECK(route >= kLibraryRoute && route <= kWideRoute, "prompt layer: a product route from 0 to 4 expected, got ",
-              route);
+                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales, at::Tensor& out) {
+  const bool interleaved = route & kInterleaved;
+  route &= ~kInterleaved;
+  TORCH_CHECK(route >= kLibraryRoute && route <= kInt8TilesRoute && (!interleaved || route >= kInt8SplitRoute),
+              "prompt layer: a product route from 0 to 6 expected (16 added for an int8 weight's interleaved columns), "
+              "got ", route + (interleaved ? kInterleaved : 0));
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
               "prompt layer: a bias must be float32 [", N, "]");
+  TORCH_CHECK(route >= kInt8SplitRoute || !scales, "prompt layer: scales go with an int8 weight's route");
   if (route == kPackedRoute) {
     check_packed(rows, weight, N, bias);
     packed_product_into(rows, weight, N, bias, out);
@@ -1756,7 +1765,15 @@ void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t rou
     }
     return;
   }
-  const at::Tensor y = tiled_product(rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+  at::Tensor y;
+  if (route == kInt8SplitRoute) {
+    y = split_product(rows, weight, scales, interleaved);
+  } else if (route == kInt8TilesRoute) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar, "prompt layer: int8 tiles take an int8 weight");
+    y = tiled_product(rows, weight, scales, interleaved, false, false);
+  } else {
+    y = tiled_product(rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+  }
   if (bias) {
     at::add_out(out, y, *bias);
   } else {
@@ -1782,7 +1799,8 @@ at::Tensor head_norm(const at::Tensor& x, const std::optional<at::Tensor>& weigh
 // heads' q/k norms where the model has them and the rotary embedding by cos, sin [T, D].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
     const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_route,
-    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& qkv_scales,
+    const std::optional<at::Tensor>& q_norm,
     const std::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
     int64_t kv_heads) {
   check_prompt_rows("prompt_layer_start", x, norm);
@@ -1795,7 +1813,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
   at::Tensor h = at::empty_like(x);
   rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
   at::Tensor product = at::empty({T, N}, x.options());
-  layer_product(h, qkv, qkv_route, N, qkv_bias, product);
+  layer_product(h, qkv, qkv_route, N, qkv_bias, qkv_scales, product);
   const at::Tensor q = head_norm(product.narrow(1, 0, heads * D).view({1, T, heads, D}), q_norm, eps);
   const at::Tensor k = head_norm(product.narrow(1, heads * D, kv_heads * D).view({1, T, kv_heads, D}), k_norm, eps);
   const at::Tensor v = product.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({1, T, kv_heads, D});
@@ -1815,10 +1833,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
 // passes with AVX-512.
 at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t window, bool wide, const at::Tensor& o, int64_t o_route,
-                             const std::optional<at::Tensor>& o_bias, const at::Tensor& norm, double eps,
-                             const at::Tensor& gate_up, int64_t gate_up_route,
-                             const std::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, int64_t down_route,
-                             const std::optional<at::Tensor>& down_bias, int64_t intermediate) {
+                             const std::optional<at::Tensor>& o_bias, const std::optional<at::Tensor>& o_scales,
+                             const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_route,
+                             const std::optional<at::Tensor>& gate_up_bias,
+                             const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down,
+                             int64_t down_route, const std::optional<at::Tensor>& down_bias,
+                             const std::optional<at::Tensor>& down_scales, int64_t intermediate) {
   check_prompt_rows("prompt_layer_end", x, norm);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == 1 && k.size(0) == 1 &&
               q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
@@ -1831,16 +1851,16 @@ at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::Tensor y = at::empty({T, heads * D}, x.options());
   attend_into(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), window, wide, y.data_ptr<float>(), true);
   at::Tensor added = at::empty_like(x);
-  layer_product(y, o, o_route, hidden, o_bias, added);
+  layer_product(y, o, o_route, hidden, o_bias, o_scales, added);
   x.add_(added);
   at::Tensor h = at::empty_like(x);
   rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
   const int64_t I = intermediate;
   at::Tensor both = at::empty({T, 2 * I}, x.options());
-  layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, both);
+  layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales, both);
   at::Tensor hidden_rows = at::empty({T, I}, x.options());
   silu_mul_as(both.data_ptr<float>(), T, I, hidden_rows.data_ptr<float>());
-  layer_product(hidden_rows, down, down_route, hidden, down_bias, added);
+  layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales, added);
   x.add_(added);
   return x;
 }
@@ -1866,10 +1886,12 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("prompt_layer_start(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_route, Tensor? qkv_bias, "
-        "Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+        "Tensor? qkv_scales, Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, int heads, int kv_heads) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("prompt_layer_end(Tensor(a!) x, Tensor q, Tensor k, Tensor v, int window, bool wide, Tensor o, int o_route, "
-        "Tensor? o_bias, Tensor norm, float eps, Tensor gate_up, int gate_up_route, Tensor? gate_up_bias, Tensor down, "
-        "int down_route, Tensor? down_bias, int intermediate) -> Tensor(a!)");
+        "Tensor? o_bias, Tensor? o_scales, Tensor norm, float eps, Tensor gate_up, int gate_up_route, "
+        "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor down, int down_route, Tensor? down_bias, "
+        "Tensor? down_scales, int intermediate) -> Tensor(a!)");
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False, bool blocks=False, "
         "bool wide=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "

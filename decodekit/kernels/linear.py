@@ -63,8 +63,10 @@ def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
 ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); longer: 2,048
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
-# Linear.prompt_route's routes as the C++ prompt layers number them (ProductRoute in cpu_kernels.cpp).
-PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4}
+# The prompt routes of Linear.prompt_route and quantize.Int8Linear.prompt_route as the C++ prompt layers number
+# them (ProductRoute in cpu_kernels.cpp); an int8 weight whose columns are stored interleaved adds INTERLEAVED.
+PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4, "int8_split": 5, "int8_tiles": 6}
+INTERLEAVED = 16
 
 
 # ---- The "packed" route: a float32 weight packed once for MKL (decodekit::mkl_pack) for prompts' products. ----

@@ -103,28 +103,40 @@ class Int8Linear(HoldsPackedCopy):
         return y if self.bias is None else y + self.bias
 
     def _scaled(self, flat: torch.Tensor, packed_copy: bool = True) -> torch.Tensor | None:
-        """The scaled float32 product of a prompt's rows where this CPU's route is one of decodekit's kernels, which
+        """The scaled float32 product of a prompt's rows where prompt_route names one of decodekit's kernels, which
         apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
-        extra pass through memory: decodekit::tiled_product ("tiles") or decodekit::split_product ("int8_split"); or,
-        outside a trace and with `packed_copy`, the dequantized weight packed once for MKL, where that measured faster
-        than the int8 route (packed_route_pays: on a CPU without int8 instructions the int8 routes convert the weight
-        on every call) and the copy fits the memory budget. None where another route runs."""
-        if flat.device.type != "cpu" or flat.shape[0] <= native.MAX_ROWS or not native.ready(flat, self.bias):
+        extra pass through memory; None where another route runs."""
+        route = self.prompt_route(flat, flat.shape[0], packed_copy)
+        if route is None:
             return None
-        route = many_rows_route()
-        if packed_copy and not torch.compiler.is_compiling() and \
-                packed_route_pays(torch.int8, flat.shape[0], route, int8_problem):
-            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
-            if packed is not None:
-                return torch.ops.decodekit.packed_product(flat.float().contiguous(), packed, self.out_features)
+        name, operand = route
+        if name == "packed":
+            return torch.ops.decodekit.packed_product(flat.float().contiguous(), operand, self.out_features)
         interleaved = self.input_order is not None
-        if route == "int8_split":
-            return split_int8_product(flat, self.weight_int8, interleaved, self.scales)
-        if route != "tiles":
-            return None
+        if name == "int8_split":
+            return split_int8_product(flat, operand, interleaved, self.scales)
         if interleaved and self.in_features % 32:  # the kernel reads 32 interleaved columns at a time
             flat, interleaved = stored_order(flat), False
-        return torch.ops.decodekit.tiled_product(flat.float().contiguous(), self.weight_int8, self.scales, interleaved)
+        return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, self.scales, interleaved)
+
+    def prompt_route(self, x: torch.Tensor, rows: int, packed_copy: bool = True) -> tuple[str, torch.Tensor] | None:
+        """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
+        applied: ("int8_split", the int8 weight: decodekit::split_product), ("int8_tiles", the int8 weight:
+        decodekit::tiled_product) or, outside a trace and with `packed_copy`, ("packed", the dequantized weight
+        packed once for MKL) where that measured faster than the int8 route (packed_route_pays: on a CPU without int8
+        instructions the int8 routes convert the weight on every call) and the copy fits the memory budget. None
+        where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as the few-row
+        kernels take."""
+        if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
+            return None
+        route = many_rows_route()
+        if packed_copy and not torch.compiler.is_compiling() and packed_route_pays(torch.int8, rows, route, int8_problem):
+            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
+            if packed is not None:
+                return "packed", packed
+        if route == "int8_split":
+            return "int8_split", self.weight_int8
+        return ("int8_tiles", self.weight_int8) if route == "tiles" else None
 
     def _many_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """The unscaled product of more rows than the few-row kernels take (a prompt), by this CPU's route."""

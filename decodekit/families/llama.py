@@ -20,6 +20,7 @@ from ..kernels import cpu, elementwise, native
 from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import prompt_attention, prompt_attention_route
+from ..kernels import quantize
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
 from .config import ModelConfig
@@ -144,18 +145,20 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, masks, slots)
         return x + self.mlp(self.mlp_norm(x))
 
-    def prompt_plan(self, x: torch.Tensor, rows: int, choice: tuple[str, bool]) -> tuple[tuple, tuple] | None:
+    def prompt_plan(self, x: torch.Tensor, rows: int, decided: dict) -> tuple[tuple, tuple] | None:
         """The operands of decodekit::prompt_layer_start and prompt_layer_end (after the rows) for a float32 prompt of
-        `rows` rows like x: each product's operand, route, bias and scales (Linear.prompt_route by `choice`,
-        linear.prompt_choice's answer; Int8Linear.prompt_route), and the norms; None where a linear layer is neither
-        a float32 Linear nor an Int8Linear whose route is one of decodekit's kernels."""
+        `rows` rows like x: each product's operand, route, bias and scales (Linear.prompt_route, Int8Linear.
+        prompt_route), and the norms; None where a linear layer is neither a float32 Linear nor an Int8Linear whose
+        route is one of decodekit's kernels. `decided` keeps the routes' choices, the same for every layer (filled
+        on first need: looking them up for each of a model's products cost a 128-token prefill 1-2 ms)."""
         attn, mlp = self.attn, self.mlp
         products = []
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
             scales, flags = None, 0
             if type(linear) is Linear and linear.weight.dtype == torch.float32:
-                route, operand = linear.prompt_route(x, rows, choice)
-            elif type(linear) is Int8Linear and (named := linear.prompt_route(x, rows)) is not None:
+                route, operand = linear.prompt_route(x, rows, decision(decided, "float32", rows))
+            elif type(linear) is Int8Linear and \
+                    (named := linear.prompt_route(x, rows, choice=decision(decided, "int8", rows))) is not None:
                 (route, operand), scales = named, linear.scales.float()
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
@@ -189,6 +192,14 @@ class Block(nn.Module):
         norms = [self.attn_norm.weight, self.mlp_norm.weight] + [
             None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)]
         return weights, scales, [linear.bias for linear in linears], norms
+
+
+def decision(decided: dict, kind: str, rows: int) -> tuple[str, bool]:
+    """The prompt route choice for `rows` rows by weights of `kind` ("float32": linear.prompt_choice; "int8":
+    quantize.prompt_choice), looked up once into `decided`."""
+    if kind not in decided:
+        decided[kind] = prompt_choice(torch.float32, rows) if kind == "float32" else quantize.prompt_choice(rows)
+    return decided[kind]
 
 
 def kept_positions(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -370,8 +381,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if prompt_attention_route(past + T, torch.float32) != "kernel":
             return None
-        choice = prompt_choice(torch.float32, T)  # the same for every layer
-        plans = [layer.prompt_plan(x, T, choice) for layer in layers]
+        decided = {}
+        plans = [layer.prompt_plan(x, T, decided) for layer in layers]
         if any(plan is None for plan in plans):
             return None
         c = self.config

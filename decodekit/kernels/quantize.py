@@ -119,18 +119,19 @@ class Int8Linear(HoldsPackedCopy):
             flat, interleaved = stored_order(flat), False
         return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, self.scales, interleaved)
 
-    def prompt_route(self, x: torch.Tensor, rows: int, packed_copy: bool = True) -> tuple[str, torch.Tensor] | None:
+    def prompt_route(self, x: torch.Tensor, rows: int, packed_copy: bool = True,
+                     choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor] | None:
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
         applied: ("int8_split", the int8 weight: decodekit::split_product), ("int8_tiles", the int8 weight:
         decodekit::tiled_product) or, outside a trace and with `packed_copy`, ("packed", the dequantized weight
         packed once for MKL) where that measured faster than the int8 route (packed_route_pays: on a CPU without int8
         instructions the int8 routes convert the weight on every call) and the copy fits the memory budget. None
         where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as the few-row
-        kernels take."""
+        kernels take. `choice`: prompt_choice(rows), where the caller has it."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
-        route = many_rows_route()
-        if packed_copy and not torch.compiler.is_compiling() and packed_route_pays(torch.int8, rows, route, int8_problem):
+        route, pays = choice or prompt_choice(rows)
+        if packed_copy and pays:
             packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
             if packed is not None:
                 return "packed", packed
@@ -155,6 +156,13 @@ class Int8Linear(HoldsPackedCopy):
         if route == "float32":
             return flat.float() @ self.weight_int8.float().t()
         return flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()  # a width int8pack does not take
+
+
+def prompt_choice(rows: int) -> tuple[str, bool]:
+    """For a prompt's `rows` rows by int8 weights: the route many_rows_route measured and whether the weight
+    dequantized and packed once beats it (packed_route_pays; never inside a trace). The same for every layer."""
+    route = many_rows_route()
+    return route, not torch.compiler.is_compiling() and packed_route_pays(torch.int8, rows, route, int8_problem)
 
 
 def int8_problem(size: int):

@@ -165,3 +165,19 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
     with pytest.raises(RuntimeError, match=r"k, v \[1, kv_heads, L >= T, D\]"):
         end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None,
             weight[:8, :4], 0, None, None, 12)
+
+
+def test_prompt_products_make_their_choices_where_none_is_cached(tmp_path, monkeypatch):
+    # On a machine with no cached choices (a fresh CI runner) the first prompt measures them. Int8Linear.prompt_route
+    # asks for the packed copy's choice, whose measurement times the int8 route through prompt_route again: that
+    # inner call must not ask for the choice being made (it recursed until Python's stack ran out).
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))  # the kernels are loaded already: only choices.json
+    monkeypatch.setattr(choices, "_made", {})
+    reference = tiny_model(tmp_path, "llama", intermediate_size=128)
+    model = quantize(tiny_model(tmp_path, "llama", intermediate_size=128), "int8")
+    with torch.inference_mode():
+        expected = reference(PROMPT, use_cache=False).logits
+        for each in (reference, model):
+            logits = each(PROMPT, use_cache=False).logits
+            assert float((logits - expected).norm() / expected.norm()) < 0.03
+    assert {"int8_many_rows", "float32_rows_128"} <= {key.split("(")[0] for key in choices._made}

@@ -130,7 +130,9 @@ class Int8Linear(HoldsPackedCopy):
         kernels take. `choice`: prompt_choice(rows), where the caller has it."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
-        route, pays = choice or prompt_choice(rows)
+        if choice is None:  # without the packed copy, only the int8 route (packed_route_pays times it so)
+            choice = prompt_choice(rows) if packed_copy else (many_rows_route(), False)
+        route, pays = choice
         if packed_copy and pays:
             packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
             if packed is not None:

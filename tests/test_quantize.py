@@ -151,12 +151,12 @@ def test_split_int8_rows_keep_fourteen_bits_where_bfloat16_rows_keep_eight(width
 
 
 @needs_exact_int_mm
-@pytest.mark.parametrize("count, out", [(600, 48), (200, 48), (600, 9000)])
+@pytest.mark.parametrize("count, out", [(600, 48), (200, 48), (100, 48), (600, 9000)])
 def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scales(count, out):
-    # decodekit::split_product splits, multiplies and joins a block of rows at a time into buffers it reuses: with a
-    # full block of 128 for each thread, each thread takes blocks of its own (600 rows on two threads: six of 100);
-    # with fewer, or outputs too wide for a thread's block of sums to stay small (9,000), the threads share each
-    # step of blocks of up to 256. Either gives the library operations' values (the kernel's float32 arithmetic is
+    # decodekit::split_product splits, multiplies and joins a block of rows at a time into buffers it reuses: with at
+    # least 64 rows for each thread, each thread takes blocks of its own of up to 128 (600 rows on two threads: six of
+    # 100; 200 rows: two of 100); with fewer (100), or outputs too wide for a thread's block of sums to stay small
+    # (9,000), the threads share each step of blocks of up to 256. Either gives the library operations' values (the kernel's float32 arithmetic is
     # ordered differently, which moves a low part's rounding now and then), the weight's channel scales applied as
     # it joins.
     from decodekit.models import cpu

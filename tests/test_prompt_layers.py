@@ -21,13 +21,13 @@ ROUTES = ["library", "tiles", "blocks",
           pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing"))]
 
 
-def pinned(route: str) -> dict:
-    """choices.forced settings that send every float32 prompt product of 100 rows by `route` and attention to
-    decodekit's kernel (oneDNN's packed layers, packed.py, would take the products otherwise)."""
-    pins = {"eager_weights_float32": "plain", "prompt_attention_float32_512": "kernel"}
+def pinned(route: str, dtype: str = "float32") -> dict:
+    """choices.forced settings that send every prompt product of 100 rows by weights of `dtype` by `route` and
+    attention to decodekit's kernel (oneDNN's packed layers, packed.py, would take the products otherwise)."""
+    pins = {f"eager_weights_{dtype}": "plain", f"prompt_attention_{dtype}_512": "kernel"}
     if route == "packed":
-        return {**pins, "float32_rows_128": "library", "float32_packed_rows_128": "packed"}
-    return {**pins, "float32_rows_128": route, "float32_packed_rows_128": route}
+        return {**pins, f"{dtype}_rows_128": "library", f"{dtype}_packed_rows_128": "packed"}
+    return {**pins, f"{dtype}_rows_128": route, f"{dtype}_packed_rows_128": route}
 
 
 INT8_ROUTES = [
@@ -68,6 +68,19 @@ def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_
     for mine, theirs in zip(cache.keys + cache.values, cache_py.keys + cache_py.values):
         assert mine.shape == theirs.shape == (1, model.config.num_key_value_heads, 130, model.config.head_dim)
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(tmp_path, monkeypatch, route):
+    # On a CPU without bfloat16 matrix instructions (forced here) a bfloat16 model's prompt products run in float32
+    # and its values are rounded to bfloat16 where the model stores them: the C++ layers round at the same places.
+    model = tiny_model(tmp_path, "qwen3").to(torch.bfloat16)
+    with choices.forced(**pinned(route, "bfloat16")), cpu.forced(onednn_bf16=False):
+        (first, second, cache), calls = run(model, True, monkeypatch)
+        (first_py, second_py, cache_py), _ = run(model, False, monkeypatch)
+    assert calls == model.config.num_hidden_layers
+    assert first.dtype == torch.bfloat16 and torch.equal(first, first_py) and torch.equal(second, second_py)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
 
 
 @pytest.mark.parametrize("route", INT8_ROUTES)
@@ -132,9 +145,10 @@ def test_the_python_layers_run_where_the_prompt_layers_do_not_apply(tmp_path):
             assert layer_calls(model, forward(PROMPT[:, :16])) == 0  # as few rows as the few-row kernels take
             with choices.forced(prompt_attention_float32_512="sdpa"):  # SDPA measured faster here
                 assert layer_calls(model, forward()) == 0
-        with torch.no_grad():  # a bfloat16 model keeps the Python layers
-            assert layer_calls(model.to(torch.bfloat16), forward()) == 0
-        model.float()
+        if cpu.MACHINE["onednn_bf16"]:  # a bfloat16 model on a CPU with bf16 matrix instructions: the library's
+            with torch.no_grad(), cpu.forced(onednn_bf16=True):  # bfloat16 products, in Python layers
+                assert layer_calls(model.to(torch.bfloat16), forward()) == 0
+            model.float()
         assert layer_calls(model, forward()) == 0  # autograd recording: the C++ layers have no backward
     window = tiny_model(tmp_path, "mistral")  # a sliding window shorter than the prompt: masks
     with choices.forced(**pinned("library")), torch.inference_mode():
@@ -153,10 +167,12 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
         start(x, norm, 1e-6, weight, 0, None, torch.ones(24), None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match=r"a weight \[24, 8\] expected"):
         start(x, norm, 1e-6, weight[:20], 0, None, None, None, None, cos, cos, 2, 2)
-    with pytest.raises(RuntimeError, match="contiguous float32 rows"):
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16 rows"):
         start(x.double(), norm, 1e-6, weight, 0, None, None, None, None, cos, cos, 2, 2)
-    with pytest.raises(RuntimeError, match=r"cos, sin \[T, head_dim\]"):
+    with pytest.raises(RuntimeError, match=r"cos, sin \[T, head_dim\] \(head_dim even\) of the rows' dtype"):
         start(x, norm, 1e-6, weight, 0, None, None, None, None, cos[:5], cos[:5], 2, 2)
+    with pytest.raises(RuntimeError, match="a norm weight \\[hidden\\] of the rows' dtype"):
+        start(x.bfloat16(), norm, 1e-6, weight, 0, None, None, None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match=r"a bias must be float32 \[24\]"):
         start(x, norm, 1e-6, weight, 0, torch.ones(3), None, None, None, cos, cos, 2, 2)
     q, k, v = start(x, norm, 1e-6, weight, 0, None, None, None, None, cos, cos, 2, 2)

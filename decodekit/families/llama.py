@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu, elementwise, native
-from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, prompt_choice
+from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import prompt_attention, prompt_attention_route
 from ..kernels import quantize
@@ -30,6 +30,7 @@ from .rope import RotaryTable, apply_rotary
 
 # DECODEKIT_NATIVE_LAYERS=0 keeps the Python layers in fixed-shape steps and prompts (to compare the two).
 NATIVE_LAYERS = os.environ.get("DECODEKIT_NATIVE_LAYERS", "1") != "0"
+PROMPT_DTYPES = (torch.float32, torch.bfloat16)  # activations of the C++ prompt layers (_prompt_layers)
 
 
 class RMSNorm(nn.Module):
@@ -146,19 +147,22 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def prompt_plan(self, x: torch.Tensor, rows: int, decided: dict) -> tuple[tuple, tuple] | None:
-        """The operands of decodekit::prompt_layer_start and prompt_layer_end (after the rows) for a float32 prompt of
-        `rows` rows like x: each product's operand, route, bias and scales (Linear.prompt_route, Int8Linear.
-        prompt_route), and the norms; None where a linear layer is neither a float32 Linear nor an Int8Linear whose
-        route is one of decodekit's kernels. `decided` keeps the routes' choices, the same for every layer (filled
-        on first need: looking them up for each of a model's products cost a 128-token prefill 1-2 ms)."""
+        """The operands of decodekit::prompt_layer_start and prompt_layer_end (after the rows) for a prompt of `rows`
+        rows like x: each product's operand, route, bias and scales (Linear.prompt_route, Int8Linear.prompt_route),
+        and the norms; None where a product is none of those the calls take: a Linear of x's dtype computed in
+        float32 (float32 weights; bfloat16 ones on a CPU without bfloat16 matrix instructions), or, for float32 rows,
+        an Int8Linear whose route is one of decodekit's kernels. `decided` keeps the routes' choices, the same for
+        every layer (filled on first need: looking them up for each of a model's products cost a 128-token prefill
+        1-2 ms)."""
         attn, mlp = self.attn, self.mlp
         products = []
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
             scales, flags = None, 0
-            if type(linear) is Linear and linear.weight.dtype == torch.float32:
-                route, operand = linear.prompt_route(x, rows, decision(decided, "float32", rows))
-            elif type(linear) is Int8Linear and \
-                    (named := linear.prompt_route(x, rows, choice=decision(decided, "int8", rows))) is not None:
+            if type(linear) is Linear and linear.weight.dtype == x.dtype and \
+                    (x.dtype == torch.float32 or lacks_matmul_instructions(x.dtype)):  # (the rows pass FLOAT32_FROM_ROWS)
+                route, operand = linear.prompt_route(x, rows, decision(decided, x.dtype, rows))
+            elif type(linear) is Int8Linear and x.dtype == torch.float32 and \
+                    (named := linear.prompt_route(x, rows, choice=decision(decided, torch.int8, rows))) is not None:
                 (route, operand), scales = named, linear.scales.float()
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
@@ -194,12 +198,12 @@ class Block(nn.Module):
         return weights, scales, [linear.bias for linear in linears], norms
 
 
-def decision(decided: dict, kind: str, rows: int) -> tuple[str, bool]:
-    """The prompt route choice for `rows` rows by weights of `kind` ("float32": linear.prompt_choice; "int8":
+def decision(decided: dict, dtype: torch.dtype, rows: int) -> tuple[str, bool]:
+    """The prompt route choice for `rows` rows by weights of `dtype` (float32 or bfloat16: linear.prompt_choice; int8:
     quantize.prompt_choice), looked up once into `decided`."""
-    if kind not in decided:
-        decided[kind] = prompt_choice(torch.float32, rows) if kind == "float32" else quantize.prompt_choice(rows)
-    return decided[kind]
+    if dtype not in decided:
+        decided[dtype] = quantize.prompt_choice(rows) if dtype == torch.int8 else prompt_choice(dtype, rows)
+    return decided[dtype]
 
 
 def kept_positions(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -368,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _prompt_layers(self, layers, x, cos, sin, cache, past: int) -> torch.Tensor | None:
-        """x after `layers` for one prompt of float32 rows on CPU with plain causal attention (no mask), two calls
+        """x after `layers` for one prompt of float32 or bfloat16 rows on CPU with plain causal attention (no mask), two calls
         into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block computes, by
         the same kernels, without the Python between them), the cache updated between the two; None where the
         Python layers run instead: fewer rows than a prompt's products take, autograd or a trace recording, a
@@ -377,9 +381,10 @@ class LlamaForCausalLM(nn.Module):
         B, T, hidden = x.shape
         if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
             return None
-        if x.dtype != torch.float32 or torch.is_grad_enabled() or torch.compiler.is_compiling() or not native.load():
+        if x.dtype not in PROMPT_DTYPES or torch.is_grad_enabled() or torch.compiler.is_compiling() or \
+                not native.load():
             return None
-        if prompt_attention_route(past + T, torch.float32) != "kernel":
+        if prompt_attention_route(past + T, x.dtype) != "kernel":
             return None
         decided = {}
         plans = [layer.prompt_plan(x, T, decided) for layer in layers]

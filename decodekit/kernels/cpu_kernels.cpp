@@ -1620,17 +1620,22 @@ void rms_norm_as(const A* xp, const A* wp, int64_t M, int64_t D, double eps, A* 
   });
 }
 
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_elementwise("rms_norm", {&x, &weight});
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: rows [..., D] and weight [D] expected");
-  const at::Tensor rows = x.contiguous(), w = weight.contiguous();
+// rms_norm_as for contiguous rows and weight of one dtype (float32 or bfloat16), into `out` of theirs.
+void rms_norm_into(const at::Tensor& rows, const at::Tensor& w, double eps, at::Tensor& out) {
   const int64_t D = w.size(0), M = D == 0 ? 0 : rows.numel() / D;
-  at::Tensor out = at::empty(rows.sizes(), rows.options());
   if (rows.scalar_type() == at::kBFloat16) {
     rms_norm_as(rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), M, D, eps, out.data_ptr<c10::BFloat16>());
   } else {
     rms_norm_as(rows.data_ptr<float>(), w.data_ptr<float>(), M, D, eps, out.data_ptr<float>());
   }
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_elementwise("rms_norm", {&x, &weight});
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: rows [..., D] and weight [D] expected");
+  const at::Tensor rows = x.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty(rows.sizes(), rows.options());
+  rms_norm_into(rows, w, eps, out);
   return out;
 }
 
@@ -1659,6 +1664,15 @@ void silu_mul_as(const A* gp, int64_t M, int64_t I, A* op) {
   });
 }
 
+// silu_mul_as for M contiguous rows [2 x I] of float32 or bfloat16, into `out` [M, I] of their dtype.
+void silu_mul_into(const at::Tensor& rows, int64_t M, int64_t I, at::Tensor& out) {
+  if (rows.scalar_type() == at::kBFloat16) {
+    silu_mul_as(rows.data_ptr<c10::BFloat16>(), M, I, out.data_ptr<c10::BFloat16>());
+  } else {
+    silu_mul_as(rows.data_ptr<float>(), M, I, out.data_ptr<float>());
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_elementwise("silu_mul", {&gate_up});
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: rows [..., 2 * I] expected");
@@ -1667,11 +1681,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, rows.options());
-  if (rows.scalar_type() == at::kBFloat16) {
-    silu_mul_as(rows.data_ptr<c10::BFloat16>(), M, I, out.data_ptr<c10::BFloat16>());
-  } else {
-    silu_mul_as(rows.data_ptr<float>(), M, I, out.data_ptr<float>());
-  }
+  silu_mul_into(rows, M, I, out);
   return out;
 }
 
@@ -1707,6 +1717,15 @@ void rotary_as(const at::Tensor& x, const A* cp, const A* sp, int64_t table_b, A
   });
 }
 
+// rotary_as for x of float32 or bfloat16 and contiguous tables of its dtype, into a contiguous `out`.
+void rotary_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t table_b, at::Tensor& out) {
+  if (x.scalar_type() == at::kBFloat16) {
+    rotary_as(x, cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(), table_b, out.data_ptr<c10::BFloat16>());
+  } else {
+    rotary_as(x, cos.data_ptr<float>(), sin.data_ptr<float>(), table_b, out.data_ptr<float>());
+  }
+}
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_elementwise("rotary", {&x, &cos, &sin});
   TORCH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.sizes() == cos.sizes() && x.size(3) % 2 == 0 && x.stride(3) == 1 &&
@@ -1714,13 +1733,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               (cos.size(0) == x.size(0) || cos.size(0) == 1),
               "rotary: x [B, H, T, D] (D even, its last dimension contiguous) and cos, sin [B or 1, 1, T, D] expected");
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
-  const int64_t table_b = c.size(0) == 1 ? 0 : x.size(2) * x.size(3);
   at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    rotary_as(x, c.data_ptr<c10::BFloat16>(), sn.data_ptr<c10::BFloat16>(), table_b, out.data_ptr<c10::BFloat16>());
-  } else {
-    rotary_as(x, c.data_ptr<float>(), sn.data_ptr<float>(), table_b, out.data_ptr<float>());
-  }
+  rotary_into(x, c, sn, c.size(0) == 1 ? 0 : x.size(2) * x.size(3), out);
   return out;
 }
 
@@ -1758,43 +1772,44 @@ void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t rou
   }
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == rows.size(1),
               "prompt layer: a weight [", N, ", ", rows.size(1), "] expected, got ", weight.sizes());
-  if (route == kLibraryRoute) {  // as F.linear: addmm with a bias, mm without
-    TORCH_CHECK(weight.scalar_type() == at::kFloat, "prompt layer: the library's route takes a float32 weight");
-    if (bias) {
-      at::addmm_out(out, *bias, rows, weight.t());
+  const bool narrow = rows.scalar_type() != at::kFloat;  // bfloat16 rows: computed in float32, rounded into `out`
+  const at::Tensor wide_rows = narrow ? rows.to(at::kFloat) : rows;
+  if (route == kLibraryRoute) {  // as F.linear on float32 operands: addmm with a bias, mm without
+    const at::Tensor w = weight.to(at::kFloat);
+    if (narrow) {
+      out.copy_(bias ? at::addmm(*bias, wide_rows, w.t()) : at::mm(wide_rows, w.t()));
+    } else if (bias) {
+      at::addmm_out(out, *bias, wide_rows, w.t());
     } else {
-      at::mm_out(out, rows, weight.t());
+      at::mm_out(out, wide_rows, w.t());
     }
     return;
   }
   at::Tensor y;
   if (route == kInt8SplitRoute) {
-    y = split_product(rows, weight, scales, interleaved);
+    y = split_product(wide_rows, weight, scales, interleaved);
   } else if (route == kInt8TilesRoute) {
     TORCH_CHECK(weight.scalar_type() == at::kChar, "prompt layer: int8 tiles take an int8 weight");
-    y = tiled_product(rows, weight, scales, interleaved, false, false);
+    y = tiled_product(wide_rows, weight, scales, interleaved, false, false);
   } else {
-    y = tiled_product(rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+    y = tiled_product(wide_rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
   }
-  if (bias) {
-    at::add_out(out, y, *bias);
-  } else {
-    out.copy_(y);
-  }
+  out.copy_(bias ? at::add(y, *bias) : y);
 }
 
 void check_prompt_rows(const char* op, const at::Tensor& x, const at::Tensor& norm) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), op,
-              ": contiguous float32 rows [T, hidden] on the CPU expected");
-  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == x.size(1) && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
-              op, ": a float32 norm weight [hidden] expected");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.is_contiguous() && x.device().is_cpu(), op,
+              ": contiguous float32 or bfloat16 rows [T, hidden] on the CPU expected");
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == x.size(1) && norm.scalar_type() == x.scalar_type() &&
+              norm.is_contiguous(), op, ": a norm weight [hidden] of the rows' dtype expected");
 }
 
 // RMSNorm of a head's q or k rows [1, T, heads, D] (a view into the q/k/v product) as llama.RMSNorm computes it for
-// rows that are not contiguous: the library's rms_norm, then the weight.
+// rows that are not contiguous: the library's rms_norm in float32, rounded to the rows' dtype, then the weight.
 at::Tensor head_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
   if (!weight) return x;
-  return at::mul(*weight, at::rms_norm(x, {x.size(-1)}, std::nullopt, eps));
+  return at::mul(*weight, at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type()));
 }
 
 // x [T, hidden] -> (q [1, heads, T, D], k and v [1, kv_heads, T, D]): the attention norm, the q/k/v product, the
@@ -1808,12 +1823,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
   check_prompt_rows("prompt_layer_start", x, norm);
   const int64_t T = x.size(0), hidden = x.size(1), D = cos.size(-1);
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T && D % 2 == 0 &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "prompt_layer_start: float32 cos, sin [T, head_dim] (head_dim even) expected");
+              cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "prompt_layer_start: cos, sin [T, head_dim] (head_dim even) of the rows' dtype expected");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "prompt_layer_start: heads a multiple of kv_heads");
   const int64_t N = (heads + 2 * kv_heads) * D;
   at::Tensor h = at::empty_like(x);
-  rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
+  rms_norm_into(x, norm, eps, h);
   at::Tensor product = at::empty({T, N}, x.options());
   layer_product(h, qkv, qkv_route, N, qkv_bias, qkv_scales, product);
   const at::Tensor q = head_norm(product.narrow(1, 0, heads * D).view({1, T, heads, D}), q_norm, eps);
@@ -1823,7 +1838,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
   const auto rotated = [&](const at::Tensor& rows) {
     const at::Tensor by_head = rows.transpose(1, 2);
     at::Tensor out = at::empty(by_head.sizes(), x.options());
-    rotary_as(by_head, c.data_ptr<float>(), sn.data_ptr<float>(), 0, out.data_ptr<float>());
+    rotary_into(by_head, c, sn, 0, out);
     return out;
   };
   return {rotated(q), rotated(k), v.transpose(1, 2).contiguous()};
@@ -1842,26 +1857,30 @@ at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tenso
                              int64_t down_route, const std::optional<at::Tensor>& down_bias,
                              const std::optional<at::Tensor>& down_scales, int64_t intermediate) {
   check_prompt_rows("prompt_layer_end", x, norm);
+  const auto dtype = x.scalar_type();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == 1 && k.size(0) == 1 &&
-              q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype &&
               q.size(2) == x.size(0) && k.size(2) >= q.size(2) && k.size(3) == q.size(3) &&
               q.size(1) % k.size(1) == 0,
-              "prompt_layer_end: float32 q [1, heads, T, D] and k, v [1, kv_heads, L >= T, D] expected");
+              "prompt_layer_end: q [1, heads, T, D] and k, v [1, kv_heads, L >= T, D] of the rows' dtype expected");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prompt_layer_end: wide=True needs a CPU with avx512f");
   const int64_t T = x.size(0), hidden = x.size(1), heads = q.size(1), D = q.size(3);
   TORCH_CHECK(intermediate > 0, "prompt_layer_end: a positive intermediate size expected");
-  at::Tensor y = at::empty({T, heads * D}, x.options());
-  attend_into(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), window, wide, y.data_ptr<float>(), true);
+  // Attention in float32 (bfloat16 q, k, v widened, its output rounded back, as attention.kernel does).
+  const auto float32 = [](const at::Tensor& t) { return t[0].to(at::kFloat).contiguous(); };
+  at::Tensor y = at::empty({T, heads * D}, x.options().dtype(at::kFloat));
+  attend_into(float32(q), float32(k), float32(v), window, wide, y.data_ptr<float>(), true);
+  y = y.to(dtype);
   at::Tensor added = at::empty_like(x);
   layer_product(y, o, o_route, hidden, o_bias, o_scales, added);
   x.add_(added);
   at::Tensor h = at::empty_like(x);
-  rms_norm_as(x.data_ptr<float>(), norm.data_ptr<float>(), T, hidden, eps, h.data_ptr<float>());
+  rms_norm_into(x, norm, eps, h);
   const int64_t I = intermediate;
   at::Tensor both = at::empty({T, 2 * I}, x.options());
   layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales, both);
   at::Tensor hidden_rows = at::empty({T, I}, x.options());
-  silu_mul_as(both.data_ptr<float>(), T, I, hidden_rows.data_ptr<float>());
+  silu_mul_into(both, T, I, hidden_rows);
   layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales, added);
   x.add_(added);
   return x;

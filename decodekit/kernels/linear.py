@@ -50,8 +50,14 @@ MATMUL_PROBE = {torch.bfloat16: "onednn_bf16", torch.float16: "onednn_fp16"}
 def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product of `x` by a bf16/fp16 `weight` is faster in float32 on this CPU."""
     wide = x.numel() >= FLOAT32_FROM_ROWS * weight.shape[1]
-    probe = MATMUL_PROBE.get(weight.dtype)
-    return wide and x.device.type == "cpu" and probe is not None and not cpu.has(probe)
+    return wide and x.device.type == "cpu" and lacks_matmul_instructions(weight.dtype)
+
+
+def lacks_matmul_instructions(dtype: torch.dtype) -> bool:
+    """Whether this CPU has no matrix instructions for `dtype` (bfloat16 or float16; MATMUL_PROBE), so that products of
+    FLOAT32_FROM_ROWS rows or more by such weights are computed in float32."""
+    probe = MATMUL_PROBE.get(dtype)
+    return probe is not None and not cpu.has(probe)
 
 
 # Products of many rows are measured in four classes, each at a size that stands for it: the better route differs

@@ -71,10 +71,13 @@ def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(tmp_path, monkeypatch, route):
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(tmp_path, monkeypatch,
+                                                                                      model_type, route):
     # On a CPU without bfloat16 matrix instructions (forced here) a bfloat16 model's prompt products run in float32
     # and its values are rounded to bfloat16 where the model stores them: the C++ layers round at the same places.
-    model = tiny_model(tmp_path, "qwen3").to(torch.bfloat16)
+    # qwen2: bfloat16 q/k/v biases, added in float32; qwen3: q/k norms.
+    model = tiny_model(tmp_path, model_type).to(torch.bfloat16)
     with choices.forced(**pinned(route, "bfloat16")), cpu.forced(onednn_bf16=False):
         (first, second, cache), calls = run(model, True, monkeypatch)
         (first_py, second_py, cache_py), _ = run(model, False, monkeypatch)

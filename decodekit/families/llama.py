@@ -158,20 +158,22 @@ class Block(nn.Module):
         products = []
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
             scales, flags = None, 0
+            # A bfloat16 Linear: its products run in float32 for rows past FLOAT32_FROM_ROWS, which a prompt's pass.
             if type(linear) is Linear and linear.weight.dtype == x.dtype and \
-                    (x.dtype == torch.float32 or lacks_matmul_instructions(x.dtype)):  # (the rows pass FLOAT32_FROM_ROWS)
+                    (x.dtype == torch.float32 or lacks_matmul_instructions(x.dtype)):
                 route, operand = linear.prompt_route(x, rows, decision(decided, x.dtype, rows))
             elif type(linear) is Int8Linear and x.dtype == torch.float32 and \
                     (named := linear.prompt_route(x, rows, choice=decision(decided, torch.int8, rows))) is not None:
-                (route, operand), scales = named, linear.scales.float()
+                route, operand = named
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
                     return None  # the Python layer reorders the rows first
-                scales = None if route == "packed" else scales
-                flags = INTERLEAVED if interleaved and route != "packed" else 0
+                if route != "packed":  # the packed copy is dequantized, in the input's column order
+                    scales, flags = linear.scales.float(), INTERLEAVED if interleaved else 0
             else:
                 return None
-            products.append((operand, PROMPT_ROUTES[route] + flags, linear.bias, scales))
+            bias = None if linear.bias is None else linear.bias.float()  # added in float32, as Linear._many_rows
+            products.append((operand, PROMPT_ROUTES[route] + flags, bias, scales))
         (qkv, o, gate_up, down), eps = products, self.attn_norm.eps
         q_norm, k_norm = (None if n is None else n.weight for n in (attn.q_norm, attn.k_norm))
         start = (self.attn_norm.weight, eps, *qkv, q_norm, k_norm)
@@ -354,9 +356,10 @@ class LlamaForCausalLM(nn.Module):
 
         hidden_states = [x] if output_hidden_states else None
         layers = self.layers[:exit_layer]
-        prompt = None if output_hidden_states or paged or masks else self._prompt_layers(layers, x, cos, sin, cache, past)
-        if prompt is not None:
-            x = prompt
+        prompt = None
+        if not (output_hidden_states or paged or masks):
+            prompt = self._prompt_layers(layers, x, cos, sin, cache, past)
+        x = x if prompt is None else prompt
         for layer in layers if prompt is None else ():
             x = layer(x, cos, sin, cache, masks)
             if hidden_states is not None:
@@ -372,12 +375,12 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _prompt_layers(self, layers, x, cos, sin, cache, past: int) -> torch.Tensor | None:
-        """x after `layers` for one prompt of float32 or bfloat16 rows on CPU with plain causal attention (no mask), two calls
-        into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block computes, by
-        the same kernels, without the Python between them), the cache updated between the two; None where the
-        Python layers run instead: fewer rows than a prompt's products take, autograd or a trace recording, a
-        product none of whose routes the calls take (Block.prompt_plan), or attention that SDPA runs on this CPU
-        (prompt_attention_route)."""
+        """x after `layers` for one prompt of float32 or bfloat16 rows on CPU with plain causal attention (no mask),
+        two calls into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block
+        computes, by the same kernels, without the Python between them), the cache updated between the two; None
+        where the Python layers run instead: fewer rows than a prompt's products take, autograd or a trace
+        recording, a product none of whose routes the calls take (Block.prompt_plan), or attention that SDPA runs on
+        this CPU (prompt_attention_route)."""
         B, T, hidden = x.shape
         if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
             return None

@@ -301,7 +301,8 @@ class Linear(HoldsPackedCopy, nn.Linear):
             y = y if bias is None else y + bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def prompt_route(self, x: torch.Tensor, rows: int, choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor]:
+    def prompt_route(self, x: torch.Tensor, rows: int,
+                     choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor]:
         """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
         this weight's dtype and the rows, looked up where not given) says: ("packed", the packed copy), ("tiles",
         "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or ("library", the weight: F.linear in

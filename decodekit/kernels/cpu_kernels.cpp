@@ -1756,8 +1756,9 @@ enum ProductRoute : int64_t {
   kInt8TilesRoute = 6, kInterleaved = 16
 };
 
-void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t route, int64_t N,
-                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales, at::Tensor& out) {
+// The product [M, N] in the rows' dtype (a new tensor: the routes that make their own are not copied again).
+at::Tensor layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t route, int64_t N,
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales) {
   const bool interleaved = route & kInterleaved;
   route &= ~kInterleaved;
   TORCH_CHECK(route >= kLibraryRoute && route <= kInt8TilesRoute && (!interleaved || route >= kInt8SplitRoute),
@@ -1768,34 +1769,30 @@ void layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t rou
   TORCH_CHECK(route >= kInt8SplitRoute || !scales, "prompt layer: scales go with an int8 weight's route");
   if (route == kPackedRoute) {
     check_packed(rows, weight, N, bias);
+    at::Tensor out = at::empty({rows.size(0), N}, rows.options());
     packed_product_into(rows, weight, N, bias, out);
-    return;
+    return out;
   }
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == rows.size(1),
               "prompt layer: a weight [", N, ", ", rows.size(1), "] expected, got ", weight.sizes());
-  const bool narrow = rows.scalar_type() != at::kFloat;  // bfloat16 rows: computed in float32, rounded into `out`
-  const at::Tensor wide_rows = narrow ? rows.to(at::kFloat) : rows;
+  // bfloat16 rows: computed in float32 and rounded once, as Linear._many_rows does.
+  const at::Tensor wide_rows = rows.to(at::kFloat);
+  at::Tensor y;
   if (route == kLibraryRoute) {  // as F.linear on float32 operands: addmm with a bias, mm without
     const at::Tensor w = weight.to(at::kFloat);
-    if (narrow) {
-      out.copy_(bias ? at::addmm(*bias, wide_rows, w.t()) : at::mm(wide_rows, w.t()));
-    } else if (bias) {
-      at::addmm_out(out, *bias, wide_rows, w.t());
-    } else {
-      at::mm_out(out, wide_rows, w.t());
-    }
-    return;
-  }
-  at::Tensor y;
-  if (route == kInt8SplitRoute) {
-    y = split_product(wide_rows, weight, scales, interleaved);
-  } else if (route == kInt8TilesRoute) {
-    TORCH_CHECK(weight.scalar_type() == at::kChar, "prompt layer: int8 tiles take an int8 weight");
-    y = tiled_product(wide_rows, weight, scales, interleaved, false, false);
+    y = bias ? at::addmm(*bias, wide_rows, w.t()) : at::mm(wide_rows, w.t());
   } else {
-    y = tiled_product(wide_rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+    if (route == kInt8SplitRoute) {
+      y = split_product(wide_rows, weight, scales, interleaved);
+    } else if (route == kInt8TilesRoute) {
+      TORCH_CHECK(weight.scalar_type() == at::kChar, "prompt layer: int8 tiles take an int8 weight");
+      y = tiled_product(wide_rows, weight, scales, interleaved, false, false);
+    } else {
+      y = tiled_product(wide_rows, weight, std::nullopt, false, route != kTilesRoute, route == kWideRoute);
+    }
+    if (bias) y = at::add(y, *bias);
   }
-  out.copy_(bias ? at::add(y, *bias) : y);
+  return y.to(rows.scalar_type());
 }
 
 void check_prompt_rows(const char* op, const at::Tensor& x, const at::Tensor& norm) {
@@ -1830,8 +1827,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
   const int64_t N = (heads + 2 * kv_heads) * D;
   at::Tensor h = at::empty_like(x);
   rms_norm_into(x, norm, eps, h);
-  at::Tensor product = at::empty({T, N}, x.options());
-  layer_product(h, qkv, qkv_route, N, qkv_bias, qkv_scales, product);
+  const at::Tensor product = layer_product(h, qkv, qkv_route, N, qkv_bias, qkv_scales);
   const at::Tensor q = head_norm(product.narrow(1, 0, heads * D).view({1, T, heads, D}), q_norm, eps);
   const at::Tensor k = head_norm(product.narrow(1, heads * D, kv_heads * D).view({1, T, kv_heads, D}), k_norm, eps);
   const at::Tensor v = product.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({1, T, kv_heads, D});
@@ -1871,19 +1867,14 @@ at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tenso
   const auto float32 = [](const at::Tensor& t) { return t[0].to(at::kFloat).contiguous(); };
   at::Tensor y = at::empty({T, heads * D}, x.options().dtype(at::kFloat));
   attend_into(float32(q), float32(k), float32(v), window, wide, y.data_ptr<float>(), true);
-  y = y.to(dtype);
-  at::Tensor added = at::empty_like(x);
-  layer_product(y, o, o_route, hidden, o_bias, o_scales, added);
-  x.add_(added);
+  x.add_(layer_product(y.to(dtype), o, o_route, hidden, o_bias, o_scales));
   at::Tensor h = at::empty_like(x);
   rms_norm_into(x, norm, eps, h);
   const int64_t I = intermediate;
-  at::Tensor both = at::empty({T, 2 * I}, x.options());
-  layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales, both);
+  const at::Tensor both = layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales);
   at::Tensor hidden_rows = at::empty({T, I}, x.options());
   silu_mul_into(both, T, I, hidden_rows);
-  layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales, added);
-  x.add_(added);
+  x.add_(layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales));
   return x;
 }
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu, elementwise, native
+from ..kernels import elementwise, native
 from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
-from ..kernels.attention import prompt_attention, prompt_attention_route
+from ..kernels.attention import prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
@@ -395,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         c = self.config
         cos, sin = cos[0, 0], sin[0, 0]
-        wide = cpu.has("avx512f")
+        wide = wide_softmax()
         rows = x.reshape(T, hidden).clone()  # updated in place, layer by layer; x may be the caller's inputs_embeds
         for layer, (start, end) in zip(layers, plans):
             q, k, v = torch.ops.decodekit.prompt_layer_start(rows, *start, cos, sin, c.num_attention_heads,

@@ -37,11 +37,15 @@ def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
     return choices.decide(f"prompt_attention_{str(dtype).removeprefix('torch.')}_{size}", candidates, otherwise="sdpa")
 
 
+def wide_softmax() -> bool:
+    """Whether the kernel's softmax passes run with AVX-512: where the CPU has it (cpu.py's avx512f probe, which a test
+    can force off). The C++ prompt layers ask too (llama.LlamaForCausalLM._prompt_layers)."""
+    return cpu.has("avx512f")
+
+
 def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """decodekit::prefill_attention in float32, the result in q's dtype; its softmax passes with AVX-512 where the
-    CPU has it (cpu.py's avx512f probe, which a test can force off)."""
-    wide = cpu.has("avx512f")
-    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide).to(q.dtype)
+    """decodekit::prefill_attention in float32, the result in q's dtype (softmax passes as wide_softmax says)."""
+    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide_softmax()).to(q.dtype)
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:

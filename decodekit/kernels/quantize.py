@@ -106,7 +106,8 @@ class Int8Linear(HoldsPackedCopy):
         """The scaled float32 product of a prompt's rows where prompt_route names one of decodekit's kernels, which
         apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
         extra pass through memory; None where another route runs."""
-        route = self.prompt_route(flat, flat.shape[0], packed_copy)
+        # Without the packed copy, the int8 route alone (packed_route_pays times it so).
+        route = self.prompt_route(flat, flat.shape[0], None if packed_copy else (many_rows_route(), False))
         if route is None:
             return None
         name, operand = route
@@ -119,21 +120,19 @@ class Int8Linear(HoldsPackedCopy):
             flat, interleaved = stored_order(flat), False
         return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, self.scales, interleaved)
 
-    def prompt_route(self, x: torch.Tensor, rows: int, packed_copy: bool = True,
+    def prompt_route(self, x: torch.Tensor, rows: int,
                      choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor] | None:
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
-        applied: ("int8_split", the int8 weight: decodekit::split_product), ("int8_tiles", the int8 weight:
-        decodekit::tiled_product) or, outside a trace and with `packed_copy`, ("packed", the dequantized weight
-        packed once for MKL) where that measured faster than the int8 route (packed_route_pays: on a CPU without int8
-        instructions the int8 routes convert the weight on every call) and the copy fits the memory budget. None
-        where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as the few-row
-        kernels take. `choice`: prompt_choice(rows), where the caller has it."""
+        applied, as `choice` (prompt_choice(rows), looked up where not given) says: ("int8_split", the int8 weight:
+        decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed", the
+        dequantized weight packed once for MKL) where that measured faster than the int8 route (packed_route_pays: on
+        a CPU without int8 instructions the int8 routes convert the weight on every call) and the copy fits the memory
+        budget. None where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as
+        the few-row kernels take."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
-        if choice is None:  # without the packed copy, only the int8 route (packed_route_pays times it so)
-            choice = prompt_choice(rows) if packed_copy else (many_rows_route(), False)
-        route, pays = choice
-        if packed_copy and pays:
+        route, pays = choice or prompt_choice(rows)
+        if pays:
             packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
             if packed is not None:
                 return "packed", packed

@@ -1,10 +1,11 @@
-"""The C++ prompt layers (llama.LlamaForCausalLM._prompt_layers: decodekit::prompt_layer_start / prompt_layer_end):
-the same bits as the Python layers for every product route and model variant, taken only where they apply, and
-their refusals. Which route this machine would pick is never assumed: each is forced in turn."""
+"""The C++ prompt layers (llama.LlamaForCausalLM._prompt_layers: decodekit::prompt_layer_start / prompt_layer_end, and
+prompt_layer_finish in continuous batching's steps): the same bits as the Python layers for every product route and
+model variant, taken only where they apply, and their refusals. Which route this machine would pick is never assumed: each is forced in turn."""
 
 import pytest
 import torch
 
+from decodekit.batching.paged import PagedBatch, PagedCache, Segment
 from decodekit.families import llama
 from decodekit.families.cache import DynamicCache, StaticCache
 from decodekit.kernels import choices, cpu, native
@@ -126,10 +127,56 @@ def test_generate_through_the_prompt_layers_keeps_its_tokens_and_the_callers_emb
     assert torch.equal(embeds, kept)  # the layers update a copy of the rows in place, never the caller's tensor
 
 
+def batching_steps(model, native_layers: bool, monkeypatch):
+    """Two continuous-batching steps over one paged cache: two prompt chunks (60 and 30 tokens), then the second
+    prompt's last 25 tokens beside the first's first decode row. Each step's logits, the pools and how many
+    prompt_layer_finish calls ran."""
+    monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
+    cache = PagedCache(model, num_blocks=16, block_size=16)
+    cache.commit()
+    first, second = cache.allocator.allocate(6), cache.allocator.allocate(6)
+    steps = [([first, second], [Segment(0, 60, 0, 0), Segment(60, 90, 1, 0)], PROMPT[:, :90], [59, 89]),
+             ([second, first], [Segment(0, 25, 0, 30), Segment(25, 26, 1, 60)], MORE[:, :26], [24, 25])]
+    logits = []
+    with torch.inference_mode(), torch.profiler.profile() as profile:
+        for tables, segments, ids, keep in steps:
+            batch = PagedBatch(cache, tables, segments)
+            logits.append(model(ids, position_ids=batch.position_ids, past_key_values=batch,
+                                logits_to_keep=torch.tensor(keep)).logits)
+    calls = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prompt_layer_finish", 0)
+    return logits, cache.keys + cache.values, calls
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
+def test_continuous_batching_steps_through_the_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch,
+                                                                                          model_type, route):
+    # A step of several requests' rows: each layer's attention runs between the C++ calls through PagedBatch.attend
+    # (prompt chunks and a decode row; mistral: a sliding window shorter than the chunks).
+    model = tiny_model(tmp_path, model_type)
+    with choices.forced(**pinned(route)):
+        logits, pools, calls = batching_steps(model, True, monkeypatch)
+        logits_py, pools_py, calls_py = batching_steps(model, False, monkeypatch)
+    assert calls == 2 * model.config.num_hidden_layers and calls_py == 0
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_py))
+    assert all(torch.equal(a, b) for a, b in zip(pools, pools_py))
+
+
+def test_continuous_batching_steps_of_a_bfloat16_model_give_the_python_layers_bits(tmp_path, monkeypatch):
+    model = tiny_model(tmp_path, "qwen2").to(torch.bfloat16)
+    with choices.forced(**pinned("library", "bfloat16")), cpu.forced(onednn_bf16=False):
+        logits, pools, calls = batching_steps(model, True, monkeypatch)
+        logits_py, pools_py, _ = batching_steps(model, False, monkeypatch)
+    assert calls == 2 * model.config.num_hidden_layers
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(logits, logits_py))
+    assert all(torch.equal(a, b) for a, b in zip(pools, pools_py))
+
+
 def layer_calls(model, call) -> int:
     with torch.profiler.profile() as profile:
         call()
-    return {e.key: e.count for e in profile.key_averages()}.get("decodekit::prompt_layer_end", 0)
+    counts = {e.key: e.count for e in profile.key_averages()}
+    return counts.get("decodekit::prompt_layer_end", 0) + counts.get("decodekit::prompt_layer_finish", 0)
 
 
 def test_the_python_layers_run_where_the_prompt_layers_do_not_apply(tmp_path):
@@ -153,6 +200,12 @@ def test_the_python_layers_run_where_the_prompt_layers_do_not_apply(tmp_path):
                 assert layer_calls(model.to(torch.bfloat16), forward()) == 0
             model.float()
         assert layer_calls(model, forward()) == 0  # autograd recording: the C++ layers have no backward
+    cache = PagedCache(model, num_blocks=8, block_size=16)
+    batch = PagedBatch(cache, [cache.allocator.allocate(1) for _ in range(5)],
+                       [Segment(i, i + 1, i, 3) for i in range(5)])
+    with choices.forced(**pinned("library")), torch.inference_mode():  # a step of five decode rows: few-row kernels
+        assert layer_calls(model, lambda: model(PROMPT[:, :5], position_ids=batch.position_ids,
+                                                past_key_values=batch)) == 0
     window = tiny_model(tmp_path, "mistral")  # a sliding window shorter than the prompt: masks
     with choices.forced(**pinned("library")), torch.inference_mode():
         assert layer_calls(window, lambda: window(PROMPT, use_cache=False)) == 0
@@ -184,6 +237,14 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
     with pytest.raises(RuntimeError, match=r"k, v \[1, kv_heads, L >= T, D\]"):
         end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None,
             weight[:8, :4], 0, None, None, 12)
+    finish = torch.ops.decodekit.prompt_layer_finish
+    with pytest.raises(RuntimeError, match=r"the attention output \[T, heads x head_dim\] of the rows' dtype"):
+        finish(x, torch.randn(19, 8), weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None, weight[:8, :4], 0,
+               None, None, 12)
+    y = x.clone()
+    finish(y, torch.randn(20, 8), weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None, torch.randn(8, 12), 0,
+           None, None, 12)
+    assert not torch.equal(y, x)  # updated in place
 
 
 def test_prompt_products_make_their_choices_where_none_is_cached(tmp_path, monkeypatch):

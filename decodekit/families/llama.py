@@ -357,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
         hidden_states = [x] if output_hidden_states else None
         layers = self.layers[:exit_layer]
         prompt = None
-        if not (output_hidden_states or paged or masks):
+        if not (output_hidden_states or masks):
             prompt = self._prompt_layers(layers, x, cos, sin, cache, past)
         x = x if prompt is None else prompt
         for layer in layers if prompt is None else ():
@@ -375,11 +375,13 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _prompt_layers(self, layers, x, cos, sin, cache, past: int) -> torch.Tensor | None:
-        """x after `layers` for one prompt of float32 or bfloat16 rows on CPU with plain causal attention (no mask),
-        two calls into decodekit's C++ a layer (decodekit::prompt_layer_start and prompt_layer_end: what Block
-        computes, by the same kernels, without the Python between them), the cache updated between the two; None
-        where the Python layers run instead: fewer rows than a prompt's products take, autograd or a trace
-        recording, a product none of whose routes the calls take (Block.prompt_plan), or attention that SDPA runs on
+        """x after `layers` for the rows of one prompt (plain causal attention, no mask), or of a continuous
+        batching step (a PagedBatch: prompt chunks and decode rows of many requests), float32 or bfloat16 on CPU, in
+        decodekit's C++: what Block computes, by the same kernels, without the Python between them. A prompt's layer
+        is two calls (decodekit::prompt_layer_start, prompt_layer_end), its cache updated between them; a batch's
+        layer runs its attention in between (PagedBatch.attend), then decodekit::prompt_layer_finish. None where
+        the Python layers run instead: fewer rows than a prompt's products take, autograd or a trace recording, a
+        product none of whose routes the calls take (Block.prompt_plan), or a prompt whose attention SDPA runs on
         this CPU (prompt_attention_route)."""
         B, T, hidden = x.shape
         if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
@@ -387,7 +389,8 @@ class LlamaForCausalLM(nn.Module):
         if x.dtype not in PROMPT_DTYPES or torch.is_grad_enabled() or torch.compiler.is_compiling() or \
                 not native.load():
             return None
-        if prompt_attention_route(past + T, x.dtype) != "kernel":
+        paged = getattr(cache, "paged", False)
+        if not paged and prompt_attention_route(past + T, x.dtype) != "kernel":
             return None
         decided = {}
         plans = [layer.prompt_plan(x, T, decided) for layer in layers]
@@ -396,13 +399,17 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         cos, sin = cos[0, 0], sin[0, 0]
         wide = wide_softmax()
+        ops = torch.ops.decodekit
         rows = x.reshape(T, hidden).clone()  # updated in place, layer by layer; x may be the caller's inputs_embeds
         for layer, (start, end) in zip(layers, plans):
-            q, k, v = torch.ops.decodekit.prompt_layer_start(rows, *start, cos, sin, c.num_attention_heads,
-                                                             c.num_key_value_heads)
+            q, k, v = ops.prompt_layer_start(rows, *start, cos, sin, c.num_attention_heads, c.num_key_value_heads)
+            if paged:
+                attended = cache.attend(q, k, v, layer.attn.layer_idx, layer.attn.window)  # [1, heads, T, D]
+                ops.prompt_layer_finish(rows, attended[0].transpose(0, 1).reshape(T, -1), *end, c.intermediate_size)
+                continue
             if cache is not None:
                 k, v = cache.update(k, v, layer.attn.layer_idx)
-            torch.ops.decodekit.prompt_layer_end(rows, q, k, v, 0, wide, *end, c.intermediate_size)
+            ops.prompt_layer_end(rows, q, k, v, 0, wide, *end, c.intermediate_size)
         return rows.view(B, T, hidden)
 
     def _forward_fixed(self, x, attention_mask, position_ids, cache, slots, logits_to_keep):

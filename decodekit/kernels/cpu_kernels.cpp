@@ -1841,9 +1841,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prompt_layer_start(
   return {rotated(q), rotated(k), v.transpose(1, 2).contiguous()};
 }
 
+// The layer after its attention, x [T, hidden] updated in place: the o product of `attended` [T, heads x D] (the
+// rows' dtype) added to x, the MLP norm, the gate/up product [T, 2 x intermediate] (gate first), SiLU(gate) * up and
+// the down product added to x.
+at::Tensor& prompt_layer_finish(at::Tensor& x, const at::Tensor& attended, const at::Tensor& o, int64_t o_route,
+                                const std::optional<at::Tensor>& o_bias, const std::optional<at::Tensor>& o_scales,
+                                const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_route,
+                                const std::optional<at::Tensor>& gate_up_bias,
+                                const std::optional<at::Tensor>& gate_up_scales, const at::Tensor& down,
+                                int64_t down_route, const std::optional<at::Tensor>& down_bias,
+                                const std::optional<at::Tensor>& down_scales, int64_t intermediate) {
+  check_prompt_rows("prompt_layer_finish", x, norm);
+  const int64_t T = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(attended.dim() == 2 && attended.size(0) == T && attended.scalar_type() == x.scalar_type() &&
+              attended.is_contiguous(),
+              "prompt_layer_finish: the attention output [T, heads x head_dim] of the rows' dtype, contiguous, expected");
+  TORCH_CHECK(intermediate > 0, "prompt_layer_finish: a positive intermediate size expected");
+  x.add_(layer_product(attended, o, o_route, hidden, o_bias, o_scales));
+  at::Tensor h = at::empty_like(x);
+  rms_norm_into(x, norm, eps, h);
+  const int64_t I = intermediate;
+  const at::Tensor both = layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales);
+  at::Tensor hidden_rows = at::empty({T, I}, x.options());
+  silu_mul_into(both, T, I, hidden_rows);
+  x.add_(layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales));
+  return x;
+}
+
 // The rest of the layer, x [T, hidden] updated in place: attention of q [1, heads, T, D] over k, v [1, kv_heads, L,
-// D] (causal, the prompt's queries last; a sliding window > 0), the o product added to x, the MLP norm, the gate/up
-// product [T, 2 x intermediate] (gate first), SiLU(gate) * up and the down product added to x. `wide`: the softmax
+// D] (causal, the prompt's queries last; a sliding window > 0), then prompt_layer_finish. `wide`: the softmax
 // passes with AVX-512.
 at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              int64_t window, bool wide, const at::Tensor& o, int64_t o_route,
@@ -1861,21 +1887,13 @@ at::Tensor& prompt_layer_end(at::Tensor& x, const at::Tensor& q, const at::Tenso
               q.size(1) % k.size(1) == 0,
               "prompt_layer_end: q [1, heads, T, D] and k, v [1, kv_heads, L >= T, D] of the rows' dtype expected");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prompt_layer_end: wide=True needs a CPU with avx512f");
-  const int64_t T = x.size(0), hidden = x.size(1), heads = q.size(1), D = q.size(3);
-  TORCH_CHECK(intermediate > 0, "prompt_layer_end: a positive intermediate size expected");
+  const int64_t T = x.size(0), heads = q.size(1), D = q.size(3);
   // Attention in float32 (bfloat16 q, k, v widened, its output rounded back, as attention.kernel does).
   const auto float32 = [](const at::Tensor& t) { return t[0].to(at::kFloat).contiguous(); };
   at::Tensor y = at::empty({T, heads * D}, x.options().dtype(at::kFloat));
   attend_into(float32(q), float32(k), float32(v), window, wide, y.data_ptr<float>(), true);
-  x.add_(layer_product(y.to(dtype), o, o_route, hidden, o_bias, o_scales));
-  at::Tensor h = at::empty_like(x);
-  rms_norm_into(x, norm, eps, h);
-  const int64_t I = intermediate;
-  const at::Tensor both = layer_product(h, gate_up, gate_up_route, 2 * I, gate_up_bias, gate_up_scales);
-  at::Tensor hidden_rows = at::empty({T, I}, x.options());
-  silu_mul_into(both, T, I, hidden_rows);
-  x.add_(layer_product(hidden_rows, down, down_route, hidden, down_bias, down_scales));
-  return x;
+  return prompt_layer_finish(x, y.to(dtype), o, o_route, o_bias, o_scales, norm, eps, gate_up, gate_up_route,
+                             gate_up_bias, gate_up_scales, down, down_route, down_bias, down_scales, intermediate);
 }
 
 }  // namespace
@@ -1905,6 +1923,9 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
         "Tensor? o_bias, Tensor? o_scales, Tensor norm, float eps, Tensor gate_up, int gate_up_route, "
         "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor down, int down_route, Tensor? down_bias, "
         "Tensor? down_scales, int intermediate) -> Tensor(a!)");
+  m.def("prompt_layer_finish(Tensor(a!) x, Tensor attended, Tensor o, int o_route, Tensor? o_bias, Tensor? o_scales, "
+        "Tensor norm, float eps, Tensor gate_up, int gate_up_route, Tensor? gate_up_bias, Tensor? gate_up_scales, "
+        "Tensor down, int down_route, Tensor? down_bias, Tensor? down_scales, int intermediate) -> Tensor(a!)");
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False, bool blocks=False, "
         "bool wide=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
@@ -1923,6 +1944,7 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("prompt_layer_start", &prompt_layer_start);
   m.impl("prompt_layer_end", &prompt_layer_end);
+  m.impl("prompt_layer_finish", &prompt_layer_finish);
   m.impl("paged_attention", &paged_attention);
   m.impl("mkl_pack", &mkl_pack);
   m.impl("packed_product", &packed_product);

@@ -1,15 +1,17 @@
 """Prefill against the machine's own limit: time to first token of the default model through generate()
 (max_new_tokens=1) for each weight format and prompt length, as GFLOP/s, the share of the fp32 matmul peak measured
-in the same process, and the ratio to transformers on the same weights; then the attention of continuous batching's
-prompt chunks, and one layer's prompt attention by SDPA and by decodekit::prefill_attention.
+in the same process, and the ratio to transformers on the same weights; then a prompt chunk of continuous batching
+(256 tokens after 768 cached, through the paged cache) as a whole forward and its attention alone, and one layer's
+prompt attention by SDPA and by decodekit::prefill_attention.
 
     python bench/bench_prefill.py [--runs 3] [--threads 2] [--lengths 128 512 2048] [--skip-transformers]
 
 FLOPs of a prefill of T tokens: 2 x non-embedding parameters x T, plus causal attention (2 x 2 x T^2/2 x head_dim x
-heads a layer), plus one lm_head row (generate() computes the last position's logits only). The peak is a large
-fp32 torch.mm (2048 x 2048 x 2048) in this process, the median of `runs`; bf16 and int8 have their own peaks only
-where the CPU has instructions for them (avx512_bf16 / amx_bf16, avx512_vnni / amx_int8), and are shown against fp32's
-otherwise. Every figure is the median of `runs` rounds run round-robin (order reversed every other round).
+heads a layer; a chunk's queries also see the positions cached before it), plus one lm_head row (generate() computes
+the last position's logits only). The peak is a large fp32 torch.mm (2048 x 2048 x 2048) in this process, the median
+of `runs`; bf16 and int8 have their own peaks only where the CPU has instructions for them (avx512_bf16 / amx_bf16,
+avx512_vnni / amx_int8), and are shown against fp32's otherwise. Every figure is the median of `runs` rounds run
+round-robin (order reversed every other round).
 Prints a table on stderr, then one JSON object.
 """
 
@@ -23,6 +25,7 @@ import torch
 
 from bench_generate import bench_parser, bench_setup, interleaved, median_time
 
+CHUNK, CONTEXT = 256, 1024  # continuous batching's prompt chunk measured: 256 tokens after 768 cached
 TEXT = " The quick brown fox jumps over the lazy dog, and the dog sleeps on the warm stones of the old garden." * 200
 
 
@@ -39,14 +42,16 @@ def matmul_peak_gflops(dtype: torch.dtype, runs: int, size: int = 2048) -> float
     return 2 * size**3 / median_time(job, runs) / 1e9
 
 
-def prefill_flops(config, tokens: int) -> float:
-    """2 x non-embedding parameters x tokens + causal attention + one lm_head row."""
+def prefill_flops(config, tokens: int, past: int = 0) -> float:
+    """2 x non-embedding parameters x tokens + causal attention (over `past` cached positions too) + one lm_head
+    row."""
     c = config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     linear = 2 * per_layer * c.num_hidden_layers * tokens
-    attention = 2 * 2 * (tokens * (tokens + 1) / 2) * head_dim * c.num_attention_heads * c.num_hidden_layers
+    seen = tokens * past + tokens * (tokens + 1) / 2  # query i sees past + i + 1 keys
+    attention = 2 * 2 * seen * head_dim * c.num_attention_heads * c.num_hidden_layers
     return linear + attention + 2 * c.hidden_size * c.vocab_size
 
 
@@ -62,18 +67,36 @@ def first_token_job(model, ids, **forced_choices):
     return run
 
 
-def chunk_attention(model, runs: int, chunk: int = 256, context: int = 1024) -> dict:
-    """The attention of one prompt chunk of continuous batching (PagedBatch.attend, every layer's shapes) after
-    `context - chunk` tokens already cached: GFLOP/s of its causal products."""
+def paged_chunk(model, chunk: int, context: int):
+    """A PagedBatch of one prompt chunk of continuous batching: `chunk` tokens after `context - chunk` cached."""
     from decodekit.batching.paged import PagedBatch, PagedCache, Segment
 
-    c = model.config
     block = 16
     cache = PagedCache(model, num_blocks=context // block + 2, block_size=block)
     blocks = cache.allocator.allocate(context // block)
-    start = context - chunk
     cache.commit()  # zeros, not whatever the pages held
-    batch = PagedBatch(cache, [blocks], [Segment(0, chunk, 0, start)])
+    return PagedBatch(cache, [blocks], [Segment(0, chunk, 0, context - chunk)])
+
+
+def chunk_forward_job(model, chunk: int = CHUNK, context: int = CONTEXT):
+    """The whole forward of one prompt chunk of continuous batching (its tokens after `context - chunk` cached, the
+    logits of its last), as a scheduler step without decode rows runs it."""
+    batch = paged_chunk(model, chunk, context)
+    ids = torch.randint(0, model.config.vocab_size, (1, chunk), generator=torch.Generator().manual_seed(0))
+    keep = torch.tensor([chunk - 1])
+
+    def run():
+        with torch.inference_mode():
+            model(ids, position_ids=batch.position_ids, past_key_values=batch, logits_to_keep=keep)
+    return run
+
+
+def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT) -> dict:
+    """The attention of one prompt chunk of continuous batching (PagedBatch.attend, every layer's shapes) after
+    `context - chunk` tokens already cached: GFLOP/s of its causal products."""
+    c = model.config
+    start = context - chunk
+    batch = paged_chunk(model, chunk, context)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, c.num_attention_heads, chunk, c.head_dim, generator=generator, dtype=model.dtype)
     k = torch.randn(1, c.num_key_value_heads, chunk, c.head_dim, generator=generator, dtype=model.dtype)
@@ -128,6 +151,8 @@ def main() -> int:
     all_ids = torch.tensor([tok.encode(TEXT)])
     prompts = {n: all_ids[:, :n] for n in args.lengths}
     jobs = {f"{fmt} {n}": first_token_job(model, p) for fmt, model in ours.items() for n, p in prompts.items()}
+    for fmt, model in ours.items():  # continuous batching's prompt chunk, whole forward, in the same rounds
+        jobs[f"{fmt} chunk"] = chunk_forward_job(model)
     for n, p in prompts.items():  # the same fp32 prefill with SDPA's attention, beside it in every round
         jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(ours["fp32"], p, prompt_attention_float32_512="sdpa",
                                                              prompt_attention_float32_2048="sdpa")
@@ -163,6 +188,13 @@ def main() -> int:
                 row["speedup_vs_transformers"] = round(timings.ratio(reference, name), 3)
                 row["transformers"] = reference.removesuffix(" (transformers)").split()[0]
             rows[name] = row
+    chunk_rows = {}
+    for fmt in ours:
+        seconds = timings.median(f"{fmt} chunk")
+        gflops = prefill_flops(config, CHUNK, past=CONTEXT - CHUNK) / seconds / 1e9
+        chunk_rows[fmt] = {"chunk": CHUNK, "context": CONTEXT, "ms": round(1000 * seconds, 1),
+                           "gflops": round(gflops, 1), "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
+                           "vs_fp32": round(timings.ratio("fp32 chunk", f"{fmt} chunk"), 3)}
     sdpa_ratio = {n: round(timings.ratio(f"fp32 {n} (SDPA attention)", f"fp32 {n}"), 3) for n in prompts}
     chunks = {fmt: chunk_attention(ours[fmt], args.runs) for fmt in ("fp32", "bf16")}
     from decodekit.kernels import native
@@ -177,6 +209,10 @@ def main() -> int:
         ref = f"{row['speedup_vs_transformers']:.2f}x ({row['transformers']})" if "speedup_vs_transformers" in row else ""
         print(f"{name:12s} {row['ms']:9.1f} {row['gflops']:8.1f} {row['share_of_fp32_peak']:8.0%} "
               f"{row['vs_fp32']:7.2f}x {ref:>16s}", file=sys.stderr)
+    for fmt, row in chunk_rows.items():
+        print(f"chunk forward {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
+              f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak, "
+              f"{row['vs_fp32']:.2f}x fp32", file=sys.stderr)
     for fmt, row in chunks.items():
         print(f"chunk attention {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
               f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak", file=sys.stderr)
@@ -187,7 +223,7 @@ def main() -> int:
               f"decodekit::prefill_attention {row['kernel_gflops']:.1f}", file=sys.stderr)
     result = {"cpu": cpu.describe(), "threads": args.threads, "torch": torch.__version__, "runs": args.runs,
               "peaks_gflops": {k: round(v, 1) for k, v in peaks.items()}, "seconds": round(time.perf_counter() - start, 1),
-              "prefill": rows, "chunk_attention": chunks,
+              "prefill": rows, "chunk_forward": chunk_rows, "chunk_attention": chunks,
               "attention_alone": alone, "fp32_vs_sdpa_attention": sdpa_ratio}
     json.dump(result, sys.stdout, indent=2)
     print()

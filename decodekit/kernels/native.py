@@ -9,7 +9,8 @@ and serve the eager loop, the Python layers and the lm_head. `decodekit::decode_
 layers of a fixed-shape step (llama.LlamaForCausalLM._forward_fixed) in one call and one OpenMP region,
 which removes the per-kernel call and region costs that were most of a token beyond the weights.
 `decodekit::prompt_layer_start` / `prompt_layer_end` run a prompt's layer in two calls by the kernels the Python
-layers call (llama.LlamaForCausalLM._prompt_layers), without the Python between them.
+layers call (llama.LlamaForCausalLM._prompt_layers), without the Python between them; a continuous-batching step
+attends through its paged cache between prompt_layer_start and `prompt_layer_finish`.
 
 The kernels are compiled on first use with the C++ compiler inductor uses on CPU ($CXX or g++, about
 15 s) against the installed torch's headers, and cached under $DECODEKIT_CACHE_DIR (default

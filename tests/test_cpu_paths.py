@@ -121,6 +121,7 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
 
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choices, "_made", {})
+    monkeypatch.setattr(choices, "cpu_ticks", lambda: None)  # however busy the machine running the suite is
     runs, order = {"slow": 0, "fast": 0}, []
     per = choices.WARM_UP_CALLS + choices.ROUNDS  # calls of each candidate in one measurement
 
@@ -158,6 +159,46 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     assert not (tmp_path / "choices.json").exists() and choices._made == {}
     with choices.forced(demo="slow"):
         assert choices.choose("demo", candidates) == "slow"
+
+
+def test_a_choice_measured_while_other_work_takes_the_cpus_is_used_but_not_cached(tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choices, "_made", {})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    candidates = {"slow": lambda: time.sleep(0.002), "fast": lambda: None}
+    # Two CPUs busy throughout the measurement, half of it another process's: (busy, all, own) clock ticks.
+    readings = iter([(1000, 2000, 10), (1200, 2200, 110)])
+    monkeypatch.setattr(choices, "cpu_ticks", lambda: next(readings))
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        assert choices.choose("demo", candidates) == "fast"
+    assert "demo: not cached, other work took 50% of this process's CPUs" in caplog.text
+    assert not (tmp_path / "choices.json").exists() and choices.made("demo") == "fast"  # used by this process only
+    monkeypatch.setattr(choices, "_made", {})  # the next process measures again, quietly this time: cached
+    readings = iter([(1000, 2000, 10), (1200, 2200, 206)])
+    assert choices.choose("demo", candidates) == "fast"
+    assert json.loads((tmp_path / "choices.json").read_text()) == {choices.signature(): {"demo(fast,slow)": "fast"}}
+
+
+def test_the_share_of_its_cpus_other_work_took_counts_only_the_cpus_a_measurement_needs():
+    share = choices.taken_share
+    # 16 CPUs, 2 threads: other work on 14 of them leaves this process its own; on 15, half of what it needs.
+    assert share((0, 0, 0), (1600, 1600, 200), cpus=16, threads=2) == 0.0
+    assert share((0, 0, 0), (1600, 1600, 100), cpus=16, threads=2) == 0.5
+    assert share((0, 0, 0), (19, 19, 0), cpus=2, threads=2) == 0.0  # too short a reading to judge
+    assert share(None, (100, 100, 0), cpus=2, threads=2) == 0.0  # no /proc
+
+
+@pytest.mark.skipif(choices.cpu_ticks() is None, reason="reads /proc (Linux)")
+def test_cpu_ticks_count_this_process_and_its_cpus():
+    before, start = choices.cpu_ticks(), time.perf_counter()
+    while time.perf_counter() - start < 0.3:  # a third of a second of this process's work on one CPU
+        pass
+    busy, total, own = (a - b for a, b in zip(choices.cpu_ticks(), before))
+    # Clock ticks of 10 ms, sampled apart for the process and the CPUs: a tick or two either way.
+    assert own >= 20 and busy >= own - 2 and total >= busy
 
 
 def test_choices_made_under_forced_probes_or_held_instructions_are_cached_apart(monkeypatch):

@@ -115,8 +115,12 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         if route in ran:  # bf16 products in float32 (AVX2's way) through the route
             assert ran[route] in {event.key for event in profile.key_averages()}, route
     logits, tokens = results["library"]
+    # Each route sums in its own order. In float32 that moves the last bits; a bfloat16 model rounds every product
+    # to 8 bits, where a sum on a rounding boundary lands one step apart and the step travels through the layers
+    # (AVX-512's blocks against an AVX2 library on an AMD EPYC: 2.3e-3).
+    tolerance = 1e-5 if fmt == "float32" else 1e-2
     for route in routes[1:]:
-        assert float((results[route][0] - logits).norm() / logits.norm()) < 1e-5, route
+        assert float((results[route][0] - logits).norm() / logits.norm()) < tolerance, route
         assert torch.equal(results[route][1], tokens), route
 
 
@@ -200,6 +204,7 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
             layer.weight.mul_(-2)  # a new version of the same storage
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         assert packed_weight(layer) is not packed
+        gc.collect()  # copies of earlier tests' layers still in cycles are released now, not in the count below
         used = kernels_linear._packing["used"]
         del packed  # the copy of the old version: no one holds it now
         gc.collect()
@@ -213,6 +218,7 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
     with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
         monkeypatch.setitem(kernels_linear._packing, "budget", 2**40)
         other(x)
+        gc.collect()
         held = kernels_linear._packing["used"]
         other.to(torch.bfloat16)  # a new weight: its copy is let go at once, not when the layer is
         gc.collect()

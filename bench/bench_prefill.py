@@ -42,16 +42,25 @@ def matmul_peak_gflops(dtype: torch.dtype, runs: int, size: int = 2048) -> float
     return 2 * size**3 / median_time(job, runs) / 1e9
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_flops(config, tokens: int, past: int = 0) -> float:
+    """One layer's causal attention of `tokens` queries after `past` cached positions: query i sees past + i + 1
+    keys; the scores and the weighted sum, 2 FLOPs a multiply-add each."""
+    seen = tokens * past + tokens * (tokens + 1) / 2
+    return 2 * 2 * seen * head_dim(config) * config.num_attention_heads
+
+
 def prefill_flops(config, tokens: int, past: int = 0) -> float:
     """2 x non-embedding parameters x tokens + causal attention (over `past` cached positions too) + one lm_head
     row."""
     c = config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    q, kv = c.num_attention_heads * head_dim(c), c.num_key_value_heads * head_dim(c)
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     linear = 2 * per_layer * c.num_hidden_layers * tokens
-    seen = tokens * past + tokens * (tokens + 1) / 2  # query i sees past + i + 1 keys
-    attention = 2 * 2 * seen * head_dim * c.num_attention_heads * c.num_hidden_layers
+    attention = attention_flops(c, tokens, past) * c.num_hidden_layers
     return linear + attention + 2 * c.hidden_size * c.vocab_size
 
 
@@ -95,7 +104,6 @@ def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT
     """The attention of one prompt chunk of continuous batching (PagedBatch.attend, every layer's shapes) after
     `context - chunk` tokens already cached: GFLOP/s of its causal products."""
     c = model.config
-    start = context - chunk
     batch = paged_chunk(model, chunk, context)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, c.num_attention_heads, chunk, c.head_dim, generator=generator, dtype=model.dtype)
@@ -108,9 +116,7 @@ def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT
                 batch.attend(q, k, v, layer, None)
 
     seconds = median_time(run, runs)
-    # Query i of the chunk sees start + i + 1 keys: scores and the weighted sum, 2 FLOPs a multiply-add each.
-    seen = sum(start + i + 1 for i in range(chunk))
-    flops = 2 * 2 * seen * c.head_dim * c.num_attention_heads * c.num_hidden_layers
+    flops = attention_flops(c, chunk, past=context - chunk) * c.num_hidden_layers
     return {"chunk": chunk, "context": context, "ms": round(1000 * seconds, 2), "gflops": round(flops / seconds / 1e9, 1)}
 
 
@@ -128,7 +134,7 @@ def attention_alone(config, lengths: list[int], runs: int) -> dict:
         q = torch.randn(1, c.num_attention_heads, n, c.head_dim, generator=generator)
         k = torch.randn(1, c.num_key_value_heads, n, c.head_dim, generator=generator)
         v = torch.randn_like(k)
-        flops = 2 * 2 * (n * (n + 1) / 2) * c.head_dim * c.num_attention_heads
+        flops = attention_flops(c, n)
         with torch.inference_mode():
             sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), runs)
             kernel = median_time(lambda: attention.kernel(q[0], k[0], v[0], 0), runs)  # as a model calls it

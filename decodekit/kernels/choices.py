@@ -155,8 +155,9 @@ def taken_share(before, after, cpus: int, threads: int) -> float:
 
 
 def _taken_since(before) -> float:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return taken_share(before, cpu_ticks(), cpus, torch.get_num_threads())
+    if before is None:  # no /proc (nor sched_getaffinity): nothing to judge by
+        return 0.0
+    return taken_share(before, cpu_ticks(), len(os.sched_getaffinity(0)), torch.get_num_threads())
 
 
 def made(name: str) -> str | None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decodekit.models import choices, cpu, native
+from decodekit.models.linear import Linear
 from decodekit.models.packed import PackedLinear
 from decodekit.models.quantize import quantize
 from decodekit.testing import cpu_path_settings, tiny_model
@@ -159,6 +160,52 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     assert not (tmp_path / "choices.json").exists() and choices._made == {}
     with choices.forced(demo="slow"):
         assert choices.choose("demo", candidates) == "slow"
+    # A later version times another sample under the same name: the choice made on the old one is made again.
+    monkeypatch.setattr(choices, "_made", {})
+    choices.choose("demo", candidates)
+    monkeypatch.setattr(choices, "_made", {})
+    choices.choose("demo", candidates, sample="bigger")
+    assert runs["slow"] == 5 * per
+    assert set(json.loads((tmp_path / "choices.json").read_text())[choices.signature()]) == \
+        {"demo(fast,slow)", "demo@bigger(fast,slow)"}
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    for index, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+    assert cpu.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert cpu.last_level_cache_bytes(tmp_path / "absent") == cpu.DEFAULT_CACHE_BYTES
+
+
+def test_the_packing_sample_reads_its_steps_weights_from_memory(monkeypatch):
+    # Timed on one layer, which stays in cache, oneDNN's packed product won while the whole model decoded 1.35x
+    # faster on plain weights: the sample's steps must go round distinct layers that overflow the cache.
+    from decodekit.kernels import packed
+
+    monkeypatch.setattr(cpu, "last_level_cache_bytes", lambda: 4 << 20)
+    offered = {}
+
+    def capture(name, candidates, otherwise, sample=""):
+        if name.startswith("eager_weights"):  # the prompt's products decide their own routes: left as they fall
+            offered.update(candidates(), name=name, sample=sample)
+        return otherwise
+
+    monkeypatch.setattr(choices, "decide", capture)
+    packed.packing_pays(torch.float32)
+    assert offered["name"] == "eager_weights_float32" and offered["sample"]  # not the one-layer sample's cache entry
+    read = []
+    for kind in (Linear, PackedLinear):
+        monkeypatch.setattr(kind, "forward", lambda self, x, forward=kind.forward: read.append(self) or forward(self, x))
+    with torch.inference_mode():
+        for label in ("plain", "packed"):
+            read.clear()
+            offered[label]()
+            offered[label]()
+            # 2 x 4 MiB over 3.4 MiB float32 layers: 3 copies, each read in turn, the first by the prompt too
+            assert len(read) == 2 * 65 and len({id(m) for m in read}) == 3, label
+            assert len({m.weight.data_ptr() for m in read}) == 3, label  # weights of their own
 
 
 def test_a_choice_measured_while_other_work_takes_the_cpus_is_used_but_not_cached(tmp_path, monkeypatch, caplog):

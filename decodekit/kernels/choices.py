@@ -53,10 +53,11 @@ def _read() -> dict:
         return {}
 
 
-def _key(name: str, candidates) -> str:
+def _key(name: str, candidates, sample: str = "") -> str:
     # The candidates are part of the key: a route added in a later version is measured, not passed over
-    # because the winner among the old ones is still offered.
-    return f"{name}({','.join(sorted(candidates))})"
+    # because the winner among the old ones is still offered. So is the sample's name where a later version
+    # times another problem: a choice made on the old one is made again.
+    return f"{name}{'@' + sample if sample else ''}({','.join(sorted(candidates))})"
 
 
 def signature() -> str:
@@ -165,8 +166,9 @@ def made(name: str) -> str | None:
     return _forced.get(name) or _made.get(name)
 
 
-def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
-    """The fastest of `candidates` ({label: a call of a representative problem}) for `name` on this machine."""
+def choose(name: str, candidates: dict[str, Callable[[], object]], sample: str = "") -> str:
+    """The fastest of `candidates` ({label: a call of a representative problem}) for `name` on this machine;
+    `sample` names the problem where it changed since choices were first cached (_key)."""
     known = made(name)
     if known is not None:
         return known
@@ -175,7 +177,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
             return _made[name]
         remeasure = os.environ.get(VARIABLE) == "measure"
         stored = {} if remeasure else _read().get(signature(), {})
-        choice = stored.get(_key(name, candidates))
+        choice = stored.get(_key(name, candidates, sample))
         if choice not in candidates:
             before = cpu_ticks()
             timings = fastest(candidates)
@@ -184,7 +186,7 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
             logger.info("%s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
                         ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))
             if taken <= DISTURBED:
-                _write(_key(name, candidates), choice)
+                _write(_key(name, candidates, sample), choice)
             else:
                 logger.info("%s: not cached, other work took %.0f%% of this process's CPUs while it was measured; "
                             "the next process measures again", name, 100 * taken)
@@ -192,11 +194,13 @@ def choose(name: str, candidates: dict[str, Callable[[], object]]) -> str:
         return choice
 
 
-def decide(name: str, candidates: Callable[[], dict[str, Callable[[], object]]], otherwise: str) -> str:
+def decide(name: str, candidates: Callable[[], dict[str, Callable[[], object]]], otherwise: str,
+           sample: str = "") -> str:
     """The choice for `name`: pinned or made already, else the fastest of `candidates()` ({label: a call of a
     representative problem}, built only now), measured in inference mode. `otherwise` where nothing can be measured:
     in code being compiled (a trace cannot time anything; an eager call normally decides first), or where
-    `candidates()` offers nothing (the kernels a route needs are not built); that answer is not kept."""
+    `candidates()` offers nothing (the kernels a route needs are not built); that answer is not kept. `sample`: as
+    in choose."""
     known = made(name)
     if known is not None:
         return known
@@ -206,7 +210,7 @@ def decide(name: str, candidates: Callable[[], dict[str, Callable[[], object]]],
     if not offered:
         return otherwise
     with torch.inference_mode():
-        return choose(name, offered)
+        return choose(name, offered, sample)
 
 
 def clear() -> None:

@@ -120,6 +120,25 @@ def signature() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+DEFAULT_CACHE_BYTES = 32 << 20  # where the kernel does not say: a common last-level cache of a server CPU
+
+
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of the largest (last-level) cache CPU 0 sees, from Linux's sysfs (`caches`); DEFAULT_CACHE_BYTES
+    where it says nothing."""
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+        if number.isdigit():
+            sizes.append(int(number) * unit)
+    return max(sizes, default=DEFAULT_CACHE_BYTES)
+
+
 def describe() -> str:
     """One line for logs and `decodekit bench`: the CPU and the probes' answers."""
     on = [name for name in PROBES if has(name)]

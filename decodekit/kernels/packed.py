@@ -21,6 +21,7 @@ layout at a time, and switching costs a copy of the weights (65-440 ms for the d
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 
@@ -68,33 +69,56 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float32, torch.bfloat16) and packing_pays(weight.dtype)
 
 
+# The layers a packing_pays sample's decode steps go round fill this many times the last-level cache, at most
+# SAMPLE_MEMORY bytes: each step then reads its weights from memory, as a model's steps do.
+CACHE_MULTIPLE, SAMPLE_MEMORY = 2, 512 << 20
+
+
 def packing_pays(dtype: torch.dtype) -> bool:
     """Whether eager calls run faster on packed weights than on plain ones on this CPU, measured once per dtype
-    (choices.py) on a default-model-sized layer over what a typical call does: a 256-token prompt, then 64
-    one-row decode steps. Plain weights take decodekit's row kernel for the steps and the library's matmul
-    for the prompt. Packed won on the AVX512-BF16 machine of 2026-11-23 (the steps alike, the prompt 2.3x
-    faster); oneDNN's packed one-row product was 2x slower than the kernels on an AVX2 machine before."""
+    (choices.py) on default-model-sized layers over what a typical call does to each layer of a model: a 256-token
+    prompt, then 64 one-row decode steps. Plain weights take decodekit's row kernel for the steps and the library's
+    matmul for the prompt. The steps go round copies of the layer that overflow the last-level cache
+    (CACHE_MULTIPLE): on one layer, which stays in cache, oneDNN's packed bfloat16 product won on the AVX512-BF16
+    machine of 2026-11-26 (4.06 against 4.30 ms) while the whole model decoded 1.35x faster on plain weights (21
+    against 28.7 ms a token). Packed won on the AVX512-BF16 machine of 2026-11-23 (the prompt 2.3x faster);
+    oneDNN's packed one-row product was 2x slower than the kernels on an AVX2 machine before."""
     from . import choices, native
 
     def candidates() -> dict:
         native.load()
         generator = torch.Generator().manual_seed(0)
-        plain = Linear(576, 1536, bias=False, dtype=dtype)
+        first = Linear(576, 1536, bias=False, dtype=dtype)
         with torch.no_grad():
-            plain.weight.copy_(torch.randn(1536, 576, generator=generator))
-        packed = PackedLinear(plain, keep_weight=True)
+            first.weight.copy_(torch.randn(1536, 576, generator=generator))
+        layer_bytes = first.weight.numel() * first.weight.element_size()
+        wanted = min(CACHE_MULTIPLE * cpu.last_level_cache_bytes(), SAMPLE_MEMORY)
+        plain = [first] + [_copy(first) for _ in range(max(1, -(-wanted // layer_bytes)) - 1)]
+        packed = [PackedLinear(layer, keep_weight=True) for layer in plain]
         prompt = torch.randn(256, 576, generator=generator).to(dtype)
         step = torch.randn(1, 576, generator=generator).to(dtype)
 
-        def typical_call(layer):
-            layer(prompt)
-            for _ in range(64):
-                layer(step)
+        def typical_call(layers):
+            turn = itertools.cycle(layers)  # carried on from call to call: every copy is read in turn
 
-        return {"packed": lambda: typical_call(packed), "plain": lambda: typical_call(plain)}
+            def call():
+                layers[0](prompt)
+                for _ in range(64):
+                    next(turn)(step)
+            return call
+
+        return {"packed": typical_call(packed), "plain": typical_call(plain)}
 
     name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
-    return choices.decide(name, candidates, otherwise="packed") == "packed"
+    return choices.decide(name, candidates, otherwise="packed", sample="steps_from_memory") == "packed"
+
+
+def _copy(linear: Linear) -> Linear:
+    """A Linear with a weight of its own, equal to `linear`'s."""
+    twin = Linear(linear.in_features, linear.out_features, bias=False, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        twin.weight.copy_(linear.weight)
+    return twin
 
 
 class PackedLinear(nn.Module):

@@ -25,11 +25,13 @@ def exact(x, weight, scales=None):
     return product if scales is None else product * scales.double()
 
 
-@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576)])
+@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576),
+                                        (200, 70, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
     # Tiles are cut from the weight's rows (n need not divide), each converted in vector lanes of 8 plus a tail
-    # (k need not be a multiple of 8), and each thread takes its own tiles.
+    # (k need not be a multiple of 8), and each thread takes its own tiles. Blocks of 64 rows or more widen a bfloat16
+    # weight block to float32 once (200 rows of 576: two row ranges), fewer convert it in registers.
     generator = torch.Generator().manual_seed(rows + n + k)
     x = torch.randn(rows, k, generator=generator)
     weight = torch.randn(n, k, generator=generator)
@@ -58,6 +60,10 @@ def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
                            exact(x, weight.bfloat16().float())),
                           (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True, wide=True),
                            exact(x, int8, scales))]
+            if k % 8 == 0:  # widened or in registers, a bf16 weight's blocks add what float32 blocks would, in order
+                bf16 = weight.bfloat16()
+                assert torch.equal(torch.ops.decodekit.tiled_product(x, bf16, blocks=True),
+                                   torch.ops.decodekit.tiled_product(x, bf16.float(), blocks=True))
     finally:
         torch.set_num_threads(saved)
     for got, want in cases:

@@ -1074,6 +1074,7 @@ DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t K, flo
 // How a block of MR rows by NR weight rows is computed: AVX2's block_dots (blocks of 3 rows) or AVX-512's (4).
 struct NarrowDots {
   static constexpr int kRows = kBlockRows;
+  static constexpr bool kWidens = true;  // bfloat16 weight blocks widened once (blocks_product)
   template <int MR, int NR, typename W>
   static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
     block_dots<MR, NR>(x, w, K, out, ldo, ahead);
@@ -1082,20 +1083,22 @@ struct NarrowDots {
 
 struct WideDots {
   static constexpr int kRows = kWideRows;
+  static constexpr bool kWidens = false;
   template <int MR, int NR, typename W>
   DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
     wide_block_dots<MR, NR>(x, w, K, out, ldo, ahead);
   }
 };
 
-// Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): Dots::kRows rows at a time, then the rest.
+// Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): Dots::kRows rows at a time, then the rest. The
+// first block of rows prefetches the weight rows at `ahead` (none where null).
 template <typename Dots, int NR, typename W>
-void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo) {
+void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
   constexpr int MR = Dots::kRows;
   const W* none = nullptr;
   int64_t i = 0;
-  if (M >= MR) {  // the first block of rows prefetches the weight block kBlocksAhead on
-    Dots::template run<MR, NR>(x, w, K, out, ldo, w + kBlocksAhead * kBlockWeights * K);
+  if (M >= MR) {
+    Dots::template run<MR, NR>(x, w, K, out, ldo, ahead);
     i = MR;
   }
   for (; i + MR <= M; i += MR) Dots::template run<MR, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
@@ -1107,16 +1110,43 @@ void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* ou
 }
 
 // x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K a multiple of the lanes.
+// With AVX2, a bfloat16 weight block that kWidenFromRows rows or more pass is widened to float32 once, into a
+// buffer that stays in L1, rather than in registers by every block of rows: converted in registers, the AVX2 blocks
+// ran a bf16 weight at 0.90-0.93x float32's speed at 128-512 rows on the AVX512-BF16 EPYC, which kept a bf16
+// prefill behind float32's on AVX2; widened, 0.96-0.99x. Fewer rows (a decode step's 32) read the weight faster
+// as bf16 (1.08x float32 converted in registers, 1.00-1.04x widened), and so did the AVX-512 blocks at every row
+// count (1.03-1.18x in registers, 0.94-0.96x widened): those keep converting in registers.
+constexpr int64_t kWidenFromRows = 64;
+
 template <typename Dots, typename W>
 void blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t K, float* out, int64_t ldo) {
   constexpr int MR = Dots::kRows;
   const int64_t range = std::max<int64_t>(MR, kRowRangeBytes / (4 * K) / MR * MR);
+  const bool widen = Dots::kWidens && !std::is_same_v<W, float> && std::min(M, range) >= kWidenFromRows;
+  std::vector<float> widened(widen ? kBlockWeights * K : 0);
   for (int64_t m0 = 0; m0 < M; m0 += range) {
     const int64_t m = std::min(range, M - m0);
     int64_t j = 0;
-    for (; j + kBlockWeights <= rows; j += kBlockWeights)
-      rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
-    for (; j < rows; ++j) rows_by_weights<Dots, 1>(x + m0 * K, m, w + j * K, K, out + m0 * ldo + j, ldo);
+    for (; j + kBlockWeights <= rows; j += kBlockWeights) {
+      const W* block = w + j * K;
+      const W* ahead = block + kBlocksAhead * kBlockWeights * K;
+      if constexpr (!std::is_same_v<W, float>) {
+        if (widen && m >= kWidenFromRows) {
+          for (int64_t k = 0; k < kBlockWeights * K; k += 64 / sizeof(W))
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
+          to_float(block, nullptr, widened.data(), kBlockWeights * K);
+          rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, widened.data(), K, out + m0 * ldo + j, ldo,
+                                               static_cast<const float*>(nullptr));
+          continue;
+        }
+      }
+      rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, block, K, out + m0 * ldo + j, ldo, ahead);
+    }
+    for (; j < rows; ++j) {
+      const W* weights = w + j * K;
+      rows_by_weights<Dots, 1>(x + m0 * K, m, weights, K, out + m0 * ldo + j, ldo,
+                               weights + kBlocksAhead * kBlockWeights * K);
+    }
   }
 }
 

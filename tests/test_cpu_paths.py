@@ -193,7 +193,7 @@ def test_the_packing_sample_reads_its_steps_weights_from_memory(monkeypatch):
         return otherwise
 
     monkeypatch.setattr(choices, "decide", capture)
-    packed.packing_pays(torch.float32)
+    packed.eager_layout(torch.float32)
     assert offered["name"] == "eager_weights_float32" and offered["sample"]  # not the one-layer sample's cache entry
     read = []
     for kind in (Linear, PackedLinear):
@@ -263,11 +263,11 @@ def test_choices_made_under_forced_probes_or_held_instructions_are_cached_apart(
 
 
 def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
-    # packing_pays times plain Linear layers, whose prompt products ask many_rows_route: a choice made inside
+    # eager_layout times plain Linear layers, whose prompt products ask many_rows_route: a choice made inside
     # another's measurement. With a plain lock that waited forever on a machine with no cached choices (a fresh
     # CI runner, a Ray actor); run in a child so a regression fails by timeout instead of hanging the suite.
     script = ("import torch\nfrom decodekit.kernels import packed, choices\n"
-              "packed.packing_pays(torch.float32)\nprint(sorted(choices._made))\n")
+              "packed.eager_layout(torch.float32)\nprint(sorted(choices._made))\n")
     env = {**os.environ, "DECODEKIT_CACHE_DIR": str(tmp_path), "DECODEKIT_CHOICES": "measure"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

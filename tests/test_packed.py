@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from decodekit.models import choices, cpu
+from decodekit.models import packed as packed_module
 from decodekit.models.packed import PackedLinear, pack_linears, unpack_linears
 from decodekit.testing import tiny_model
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True)
 def packing_chosen():
-    """These tests check the packed layout; whether a CPU uses it is measured (packing_pays), so it is forced here."""
+    """These tests check the packed layout; whether a CPU uses it is measured (eager_layout), so it is forced here."""
     with choices.forced(eager_weights_float32="packed", eager_weights_bfloat16="packed"):
         yield
 
@@ -178,3 +179,64 @@ def test_where_plain_weights_measure_faster_they_stay_plain_with_the_same_logits
     unpack_linears(tied)  # the next forward decides afresh
     packed = logits(tied)
     assert linears(tied, PackedLinear) and relative_error(packed, plain) < 1e-5
+
+
+needs_bf16_packing = pytest.mark.skipif(not cpu.has("onednn_bf16"), reason="oneDNN runs no bfloat16 matmul on this CPU")
+
+
+@needs_bf16_packing
+def test_both_layouts_take_prompts_packed_and_steps_plain_with_the_same_logits(tmp_path, monkeypatch):
+    model = tiny_model(tmp_path, "llama", tie_word_embeddings=False).to(torch.bfloat16)
+    prompt = torch.arange(3, 43)[None]  # 40 rows: past native.MAX_ROWS, a prompt's products
+    with choices.forced(eager_weights_bfloat16="plain"):
+        want_prompt, want_step = logits(model, prompt), logits(model, prompt[:, :1])
+    unpack_linears(model)
+    calls = []
+    monkeypatch.setattr(torch.ops.decodekit, "row_product", lambda *a, op=torch.ops.decodekit.row_product:
+                        calls.append("row_product") or op(*a), raising=False)
+    with choices.forced(eager_weights_bfloat16="both"):
+        got_prompt = logits(model, prompt)
+        assert calls == []  # every product of 40 rows ran on the packed weights
+        got_step = logits(model, prompt[:, :1])
+    layers = linears(model, PackedLinear)
+    assert len(layers) == 1 + 4 * model.config.num_hidden_layers and all(layer.plain_steps for layer in layers)
+    assert len(calls) == len(layers)  # and every one-row product on the plain ones
+    assert torch.equal(got_step, want_step)  # the same kernel as plain weights
+    assert relative_error(got_prompt, want_prompt) < 0.02  # oneDNN's and the library's bf16 products round alike
+    state = model.state_dict()
+    unpack_linears(model)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("fits", [True, False])
+def test_both_layouts_are_offered_to_a_bfloat16_model_only_where_the_second_copy_fits(tmp_path, monkeypatch, fits):
+    model = tiny_model(tmp_path, "llama", tie_word_embeddings=True).to(torch.bfloat16)
+    asked, held = [], {"used": 0}
+
+    def reserve(size):
+        held["used"] += size if fits else 0
+        return fits
+
+    monkeypatch.setattr(packed_module, "reserve_copy", reserve)
+    monkeypatch.setattr(packed_module, "release_copy", lambda size: held.__setitem__("used", held["used"] - size))
+    monkeypatch.setattr(packed_module, "eager_layout", lambda dtype, both=False: asked.append(both) or "both")
+    assert pack_linears(model)
+    untied = sum(m.shared_weight.nbytes for m in linears(model, PackedLinear) if m is not model.lm_head)
+    assert asked == [fits] and held["used"] == (untied if fits else 0)  # the tied lm_head's weight costs nothing
+    unpack_linears(model)
+    import gc
+
+    gc.collect()
+    assert held["used"] == 0  # released with the packed layers
+
+
+def test_the_layouts_offered_for_each_dtype(monkeypatch):
+    offered = []
+    monkeypatch.setattr(choices, "decide", lambda name, candidates, otherwise, sample="": offered.append(
+        (name, sorted(candidates()))) or otherwise)
+    packed_module.eager_layout(torch.bfloat16, both=True)
+    packed_module.eager_layout(torch.bfloat16, both=False)
+    packed_module.eager_layout(torch.float32, both=True)  # its plain prompts take C++ layers no sample runs
+    assert [labels for name, labels in offered if name.startswith("eager")] == [
+        ["both", "packed", "plain"], ["packed", "plain"], ["packed", "plain"]]

@@ -33,7 +33,7 @@ from . import cpu
 logger = logging.getLogger("decodekit")
 
 VARIABLE = "DECODEKIT_CHOICES"
-# Reentrant: measuring one choice may run code that makes another (packing_pays times plain Linear layers,
+# Reentrant: measuring one choice may run code that makes another (eager_layout times plain Linear layers,
 # whose prompt products ask many_rows_route); a plain lock deadlocked there on a machine with no cached choices.
 _lock = threading.RLock()
 _made: dict[str, str] = {}

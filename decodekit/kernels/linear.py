@@ -79,7 +79,8 @@ INTERLEAVED = 16
 # A packed weight is one more copy of the weight, as float32 whatever the weight's own format (a bfloat16 or int8
 # weight is converted first). Copies are made while all of them together stay within a share of the memory the
 # system had available when the first was made (PACKED_MEMORY_SHARE, or DECODEKIT_PACKED_MEMORY_SHARE: 0 makes
-# none); past it a product takes the next route.
+# none); past it a product takes the next route. The same budget holds the second copy of a bfloat16 model that keeps
+# both oneDNN's packed weights and the plain ones (packed.eager_layout's "both").
 PACKED_MEMORY_SHARE = 0.25
 SHARE_VARIABLE = "DECODEKIT_PACKED_MEMORY_SHARE"
 _packing = {"budget": None, "used": 0}
@@ -108,9 +109,22 @@ def packed_memory_share() -> float:
     return share
 
 
-def _release(size: int) -> None:
+def release_copy(size: int) -> None:
     with _packing_lock:
         _packing["used"] -= size
+
+
+def reserve_copy(size: int) -> bool:
+    """Counts a copy of `size` bytes against the budget of packed copies (packed_memory_share of the memory available
+    when the first was made); False, and nothing counted, where it would pass it. The caller releases it
+    (weakref.finalize(copy, release_copy, size)) when the copy goes."""
+    with _packing_lock:
+        if _packing["budget"] is None:  # unknown available memory: no copies
+            _packing["budget"] = int(packed_memory_share() * (host_memory_available() or 0))
+        if _packing["used"] + size > _packing["budget"]:
+            return False
+        _packing["used"] += size
+        return True
 
 
 def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor]):
@@ -129,19 +143,15 @@ def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32:
     if any(t.device.type != "cpu" for t in sources) or not mkl_packing():
         return None
     size = 4 * sources[0].numel()  # float32, whatever the weight's own format
-    with _packing_lock:
-        if _packing["budget"] is None:  # unknown available memory: no copies
-            _packing["budget"] = int(packed_memory_share() * (host_memory_available() or 0))
-        if _packing["used"] + size > _packing["budget"]:
-            return None
-        _packing["used"] += size
+    if not reserve_copy(size):
+        return None
     try:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
             packed = torch.ops.decodekit.mkl_pack(float32().detach().float())
     except BaseException:
-        _release(size)
+        release_copy(size)
         raise
-    weakref.finalize(packed, _release, size)
+    weakref.finalize(packed, release_copy, size)
     module.__dict__["_mkl_packed"] = (key, packed)
     return packed
 
@@ -265,6 +275,25 @@ def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[st
     return route, pays
 
 
+def few_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight^T + bias for x of 1 to native.MAX_ROWS `rows` on CPU, by decodekit's row kernel (float32 and
+    bfloat16 weights) or, inside a compiled step, one_row; None where neither applies."""
+    if x.device.type != "cpu" or not 1 <= rows <= native.MAX_ROWS:
+        return None
+    flat = x.reshape(rows, -1)
+    compiling = torch.compiler.is_compiling()
+    if rows == 1 and compiling and weight.dtype == torch.float32:
+        y = one_row(flat, weight)
+    elif weight.dtype in (torch.bfloat16, torch.float32) and native.ready(flat, weight, bias):
+        y = torch.ops.decodekit.row_product(flat.float().contiguous(), weight)
+    elif rows == 1 and compiling:
+        y = one_row(flat, weight)
+    else:
+        return None
+    y = y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
 class Linear(HoldsPackedCopy, nn.Linear):
     """nn.Linear whose products of up to 16 rows (native.MAX_ROWS) on CPU are decodekit's kernel for bfloat16 weights
     (native.py) where it is built; else one row inside a compiled step is `one_row`; F.linear otherwise.
@@ -274,10 +303,9 @@ class Linear(HoldsPackedCopy, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y = self._few_rows(x.reshape(rows, -1), rows) if x.device.type == "cpu" and 1 <= rows <= native.MAX_ROWS else None
+        y = few_rows(x, rows, self.weight, self.bias)
         if y is not None:
-            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            return y
         # A prompt's prefill on CPU: bf16/fp16 weights without matrix instructions for them, and float32 weights.
         prompt_in_float32 = x.device.type == "cpu" and rows > native.MAX_ROWS and self.weight.dtype == torch.float32
         if prompt_in_float32 or computes_in_float32(x, self.weight):
@@ -320,13 +348,3 @@ class Linear(HoldsPackedCopy, nn.Linear):
             return ("blocks" if route != "tiles" and self.in_features % 8 == 0 else "tiles"), self.weight
         return "library", self.weight
 
-    def _few_rows(self, flat: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """flat @ weight^T in float32 by decodekit's kernel or one_row, or None where neither applies."""
-        compiling = torch.compiler.is_compiling()
-        if rows == 1 and compiling and self.weight.dtype == torch.float32:
-            return one_row(flat, self.weight)
-        if self.weight.dtype in (torch.bfloat16, torch.float32) and native.ready(flat, self.weight, self.bias):
-            return torch.ops.decodekit.row_product(flat.float().contiguous(), self.weight)
-        if rows == 1 and compiling:
-            return one_row(flat, self.weight)
-        return None

@@ -10,12 +10,13 @@ and bfloat16 alike (bench/bench_generate.py measures the whole token).
 `pack_linears(model)` replaces each nn.Linear by a PackedLinear holding the packed copy; a weight
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
 Packing is skipped off CPU, for dtypes oneDNN cannot run here, for quantized models, and where plain weights
-measured faster on this CPU (packing_pays, a choice cached by CPU signature).
+measured faster on this CPU (eager_layout, a choice cached by CPU signature). Where prompts run faster packed and
+decode steps plain, as bfloat16 weights did on the AVX512-BF16 EPYC, a bfloat16 model keeps both layouts while the
+second copy fits the budget of packed copies (linear.reserve_copy): its steps take the plain weights.
 
 A compiled step of up to 16 rows multiplies plain weights faster itself (the C++ layer stack and row
 products, linear.one_row), so it holds the model unpacked while it runs (`plain_weights`); the next
-eager call packs again. A model therefore holds one
-layout at a time, and switching costs a copy of the weights (65-440 ms for the default model in float32).
+eager call packs again. Switching costs a copy of the weights (65-440 ms for the default model in float32).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 from torch import nn
 
 from . import cpu
-from .linear import Linear
+from .linear import Linear, release_copy, few_rows, reserve_copy
 
 logger = logging.getLogger("decodekit")
 
@@ -60,30 +62,39 @@ def _(x, packed, bias, out_features):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """True where oneDNN runs a packed linear for this weight (CPU, float32, or bfloat16 on CPUs with bf16
-    support) and packing pays on this CPU (packing_pays)."""
+    """True where oneDNN runs a packed linear for this weight: CPU, float32, or bfloat16 on CPUs with bf16 support.
+    Whether packing pays is eager_layout's question."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16 and not cpu.has("onednn_bf16"):
         return False
-    return weight.dtype in (torch.float32, torch.bfloat16) and packing_pays(weight.dtype)
+    return weight.dtype in (torch.float32, torch.bfloat16)
 
 
-# The layers a packing_pays sample's decode steps go round fill this many times the last-level cache, at most
-# SAMPLE_MEMORY bytes: each step then reads its weights from memory, as a model's steps do.
+# The layouts eager calls may hold weights in: oneDNN's packed one, the plain one, or "both": packed for prompts, the
+# plain weight kept for products of up to native.MAX_ROWS rows (decode steps), at the cost of a second copy.
+LAYOUTS = ("packed", "plain", "both")
+
+# The layers a sample's decode steps go round fill this many times the last-level cache, at most SAMPLE_MEMORY
+# bytes: each step then reads its weights from memory, as a model's steps do.
 CACHE_MULTIPLE, SAMPLE_MEMORY = 2, 512 << 20
 
 
-def packing_pays(dtype: torch.dtype) -> bool:
-    """Whether eager calls run faster on packed weights than on plain ones on this CPU, measured once per dtype
-    (choices.py) on default-model-sized layers over what a typical call does to each layer of a model: a 256-token
-    prompt, then 64 one-row decode steps. Plain weights take decodekit's row kernel for the steps and the library's
-    matmul for the prompt. The steps go round copies of the layer that overflow the last-level cache
-    (CACHE_MULTIPLE): on one layer, which stays in cache, oneDNN's packed bfloat16 product won on the AVX512-BF16
-    machine of 2026-11-26 (4.06 against 4.30 ms) while the whole model decoded 1.35x faster on plain weights (21
-    against 28.7 ms a token). Packed won on the AVX512-BF16 machine of 2026-11-23 (the prompt 2.3x faster);
-    oneDNN's packed one-row product was 2x slower than the kernels on an AVX2 machine before."""
+def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
+    """The layout (LAYOUTS) eager calls hold weights of `dtype` in on this CPU, measured once per dtype (choices.py)
+    on default-model-sized layers over what a typical call does to each layer of a model: a 256-token prompt, then
+    64 one-row decode steps. Plain weights take decodekit's row kernel for the steps and the library's matmul for the
+    prompt. "both" is offered where `both` (the caller found memory for the second copy) and for bfloat16 weights:
+    a float32 prompt on plain weights takes decodekit's C++ prompt layers, which a sample of one layer does not run,
+    while a bfloat16 one on a CPU with bf16 instructions runs the library's matmul, as here.
+
+    The steps go round copies of the layer that overflow the last-level cache (CACHE_MULTIPLE): on one layer, which
+    stays in cache, oneDNN's packed bfloat16 product won on the AVX512-BF16 EPYC of 2026-11-26 (4.06 against 4.30 ms)
+    while the whole model decoded 1.35x faster on plain weights (21 against 28.7 ms a token), and its prompts ran
+    1.1-1.3x faster packed: the case for both."""
     from . import choices, native
+
+    offered = LAYOUTS if both and dtype == torch.bfloat16 else LAYOUTS[:2]
 
     def candidates() -> dict:
         native.load()
@@ -94,7 +105,9 @@ def packing_pays(dtype: torch.dtype) -> bool:
         layer_bytes = first.weight.numel() * first.weight.element_size()
         wanted = min(CACHE_MULTIPLE * cpu.last_level_cache_bytes(), SAMPLE_MEMORY)
         plain = [first] + [_copy(first) for _ in range(max(1, -(-wanted // layer_bytes)) - 1)]
-        packed = [PackedLinear(layer, keep_weight=True) for layer in plain]
+        layers = {"plain": plain, "packed": [PackedLinear(layer, keep_weight=True) for layer in plain]}
+        if "both" in offered:
+            layers["both"] = [PackedLinear(layer, keep_weight=True, plain_steps=True) for layer in plain]
         prompt = torch.randn(256, 576, generator=generator).to(dtype)
         step = torch.randn(1, 576, generator=generator).to(dtype)
 
@@ -107,10 +120,10 @@ def packing_pays(dtype: torch.dtype) -> bool:
                     next(turn)(step)
             return call
 
-        return {"packed": typical_call(packed), "plain": typical_call(plain)}
+        return {label: typical_call(layers[label]) for label in offered}
 
     name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
-    return choices.decide(name, candidates, otherwise="packed", sample="steps_from_memory") == "packed"
+    return choices.decide(name, candidates, otherwise="packed", sample="steps_from_memory")
 
 
 def _copy(linear: Linear) -> Linear:
@@ -122,9 +135,11 @@ def _copy(linear: Linear) -> Linear:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W^T + b with W in oneDNN's blocked layout. `weight` gives W back as a plain tensor."""
+    """y = x @ W^T + b with W in oneDNN's blocked layout. `weight` gives W back as a plain tensor. With `plain_steps`
+    (the "both" layout, which keeps the weight), products of up to native.MAX_ROWS rows take the plain weight by
+    decodekit's row kernel (linear.few_rows)."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool):
+    def __init__(self, linear: nn.Linear, keep_weight: bool, plain_steps: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
@@ -132,13 +147,18 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
         # A shared (tied) weight is kept: it costs nothing extra and unpacking restores the tie.
-        self.shared_weight = linear.weight if keep_weight else None
+        self.shared_weight = linear.weight if keep_weight or plain_steps else None
+        self.plain_steps = plain_steps
 
     @property
     def weight(self) -> torch.Tensor:
         return self.shared_weight if self.shared_weight is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain_steps:
+            y = few_rows(x, x.numel() // self.in_features, self.shared_weight, self.bias)
+            if y is not None:
+                return y
         if torch.compiler.is_compiling():
             return torch.ops.decodekit.packed_linear(x, self.packed, self.bias, self.out_features)
         return _linear(x, self.packed, self.bias, self.out_features)  # eager: no dispatch through our operator
@@ -190,9 +210,22 @@ def _pack(model: nn.Module) -> bool:
     counts: dict[int, int] = {}
     for _, _, linear in linears:
         counts[id(linear.weight)] = counts.get(id(linear.weight), 0) + 1
+    shared = {id(linear.weight) for _, _, linear in linears if id(linear.weight) in others or counts[id(linear.weight)] > 1}
+    # "both" keeps every weight beside its packed copy: that copy counts against linear.py's budget of packed copies.
+    extra = sum(linear.weight.nbytes for _, _, linear in linears if id(linear.weight) not in shared)
+    dtypes = {linear.weight.dtype for _, _, linear in linears}
+    both = len(dtypes) == 1 and torch.bfloat16 in dtypes and reserve_copy(extra)
+    layouts = {dtype: eager_layout(dtype, both) for dtype in dtypes}
+    if "both" not in layouts.values() and both:
+        release_copy(extra)
+        both = False
+    if "plain" in layouts.values():
+        return False
     for parent, name, linear in linears:
-        shared = id(linear.weight) in others or counts[id(linear.weight)] > 1
-        setattr(parent, name, PackedLinear(linear, keep_weight=shared))
+        packed = PackedLinear(linear, keep_weight=id(linear.weight) in shared, plain_steps=layouts[linear.weight.dtype] == "both")
+        setattr(parent, name, packed)
+    if both:
+        weakref.finalize(packed, release_copy, extra)  # the copies go with the packed layers, all at once
     return True
 
 

@@ -48,14 +48,17 @@ def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
         for model in (ours_fp32, ours_bf16, ours_int8):
             model(long_ids[:, :32], use_cache=False)  # an eager forward decides packing and the int8 route
 
-    def packed(model):
-        return any(isinstance(m, PackedLinear) for m in model.modules())
+    def layout(model, plain: str) -> str:
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if not packed:
+            return plain
+        return "both (oneDNN packed for prompts, plain for steps)" if packed[0].plain_steps else "oneDNN packed"
 
     return {
         "cpu": cpu.describe(),
         "native_kernels": native.load() and cpu.has("native_kernels"),
-        "fp32_eager_weights": "oneDNN packed" if packed(ours_fp32) else "plain",
-        "bf16_eager_weights": "oneDNN packed" if packed(ours_bf16) else "plain (decodekit row kernels / float32 route)",
+        "fp32_eager_weights": layout(ours_fp32, "plain"),
+        "bf16_eager_weights": layout(ours_bf16, "plain (decodekit row kernels / float32 route)"),
         "int8_prefill_route": choices.made("int8_many_rows") or "not chosen yet",
     }
 

@@ -1010,16 +1010,13 @@ inline __m128 horizontal_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // 
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[i * ldo + j] = x[i] . w[j] for MR rows x (stride K) and NR weight rows w (stride K), K % 8 == 0; with
-// `ahead`, the weight rows at that address are prefetched along the way.
+// out[i * ldo + j] = x[i] . w[j] for MR rows x (stride K) and NR weight rows w (stride K), K % 8 == 0.
 template <int MR, int NR, typename W>
-inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
+inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
-    if (ahead != nullptr && k % (64 / sizeof(W)) == 0)  // one prefetch per cache line of each weight row
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + k), _MM_HINT_T0);
     __m256 a[MR];
     for (int i = 0; i < MR; ++i) a[i] = _mm256_loadu_ps(x + i * K + k);
     for (int j = 0; j < NR; ++j) {
@@ -1053,13 +1050,11 @@ DECODEKIT_AVX512 inline __m512 load16(const c10::BFloat16* w) {
 }
 
 template <int MR, int NR, typename W>
-DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
+DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    if (ahead != nullptr && k % (64 / sizeof(W)) == 0)
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + k), _MM_HINT_T0);
     __m512 a[MR];
     for (int i = 0; i < MR; ++i) a[i] = _mm512_loadu_ps(x + i * K + k);
     for (int j = 0; j < NR; ++j) {
@@ -1076,8 +1071,8 @@ struct NarrowDots {
   static constexpr int kRows = kBlockRows;
   static constexpr bool kWidens = true;  // bfloat16 weight blocks widened once (blocks_product)
   template <int MR, int NR, typename W>
-  static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
-    block_dots<MR, NR>(x, w, K, out, ldo, ahead);
+  static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
+    block_dots<MR, NR>(x, w, K, out, ldo);
   }
 };
 
@@ -1085,28 +1080,35 @@ struct WideDots {
   static constexpr int kRows = kWideRows;
   static constexpr bool kWidens = false;
   template <int MR, int NR, typename W>
-  DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
-    wide_block_dots<MR, NR>(x, w, K, out, ldo, ahead);
+  DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
+    wide_block_dots<MR, NR>(x, w, K, out, ldo);
   }
 };
 
 // Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): Dots::kRows rows at a time, then the rest. The
-// first block of rows prefetches the weight rows at `ahead` (none where null).
+// NR weight rows at `ahead` (none where null) are prefetched along the way, a share before each block of rows:
+// issued all by the first block, as before, a 32-row product of weights read from memory ran at 138 GFLOP/s
+// against 187 in cache on the AVX512-BF16 EPYC (more prefetches at once than a core keeps in flight).
 template <typename Dots, int NR, typename W>
 void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
   constexpr int MR = Dots::kRows;
-  const W* none = nullptr;
+  const char* next = reinterpret_cast<const char*>(ahead);
+  const char* end = next + (ahead == nullptr ? 0 : NR * K * sizeof(W));
+  const int64_t share = ((end - next) / 64 / std::max<int64_t>(1, M / MR) + 1) * 64;
+  auto prefetch_share = [&]() {
+    for (const char* stop = std::min(end, next + share); next < stop; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  };
   int64_t i = 0;
-  if (M >= MR) {
-    Dots::template run<MR, NR>(x, w, K, out, ldo, ahead);
-    i = MR;
+  for (; i + MR <= M; i += MR) {
+    prefetch_share();
+    Dots::template run<MR, NR>(x + i * K, w, K, out + i * ldo, ldo);
   }
-  for (; i + MR <= M; i += MR) Dots::template run<MR, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+  prefetch_share();
   if constexpr (MR > 3) {
-    if (M - i == 3) Dots::template run<3, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+    if (M - i == 3) Dots::template run<3, NR>(x + i * K, w, K, out + i * ldo, ldo);
   }
-  if (M - i == 2) Dots::template run<2, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
-  if (M - i == 1) Dots::template run<1, NR>(x + i * K, w, K, out + i * ldo, ldo, none);
+  if (M - i == 2) Dots::template run<2, NR>(x + i * K, w, K, out + i * ldo, ldo);
+  if (M - i == 1) Dots::template run<1, NR>(x + i * K, w, K, out + i * ldo, ldo);
 }
 
 // x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K a multiple of the lanes.

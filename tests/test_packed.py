@@ -235,8 +235,10 @@ def test_the_layouts_offered_for_each_dtype(monkeypatch):
     offered = []
     monkeypatch.setattr(choices, "decide", lambda name, candidates, otherwise, sample="": offered.append(
         (name, sorted(candidates()))) or otherwise)
-    packed_module.eager_layout(torch.bfloat16, both=True)
-    packed_module.eager_layout(torch.bfloat16, both=False)
     packed_module.eager_layout(torch.float32, both=True)  # its plain prompts take C++ layers no sample runs
-    assert [labels for name, labels in offered if name.startswith("eager")] == [
-        ["both", "packed", "plain"], ["packed", "plain"], ["packed", "plain"]]
+    want = [["packed", "plain"]]
+    if cpu.has("onednn_bf16"):  # elsewhere a bfloat16 weight is never packed (can_pack)
+        packed_module.eager_layout(torch.bfloat16, both=True)
+        packed_module.eager_layout(torch.bfloat16, both=False)
+        want += [["both", "packed", "plain"], ["packed", "plain"]]
+    assert [labels for name, labels in offered if name.startswith("eager")] == want

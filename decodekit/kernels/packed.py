@@ -22,6 +22,7 @@ eager call packs again. Switching costs a copy of the weights (65-440 ms for the
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 import time
@@ -76,8 +77,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 LAYOUTS = ("packed", "plain", "both")
 
 # The layers a sample's decode steps go round fill this many times the last-level cache, at most SAMPLE_MEMORY
-# bytes: each step then reads its weights from memory, as a model's steps do.
-CACHE_MULTIPLE, SAMPLE_MEMORY = 2, 512 << 20
+# bytes (twice that with the packed copies, which "both" shares): each step then reads its weights from memory, as a
+# model's steps do.
+CACHE_MULTIPLE, SAMPLE_MEMORY = 2, 256 << 20
 
 
 def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
@@ -107,7 +109,7 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
         plain = [first] + [_copy(first) for _ in range(max(1, -(-wanted // layer_bytes)) - 1)]
         layers = {"plain": plain, "packed": [PackedLinear(layer, keep_weight=True) for layer in plain]}
         if "both" in offered:
-            layers["both"] = [PackedLinear(layer, keep_weight=True, plain_steps=True) for layer in plain]
+            layers["both"] = [_with_plain_steps(layer) for layer in layers["packed"]]
         prompt = torch.randn(256, 576, generator=generator).to(dtype)
         step = torch.randn(1, 576, generator=generator).to(dtype)
 
@@ -124,6 +126,13 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
 
     name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
     return choices.decide(name, candidates, otherwise="packed", sample="steps_from_memory")
+
+
+def _with_plain_steps(packed: "PackedLinear") -> "PackedLinear":
+    """`packed` in the "both" layout, sharing its packed copy and weight."""
+    twin = copy.copy(packed)  # the module's dicts of buffers and parameters are shared, not copied
+    twin.plain_steps = True
+    return twin
 
 
 def _copy(linear: Linear) -> Linear:

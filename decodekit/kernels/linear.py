@@ -347,4 +347,3 @@ class Linear(HoldsPackedCopy, nn.Linear):
                 return "wide_blocks", self.weight
             return ("blocks" if route != "tiles" and self.in_features % 8 == 0 else "tiles"), self.weight
         return "library", self.weight
-

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import cpu
-from .linear import Linear, release_copy, few_rows, reserve_copy
+from .linear import Linear, few_rows, release_copy, reserve_copy
 
 logger = logging.getLogger("decodekit")
 

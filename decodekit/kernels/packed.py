@@ -219,19 +219,26 @@ def _pack(model: nn.Module) -> bool:
     counts: dict[int, int] = {}
     for _, _, linear in linears:
         counts[id(linear.weight)] = counts.get(id(linear.weight), 0) + 1
-    shared = {id(linear.weight) for _, _, linear in linears if id(linear.weight) in others or counts[id(linear.weight)] > 1}
+    shared = {id(linear.weight) for _, _, linear in linears
+              if id(linear.weight) in others or counts[id(linear.weight)] > 1}
     # "both" keeps every weight beside its packed copy: that copy counts against linear.py's budget of packed copies.
     extra = sum(linear.weight.nbytes for _, _, linear in linears if id(linear.weight) not in shared)
     dtypes = {linear.weight.dtype for _, _, linear in linears}
     both = len(dtypes) == 1 and torch.bfloat16 in dtypes and reserve_copy(extra)
-    layouts = {dtype: eager_layout(dtype, both) for dtype in dtypes}
-    if "both" not in layouts.values() and both:
+    try:
+        layouts = {dtype: eager_layout(dtype, both) for dtype in dtypes}
+    except BaseException:
+        if both:
+            release_copy(extra)
+        raise
+    if both and "both" not in layouts.values():
         release_copy(extra)
         both = False
     if "plain" in layouts.values():
         return False
     for parent, name, linear in linears:
-        packed = PackedLinear(linear, keep_weight=id(linear.weight) in shared, plain_steps=layouts[linear.weight.dtype] == "both")
+        packed = PackedLinear(linear, keep_weight=id(linear.weight) in shared,
+                              plain_steps=layouts[linear.weight.dtype] == "both")
         setattr(parent, name, packed)
     if both:
         weakref.finalize(packed, release_copy, extra)  # the copies go with the packed layers, all at once

@@ -249,11 +249,12 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
     from decodekit.kernels.linear import many_rows_routes
+    from decodekit.kernels.packed import LAYOUT_SAMPLE
 
     # Plain weights too: a step of 17 rows or more runs on oneDNN-packed weights where packing measures faster (a
     # close call on the AMD EPYC machine, which then ran no tiled_product here).
     on_disk = {choices.signature(): {choices._key("float32_rows_32", many_rows_routes()): "blocks",
-                                     choices._key("eager_weights_float32", ("packed", "plain")): "plain"}}
+                                     choices._key("eager_weights_float32", ("packed", "plain"), LAYOUT_SAMPLE): "plain"}}
     monkeypatch.setattr(choices, "_made", {})  # a fresh process: the choice is in the cache file only
     monkeypatch.setattr(choices, "_read", lambda: on_disk)
     monkeypatch.setattr(choices, "_write", lambda key, choice: None)

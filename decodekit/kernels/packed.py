@@ -80,6 +80,7 @@ LAYOUTS = ("packed", "plain", "both")
 # bytes (twice that with the packed copies, which "both" shares): each step then reads its weights from memory, as a
 # model's steps do.
 CACHE_MULTIPLE, SAMPLE_MEMORY = 2, 256 << 20
+LAYOUT_SAMPLE = "steps_from_memory"  # the sample's name in the choices' cache key (choices._key)
 
 
 def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
@@ -125,7 +126,7 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
         return {label: typical_call(layers[label]) for label in offered}
 
     name = f"eager_weights_{str(dtype).removeprefix('torch.')}"
-    return choices.decide(name, candidates, otherwise="packed", sample="steps_from_memory")
+    return choices.decide(name, candidates, otherwise="packed", sample=LAYOUT_SAMPLE)
 
 
 def _with_plain_steps(packed: "PackedLinear") -> "PackedLinear":

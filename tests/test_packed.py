@@ -1,6 +1,7 @@
 """oneDNN-packed linear weights: same logits as plain nn.Linear, ties and state_dict kept, undone before
 dtype moves and quantization."""
 
+import gc
 import logging
 
 import pytest
@@ -225,8 +226,6 @@ def test_both_layouts_are_offered_to_a_bfloat16_model_only_where_the_second_copy
     untied = sum(m.shared_weight.nbytes for m in linears(model, PackedLinear) if m is not model.lm_head)
     assert asked == [fits] and held["used"] == (untied if fits else 0)  # the tied lm_head's weight costs nothing
     unpack_linears(model)
-    import gc
-
     gc.collect()
     assert held["used"] == 0  # released with the packed layers
 

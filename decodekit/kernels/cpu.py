@@ -121,6 +121,7 @@ def signature() -> str:
 
 
 DEFAULT_CACHE_BYTES = 32 << 20  # where the kernel does not say: a common last-level cache of a server CPU
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs writes cache sizes as "32768K"
 
 
 def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -132,8 +133,7 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
             text = (index / "size").read_text().strip().upper()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+        number, unit = (text[:-1], _SIZE_UNITS[text[-1]]) if text[-1:] in _SIZE_UNITS else (text, 1)
         if number.isdigit():
             sizes.append(int(number) * unit)
     return max(sizes, default=DEFAULT_CACHE_BYTES)

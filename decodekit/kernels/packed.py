@@ -107,7 +107,7 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
             first.weight.copy_(torch.randn(1536, 576, generator=generator))
         layer_bytes = first.weight.numel() * first.weight.element_size()
         wanted = min(CACHE_MULTIPLE * cpu.last_level_cache_bytes(), SAMPLE_MEMORY)
-        plain = [first] + [_copy(first) for _ in range(max(1, -(-wanted // layer_bytes)) - 1)]
+        plain = [first] + [copy.deepcopy(first) for _ in range(max(1, -(-wanted // layer_bytes)) - 1)]
         layers = {"plain": plain, "packed": [PackedLinear(layer, keep_weight=True) for layer in plain]}
         if "both" in offered:
             layers["both"] = [_with_plain_steps(layer) for layer in layers["packed"]]
@@ -133,14 +133,6 @@ def _with_plain_steps(packed: "PackedLinear") -> "PackedLinear":
     """`packed` in the "both" layout, sharing its packed copy and weight."""
     twin = copy.copy(packed)  # the module's dicts of buffers and parameters are shared, not copied
     twin.plain_steps = True
-    return twin
-
-
-def _copy(linear: Linear) -> Linear:
-    """A Linear with a weight of its own, equal to `linear`'s."""
-    twin = Linear(linear.in_features, linear.out_features, bias=False, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        twin.weight.copy_(linear.weight)
     return twin
 
 

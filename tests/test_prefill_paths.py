@@ -338,6 +338,78 @@ def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_h
         assert (got - expected).abs().max() < 1e-5
 
 
+def attention_weights(q, k, v, first, window):
+    """The float64 probabilities [H, T, L] of causal attention of q [H, T, D] at positions first.. over k [KV, L, D],
+    and v repeated for every query head."""
+    heads, kv_heads = q.shape[0], k.shape[0]
+    q, k, v = q.double(), k.double().repeat_interleave(heads // kv_heads, 0), v.double().repeat_interleave(heads // kv_heads, 0)
+    q_pos, k_pos = torch.arange(first, first + q.shape[1])[:, None], torch.arange(k.shape[1])[None]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    return (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1), v
+
+
+def bf16_kernel_on_threads(q, k, v, window):
+    """The bfloat16 kernel's output on 1 and on 2 threads."""
+    got = []
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                got.append(torch.ops.decodekit.prefill_attention(q, k, v, window, True))
+        finally:
+            torch.set_num_threads(saved)
+    return got
+
+
+BF16_KERNEL = pytest.mark.skipif(not cpu.has("avx512_bf16"), reason="the bfloat16 products need a CPU with avx512_bf16")
+BF16_CASES = [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (301, 33, 64), (0, 1000, 0), (700, 150, 0),
+              (600, 260, 300), (3, 100, 9)]
+BF16_SHAPES = [(6, 2, 32), (4, 4, 64), (9, 3, 128)]
+
+
+@BF16_KERNEL
+@pytest.mark.parametrize("first, length, window", BF16_CASES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", BF16_SHAPES)
+def test_bfloat16_prefill_attention_is_within_its_roundings(first, length, window, heads, kv_heads, head_dim):
+    # Scores and sums in float32; two roundings to bfloat16 (unit 2^-8): each probability's, then the output's. So
+    # each output is within 2^-7 x sum_j p_j |v_j| of exact attention on the same bfloat16 inputs (the worst case
+    # seen here was 0.73 of that); a score read from the wrong keys, or a tile of them masked wrongly, is not.
+    # The threads split tasks, never a task's sums: 1 and 2 threads agree bit for bit.
+    generator = torch.Generator().manual_seed(first + length + window + head_dim)
+    q = torch.randn(heads, length, head_dim, generator=generator).bfloat16()
+    k, v = (torch.randn(kv_heads, first + length, head_dim, generator=generator).bfloat16() for _ in range(2))
+    p, values = attention_weights(q, k, v, first, window)
+    one, two = bf16_kernel_on_threads(q, k, v, window)
+    assert one.dtype == torch.bfloat16 and torch.equal(one, two)
+    error, bound = (one.double() - p @ values).abs(), 2**-7 * (p @ values.abs()) + 1e-6
+    assert bool((error <= bound).all()), f"{float((error / bound).max()):.2f}x the rounding bound"
+
+
+@BF16_KERNEL
+@pytest.mark.parametrize("first, length, window", BF16_CASES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", BF16_SHAPES[:2])
+def test_bfloat16_prefill_attention_averages_exactly_the_visible_values(first, length, window, heads, kv_heads, head_dim):
+    # Zero queries score every key alike: each output is the mean of the values its query sees, and with integer
+    # values the kernel's sums are exact, so one key too many or too few (in a pair split at an odd window start, a
+    # tile's tail, a block seen by some rows only) moves the mean by far more than its one rounding to bfloat16.
+    generator = torch.Generator().manual_seed(first + length + window)
+    q = torch.zeros(heads, length, head_dim).bfloat16()
+    k = torch.randn(kv_heads, first + length, head_dim, generator=generator).bfloat16()
+    v = torch.randint(-100, 101, (kv_heads, first + length, head_dim), generator=generator).bfloat16()
+    p, values = attention_weights(q, k, v, first, window)
+    one, two = bf16_kernel_on_threads(q, k, v, window)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one.double(), p @ values, atol=1e-9, rtol=2**-8 * 1.001)  # atol: float64 softmax noise
+
+
+@BF16_KERNEL
+def test_bfloat16_prefill_attention_refuses_a_head_dim_it_does_not_tile():
+    q, k = torch.zeros(2, 4, 48).bfloat16(), torch.zeros(1, 4, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="head_dim multiple of 32, got 48"):
+        torch.ops.decodekit.prefill_attention(q, k, k, 0, True)
+
+
 @pytest.mark.skipif(not cpu.has("avx512f"), reason="the AVX-512 softmax needs a CPU with avx512f")
 def test_prompt_attention_takes_the_avx512_softmax_only_where_the_probe_says_so():
     from decodekit.kernels import attention
@@ -353,7 +425,7 @@ def test_prompt_attention_takes_the_avx512_softmax_only_where_the_probe_says_so(
 
 
 def test_prefill_attention_refuses_what_it_does_not_take():
-    with pytest.raises(RuntimeError, match="float32 q, k, v expected"):
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16 expected"):
         torch.ops.decodekit.prefill_attention(torch.zeros(2, 4, 8).bfloat16(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8))
     with pytest.raises(RuntimeError, match="shapes do not fit"):
         torch.ops.decodekit.prefill_attention(torch.zeros(3, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
@@ -398,6 +470,26 @@ def test_a_bfloat16_model_takes_the_attention_route_measured_for_bfloat16(tmp_pa
         calls[bf16_route] = counts.get("decodekit::prefill_attention", 0) + counts.get("decodekit::prompt_layer_end", 0)
     assert calls == {"kernel": model.config.num_hidden_layers, "sdpa": 0}
     assert float((outputs["kernel"] - outputs["sdpa"]).norm() / outputs["sdpa"].norm()) < 2e-2
+
+
+@BF16_KERNEL
+def test_a_bfloat16_model_takes_the_bfloat16_kernel_where_chosen_in_prompts_and_batch_chunks(tmp_path):
+    # head_dim 32 (2 heads of 64): the bfloat16 products' tiles. Forced, every layer's prompt attention and every
+    # prompt chunk of continuous batching calls the bfloat16 operator (the Python layers run it); its logits agree
+    # with SDPA's to bfloat16's rounding, and greedy continuations of both prompts are the same tokens.
+    model = tiny_model(tmp_path, num_attention_heads=2, num_key_value_heads=1).to(torch.bfloat16)
+    prompts = [LONG[0].tolist(), LONG[0, :25].tolist()]
+    outputs, batches, calls = {}, {}, {}
+    for route in ("sdpa", "bf16_kernel"):
+        with choices.forced(prompt_attention_bfloat16_512=route), torch.profiler.profile() as profile:
+            outputs[route] = prefill(model, LONG)
+            batch = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False)
+            batches[route] = [r.generated_tokens for r in batch.values()]
+        calls[route] = sum(e.count for e in profile.key_averages() if e.key == "decodekit::prefill_attention")
+    layers = model.config.num_hidden_layers
+    assert calls == {"sdpa": 0, "bf16_kernel": 3 * layers}  # the prompt's layers, then both prompts' chunks
+    assert float((outputs["bf16_kernel"] - outputs["sdpa"]).norm() / outputs["sdpa"].norm()) < 2e-2
+    assert batches["bf16_kernel"] == batches["sdpa"]
 
 
 # float32 within float32's rounding; bfloat16 computed in float32 and rounded once, the library rounding after each

@@ -1,5 +1,6 @@
 """Causal attention of a prompt or a prompt chunk on CPU: decodekit::prefill_attention where it measured faster than
-the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul)."""
+the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul). Its
+products run in float32, or for bfloat16 on a CPU with AVX512-BF16 in bfloat16 pairs summed in float32."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from . import choices, cpu, native
 
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 runs through float32
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+BF16_COLUMNS = 32  # kBf16Columns in cpu_kernels.cpp: the bfloat16 products need a head_dim multiple of it
 
 
 # Attention over up to this many keys is measured as one class, longer as another: on the AVX2 bench machine the
@@ -16,11 +18,13 @@ SHORT_KEYS = 1024
 
 
 def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
-    """"kernel" (decodekit::prefill_attention) or "sdpa" for attention in `dtype` over `keys` keys, measured once per
+    """"kernel" (decodekit::prefill_attention in float32), "bf16_kernel" (the same in bfloat16 products, offered for
+    bfloat16 where the CPU has AVX512-BF16) or "sdpa" for attention in `dtype` over `keys` keys, measured once per
     CPU, dtype and class of lengths (choices.py: prompt_attention_float32_512, prompt_attention_bfloat16_2048, ...)
     on a prompt of 512 or 2,048 tokens through one layer of the default model's shape (9 query heads, 3 kv heads,
-    head_dim 64). The dtypes are measured apart: the kernel computes in float32, SDPA in the model's dtype, which on
-    a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the kernel."""
+    head_dim 64). The dtypes are measured apart: SDPA computes in the model's dtype, which on a CPU with bfloat16
+    matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the float32 kernel; on the AVX512-BF16 bench
+    machine without AMX the bfloat16 kernel ran 1.4-1.9x as fast as the float32 one."""
     size = 512 if keys <= SHORT_KEYS else 2048
 
     def candidates() -> dict:
@@ -29,10 +33,13 @@ def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
         generator = torch.Generator().manual_seed(0)
         q = torch.randn(1, 9, size, 64, generator=generator).to(dtype)
         k, v = (torch.randn(1, 3, size, 64, generator=generator).to(dtype) for _ in range(2))
-        return {
+        offered = {
             "kernel": lambda: kernel(q[0], k[0], v[0], 0),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
+        if dtype == torch.bfloat16 and cpu.has("avx512_bf16"):
+            offered["bf16_kernel"] = lambda: bf16_kernel(q[0], k[0], v[0], 0)
+        return offered
 
     return choices.decide(f"prompt_attention_{str(dtype).removeprefix('torch.')}_{size}", candidates, otherwise="sdpa")
 
@@ -48,6 +55,12 @@ def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> to
     return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide_softmax()).to(q.dtype)
 
 
+def bf16_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """decodekit::prefill_attention on bfloat16 q, k, v (a CPU with AVX512-BF16, head_dim a multiple of 32): the
+    scores and sums in float32, the probabilities rounded to bfloat16 for the second product; bfloat16 out."""
+    return torch.ops.decodekit.prefill_attention(q, k, v, window, True)
+
+
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """Causal attention of q [H, T, D] over k, v [KV, L, D] (query i at position L - T + i; a sliding `window` or
     None), as [H, T, D] in q's dtype; None where the kernel does not apply (off CPU, a dtype it does not take,
@@ -56,4 +69,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         return None
     if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v):
         return None
-    return kernel(q, k, v, window or 0) if prompt_attention_route(k.shape[1], q.dtype) == "kernel" else None
+    route = prompt_attention_route(k.shape[1], q.dtype)
+    if route == "bf16_kernel" and q.dtype == k.dtype == v.dtype and q.shape[-1] % BF16_COLUMNS == 0:
+        return bf16_kernel(q, k, v, window or 0)
+    return kernel(q, k, v, window or 0) if route != "sdpa" else None

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/add.h>
@@ -1514,74 +1515,107 @@ void attend_in_key_blocks(const at::Tensor& qt, const float* keys, const float* 
   }
 }
 
-// Writes the output to `os` as [H, T, D], or with `tokens_major` as [T, H, D] (the rows of the o projection).
+// One task of a prompt's attention: kv head g and queries [i0, i0 + rows) with every query head of g's group stacked,
+// over keys [lo, hi), the ones visible to some of its queries.
+struct PromptTask {
+  int64_t g, i0, rows, lo, hi;
+};
+
+// Query i sits at position first + i; row r of a task's stacked rows (query i0 + r % rows of some head) sees keys
+// [from, to) relative to `lo` (the task's lo, or a lower start a caller keys its blocks from).
+inline std::pair<int64_t, int64_t> visible_keys(const PromptTask& t, int64_t r, int64_t first, int64_t window, int64_t lo) {
+  const int64_t position = first + t.i0 + r % t.rows;
+  const int64_t from = window > 0 ? std::max(lo, position - window + 1) - lo : 0;
+  return {from, position - lo + 1};
+}
+
+// Runs fn(task, state) over the tasks of q [H, T, D] against KV heads of L keys, split among the threads, each with
+// a State of its own. Later blocks see more keys: tasks are taken in the order first, last, second, second to
+// last, ... so that the threads' contiguous shares of them cost about the same.
+template <typename State, typename Fn>
+void for_prompt_tasks(int64_t KV, int64_t T, int64_t L, int64_t window, Fn fn) {
+  const int64_t first = L - T, blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = KV * blocks;
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard as_caller(caller);
+    State state;
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t task = n % 2 == 0 ? n / 2 : tasks - 1 - n / 2;
+      const int64_t g = task / blocks, i0 = task % blocks * kQueryBlock, i1 = std::min(T, i0 + kQueryBlock);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first + i0 - window + 1) : 0;
+      fn(PromptTask{g, i0, i1 - i0, lo, first + i1}, state);
+    }
+  });
+}
+
+// Where a task's stacked output rows go: `os` as [H, T, D], or with `tokens_major` as [T, H, D] (the rows of the o
+// projection).
+template <typename A>
+struct PromptOutput {
+  A* os;
+  int64_t T, H, D, group;
+  bool tokens_major;
+
+  // Row r of task t, which holds query t.i0 + r % t.rows of head t.g * group + r / t.rows.
+  A* row(const PromptTask& t, int64_t r) const {
+    const int64_t h = t.g * group + r / t.rows, i = t.i0 + r % t.rows;
+    return os + (tokens_major ? i * H + h : h * T + i) * D;
+  }
+};
+
 template <typename Softmax>
 void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window, float* os,
                    bool tokens_major) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
-  const int64_t group = H / KV, first = L - T, blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = KV * blocks;
+  const int64_t group = H / KV, first = L - T;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
-  const int64_t head_stride = tokens_major ? D : T * D, token_stride = tokens_major ? H * D : D;
-  // The block's result [group x rows, D] to the heads of kv head g, queries i0...
-  const auto store = [&](int64_t g, int64_t i0, int64_t rows, const float* result) {
-    for (int64_t h = 0; h < group; ++h)
-      for (int64_t i = 0; i < rows; ++i)
-        std::memcpy(os + (g * group + h) * head_stride + (i0 + i) * token_stride, result + (h * rows + i) * D,
-                    D * sizeof(float));
+  const PromptOutput<float> output{os, T, H, D, group, tokens_major};
+  struct State {
+    std::vector<float> query, scores, result, inverses;
   };
-  const at::ThreadLocalState caller;
-  // Later blocks see more keys: tasks are taken in the order first, last, second, second to last, ... so that the
-  // threads' contiguous shares of them cost about the same.
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    at::ThreadLocalStateGuard as_caller(caller);
-    std::vector<float> query(group * kQueryBlock * D), scores, result(group * kQueryBlock * D), inverses(group * kQueryBlock);
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t task = n % 2 == 0 ? n / 2 : tasks - 1 - n / 2;
-      const int64_t g = task / blocks, b = task % blocks;
-      const int64_t i0 = b * kQueryBlock, i1 = std::min(T, i0 + kQueryBlock), rows = i1 - i0, M = group * rows;
-      const int64_t hi = first + i1;  // keys [lo, hi) are visible to some query of the block
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, first + i0 - window + 1) : 0, width = hi - lo;
-      for (int64_t h = 0; h < group; ++h)
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* from = qs + ((g * group + h) * T + i0 + i) * D;
-          float* to = query.data() + (h * rows + i) * D;
-          for (int64_t d = 0; d < D; ++d) to[d] = from[d] * scale;
-        }
-      const auto opts = q.options();
-      at::Tensor qt = at::from_blob(query.data(), {M, D}, opts);
-      if (width > kWholeRowKeys) {
-        auto row_range = [&](int64_t r) {
-          const int64_t position = first + i0 + r % rows;
-          const int64_t from = window > 0 ? std::max(lo, position - window + 1) - lo : 0;
-          return std::pair<int64_t, int64_t>(from, position - lo + 1);
-        };
-        attend_in_key_blocks<Softmax>(qt, ks + g * L * D, vs + g * L * D, lo, hi, D, row_range, scores, result.data());
-        store(g, i0, rows, result.data());
-        continue;
+  for_prompt_tasks<State>(KV, T, L, window, [&](const PromptTask& t, State& st) {
+    const int64_t M = group * t.rows, width = t.hi - t.lo;
+    st.query.resize(M * D);
+    st.result.resize(M * D);
+    st.inverses.resize(M);
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t i = 0; i < t.rows; ++i) {
+        const float* from = qs + ((t.g * group + h) * T + t.i0 + i) * D;
+        float* to = st.query.data() + (h * t.rows + i) * D;
+        for (int64_t d = 0; d < D; ++d) to[d] = from[d] * scale;
       }
-      scores.resize(M * width);
-      at::Tensor kt = at::from_blob(const_cast<float*>(ks) + (g * L + lo) * D, {width, D}, opts);
-      at::Tensor vt = at::from_blob(const_cast<float*>(vs) + (g * L + lo) * D, {width, D}, opts);
-      at::Tensor st = at::from_blob(scores.data(), {M, width}, opts);
-      at::mm_out(st, qt, kt.t());
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t position = first + i0 + r % rows;
-        const int64_t from = window > 0 ? std::max(lo, position - window + 1) - lo : 0, to = position - lo + 1;
-        float* row = scores.data() + r * width;
-        const float best = Softmax::top(row + from, to - from);
-        inverses[r] = 1.f / Softmax::exponentiate(row + from, to - from, best);
-        std::fill(row, row + from, 0.f);
-        std::fill(row + to, row + width, 0.f);
-      }
-      at::Tensor rt = at::from_blob(result.data(), {M, D}, opts);
-      at::mm_out(rt, st, vt);
-      for (int64_t r = 0; r < M; ++r) {  // normalised here: D products a row rather than one per visible key
-        float* out = result.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) out[d] *= inverses[r];
-      }
-      store(g, i0, rows, result.data());
+    const auto opts = q.options();
+    at::Tensor qt = at::from_blob(st.query.data(), {M, D}, opts);
+    const auto store = [&] {
+      for (int64_t r = 0; r < M; ++r) std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
+    };
+    if (width > kWholeRowKeys) {
+      auto row_range = [&](int64_t r) { return visible_keys(t, r, first, window, t.lo); };
+      attend_in_key_blocks<Softmax>(qt, ks + t.g * L * D, vs + t.g * L * D, t.lo, t.hi, D, row_range, st.scores,
+                                    st.result.data());
+      return store();
     }
+    st.scores.resize(M * width);
+    at::Tensor kt = at::from_blob(const_cast<float*>(ks) + (t.g * L + t.lo) * D, {width, D}, opts);
+    at::Tensor vt = at::from_blob(const_cast<float*>(vs) + (t.g * L + t.lo) * D, {width, D}, opts);
+    at::Tensor sc = at::from_blob(st.scores.data(), {M, width}, opts);
+    at::mm_out(sc, qt, kt.t());
+    for (int64_t r = 0; r < M; ++r) {
+      const auto [from, to] = visible_keys(t, r, first, window, t.lo);
+      float* row = st.scores.data() + r * width;
+      const float best = Softmax::top(row + from, to - from);
+      st.inverses[r] = 1.f / Softmax::exponentiate(row + from, to - from, best);
+      std::fill(row, row + from, 0.f);
+      std::fill(row + to, row + width, 0.f);
+    }
+    at::Tensor rt = at::from_blob(st.result.data(), {M, D}, opts);
+    at::mm_out(rt, sc, vt);
+    for (int64_t r = 0; r < M; ++r) {  // normalised here: D products a row rather than one per visible key
+      float* out = st.result.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) out[d] *= st.inverses[r];
+    }
+    store();
   });
 }
 
@@ -1594,18 +1628,184 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   }
 }
 
+// Prompt attention of a bfloat16 model on a CPU with AVX512-BF16, whose vdpbf16ps multiplies pairs of bfloat16 and
+// sums them into float32 lanes at twice the rate of float32 FMAs. q, k and v are bfloat16 already (the model's
+// activations and cache), so both products read them as they are; the scores and the output sum in float32, and
+// the probabilities are rounded to bfloat16 for the second product, as torch's CPU flash attention does for
+// bfloat16. On the AVX512-BF16 bench machine the float32 kernel's products ran at the float32 peak and took about
+// a third of a bfloat16 prompt chunk's forward.
+#define DECODEKIT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+// Both products run on tiles of up to kRowsPerChunk stacked rows by 32 columns: 16 float32 accumulators.
+constexpr int64_t kBf16Columns = 32;
+
+// scores[r][j] = scale * sum_p q[r][p] . keys[p][j] for R rows and 32 keys; q rows are ldq bfloat16 pairs apart,
+// keys are pairs (k[j][2p], k[j][2p + 1]) laid out [pairs][ldk] (a key's pair p is one 32-bit word).
+template <int R>
+DECODEKIT_AVX512BF16 void score_tile(const uint32_t* q, int64_t ldq, const uint32_t* keys, int64_t ldk, int64_t pairs,
+                                     float scale, float* scores, int64_t lds) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * ldk);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + p * ldk + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * ldq + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(scores + r * lds, _mm512_mul_ps(acc[r][0], s));
+    _mm512_storeu_ps(scores + r * lds + 16, _mm512_mul_ps(acc[r][1], s));
+  }
+}
+
+// out[r][d] += sum_j p[r][j] . values[j][d] for R rows and 32 columns; p rows are ldp bfloat16 pairs apart, values
+// are pairs (v[2j][d], v[2j + 1][d]) laid out [pairs][ldv].
+template <int R>
+DECODEKIT_AVX512BF16 void value_tile(const uint32_t* p, int64_t ldp, const uint32_t* values, int64_t ldv, int64_t pairs,
+                                     float* out, int64_t ldo) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_loadu_ps(out + r * ldo);
+    acc[r][1] = _mm512_loadu_ps(out + r * ldo + 16);
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(values + j * ldv);
+    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(values + j * ldv + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + j]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, v0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, v1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldo, acc[r][0]);
+    _mm512_storeu_ps(out + r * ldo + 16, acc[r][1]);
+  }
+}
+
+// n floats (n % 16 == 0) rounded to bfloat16 (to nearest even, as c10::BFloat16 rounds).
+DECODEKIT_AVX512BF16 inline void round_to_bf16(const float* x, int64_t n, c10::BFloat16* out) {
+  for (int64_t j = 0; j < n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
+}
+
+// q [H, T, D], k and v [KV, L, D] bfloat16 (D % 32 == 0) -> out [H, T, D] bfloat16, as attend_prompt. The keys and
+// values are laid out in pairs once per call (a transpose each: a 64th of the products' reads at 64 queries a
+// task), and every task takes its keys in blocks from an even position, so that a block's values pair as laid out.
+// A task keys through kWholeRowKeys in one block, longer in kKeyBlock blocks with attend_in_key_blocks' running
+// softmax.
+DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
+                                            c10::BFloat16* os) {
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
+  const int64_t group = H / KV, first = L - T, pairs = D / 2;
+  // Room for a block of keys read from any even position: the last tile of 32 may run past L.
+  const int64_t padded = (L + 1) / 2 * 2 + kBf16Columns;
+  // keys [KV, D/2, padded] of 32-bit pairs, values [KV, padded/2, D] of pairs along the keys.
+  at::Tensor kp = at::zeros({KV, pairs, padded}, k.options().dtype(at::kInt));
+  kp.narrow(2, 0, L).copy_(k.view(at::kInt).transpose(1, 2));
+  at::Tensor vpad = at::zeros({KV, padded, D}, v.options());
+  vpad.narrow(1, 0, L).copy_(v);
+  const at::Tensor vp = vpad.view({KV, padded / 2, 2, D}).transpose(2, 3).contiguous();
+  const auto* keys = reinterpret_cast<const uint32_t*>(kp.data_ptr<int>());
+  const auto* values = reinterpret_cast<const uint32_t*>(vp.data_ptr<c10::BFloat16>());
+  const auto* qs = reinterpret_cast<const uint32_t*>(q.data_ptr<c10::BFloat16>());
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const PromptOutput<c10::BFloat16> output{os, T, H, D, group, false};
+  struct State {
+    std::vector<float> scores, result, best, total;
+    std::vector<c10::BFloat16> probabilities;
+  };
+  for_prompt_tasks<State>(KV, T, L, window, [&](const PromptTask& t, State& st) {
+    const int64_t M = group * t.rows, lo = t.lo / 2 * 2, width = t.hi - lo;
+    const int64_t block = width > kWholeRowKeys ? kKeyBlock : width;
+    const int64_t columns = (block + kBf16Columns - 1) / kBf16Columns * kBf16Columns;
+    st.scores.resize(M * columns);
+    st.probabilities.resize(M * columns);
+    st.result.assign(M * D, 0.f);
+    st.best.assign(M, -std::numeric_limits<float>::infinity());
+    st.total.assign(M, 0.f);
+    const uint32_t* head_keys = keys + t.g * pairs * padded;
+    const uint32_t* head_values = values + t.g * (padded / 2) * D;
+    // Row r's query: rows of one head are consecutive in q, so the stacked rows are one head's block after another.
+    const auto query = [&](int64_t r) { return qs + ((t.g * group + r / t.rows) * T + t.i0 + r % t.rows) * pairs; };
+    for (int64_t k0 = lo; k0 < t.hi; k0 += block) {
+      const int64_t n = std::min(block, t.hi - k0), tiles = (n + kBf16Columns - 1) / kBf16Columns;
+      const int64_t used = tiles * kBf16Columns;
+      for (int64_t r = 0; r < M;) {
+        // A head's rows are consecutive in q: a tile takes up to 8 of them, never rows of two heads.
+        const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
+        with_row_count(run, [&](auto R) {
+          for (int64_t c = 0; c < tiles; ++c)
+            score_tile<R>(query(r), pairs, head_keys + k0 + c * kBf16Columns, padded, pairs, scale,
+                          st.scores.data() + r * columns + c * kBf16Columns, columns);
+        });
+        r += run;
+      }
+      bool any = false;
+      for (int64_t r = 0; r < M; ++r) {
+        const auto [row_from, row_to] = visible_keys(t, r, first, window, lo);
+        const int64_t from = std::max<int64_t>(row_from - (k0 - lo), 0), to = std::min<int64_t>(row_to - (k0 - lo), n);
+        float* row = st.scores.data() + r * columns;
+        if (from >= to) {  // nothing of this block is visible to the row
+          std::fill(row, row + used, 0.f);
+        } else {
+          any = true;
+          const float top = WideSoftmax::top(row + from, to - from);
+          if (top > st.best[r]) {  // the running maximum grows: what was summed so far shrinks by exp(old - new)
+            const float shrink = std::exp(st.best[r] - top);
+            st.total[r] *= shrink;
+            float* out = st.result.data() + r * D;
+            for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
+            st.best[r] = top;
+          }
+          st.total[r] += WideSoftmax::exponentiate(row + from, to - from, st.best[r]);
+          std::fill(row, row + from, 0.f);
+          std::fill(row + to, row + used, 0.f);
+        }
+        round_to_bf16(row, used, st.probabilities.data() + r * columns);
+      }
+      if (!any) continue;
+      const auto* p = reinterpret_cast<const uint32_t*>(st.probabilities.data());
+      for (int64_t r0 = 0; r0 < M; r0 += kRowsPerChunk)
+        with_row_count(std::min<int64_t>(kRowsPerChunk, M - r0), [&](auto R) {
+          for (int64_t d0 = 0; d0 < D; d0 += kBf16Columns)
+            value_tile<R>(p + r0 * columns / 2, columns / 2, head_values + k0 / 2 * D + d0, D, used / 2,
+                          st.result.data() + r0 * D + d0, D);
+        });
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const float inverse = st.total[r] > 0.f ? 1.f / st.total[r] : 0.f;
+      float* out = st.result.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
+      round_to_bf16(out, D, output.row(t, r));
+    }
+  });
+}
+
 // `wide`: the softmax passes with AVX-512; the caller checks that the CPU has it (attention.py).
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window,
                              bool wide) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
               "prefill_attention: q [H, T, D], k and v [KV, L, D] expected");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
-              "prefill_attention: float32 q, k, v expected");
+  const at::ScalarType dtype = q_in.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
+              "prefill_attention: q, k, v all float32 or all bfloat16 expected");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
               "prefill_attention: shapes do not fit");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prefill_attention: wide=True needs a CPU with avx512f");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (dtype == at::kBFloat16) {  // products in bfloat16 (`wide` does not apply: the softmax is AVX-512's)
+    TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prefill_attention: bfloat16 q, k, v need a CPU with avx512_bf16");
+    TORCH_CHECK(q.size(2) % kBf16Columns == 0, "prefill_attention: bfloat16 needs a head_dim multiple of 32, got ",
+                q.size(2));
+    attend_prompt_bf16(q, k, v, window, out.data_ptr<c10::BFloat16>());
+    return out;
+  }
   attend_into(q, k, v, window, wide, out.data_ptr<float>(), false);
   return out;
 }

@@ -403,6 +403,23 @@ def test_bfloat16_prefill_attention_averages_exactly_the_visible_values(first, l
     torch.testing.assert_close(one.double(), p @ values, atol=1e-9, rtol=2**-8 * 1.001)  # atol: float64 softmax noise
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_KERNEL)])
+@pytest.mark.parametrize("length", [300, 1000])  # whole rows, then keys in blocks
+def test_prefill_attention_reads_keys_and_values_at_a_row_stride(dtype, length):
+    # Continuous batching gathers a chunk's keys as [L, KV, D] rows and passes them transposed: the products read
+    # rows KV x D apart, with the results of contiguous keys; a last dimension not contiguous is copied first.
+    generator = torch.Generator().manual_seed(length)
+    q = torch.randn(6, 200, 64, generator=generator).to(dtype)
+    rows = torch.randn(2, length, 2, 64, generator=generator).to(dtype)  # k and v as [L, KV, D] rows
+    k, v = rows[0].transpose(0, 1), rows[1].transpose(0, 1)
+    with torch.inference_mode():
+        want = torch.ops.decodekit.prefill_attention(q, k.contiguous(), v.contiguous(), 0, True)
+        assert torch.equal(torch.ops.decodekit.prefill_attention(q, k, v, 0, True), want)
+        spread = torch.zeros(2, 2, length, 128, dtype=dtype)
+        spread[..., ::2] = torch.stack([k, v])
+        assert torch.equal(torch.ops.decodekit.prefill_attention(q, spread[0, ..., ::2], spread[1, ..., ::2], 0, True), want)
+
+
 @BF16_KERNEL
 def test_bfloat16_prefill_attention_refuses_a_head_dim_it_does_not_tile():
     q, k = torch.zeros(2, 4, 48).bfloat16(), torch.zeros(1, 4, 48).bfloat16()

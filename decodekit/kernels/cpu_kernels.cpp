@@ -1470,7 +1470,7 @@ struct WideSoftmax {
 // The task's queries [M, D] (scaled) against keys [lo, hi) of one kv head, key block by key block; `row_range(r)`
 // gives row r's visible keys as [from, to) relative to lo. Writes the normalised output [M, D] to `result`.
 template <typename Softmax, typename Range>
-void attend_in_key_blocks(const at::Tensor& qt, const float* keys, const float* values, int64_t lo, int64_t hi,
+void attend_in_key_blocks(const at::Tensor& qt, const at::Tensor& keys, const at::Tensor& values, int64_t lo, int64_t hi,
                           int64_t D, Range row_range, std::vector<float>& scores, float* result) {
   const int64_t M = qt.size(0);
   const auto opts = qt.options();
@@ -1480,8 +1480,7 @@ void attend_in_key_blocks(const at::Tensor& qt, const float* keys, const float* 
   scores.resize(M * kKeyBlock);
   for (int64_t k0 = lo; k0 < hi; k0 += kKeyBlock) {
     const int64_t width = std::min(kKeyBlock, hi - k0);
-    at::Tensor kt = at::from_blob(const_cast<float*>(keys) + k0 * D, {width, D}, opts);
-    at::Tensor vt = at::from_blob(const_cast<float*>(values) + k0 * D, {width, D}, opts);
+    const at::Tensor kt = keys.narrow(0, k0, width), vt = values.narrow(0, k0, width);
     at::Tensor st = at::from_blob(scores.data(), {M, width}, opts);
     at::mm_out(st, qt, kt.t());
     bool any = false;
@@ -1569,7 +1568,7 @@ void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
   const int64_t group = H / KV, first = L - T;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  const float* qs = q.data_ptr<float>();
   const PromptOutput<float> output{os, T, H, D, group, tokens_major};
   struct State {
     std::vector<float> query, scores, result, inverses;
@@ -1590,15 +1589,14 @@ void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const auto store = [&] {
       for (int64_t r = 0; r < M; ++r) std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
     };
+    const at::Tensor head_keys = k.select(0, t.g), head_values = v.select(0, t.g);  // [L, D], rows strided maybe
     if (width > kWholeRowKeys) {
       auto row_range = [&](int64_t r) { return visible_keys(t, r, first, window, t.lo); };
-      attend_in_key_blocks<Softmax>(qt, ks + t.g * L * D, vs + t.g * L * D, t.lo, t.hi, D, row_range, st.scores,
-                                    st.result.data());
+      attend_in_key_blocks<Softmax>(qt, head_keys, head_values, t.lo, t.hi, D, row_range, st.scores, st.result.data());
       return store();
     }
     st.scores.resize(M * width);
-    at::Tensor kt = at::from_blob(const_cast<float*>(ks) + (t.g * L + t.lo) * D, {width, D}, opts);
-    at::Tensor vt = at::from_blob(const_cast<float*>(vs) + (t.g * L + t.lo) * D, {width, D}, opts);
+    const at::Tensor kt = head_keys.narrow(0, t.lo, width), vt = head_values.narrow(0, t.lo, width);
     at::Tensor sc = at::from_blob(st.scores.data(), {M, width}, opts);
     at::mm_out(sc, qt, kt.t());
     for (int64_t r = 0; r < M; ++r) {
@@ -1706,7 +1704,7 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
   const int64_t padded = (L + 1) / 2 * 2 + kBf16Columns;
   // keys [KV, D/2, padded] of 32-bit pairs, values [KV, padded/2, D] of pairs along the keys.
   at::Tensor kp = at::zeros({KV, pairs, padded}, k.options().dtype(at::kInt));
-  kp.narrow(2, 0, L).copy_(k.view(at::kInt).transpose(1, 2));
+  kp.view(at::kBFloat16).view({KV, pairs, padded, 2}).narrow(2, 0, L).copy_(k.view({KV, L, pairs, 2}).transpose(1, 2));
   at::Tensor vpad = at::zeros({KV, padded, D}, v.options());
   vpad.narrow(1, 0, L).copy_(v);
   const at::Tensor vp = vpad.view({KV, padded / 2, 2, D}).transpose(2, 3).contiguous();
@@ -1794,7 +1792,10 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   const at::ScalarType dtype = q_in.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
               "prefill_attention: q, k, v all float32 or all bfloat16 expected");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  // k and v may come with their rows apart (continuous batching gathers a chunk's keys as [L, KV, D] and passes
+  // them transposed): the products read rows at a stride, so only a strided last dimension is copied.
+  const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = q_in.contiguous(), k = rows_of(k_in), v = rows_of(v_in);
   TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
               "prefill_attention: shapes do not fit");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prefill_attention: wide=True needs a CPU with avx512f");

@@ -505,6 +505,10 @@ def test_a_bfloat16_model_takes_the_bfloat16_kernel_where_chosen_in_prompts_and_
         calls[route] = sum(e.count for e in profile.key_averages() if e.key == "decodekit::prefill_attention")
     layers = model.config.num_hidden_layers
     assert calls == {"sdpa": 0, "bf16_kernel": 3 * layers}  # the prompt's layers, then both prompts' chunks
+    with choices.forced(prompt_attention_bfloat16_512="bf16_kernel"), cpu.forced(avx512_bf16=False):
+        unprobed = prefill(model, LONG)  # the probe forced off after the choice: the float32 kernel instead
+    with choices.forced(prompt_attention_bfloat16_512="kernel"):
+        assert torch.equal(unprobed, prefill(model, LONG)) and not torch.equal(unprobed, outputs["bf16_kernel"])
     assert float((outputs["bf16_kernel"] - outputs["sdpa"]).norm() / outputs["sdpa"].norm()) < 2e-2
     assert batches["bf16_kernel"] == batches["sdpa"]
 

@@ -70,6 +70,8 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v):
         return None
     route = prompt_attention_route(k.shape[1], q.dtype)
-    if route == "bf16_kernel" and q.dtype == k.dtype == v.dtype and q.shape[-1] % BF16_COLUMNS == 0:
+    # The probe is asked again: a choice made before a test forced avx512_bf16 off stays made.
+    if route == "bf16_kernel" and cpu.has("avx512_bf16") and q.dtype == k.dtype == v.dtype and \
+            q.shape[-1] % BF16_COLUMNS == 0:
         return bf16_kernel(q, k, v, window or 0)
     return kernel(q, k, v, window or 0) if route != "sdpa" else None

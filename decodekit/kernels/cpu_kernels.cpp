@@ -1637,51 +1637,32 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // Both products run on tiles of up to kRowsPerChunk stacked rows by 32 columns: 16 float32 accumulators.
 constexpr int64_t kBf16Columns = 32;
 
-// scores[r][j] = scale * sum_p q[r][p] . keys[p][j] for R rows and 32 keys; q rows are ldq bfloat16 pairs apart,
-// keys are pairs (k[j][2p], k[j][2p + 1]) laid out [pairs][ldk] (a key's pair p is one 32-bit word).
+// c[r][n] = scale * (c[r][n] where `accumulate`) + sum_p a[r][p] . b[p][n] for R rows and 32 columns: a's rows hold
+// bfloat16 pairs (one 32-bit word each) lda words apart, b is [pairs][ldb] words, each the pair of two consecutive
+// products' bfloat16 (vdpbf16ps multiplies a pair by a pair and adds both to a float32 lane). Both products of the
+// attention are this: the scores (a = queries, b = keys paired along head_dim, scaled) and the output (a = the
+// rounded probabilities, b = values paired along the keys, accumulated block after block).
 template <int R>
-DECODEKIT_AVX512BF16 void score_tile(const uint32_t* q, int64_t ldq, const uint32_t* keys, int64_t ldk, int64_t pairs,
-                                     float scale, float* scores, int64_t lds) {
+DECODEKIT_AVX512BF16 void pair_tile(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t pairs,
+                                    float* c, int64_t ldc, bool accumulate, float scale) {
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+    acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+  }
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * ldk);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + p * ldk + 16);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * ldb);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16);
     for (int r = 0; r < R; ++r) {
-      const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * ldq + p]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
     }
   }
   const __m512 s = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(scores + r * lds, _mm512_mul_ps(acc[r][0], s));
-    _mm512_storeu_ps(scores + r * lds + 16, _mm512_mul_ps(acc[r][1], s));
-  }
-}
-
-// out[r][d] += sum_j p[r][j] . values[j][d] for R rows and 32 columns; p rows are ldp bfloat16 pairs apart, values
-// are pairs (v[2j][d], v[2j + 1][d]) laid out [pairs][ldv].
-template <int R>
-DECODEKIT_AVX512BF16 void value_tile(const uint32_t* p, int64_t ldp, const uint32_t* values, int64_t ldv, int64_t pairs,
-                                     float* out, int64_t ldo) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm512_loadu_ps(out + r * ldo);
-    acc[r][1] = _mm512_loadu_ps(out + r * ldo + 16);
-  }
-  for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(values + j * ldv);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(values + j * ldv + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r * ldp + j]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, v0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, v1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * ldo, acc[r][0]);
-    _mm512_storeu_ps(out + r * ldo + 16, acc[r][1]);
+    _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
+    _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
   }
 }
 
@@ -1738,8 +1719,8 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
         const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
         with_row_count(run, [&](auto R) {
           for (int64_t c = 0; c < tiles; ++c)
-            score_tile<R>(query(r), pairs, head_keys + k0 + c * kBf16Columns, padded, pairs, scale,
-                          st.scores.data() + r * columns + c * kBf16Columns, columns);
+            pair_tile<R>(query(r), pairs, head_keys + k0 + c * kBf16Columns, padded, pairs,
+                         st.scores.data() + r * columns + c * kBf16Columns, columns, false, scale);
         });
         r += run;
       }
@@ -1771,8 +1752,8 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerChunk)
         with_row_count(std::min<int64_t>(kRowsPerChunk, M - r0), [&](auto R) {
           for (int64_t d0 = 0; d0 < D; d0 += kBf16Columns)
-            value_tile<R>(p + r0 * columns / 2, columns / 2, head_values + k0 / 2 * D + d0, D, used / 2,
-                          st.result.data() + r0 * D + d0, D);
+            pair_tile<R>(p + r0 * columns / 2, columns / 2, head_values + k0 / 2 * D + d0, D, used / 2,
+                         st.result.data() + r0 * D + d0, D, true, 1.f);
         });
     }
     for (int64_t r = 0; r < M; ++r) {

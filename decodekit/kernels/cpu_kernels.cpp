@@ -1589,7 +1589,7 @@ void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const auto store = [&] {
       for (int64_t r = 0; r < M; ++r) std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
     };
-    const at::Tensor head_keys = k.select(0, t.g), head_values = v.select(0, t.g);  // [L, D], rows strided maybe
+    const at::Tensor head_keys = k.select(0, t.g), head_values = v.select(0, t.g);  // [L, D]; rows may be apart
     if (width > kWholeRowKeys) {
       auto row_range = [&](int64_t r) { return visible_keys(t, r, first, window, t.lo); };
       attend_in_key_blocks<Softmax>(qt, head_keys, head_values, t.lo, t.hi, D, row_range, st.scores, st.result.data());
@@ -1673,8 +1673,8 @@ DECODEKIT_AVX512BF16 inline void round_to_bf16(const float* x, int64_t n, c10::B
 }
 
 // q [H, T, D], k and v [KV, L, D] bfloat16 (D % 32 == 0) -> out [H, T, D] bfloat16, as attend_prompt. The keys and
-// values are laid out in pairs once per call (a transpose each: a 64th of the products' reads at 64 queries a
-// task), and every task takes its keys in blocks from an even position, so that a block's values pair as laid out.
+// values are laid out in pairs once per call (a copy each, which every task of a kv head reads), and every task
+// takes its keys in blocks from an even position, so that a block's values pair as laid out.
 // A task keys through kWholeRowKeys in one block, longer in kKeyBlock blocks with attend_in_key_blocks' running
 // softmax.
 DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,

@@ -1467,6 +1467,38 @@ struct WideSoftmax {
   }
 };
 
+// One key block's scores of a row folded into the row's running softmax (its largest score so far `best` and the sum
+// `total` of exp(score - best)): `visible` [from, to) is the row's keys relative to the task's first, `offset` the
+// block's first relative to it, `n` its keys. The visible scores become exp(score - best) in place and the rest of
+// `width` floats zeros; where the maximum grows, the row's output sums so far (`out`, D floats) and its total shrink by
+// exp(old - new). Whether any key of the block was visible.
+template <typename Softmax>
+bool fold_block_row(float* row, std::pair<int64_t, int64_t> visible, int64_t offset, int64_t n, int64_t width,
+                    float& best, float& total, float* out, int64_t D) {
+  const int64_t from = std::max<int64_t>(visible.first - offset, 0), to = std::min<int64_t>(visible.second - offset, n);
+  if (from >= to) {  // nothing of this block is visible to the row
+    std::fill(row, row + width, 0.f);
+    return false;
+  }
+  const float top = Softmax::top(row + from, to - from);
+  if (top > best) {
+    const float shrink = std::exp(best - top);
+    total *= shrink;
+    for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
+    best = top;
+  }
+  total += Softmax::exponentiate(row + from, to - from, best);
+  std::fill(row, row + from, 0.f);
+  std::fill(row + to, row + width, 0.f);
+  return true;
+}
+
+// A row's output sums divided by its softmax's total (zeros where it saw no key).
+inline void divide_row(float* out, int64_t D, float total) {
+  const float inverse = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
+}
+
 // The task's queries [M, D] (scaled) against keys [lo, hi) of one kv head, key block by key block; `row_range(r)`
 // gives row r's visible keys as [from, to) relative to lo. Writes the normalised output [M, D] to `result`.
 template <typename Softmax, typename Range>
@@ -1485,33 +1517,13 @@ void attend_in_key_blocks(const at::Tensor& qt, const at::Tensor& keys, const at
     at::mm_out(st, qt, kt.t());
     bool any = false;
     for (int64_t r = 0; r < M; ++r) {
-      const auto [row_from, row_to] = row_range(r);
-      const int64_t from = std::max<int64_t>(row_from - (k0 - lo), 0), to = std::min<int64_t>(row_to - (k0 - lo), width);
-      float* row = scores.data() + r * width;
-      if (from >= to) {  // nothing of this block is visible to the row
-        std::fill(row, row + width, 0.f);
-        continue;
-      }
-      any = true;
-      const float top = Softmax::top(row + from, to - from);
-      if (top > best[r]) {  // the running maximum grows: what was summed so far shrinks by exp(old - new)
-        const float shrink = std::exp(best[r] - top);
-        total[r] *= shrink;
-        float* out = result + r * D;
-        for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
-        best[r] = top;
-      }
-      total[r] += Softmax::exponentiate(row + from, to - from, best[r]);
-      std::fill(row, row + from, 0.f);
-      std::fill(row + to, row + width, 0.f);
+      if (fold_block_row<Softmax>(scores.data() + r * width, row_range(r), k0 - lo, width, width, best[r], total[r],
+                                  result + r * D, D))
+        any = true;
     }
     if (any) rt.addmm_(st, vt);
   }
-  for (int64_t r = 0; r < M; ++r) {
-    const float inverse = total[r] > 0.f ? 1.f / total[r] : 0.f;
-    float* out = result + r * D;
-    for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
-  }
+  for (int64_t r = 0; r < M; ++r) divide_row(result + r * D, D, total[r]);
 }
 
 // One task of a prompt's attention: kv head g and queries [i0, i0 + rows) with every query head of g's group stacked,
@@ -1675,7 +1687,7 @@ DECODEKIT_AVX512BF16 inline void round_to_bf16(const float* x, int64_t n, c10::B
 // q [H, T, D], k and v [KV, L, D] bfloat16 (D % 32 == 0) -> out [H, T, D] bfloat16, as attend_prompt. The keys and
 // values are laid out in pairs once per call (a copy each, which every task of a kv head reads), and every task
 // takes its keys in blocks from an even position, so that a block's values pair as laid out.
-// A task keys through kWholeRowKeys in one block, longer in kKeyBlock blocks with attend_in_key_blocks' running
+// A task keys through kWholeRowKeys in one block, longer in kKeyBlock blocks with fold_block_row's running
 // softmax.
 DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
                                             c10::BFloat16* os) {
@@ -1726,25 +1738,10 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
       }
       bool any = false;
       for (int64_t r = 0; r < M; ++r) {
-        const auto [row_from, row_to] = visible_keys(t, r, first, window, lo);
-        const int64_t from = std::max<int64_t>(row_from - (k0 - lo), 0), to = std::min<int64_t>(row_to - (k0 - lo), n);
         float* row = st.scores.data() + r * columns;
-        if (from >= to) {  // nothing of this block is visible to the row
-          std::fill(row, row + used, 0.f);
-        } else {
+        if (fold_block_row<WideSoftmax>(row, visible_keys(t, r, first, window, lo), k0 - lo, n, used, st.best[r],
+                                        st.total[r], st.result.data() + r * D, D))
           any = true;
-          const float top = WideSoftmax::top(row + from, to - from);
-          if (top > st.best[r]) {  // the running maximum grows: what was summed so far shrinks by exp(old - new)
-            const float shrink = std::exp(st.best[r] - top);
-            st.total[r] *= shrink;
-            float* out = st.result.data() + r * D;
-            for (int64_t d = 0; d < D; ++d) out[d] *= shrink;
-            st.best[r] = top;
-          }
-          st.total[r] += WideSoftmax::exponentiate(row + from, to - from, st.best[r]);
-          std::fill(row, row + from, 0.f);
-          std::fill(row + to, row + used, 0.f);
-        }
         round_to_bf16(row, used, st.probabilities.data() + r * columns);
       }
       if (!any) continue;
@@ -1757,10 +1754,8 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
         });
     }
     for (int64_t r = 0; r < M; ++r) {
-      const float inverse = st.total[r] > 0.f ? 1.f / st.total[r] : 0.f;
-      float* out = st.result.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
-      round_to_bf16(out, D, output.row(t, r));
+      divide_row(st.result.data() + r * D, D, st.total[r]);
+      round_to_bf16(st.result.data() + r * D, D, output.row(t, r));
     }
   });
 }

@@ -1,12 +1,11 @@
-"""Decode attention over the paged KV cache: decodekit::paged_attention's kernels (the AVX2 one, and the AVX-512 one
-where the CPU has avx512f) against the path that runs without decodekit's C++ kernels (each row's keys and values
-gathered from its blocks, then SDPA), on the default model's attention shape (9 query heads, 3 kv heads, head_dim 64,
-blocks of 16 positions) and float32.
+"""Decode attention over the paged KV cache: decodekit::paged_attention against the path that runs without decodekit's
+C++ kernels (each row's keys and values gathered from its blocks, then SDPA), on the default model's attention shape
+(9 query heads, 3 kv heads, head_dim 64, blocks of 16 positions) and float32.
 
 Every row decodes one token at the same context length; its blocks sit in random places of the pool, as they do once
 requests have come and gone. A step reads `--layers` layers' pools (30, the default model's: together they leave the
 last-level cache, as a model's steps do; 1 reads from cache). Reports milliseconds a step, the cache bytes read per
-second by each kernel, and the ratios; the variants alternate within each round.
+second by the kernel, and the ratio; the two alternate within each round.
 
     python bench/bench_paged_attention.py [--rows 4 32] [--contexts 128 600 2000] [--layers 30]
 """
@@ -24,7 +23,6 @@ import torch
 
 def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64, block_size=16) -> dict:
     from decodekit.batching.paged import PagedBatch, PagedCache, Segment
-    from decodekit.kernels import attention
     from decodekit.models import cpu
 
     model = SimpleNamespace(  # what PagedCache reads of a model
@@ -40,16 +38,14 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
     q = torch.randn(1, heads, rows, head_dim)
     k, v = torch.randn(1, kv_heads, rows, head_dim), torch.randn(1, kv_heads, rows, head_dim)
 
-    def step(native: bool, wide: bool):
+    def step(native: bool):
         def run():
-            with cpu.forced(native_kernels=native), cpu.forced(avx512f=wide):
+            with cpu.forced(native_kernels=native):
                 for layer in range(layers):
                     batch.attend(q, k, v, layer, None)
         return run
 
-    variants = {"avx2_kernel": step(True, False), "gathered_sdpa": step(False, False)}
-    if cpu.has("avx512f"):
-        variants["avx512_kernel"] = step(True, True)
+    variants = {"kernel": step(True), "gathered_sdpa": step(False)}
     best = {name: float("inf") for name in variants}
     for run in variants.values():
         run()
@@ -61,13 +57,9 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
             best[name] = min(best[name], (time.perf_counter() - start) / 3)
     read = rows * (context + 1) * kv_heads * head_dim * 4 * 2 * layers
     row = {"rows": rows, "context": context, "layers": layers}
-    for name, seconds in best.items():
-        row[f"{name}_ms"] = round(seconds * 1e3, 2)
-        if name != "gathered_sdpa":
-            row[f"{name}_GB_per_s"] = round(read / seconds / 1e9, 1)
-    row["gathered_over_avx2_kernel"] = round(best["gathered_sdpa"] / best["avx2_kernel"], 2)
-    if "avx512_kernel" in best:
-        row["avx2_over_avx512_kernel"] = round(best["avx2_kernel"] / best["avx512_kernel"], 2)
+    row.update({"kernel_ms": round(best["kernel"] * 1e3, 2), "gathered_sdpa_ms": round(best["gathered_sdpa"] * 1e3, 2),
+                "kernel_GB_per_s": round(read / best["kernel"] / 1e9, 1),
+                "gathered_over_kernel": round(best["gathered_sdpa"] / best["kernel"], 2)})
     return row
 
 

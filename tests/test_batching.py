@@ -48,8 +48,8 @@ def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
 
 
 def paged_case(dtype, tokens, head_dim, seed=1):
-    """Tokens of `tokens` rows at different positions (up to 48: runs of 16 and a part), blocks of 4 out of order and
-    one shared, over 6 query and 3 kv heads: the operands of decodekit::paged_attention but `wide`."""
+    """Tokens of `tokens` rows at different positions (up to 48: runs of 8 and a part), blocks of 4 out of order and
+    one shared, over 6 query and 3 kv heads: the operands of decodekit::paged_attention but the window."""
     gen = torch.Generator().manual_seed(seed)
     H, KV, bs, blocks = 6, 3, 4, 60
     keys, values = (torch.randn(blocks * bs, KV, head_dim, generator=gen).to(dtype) for _ in range(2))
@@ -58,21 +58,21 @@ def paged_case(dtype, tokens, head_dim, seed=1):
     positions = torch.randint(0, 12 * bs, (tokens,), generator=gen)
     owner = torch.arange(tokens).flip(0)
     positions[0] = 0  # a row's first token sees only itself
-    positions[-1] = 12 * bs - 1  # and one sees three whole runs
+    positions[-1] = 12 * bs - 1  # and one sees six whole runs
     slots = tables[owner, positions // bs] * bs + positions % bs
     q = torch.randn(tokens, H, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(tokens, KV, head_dim, generator=gen).to(dtype) for _ in range(2))
     return q, k, v, keys, values, slots, tables, owner, positions, bs
 
 
-def paged_kernel(case, window, wide, threads=1):
+def paged_kernel(case, window, threads=1):
     """decodekit::paged_attention on copies of the case's pools (it writes the tokens' keys and values there)."""
     q, k, v, keys, values, *rest = case
     keys, values = keys.clone(), values.clone()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = torch.ops.decodekit.paged_attention(q, k, v, keys, values, *rest, window, wide)
+        out = torch.ops.decodekit.paged_attention(q, k, v, keys, values, *rest, window)
     finally:
         torch.set_num_threads(saved)
     return out, keys, values
@@ -81,17 +81,14 @@ def paged_kernel(case, window, wide, threads=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [2, 9], ids=["split-by-kv-head", "whole-token"])
 @pytest.mark.parametrize("window", [0, 5, 21])
-@pytest.mark.parametrize("head_dim,wide", [(16, False), (64, False), (64, True), (128, True)],
-                         ids=["avx2-16", "avx2-64", "avx512-64", "avx512-128"])
-def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype, tokens, window, head_dim, wide):
+@pytest.mark.parametrize("head_dim", [16, 20, 64])
+def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype, tokens, window, head_dim):
     # With one thread, 2 tokens split each token's kv heads into tasks and 9 keep them whole (the kernel's two
     # task layouts); rows at different positions, blocks out of order and shared, keys written by the call. The
-    # AVX-512 kernel (wide) scores runs of 16 positions and sums keys and values in one pass: windows that start
-    # inside a run and runs cut short at the end.
+    # kernel reads runs of 8 positions, keys and values in one pass: windows that start inside a run, runs cut short
+    # at the end, and a head_dim (20) whose last columns are summed one at a time.
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine")
-    if wide and not cpu.has("avx512f"):
-        pytest.skip("the AVX-512 paged attention needs avx512f, which this CPU lacks (or the probe is forced off)")
     from decodekit.models import native
     from decodekit.models.llama import visible
 
@@ -99,7 +96,7 @@ def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype,
     case = paged_case(dtype, tokens, head_dim)
     q, k, v, keys, values, slots, tables, owner, positions, bs = case
     H, KV = q.shape[1], keys.shape[1]
-    out, written_keys, written_values = paged_kernel(case, window, wide)
+    out, written_keys, written_values = paged_kernel(case, window)
     expected_keys, expected_values = keys.clone(), values.clone()
     expected_keys[slots], expected_values[slots] = k, v
     assert torch.equal(written_keys, expected_keys) and torch.equal(written_values, expected_values)
@@ -114,27 +111,17 @@ def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype,
         torch.testing.assert_close(out[i].float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
-def test_wide_paged_attention_runs_only_where_asked_and_taken():
-    # The AVX-512 kernel sums in another order than the AVX2 one, so which ran shows in the last bits: a head_dim it
-    # does not take (48) runs the AVX2 kernel even when asked; kernels.attention.paged asks where the avx512f probe
-    # says yes, and a probe forced off gets the AVX2 kernel's exact results. 1 and 2 threads agree bit for bit.
-    if not cpu.has("native_kernels") or not cpu.has("avx512f"):
-        pytest.skip("needs decodekit's C++ kernels and avx512f (absent here, or the probe is forced off)")
-    from decodekit.kernels import attention
+@pytest.mark.parametrize("tokens", [2, 9], ids=["split-by-kv-head", "whole-token"])
+def test_paged_attention_gives_the_same_bits_on_any_thread_count(tokens):
+    # A task's sums are its own, whichever thread runs it: a step's tokens come out the same with 1, 2 or 3 threads.
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine")
     from decodekit.models import native
 
     native.load()
-    case = paged_case(torch.float32, 9, 64, seed=3)
-    narrow, wide = paged_kernel(case, 0, False)[0], paged_kernel(case, 0, True)[0]
-    assert not torch.equal(narrow, wide)
-    torch.testing.assert_close(wide, narrow, atol=1e-6, rtol=1e-5)
-    assert torch.equal(paged_kernel(case, 0, True, threads=2)[0], wide)
-    q, k, v, keys, values, *rest = paged_case(torch.float32, 9, 64, seed=3)
-    assert torch.equal(attention.paged(q, k, v, keys.clone(), values.clone(), *rest, 0), wide)
-    with cpu.forced(avx512f=False):
-        assert torch.equal(attention.paged(q, k, v, keys.clone(), values.clone(), *rest, 0), narrow)
-    odd = paged_case(torch.float32, 9, 48, seed=3)
-    assert torch.equal(paged_kernel(odd, 0, True)[0], paged_kernel(odd, 0, False)[0])
+    case = paged_case(torch.float32, tokens, 64, seed=3)
+    one = paged_kernel(case, 0)[0]
+    assert all(torch.equal(paged_kernel(case, 0, threads=n)[0], one) for n in (2, 3))
 
 
 def test_allocator_reuses_freed_blocks_and_counts_shares():

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..families.llama import visible
 from ..kernels import native
-from ..kernels import attention
 from ..kernels.attention import prompt_attention
 
 
@@ -122,8 +121,8 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
-        out = attention.paged(tokens, k, v, keys, values, self.slots, self.tables, self.owner, self.positions,
-                              self.block_size, window or 0)
+        out = torch.ops.decodekit.paged_attention(tokens, k, v, keys, values, self.slots, self.tables, self.owner,
+                                                  self.positions, self.block_size, window or 0)
         return out.transpose(0, 1)[None]
 
 
@@ -183,7 +182,7 @@ class PagedBatch:
         self.gathered_attention(tokens, keys, values, window, self.chunks, out)
         if len(self.singles):
             at = self._single_tokens
-            out[at] = attention.paged(
+            out[at] = torch.ops.decodekit.paged_attention(
                 tokens[at].contiguous(), k[at], v[at], keys, values, self.slots[at], self.tables, self.owner[at],
                 self.positions[at], self.cache.block_size, window or 0)
         return out.transpose(0, 1)[None]

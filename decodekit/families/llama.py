@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import attention, elementwise, native
+from ..kernels import elementwise, native
 from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
-from ..kernels.attention import prompt_attention, prompt_attention_route
+from ..kernels.attention import prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
@@ -398,7 +398,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         c = self.config
         cos, sin = cos[0, 0], sin[0, 0]
-        wide = attention.wide()
+        wide = wide_softmax()
         ops = torch.ops.decodekit
         rows = x.reshape(T, hidden).clone()  # updated in place, layer by layer; x may be the caller's inputs_embeds
         for layer, (start, end) in zip(layers, plans):

@@ -44,16 +44,15 @@ def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
     return choices.decide(f"prompt_attention_{str(dtype).removeprefix('torch.')}_{size}", candidates, otherwise="sdpa")
 
 
-def wide() -> bool:
-    """Whether decodekit's attention kernels run their AVX-512 code (the prompt kernel's softmax passes, the paged
-    attention): where the CPU has it (cpu.py's avx512f probe, which a test can force off). The C++ prompt layers ask
-    too (llama.LlamaForCausalLM._prompt_layers)."""
+def wide_softmax() -> bool:
+    """Whether the kernel's softmax passes run with AVX-512: where the CPU has it (cpu.py's avx512f probe, which a test
+    can force off). The C++ prompt layers ask too (llama.LlamaForCausalLM._prompt_layers)."""
     return cpu.has("avx512f")
 
 
 def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """decodekit::prefill_attention in float32, the result in q's dtype (softmax passes as wide() says)."""
-    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide()).to(q.dtype)
+    """decodekit::prefill_attention in float32, the result in q's dtype (softmax passes as wide_softmax says)."""
+    return torch.ops.decodekit.prefill_attention(q.float(), k.float(), v.float(), window, wide_softmax()).to(q.dtype)
 
 
 def bf16_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
@@ -76,11 +75,3 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
             q.shape[-1] % BF16_COLUMNS == 0:
         return bf16_kernel(q, k, v, window or 0)
     return kernel(q, k, v, window or 0) if route != "sdpa" else None
-
-
-def paged(q, k, v, keys, values, slots, tables, owner, positions, block_size: int, window: int) -> torch.Tensor:
-    """decodekit::paged_attention (tokens of many requests over a paged cache; see batching/paged.py), its AVX-512
-    kernel where wide() says so: runs of 16 positions, keys and values in one pass. Head dims it does not take
-    (other than 32, 64, 96, 128) run the AVX2 kernel."""
-    return torch.ops.decodekit.paged_attention(q, k, v, keys, values, slots, tables, owner, positions, block_size, window,
-                                               wide())

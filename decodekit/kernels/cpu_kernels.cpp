@@ -838,82 +838,162 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 // of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
 // to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
 
-// How many positions ahead the paged attention's passes prefetch a slot's row: blocks sit anywhere in the pool,
-// so the hardware prefetcher loses the stream at every block boundary (8, 16 and 32 measured no better).
-constexpr int64_t kSlotsAhead = 4;
-
 // Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every
-// thread busy): a slot's keys and values for those heads are one contiguous row, read once for all the query
-// heads they serve, position by position (a pass per head read each row in thirds, from memory three times
-// over when it had left the cache). Per head the arithmetic is attend()'s, in its order, so results are the same.
+// thread busy): a slot's keys and values for those heads are one contiguous row. A task reads its positions in runs
+// of 8, keys and values together: a head's scores for a run are one vector (an accumulator a position, their lanes
+// summed into one), folded into the head's running softmax, and the run's values added to the head's output. The
+// kernel before it scored position by position (a horizontal sum a head and position) and read keys and values in
+// two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks scattered),
+// where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
+constexpr int kPagedRun = 8;
+
+template <typename A>
+struct PagedTask {
+  const A *ks, *vs;
+  const int64_t* table;  // the token's row of the tables
+  int64_t block_size, KV, g0, D, per_group, heads, first, p;
+
+  // Where position j's row for this task's heads starts, in elements of the pools.
+  int64_t row(int64_t j) const { return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D; }
+  int64_t row_bytes() const { return heads / per_group * D * static_cast<int64_t>(sizeof(A)); }
+};
+
+// The next run's key and value rows, prefetched a few lines at each of a run's steps: blocks sit anywhere in the pool,
+// so the hardware prefetcher loses the stream at every block boundary. Issued all at once, or a row a head, the
+// prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight): with runs of
+// 16 they read 14-17 GB/s, spread so about 19.
+class RunPrefetch {
+ public:
+  template <typename A>
+  RunPrefetch(const PagedTask<A>& t, int64_t from, int64_t steps)
+      : lines_((t.row_bytes() + 63) / 64),
+        rows_(2 * std::max<int64_t>(0, std::min<int64_t>(kPagedRun, t.p + 1 - from))) {
+    for (int64_t r = 0; r < rows_ / 2; ++r) {
+      at_[2 * r] = reinterpret_cast<const char*>(t.ks + t.row(from + r));
+      at_[2 * r + 1] = reinterpret_cast<const char*>(t.vs + t.row(from + r));
+    }
+    per_step_ = (rows_ * lines_ + steps - 1) / steps;
+  }
+  void step() {
+    for (int64_t k = 0; k < per_step_ && row_ < rows_; ++k) {
+      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T0);
+      if (++line_ == lines_) line_ = 0, ++row_;
+    }
+  }
+
+ private:
+  const char* at_[2 * kPagedRun];
+  int64_t lines_, rows_, per_step_ = 0, row_ = 0, line_ = 0;
+};
+
+// The 8 lane sums of 8 vectors, sum i in lane i.
+inline __m256 lane_sums(const __m256 (&a)[8]) {
+  // hadd of hadds: the low 128 bits hold a[0..3]'s sums of lanes 0-3, the high ones of lanes 4-7 (a[4..7] likewise)
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// A task's runs (any head_dim: 8 columns a vector, then one at a time). `result` [heads, D] gets the unnormalised
+// outputs, `best` and `total` each head's largest score and sum of exp(score - best).
+template <typename A>
+void paged_task(const PagedTask<A>& t, const float* query, float* result, float* best, float* total) {
+  constexpr int kRun = kPagedRun;
+  const int64_t D = t.D, heads = t.heads, vector_end = D / 8 * 8;
+  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  std::fill(result, result + heads * D, 0.f);
+  std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + heads, 0.f);
+  for (int64_t j0 = t.first; j0 <= t.p; j0 += kRun) {
+    const int n = static_cast<int>(std::min<int64_t>(kRun, t.p + 1 - j0));
+    const A* key[kRun];
+    const A* value[kRun];
+    for (int s = 0; s < n; ++s) key[s] = t.ks + t.row(j0 + s), value[s] = t.vs + t.row(j0 + s);
+    RunPrefetch ahead(t, j0 + kRun, heads * std::max<int64_t>(1, D / 8));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));  // positions of the run
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = h / t.per_group * D;
+      const float* qh = query + h * D;
+      __m256 acc[kRun];
+      for (int s = 0; s < kRun; ++s) acc[s] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < vector_end; d += 8) {
+        ahead.step();
+        const __m256 qd = _mm256_loadu_ps(qh + d);
+        for (int s = 0; s < kRun; ++s)
+          if (s < n) acc[s] = _mm256_fmadd_ps(qd, load8(key[s] + off + d), acc[s]);
+      }
+      alignas(32) float tail[kRun] = {};
+      for (int64_t d = vector_end; d < D; ++d)
+        for (int s = 0; s < n; ++s) tail[s] += qh[d] * static_cast<float>(key[s][off + d]);
+      const __m256 sums = _mm256_add_ps(lane_sums(acc), _mm256_load_ps(tail));
+      const __m256 scores = _mm256_blendv_ps(lowest, _mm256_mul_ps(sums, scale), valid);
+      const float top = std::max(best[h], horizontal_max(scores));
+      float* o = result + h * D;
+      if (top > best[h]) {  // rescale what the head has summed so far
+        const float factor = std::exp(best[h] - top);
+        total[h] *= factor;
+        for (int64_t d = 0; d < D; ++d) o[d] *= factor;
+        best[h] = top;
+      }
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(scores, _mm256_set1_ps(top))), valid);
+      total[h] += horizontal_sum(e);
+      alignas(32) float weights[kRun];
+      _mm256_store_ps(weights, e);
+      __m256 w[kRun];
+      for (int s = 0; s < kRun; ++s) w[s] = _mm256_set1_ps(weights[s]);
+      for (int64_t d = 0; d < vector_end; d += 8) {
+        __m256 sum = _mm256_loadu_ps(o + d);
+        for (int s = 0; s < kRun; ++s)
+          if (s < n) sum = _mm256_fmadd_ps(w[s], load8(value[s] + off + d), sum);
+        _mm256_storeu_ps(o + d, sum);
+      }
+      for (int64_t d = vector_end; d < D; ++d)
+        for (int s = 0; s < n; ++s) o[d] += weights[s] * static_cast<float>(value[s][off + d]);
+    }
+  }
+}
+
+// The tasks of a call in parallel, the outputs normalised and rounded to A once.
 template <typename A>
 void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
                         int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
                         int64_t window, const at::Tensor& out) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
   const A* qs = q.data_ptr<A>();
-  const A* ks = keys.data_ptr<A>();
-  const A* vs = values.data_ptr<A>();
   A* os = out.data_ptr<A>();
   const int64_t per_group = H / KV;
   const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;  // kv-head ranges a token is split into
   const int64_t groups = KV / parts, heads = groups * per_group;  // a task's kv heads and query heads
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float masked = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(heads * D), result(heads * D), inverse(heads), scores;
+    std::vector<float> query(heads * D), result(heads * D), best(heads), total(heads);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], L = p + 1;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const int64_t* table = tables + owner[i] * per_row;
-      const int64_t h0 = g0 * per_group;
-      // Where position j's row for this task's heads starts, in elements of the pools.
-      const auto row = [=](int64_t j) {
-        return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D;
-      };
-      const auto prefetch_row = [=](const A* pool, int64_t j) {
-        if (j <= p) prefetch_block<0>(pool + row(j), groups * D * static_cast<int64_t>(sizeof(A)));
-      };
+      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], h0 = g0 * per_group;
+      const PagedTask<A> t{keys.data_ptr<A>(), values.data_ptr<A>(), tables + owner[i] * per_row, block_size, KV, g0, D,
+                           per_group, heads, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p};
       for (int64_t e = 0; e < heads * D; ++e) query[e] = static_cast<float>(qs[(i * H + h0) * D + e]);
-      scores.assign(heads * L, masked);
-      for (int64_t j = first; j <= p; ++j) {
-        prefetch_row(ks, j + kSlotsAhead);
-        const A* key = ks + row(j);
-        for (int64_t h = 0; h < heads; ++h)
-          scores[h * L + j] = dot(query.data() + h * D, key + h / per_group * D, D) * scale;
-      }
-      std::fill(result.begin(), result.end(), 0.f);
-      for (int64_t h = 0; h < heads; ++h) {
-        float* s = scores.data() + h * L;
-        inverse[h] = 1.f / exp_and_sum(s, L, row_max(s, L));
-      }
-      for (int64_t j = first; j <= p; ++j) {
-        prefetch_row(vs, j + kSlotsAhead);
-        const A* value = vs + row(j);
-        for (int64_t h = 0; h < heads; ++h)
-          add_scaled(result.data() + h * D, scores[h * L + j], value + h / per_group * D, D);
-      }
+      paged_task(t, query.data(), result.data(), best.data(), total.data());
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t at_q = (i * H + h0 + h) * D;
-        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse[h]));
+        const float inverse = 1.f / total[h];
+        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse));
       }
     }
   });
 }
 
-bool wide_paged_head_dim(int64_t D);
-template <typename A>
-void paged_attention_wide(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
-                          int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
-                          int64_t window, const at::Tensor& out);
-
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
                            const at::Tensor& values, const at::Tensor& slots, const at::Tensor& tables,
-                           const at::Tensor& owner, const at::Tensor& positions, int64_t block_size, int64_t window,
-                           bool wide) {
+                           const at::Tensor& owner, const at::Tensor& positions, int64_t block_size, int64_t window) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: q must be float32 or bfloat16, not ", dtype);
-  TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "paged_attention: wide=True needs a CPU with avx512f");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
               "paged_attention: q must be a contiguous [tokens, heads, head_dim] tensor on the CPU");
   for (const at::Tensor* pool : {&keys, &values}) {
@@ -957,14 +1037,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     std::memcpy(static_cast<char*>(values.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(vc.data_ptr()) + i * bytes, bytes);
   }
   at::Tensor out = at::empty_like(q);
-  // Head dims the wide kernel does not take run the AVX2 one.
-  if (wide && wide_paged_head_dim(q.size(2))) {
-    if (dtype == at::kBFloat16) {
-      paged_attention_wide<c10::BFloat16>(q, keys, values, table, per_row, own, pos, block_size, window, out);
-    } else {
-      paged_attention_wide<float>(q, keys, values, table, per_row, own, pos, block_size, window, out);
-    }
-  } else if (dtype == at::kBFloat16) {
+  if (dtype == at::kBFloat16) {
     paged_attention_as<c10::BFloat16>(q, keys, values, table, per_row, own, pos, block_size, window, out);
   } else {
     paged_attention_as<float>(q, keys, values, table, per_row, own, pos, block_size, window, out);
@@ -1481,166 +1554,6 @@ struct WideSoftmax {
     return _mm512_reduce_add_ps(sum);
   }
 };
-
-// ---- The paged attention with AVX-512 (`wide`, where the CPU has avx512f; head_dim 32, 64, 96 or 128). ----
-//
-// The same tasks as paged_attention_as, in runs of up to 16 consecutive positions, keys and values together: a run's
-// scores for a head are 16 lanes at once (an accumulator a position, their lanes summed into one vector), folded into
-// the head's running softmax and its values added to the head's output at once. The AVX2 passes spent most of a
-// position on its nine horizontal sums and on loading and storing the outputs, and read keys and values in two
-// passes: 13 GB/s of the cache against the 28 a 2-core AVX512-BF16 EPYC's memory gives (32 rows, 320 positions,
-// the default model's 30 layers, blocks scattered over the pool).
-constexpr int kRun = 16;
-
-// The 16 lane sums of 16 vectors, sum i in lane i.
-DECODEKIT_AVX512 inline __m512 lane_sums(const __m512 (&a)[kRun]) {
-  __m512 x[8], y[4], z[2];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = a[2k], b = a[2k + 1]
-    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sums of a[4k] .. a[4k + 3]
-    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int k = 0; k < 2; ++k)  // 128-bit lanes summed in pairs
-    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// What a wide task reads: the pools, the task's rows and heads. Scratch is the calling thread's.
-template <typename A>
-struct PagedTask {
-  const A *ks, *vs;
-  const int64_t* table;  // the token's row of the tables
-  int64_t block_size, KV, g0, D, per_group, heads, first, p;
-};
-
-// The next run's key and value rows, prefetched a few lines at each of the run's steps (a head's position): issued
-// all at once, or a row a head, they stalled the work they were meant to overlap (a core keeps only so many misses
-// in flight), and the step read at 14-17 GB/s; spread so, about 19.
-class RunPrefetch {
- public:
-  template <typename A, typename Row>
-  RunPrefetch(const A* ks, const A* vs, Row row, int64_t from, int64_t count, int64_t row_bytes, int64_t steps)
-      : lines_(std::max<int64_t>(1, (row_bytes + 63) / 64)), rows_(2 * count) {
-    for (int64_t r = 0; r < count; ++r) {
-      at_[2 * r] = reinterpret_cast<const char*>(ks + row(from + r));
-      at_[2 * r + 1] = reinterpret_cast<const char*>(vs + row(from + r));
-    }
-    per_step_ = (rows_ * lines_ + steps - 1) / steps;
-  }
-  void step() {
-    for (int64_t k = 0; k < per_step_ && row_ < rows_; ++k) {
-      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T0);
-      if (++line_ == lines_) line_ = 0, ++row_;
-    }
-  }
-
- private:
-  const char* at_[2 * kRun];
-  int64_t lines_, rows_, per_step_ = 0, row_ = 0, line_ = 0;
-};
-
-template <int ND, typename A>
-DECODEKIT_AVX512 void paged_wide_task(const PagedTask<A>& t, const float* query, float* result, float* best,
-                                      float* total) {
-  const int64_t D = t.D, heads = t.heads, row_bytes = heads / t.per_group * D * static_cast<int64_t>(sizeof(A));
-  const auto row = [&](int64_t j) {
-    return ((t.table[j / t.block_size] * t.block_size + j % t.block_size) * t.KV + t.g0) * D;
-  };
-  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
-  const float lowest = -std::numeric_limits<float>::infinity();
-  alignas(64) float weights[kRun];
-  std::fill(result, result + heads * D, 0.f);
-  std::fill(best, best + heads, lowest);
-  std::fill(total, total + heads, 0.f);
-  for (int64_t j0 = t.first; j0 <= t.p; j0 += kRun) {
-    const int n = static_cast<int>(std::min<int64_t>(kRun, t.p + 1 - j0));
-    const A* key[kRun];
-    const A* value[kRun];
-    for (int s = 0; s < n; ++s) {
-      const int64_t at = row(j0 + s);
-      key[s] = t.ks + at, value[s] = t.vs + at;
-    }
-    RunPrefetch ahead(t.ks, t.vs, row, j0 + kRun, std::max<int64_t>(0, std::min<int64_t>(kRun, t.p + 1 - j0 - kRun)),
-                      row_bytes, heads * kRun);
-    const __mmask16 lanes = lanes_left(n);
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t off = h / t.per_group * D;
-      __m512 qv[ND], acc[kRun];
-      for (int d = 0; d < ND; ++d) qv[d] = _mm512_loadu_ps(query + h * D + 16 * d);
-      for (int s = 0; s < kRun; ++s) {
-        ahead.step();
-        acc[s] = _mm512_setzero_ps();
-        if (s < n)
-          for (int d = 0; d < ND; ++d) acc[s] = _mm512_fmadd_ps(qv[d], load16(key[s] + off + 16 * d), acc[s]);
-      }
-      const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(lowest), lanes, lane_sums(acc), scale);
-      const float top = std::max(best[h], _mm512_reduce_max_ps(scores));
-      float* o = result + h * D;
-      if (top > best[h]) {  // rescale what the head has summed so far
-        const float factor = std::exp(best[h] - top);
-        total[h] *= factor;
-        for (int d = 0; d < ND; ++d)
-          _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), _mm512_set1_ps(factor)));
-        best[h] = top;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top))));
-      total[h] += _mm512_reduce_add_ps(e);
-      _mm512_store_ps(weights, e);
-      __m512 sum[ND];
-      for (int d = 0; d < ND; ++d) sum[d] = _mm512_loadu_ps(o + 16 * d);
-      for (int s = 0; s < n; ++s) {
-        const __m512 w = _mm512_set1_ps(weights[s]);
-        for (int d = 0; d < ND; ++d) sum[d] = _mm512_fmadd_ps(w, load16(value[s] + off + 16 * d), sum[d]);
-      }
-      for (int d = 0; d < ND; ++d) _mm512_storeu_ps(o + 16 * d, sum[d]);
-    }
-  }
-}
-
-template <int ND, typename A>
-void paged_attention_wide_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const int64_t* tables, int64_t per_row, const int64_t* owner, const int64_t* positions,
-                             int64_t block_size, int64_t window, const at::Tensor& out) {
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
-  const A* qs = q.data_ptr<A>();
-  A* os = out.data_ptr<A>();
-  const int64_t per_group = H / KV;
-  const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;
-  const int64_t groups = KV / parts, heads = groups * per_group;
-  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(heads * D), result(heads * D), best(heads), total(heads);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], h0 = g0 * per_group;
-      const PagedTask<A> t{keys.data_ptr<A>(), values.data_ptr<A>(), tables + owner[i] * per_row, block_size, KV, g0, D,
-                           per_group, heads, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p};
-      for (int64_t e = 0; e < heads * D; ++e) query[e] = static_cast<float>(qs[(i * H + h0) * D + e]);
-      paged_wide_task<ND, A>(t, query.data(), result.data(), best.data(), total.data());
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at_q = (i * H + h0 + h) * D;
-        const float inverse = 1.f / total[h];
-        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse));
-      }
-    }
-  });
-}
-
-// The head dims paged_attention_wide_as is built for (D / 16 query vectors beside 16 accumulators; the switch below).
-bool wide_paged_head_dim(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
-
-template <typename A>
-void paged_attention_wide(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
-                          int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
-                          int64_t window, const at::Tensor& out) {
-  switch (q.size(2) / 16) {
-    case 2: return paged_attention_wide_as<2, A>(q, keys, values, tables, per_row, owner, positions, block_size, window, out);
-    case 4: return paged_attention_wide_as<4, A>(q, keys, values, tables, per_row, owner, positions, block_size, window, out);
-    case 6: return paged_attention_wide_as<6, A>(q, keys, values, tables, per_row, owner, positions, block_size, window, out);
-    case 8: return paged_attention_wide_as<8, A>(q, keys, values, tables, per_row, owner, positions, block_size, window, out);
-    default: TORCH_CHECK(false, "paged_attention: the AVX-512 kernel takes head_dim 32, 64, 96 or 128, not ", q.size(2));
-  }
-}
 
 // One key block's scores of a row folded into the row's running softmax (its largest score so far `best` and the sum
 // `total` of exp(score - best)): `visible` [from, to) is the row's keys relative to the task's first, `offset` the
@@ -2313,7 +2226,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False, bool blocks=False, "
         "bool wide=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "
-        "Tensor owner, Tensor positions, int block_size, int window, bool wide=False) -> Tensor");
+        "Tensor owner, Tensor positions, int block_size, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, m) {

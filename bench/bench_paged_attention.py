@@ -56,11 +56,10 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
                 run()
             best[name] = min(best[name], (time.perf_counter() - start) / 3)
     read = rows * (context + 1) * kv_heads * head_dim * 4 * 2 * layers
-    row = {"rows": rows, "context": context, "layers": layers}
-    row.update({"kernel_ms": round(best["kernel"] * 1e3, 2), "gathered_sdpa_ms": round(best["gathered_sdpa"] * 1e3, 2),
-                "kernel_GB_per_s": round(read / best["kernel"] / 1e9, 1),
-                "gathered_over_kernel": round(best["gathered_sdpa"] / best["kernel"], 2)})
-    return row
+    kernel, gathered = best["kernel"], best["gathered_sdpa"]
+    return {"rows": rows, "context": context, "layers": layers, "kernel_ms": round(kernel * 1e3, 2),
+            "gathered_sdpa_ms": round(gathered * 1e3, 2), "kernel_GB_per_s": round(read / kernel / 1e9, 1),
+            "gathered_over_kernel": round(gathered / kernel, 2)}
 
 
 def main() -> int:

@@ -831,221 +831,6 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   return decode_layers_as<float>(x, cos, sin, slot, row_of, masks, keys, values, weights, scales, biases, norms, s, eps);
 }
 
-// ---- Attention over a paged KV cache (decodekit/batching): the tokens of many requests in one call. ----
-//
-// keys/values [slots, kv_heads, D] are a pool of blocks of `block_size` slots; position j of the request in
-// row r of `tables` is in slot tables[r, j / block_size] * block_size + j % block_size. Token i (query q[i],
-// of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
-// to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
-
-// Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every
-// thread busy): a slot's keys and values for those heads are one contiguous row. A task reads its positions in runs
-// of 8, keys and values together: a head's scores for a run are one vector (an accumulator a position, their lanes
-// summed into one), folded into the head's running softmax, and the run's values added to the head's output. The
-// kernel before it scored position by position (a horizontal sum a head and position) and read keys and values in
-// two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks scattered),
-// where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
-constexpr int kPagedRun = 8;
-
-template <typename A>
-struct PagedTask {
-  const A *ks, *vs;
-  const int64_t* table;  // the token's row of the tables
-  int64_t block_size, KV, g0, D, per_group, heads, first, p;
-
-  // Where position j's row for this task's heads starts, in elements of the pools.
-  int64_t row(int64_t j) const { return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D; }
-  int64_t row_bytes() const { return heads / per_group * D * static_cast<int64_t>(sizeof(A)); }
-};
-
-// The next run's key and value rows, prefetched a few lines at each of a run's steps: blocks sit anywhere in the pool,
-// so the hardware prefetcher loses the stream at every block boundary. Issued all at once, or a row a head, the
-// prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight): with runs of
-// 16 they read 14-17 GB/s, spread so about 19.
-class RunPrefetch {
- public:
-  template <typename A>
-  RunPrefetch(const PagedTask<A>& t, int64_t from, int64_t steps)
-      : lines_((t.row_bytes() + 63) / 64),
-        rows_(2 * std::max<int64_t>(0, std::min<int64_t>(kPagedRun, t.p + 1 - from))) {
-    for (int64_t r = 0; r < rows_ / 2; ++r) {
-      at_[2 * r] = reinterpret_cast<const char*>(t.ks + t.row(from + r));
-      at_[2 * r + 1] = reinterpret_cast<const char*>(t.vs + t.row(from + r));
-    }
-    per_step_ = (rows_ * lines_ + steps - 1) / steps;
-  }
-  void step() {
-    for (int64_t k = 0; k < per_step_ && row_ < rows_; ++k) {
-      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T0);
-      if (++line_ == lines_) line_ = 0, ++row_;
-    }
-  }
-
- private:
-  const char* at_[2 * kPagedRun];
-  int64_t lines_, rows_, per_step_ = 0, row_ = 0, line_ = 0;
-};
-
-// The 8 lane sums of 8 vectors, sum i in lane i.
-inline __m256 lane_sums(const __m256 (&a)[8]) {
-  // hadd of hadds: the low 128 bits hold a[0..3]'s sums of lanes 0-3, the high ones of lanes 4-7 (a[4..7] likewise)
-  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
-}
-
-inline float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-// A task's runs (any head_dim: 8 columns a vector, then one at a time). `result` [heads, D] gets the unnormalised
-// outputs, `best` and `total` each head's largest score and sum of exp(score - best).
-template <typename A>
-void paged_task(const PagedTask<A>& t, const float* query, float* result, float* best, float* total) {
-  constexpr int kRun = kPagedRun;
-  const int64_t D = t.D, heads = t.heads, vector_end = D / 8 * 8;
-  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
-  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  std::fill(result, result + heads * D, 0.f);
-  std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
-  std::fill(total, total + heads, 0.f);
-  for (int64_t j0 = t.first; j0 <= t.p; j0 += kRun) {
-    const int n = static_cast<int>(std::min<int64_t>(kRun, t.p + 1 - j0));
-    const A* key[kRun];
-    const A* value[kRun];
-    for (int s = 0; s < n; ++s) key[s] = t.ks + t.row(j0 + s), value[s] = t.vs + t.row(j0 + s);
-    RunPrefetch ahead(t, j0 + kRun, heads * std::max<int64_t>(1, D / 8));
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));  // positions of the run
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t off = h / t.per_group * D;
-      const float* qh = query + h * D;
-      __m256 acc[kRun];
-      for (int s = 0; s < kRun; ++s) acc[s] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < vector_end; d += 8) {
-        ahead.step();
-        const __m256 qd = _mm256_loadu_ps(qh + d);
-        for (int s = 0; s < kRun; ++s)
-          if (s < n) acc[s] = _mm256_fmadd_ps(qd, load8(key[s] + off + d), acc[s]);
-      }
-      alignas(32) float tail[kRun] = {};
-      for (int64_t d = vector_end; d < D; ++d)
-        for (int s = 0; s < n; ++s) tail[s] += qh[d] * static_cast<float>(key[s][off + d]);
-      const __m256 sums = _mm256_add_ps(lane_sums(acc), _mm256_load_ps(tail));
-      const __m256 scores = _mm256_blendv_ps(lowest, _mm256_mul_ps(sums, scale), valid);
-      const float top = std::max(best[h], horizontal_max(scores));
-      float* o = result + h * D;
-      if (top > best[h]) {  // rescale what the head has summed so far
-        const float factor = std::exp(best[h] - top);
-        total[h] *= factor;
-        for (int64_t d = 0; d < D; ++d) o[d] *= factor;
-        best[h] = top;
-      }
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(scores, _mm256_set1_ps(top))), valid);
-      total[h] += horizontal_sum(e);
-      alignas(32) float weights[kRun];
-      _mm256_store_ps(weights, e);
-      __m256 w[kRun];
-      for (int s = 0; s < kRun; ++s) w[s] = _mm256_set1_ps(weights[s]);
-      for (int64_t d = 0; d < vector_end; d += 8) {
-        __m256 sum = _mm256_loadu_ps(o + d);
-        for (int s = 0; s < kRun; ++s)
-          if (s < n) sum = _mm256_fmadd_ps(w[s], load8(value[s] + off + d), sum);
-        _mm256_storeu_ps(o + d, sum);
-      }
-      for (int64_t d = vector_end; d < D; ++d)
-        for (int s = 0; s < n; ++s) o[d] += weights[s] * static_cast<float>(value[s][off + d]);
-    }
-  }
-}
-
-// The tasks of a call in parallel, the outputs normalised and rounded to A once.
-template <typename A>
-void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
-                        int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
-                        int64_t window, const at::Tensor& out) {
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
-  const A* qs = q.data_ptr<A>();
-  A* os = out.data_ptr<A>();
-  const int64_t per_group = H / KV;
-  const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;  // kv-head ranges a token is split into
-  const int64_t groups = KV / parts, heads = groups * per_group;  // a task's kv heads and query heads
-  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(heads * D), result(heads * D), best(heads), total(heads);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], h0 = g0 * per_group;
-      const PagedTask<A> t{keys.data_ptr<A>(), values.data_ptr<A>(), tables + owner[i] * per_row, block_size, KV, g0, D,
-                           per_group, heads, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p};
-      for (int64_t e = 0; e < heads * D; ++e) query[e] = static_cast<float>(qs[(i * H + h0) * D + e]);
-      paged_task(t, query.data(), result.data(), best.data(), total.data());
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t at_q = (i * H + h0 + h) * D;
-        const float inverse = 1.f / total[h];
-        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse));
-      }
-    }
-  });
-}
-
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
-                           const at::Tensor& values, const at::Tensor& slots, const at::Tensor& tables,
-                           const at::Tensor& owner, const at::Tensor& positions, int64_t block_size, int64_t window) {
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: q must be float32 or bfloat16, not ", dtype);
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
-              "paged_attention: q must be a contiguous [tokens, heads, head_dim] tensor on the CPU");
-  for (const at::Tensor* pool : {&keys, &values}) {
-    TORCH_CHECK(pool->scalar_type() == dtype && pool->is_contiguous() && pool->dim() == 3 && pool->size(2) == q.size(2) &&
-                    pool->sizes() == keys.sizes(),
-                "paged_attention: keys and values must be contiguous [slots, kv_heads, head_dim] pools of q's dtype");
-  }
-  const int64_t N = q.size(0), KV = keys.size(1), slots_in_pool = keys.size(0);
-  TORCH_CHECK(KV >= 1 && q.size(1) % KV == 0, "paged_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_size >= 1 && slots_in_pool % block_size == 0, "paged_attention: the pools must hold whole blocks of ",
-              block_size, " slots");
-  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
-  for (const at::Tensor* t : {&tables, &owner, &positions}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "paged_attention: tables, owner and positions must be contiguous int64 tensors on the CPU");
-  }
-  TORCH_CHECK(tables.dim() == 2 && owner.numel() == N && positions.numel() == N,
-              "paged_attention: tables must be [requests, blocks], owner and positions one value per token");
-  const int64_t R = tables.size(0), per_row = tables.size(1), blocks = slots_in_pool / block_size;
-  const int64_t *table = tables.data_ptr<int64_t>(), *own = owner.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) {  // every block a token reads must be in the pool
-    TORCH_CHECK(own[i] >= 0 && own[i] < R, "paged_attention: owner ", own[i], " is not a row of tables");
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < per_row * block_size, "paged_attention: position ", pos[i],
-                " is past the ", per_row * block_size, " slots a table row holds");
-    for (int64_t b = 0; b <= pos[i] / block_size; ++b) {
-      const int64_t block = table[own[i] * per_row + b];
-      TORCH_CHECK(block >= 0 && block < blocks, "paged_attention: block ", block, " is outside the pool of ", blocks);
-    }
-  }
-  // The tokens' own keys and values first (k, v [tokens, kv_heads, head_dim] at `slots`): they attend to themselves.
-  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k.size(0) == N && k.size(1) == KV && k.size(2) == q.size(2) &&
-                  k.scalar_type() == dtype && v.scalar_type() == dtype && slots.scalar_type() == at::kLong &&
-                  slots.numel() == N && slots.is_contiguous(),
-              "paged_attention: k and v must be [tokens, kv_heads, head_dim] of q's dtype, slots one int64 per token");
-  const int64_t* at_slot = slots.data_ptr<int64_t>();
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-  const int64_t row = KV * q.size(2), bytes = row * kc.element_size();
-  for (int64_t i = 0; i < N; ++i) {
-    TORCH_CHECK(at_slot[i] >= 0 && at_slot[i] < slots_in_pool, "paged_attention: slot ", at_slot[i], " is outside the pool");
-    std::memcpy(static_cast<char*>(keys.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(kc.data_ptr()) + i * bytes, bytes);
-    std::memcpy(static_cast<char*>(values.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(vc.data_ptr()) + i * bytes, bytes);
-  }
-  at::Tensor out = at::empty_like(q);
-  if (dtype == at::kBFloat16) {
-    paged_attention_as<c10::BFloat16>(q, keys, values, table, per_row, own, pos, block_size, window, out);
-  } else {
-    paged_attention_as<float>(q, keys, values, table, per_row, own, pos, block_size, window, out);
-  }
-  return out;
-}
-
-
 // Products of many rows (a prompt's prefill) by bfloat16 or int8 weights on a CPU without matrix instructions for
 // them. The weight is converted to float32 a tile of its rows at a time, into a buffer that stays in the core's
 // L2 cache, and each tile's product is the library's float32 matmul (MKL's sgemm, one thread a tile): the
@@ -1585,6 +1370,201 @@ bool fold_block_row(float* row, std::pair<int64_t, int64_t> visible, int64_t off
 inline void divide_row(float* out, int64_t D, float total) {
   const float inverse = total > 0.f ? 1.f / total : 0.f;
   for (int64_t d = 0; d < D; ++d) out[d] *= inverse;
+}
+
+// ---- Attention over a paged KV cache (decodekit/batching): the tokens of many requests in one call. ----
+//
+// keys/values [slots, kv_heads, D] are a pool of blocks of `block_size` slots; position j of the request in
+// row r of `tables` is in slot tables[r, j / block_size] * block_size + j % block_size. Token i (query q[i],
+// of request owner[i], at position positions[i] = p) attends to its request's positions max(0, p - window + 1)
+// to p (window 0: from 0), all written before this call; so a prefill chunk is causal by construction.
+
+// Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every
+// thread busy): a slot's keys and values for those heads are one contiguous row. A task reads its positions in runs
+// of 8, keys and values together: a head's scores for a run are one vector (an accumulator a position, their lanes
+// summed into one), folded into the head's running softmax, and the run's values added to the head's output. The
+// kernel before it scored position by position (a horizontal sum a head and position) and read keys and values in
+// two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks scattered),
+// where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
+constexpr int kPagedRun = 8;
+
+template <typename A>
+struct PagedTask {
+  const A *ks, *vs;
+  const int64_t* table;  // the token's row of the tables
+  int64_t block_size, KV, g0, D, per_group, heads, first, p;
+
+  // Where position j's row for this task's heads starts, in elements of the pools.
+  int64_t row(int64_t j) const { return ((table[j / block_size] * block_size + j % block_size) * KV + g0) * D; }
+  int64_t row_bytes() const { return heads / per_group * D * static_cast<int64_t>(sizeof(A)); }
+};
+
+// The next run's key and value rows, prefetched a few lines at each of a run's steps: blocks sit anywhere in the pool,
+// so the hardware prefetcher loses the stream at every block boundary. Issued all at once, or a row a head, the
+// prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight): with runs of
+// 16 they read 14-17 GB/s, spread so about 19.
+class RunPrefetch {
+ public:
+  template <typename A>
+  RunPrefetch(const PagedTask<A>& t, int64_t from, int64_t steps)
+      : lines_((t.row_bytes() + 63) / 64),
+        rows_(2 * std::max<int64_t>(0, std::min<int64_t>(kPagedRun, t.p + 1 - from))) {
+    for (int64_t r = 0; r < rows_ / 2; ++r) {
+      at_[2 * r] = reinterpret_cast<const char*>(t.ks + t.row(from + r));
+      at_[2 * r + 1] = reinterpret_cast<const char*>(t.vs + t.row(from + r));
+    }
+    per_step_ = (rows_ * lines_ + steps - 1) / steps;
+  }
+  void step() {
+    for (int64_t k = 0; k < per_step_ && row_ < rows_; ++k) {
+      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T0);
+      if (++line_ == lines_) line_ = 0, ++row_;
+    }
+  }
+
+ private:
+  const char* at_[2 * kPagedRun];
+  int64_t lines_, rows_, per_step_ = 0, row_ = 0, line_ = 0;
+};
+
+// The 8 lane sums of 8 vectors, sum i in lane i.
+inline __m256 lane_sums(const __m256 (&a)[8]) {
+  // hadd of hadds: the low 128 bits hold a[0..3]'s sums of lanes 0-3, the high ones of lanes 4-7 (a[4..7] likewise)
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// A task's runs (any head_dim: 8 columns a vector, then one at a time), each head's scores folded into its running
+// softmax by fold_block_row, as the prompt kernel's key blocks are. `result` [heads, D] gets the unnormalised
+// outputs, `best` and `total` each head's largest score and sum of exp(score - best).
+template <typename A>
+void paged_task(const PagedTask<A>& t, const float* query, float* result, float* best, float* total) {
+  constexpr int kRun = kPagedRun;
+  const int64_t D = t.D, heads = t.heads, vector_end = D / 8 * 8;
+  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
+  std::fill(result, result + heads * D, 0.f);
+  std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + heads, 0.f);
+  for (int64_t j0 = t.first; j0 <= t.p; j0 += kRun) {
+    const int n = static_cast<int>(std::min<int64_t>(kRun, t.p + 1 - j0));
+    const A* key[kRun];
+    const A* value[kRun];
+    for (int s = 0; s < n; ++s) key[s] = t.ks + t.row(j0 + s), value[s] = t.vs + t.row(j0 + s);
+    RunPrefetch ahead(t, j0 + kRun, heads * std::max<int64_t>(1, D / 8));
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = h / t.per_group * D;
+      const float* qh = query + h * D;
+      __m256 acc[kRun];
+      for (int s = 0; s < kRun; ++s) acc[s] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < vector_end; d += 8) {
+        ahead.step();
+        const __m256 qd = _mm256_loadu_ps(qh + d);
+        for (int s = 0; s < kRun; ++s)
+          if (s < n) acc[s] = _mm256_fmadd_ps(qd, load8(key[s] + off + d), acc[s]);
+      }
+      alignas(32) float weights[kRun] = {};  // the run's scores, then exp(score - best) (zeros past n)
+      for (int64_t d = vector_end; d < D; ++d)
+        for (int s = 0; s < n; ++s) weights[s] += qh[d] * static_cast<float>(key[s][off + d]);
+      _mm256_store_ps(weights, _mm256_mul_ps(_mm256_add_ps(lane_sums(acc), _mm256_load_ps(weights)), scale));
+      float* o = result + h * D;
+      fold_block_row<NarrowSoftmax>(weights, {0, n}, 0, n, kRun, best[h], total[h], o, D);
+      __m256 w[kRun];
+      for (int s = 0; s < kRun; ++s) w[s] = _mm256_set1_ps(weights[s]);
+      for (int64_t d = 0; d < vector_end; d += 8) {
+        __m256 sum = _mm256_loadu_ps(o + d);
+        for (int s = 0; s < kRun; ++s)
+          if (s < n) sum = _mm256_fmadd_ps(w[s], load8(value[s] + off + d), sum);
+        _mm256_storeu_ps(o + d, sum);
+      }
+      for (int64_t d = vector_end; d < D; ++d)
+        for (int s = 0; s < n; ++s) o[d] += weights[s] * static_cast<float>(value[s][off + d]);
+    }
+  }
+}
+
+// The tasks of a call in parallel, the outputs normalised and rounded to A once.
+template <typename A>
+void paged_attention_as(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int64_t* tables,
+                        int64_t per_row, const int64_t* owner, const int64_t* positions, int64_t block_size,
+                        int64_t window, const at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KV = keys.size(1);
+  const A* qs = q.data_ptr<A>();
+  A* os = out.data_ptr<A>();
+  const int64_t per_group = H / KV;
+  const int64_t parts = N >= 4 * at::get_num_threads() ? 1 : KV;  // kv-head ranges a token is split into
+  const int64_t groups = KV / parts, heads = groups * per_group;  // a task's kv heads and query heads
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(heads * D), result(heads * D), best(heads), total(heads);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / parts, g0 = task % parts * groups, p = positions[i], h0 = g0 * per_group;
+      const PagedTask<A> t{keys.data_ptr<A>(), values.data_ptr<A>(), tables + owner[i] * per_row, block_size, KV, g0, D,
+                           per_group, heads, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, p};
+      for (int64_t e = 0; e < heads * D; ++e) query[e] = static_cast<float>(qs[(i * H + h0) * D + e]);
+      paged_task(t, query.data(), result.data(), best.data(), total.data());
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at_q = (i * H + h0 + h) * D;
+        const float inverse = 1.f / total[h];
+        for (int64_t d = 0; d < D; ++d) os[at_q + d] = static_cast<A>(round_to<A>(result[h * D + d] * inverse));
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& slots, const at::Tensor& tables,
+                           const at::Tensor& owner, const at::Tensor& positions, int64_t block_size, int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention: q must be float32 or bfloat16, not ", dtype);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
+              "paged_attention: q must be a contiguous [tokens, heads, head_dim] tensor on the CPU");
+  for (const at::Tensor* pool : {&keys, &values}) {
+    TORCH_CHECK(pool->scalar_type() == dtype && pool->is_contiguous() && pool->dim() == 3 && pool->size(2) == q.size(2) &&
+                    pool->sizes() == keys.sizes(),
+                "paged_attention: keys and values must be contiguous [slots, kv_heads, head_dim] pools of q's dtype");
+  }
+  const int64_t N = q.size(0), KV = keys.size(1), slots_in_pool = keys.size(0);
+  TORCH_CHECK(KV >= 1 && q.size(1) % KV == 0, "paged_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_size >= 1 && slots_in_pool % block_size == 0, "paged_attention: the pools must hold whole blocks of ",
+              block_size, " slots");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
+  for (const at::Tensor* t : {&tables, &owner, &positions}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention: tables, owner and positions must be contiguous int64 tensors on the CPU");
+  }
+  TORCH_CHECK(tables.dim() == 2 && owner.numel() == N && positions.numel() == N,
+              "paged_attention: tables must be [requests, blocks], owner and positions one value per token");
+  const int64_t R = tables.size(0), per_row = tables.size(1), blocks = slots_in_pool / block_size;
+  const int64_t *table = tables.data_ptr<int64_t>(), *own = owner.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {  // every block a token reads must be in the pool
+    TORCH_CHECK(own[i] >= 0 && own[i] < R, "paged_attention: owner ", own[i], " is not a row of tables");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < per_row * block_size, "paged_attention: position ", pos[i],
+                " is past the ", per_row * block_size, " slots a table row holds");
+    for (int64_t b = 0; b <= pos[i] / block_size; ++b) {
+      const int64_t block = table[own[i] * per_row + b];
+      TORCH_CHECK(block >= 0 && block < blocks, "paged_attention: block ", block, " is outside the pool of ", blocks);
+    }
+  }
+  // The tokens' own keys and values first (k, v [tokens, kv_heads, head_dim] at `slots`): they attend to themselves.
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k.size(0) == N && k.size(1) == KV && k.size(2) == q.size(2) &&
+                  k.scalar_type() == dtype && v.scalar_type() == dtype && slots.scalar_type() == at::kLong &&
+                  slots.numel() == N && slots.is_contiguous(),
+              "paged_attention: k and v must be [tokens, kv_heads, head_dim] of q's dtype, slots one int64 per token");
+  const int64_t* at_slot = slots.data_ptr<int64_t>();
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const int64_t row = KV * q.size(2), bytes = row * kc.element_size();
+  for (int64_t i = 0; i < N; ++i) {
+    TORCH_CHECK(at_slot[i] >= 0 && at_slot[i] < slots_in_pool, "paged_attention: slot ", at_slot[i], " is outside the pool");
+    std::memcpy(static_cast<char*>(keys.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(kc.data_ptr()) + i * bytes, bytes);
+    std::memcpy(static_cast<char*>(values.data_ptr()) + at_slot[i] * bytes, static_cast<const char*>(vc.data_ptr()) + i * bytes, bytes);
+  }
+  at::Tensor out = at::empty_like(q);
+  if (dtype == at::kBFloat16) {
+    paged_attention_as<c10::BFloat16>(q, keys, values, table, per_row, own, pos, block_size, window, out);
+  } else {
+    paged_attention_as<float>(q, keys, values, table, per_row, own, pos, block_size, window, out);
+  }
+  return out;
 }
 
 // The task's queries [M, D] (scaled) against keys [lo, hi) of one kv head, key block by key block; `row_range(r)`

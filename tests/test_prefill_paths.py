@@ -26,12 +26,13 @@ def exact(x, weight, scales=None):
 
 
 @pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576),
-                                        (200, 70, 576)])
+                                        (200, 70, 576), (34, 70, 1552)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
     # Tiles are cut from the weight's rows (n need not divide), each converted in vector lanes of 8 plus a tail
     # (k need not be a multiple of 8), and each thread takes its own tiles. Blocks of 64 rows or more widen a bfloat16
-    # weight block to float32 once (200 rows of 576: two row ranges), fewer convert it in registers.
+    # weight block to float32 once (200 rows of 576: two row ranges), fewer convert it in registers. Blocks take rows
+    # longer than 768 in equal panels of the columns (1,552: three, of 520, 520 and 512 columns; 528, 528 and 496 wide).
     generator = torch.Generator().manual_seed(rows + n + k)
     x = torch.randn(rows, k, generator=generator)
     weight = torch.randn(n, k, generator=generator)

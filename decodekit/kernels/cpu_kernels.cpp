@@ -884,25 +884,28 @@ inline __m128 horizontal_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // 
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[i * ldo + j] = x[i] . w[j] for MR rows x (stride K) and NR weight rows w (stride K), K % 8 == 0.
+// out[i * ldo + j] (+)= x[i] . w[j] over columns [0, len) of MR rows x and NR weight rows w, both of row stride ld;
+// len % 8 == 0. `add`: added to what out holds (a later panel of the columns), else stored.
 template <int MR, int NR, typename W>
-inline void block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
+inline void block_dots(const float* x, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo, bool add) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
+  for (int64_t k = 0; k < len; k += 8) {
     __m256 a[MR];
-    for (int i = 0; i < MR; ++i) a[i] = _mm256_loadu_ps(x + i * K + k);
+    for (int i = 0; i < MR; ++i) a[i] = _mm256_loadu_ps(x + i * ld + k);
     for (int j = 0; j < NR; ++j) {
-      const __m256 b = load8(w + j * K + k);
+      const __m256 b = load8(w + j * ld + k);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
     if constexpr (NR == 4) {
-      _mm_storeu_ps(out + i * ldo, horizontal_sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      __m128 sums = horizontal_sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      if (add) sums = _mm_add_ps(sums, _mm_loadu_ps(out + i * ldo));
+      _mm_storeu_ps(out + i * ldo, sums);
     } else {
-      for (int j = 0; j < NR; ++j) out[i * ldo + j] = horizontal_sum(acc[i][j]);
+      for (int j = 0; j < NR; ++j) out[i * ldo + j] = horizontal_sum(acc[i][j]) + (add ? out[i * ldo + j] : 0.f);
     }
   }
 }
@@ -924,20 +927,21 @@ DECODEKIT_AVX512 inline __m512 load16(const c10::BFloat16* w) {
 }
 
 template <int MR, int NR, typename W>
-DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
+DECODEKIT_AVX512 void wide_block_dots(const float* x, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo,
+                                      bool add) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
+  for (int64_t k = 0; k < len; k += 16) {
     __m512 a[MR];
-    for (int i = 0; i < MR; ++i) a[i] = _mm512_loadu_ps(x + i * K + k);
+    for (int i = 0; i < MR; ++i) a[i] = _mm512_loadu_ps(x + i * ld + k);
     for (int j = 0; j < NR; ++j) {
-      const __m512 b = load16(w + j * K + k);
+      const __m512 b = load16(w + j * ld + k);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(a[i], b, acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]) + (add ? out[i * ldo + j] : 0.f);
 }
 
 // How a block of MR rows by NR weight rows is computed: AVX2's block_dots (blocks of 3 rows) or AVX-512's (4).
@@ -945,8 +949,8 @@ struct NarrowDots {
   static constexpr int kRows = kBlockRows;
   static constexpr bool kWidens = true;  // bfloat16 weight blocks widened once (blocks_product)
   template <int MR, int NR, typename W>
-  static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
-    block_dots<MR, NR>(x, w, K, out, ldo);
+  static void run(const float* x, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo, bool add) {
+    block_dots<MR, NR>(x, w, ld, len, out, ldo, add);
   }
 };
 
@@ -954,20 +958,21 @@ struct WideDots {
   static constexpr int kRows = kWideRows;
   static constexpr bool kWidens = false;
   template <int MR, int NR, typename W>
-  DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
-    wide_block_dots<MR, NR>(x, w, K, out, ldo);
+  DECODEKIT_AVX512 static void run(const float* x, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo,
+                                   bool add) {
+    wide_block_dots<MR, NR>(x, w, ld, len, out, ldo, add);
   }
 };
 
-// Rows [M, K] by NR weight rows, into out[:, 0:NR] (row stride ldo): Dots::kRows rows at a time, then the rest. The
-// NR weight rows at `ahead` (none where null) are prefetched along the way, a share before each block of rows:
-// issued all by the first block, as before, a 32-row product of weights read from memory ran at 138 GFLOP/s
-// against 187 in cache on the AVX512-BF16 EPYC (more prefetches at once than a core keeps in flight).
+// Rows [M, len] by NR weight rows (both of row stride ld), into out[:, 0:NR] (row stride ldo; added to it with
+// `add`): Dots::kRows rows at a time, then the rest. The bytes [next, end) (part of a weight block ahead) are
+// prefetched along the way, a share before each block of rows: issued all by the first block, a 32-row product of
+// weights read from memory ran at 138 GFLOP/s against 187 in cache on the AVX512-BF16 EPYC (more prefetches at once
+// than a core keeps in flight).
 template <typename Dots, int NR, typename W>
-void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo, const W* ahead) {
+void rows_by_weights(const float* x, int64_t M, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo,
+                     bool add, const char* next, const char* end) {
   constexpr int MR = Dots::kRows;
-  const char* next = reinterpret_cast<const char*>(ahead);
-  const char* end = next + (ahead == nullptr ? 0 : NR * K * sizeof(W));
   const int64_t share = ((end - next) / 64 / std::max<int64_t>(1, M / MR) + 1) * 64;
   auto prefetch_share = [&]() {
     for (const char* stop = std::min(end, next + share); next < stop; next += 64) _mm_prefetch(next, _MM_HINT_T0);
@@ -975,17 +980,33 @@ void rows_by_weights(const float* x, int64_t M, const W* w, int64_t K, float* ou
   int64_t i = 0;
   for (; i + MR <= M; i += MR) {
     prefetch_share();
-    Dots::template run<MR, NR>(x + i * K, w, K, out + i * ldo, ldo);
+    Dots::template run<MR, NR>(x + i * ld, w, ld, len, out + i * ldo, ldo, add);
   }
   prefetch_share();
   if constexpr (MR > 3) {
-    if (M - i == 3) Dots::template run<3, NR>(x + i * K, w, K, out + i * ldo, ldo);
+    if (M - i == 3) Dots::template run<3, NR>(x + i * ld, w, ld, len, out + i * ldo, ldo, add);
   }
-  if (M - i == 2) Dots::template run<2, NR>(x + i * K, w, K, out + i * ldo, ldo);
-  if (M - i == 1) Dots::template run<1, NR>(x + i * K, w, K, out + i * ldo, ldo);
+  if (M - i == 2) Dots::template run<2, NR>(x + i * ld, w, ld, len, out + i * ldo, ldo, add);
+  if (M - i == 1) Dots::template run<1, NR>(x + i * ld, w, ld, len, out + i * ldo, ldo, add);
 }
 
-// x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K a multiple of the lanes.
+// A block's columns are taken in panels of at most kPanelColumns. Whole, a long row did not fit the core's L1 with its
+// block: at K = 1,536 (the default model's down projection) the weight block (4 rows, 24 KB as float32) and a block
+// of rows (18 KB) were more than a 32 KB L1, and the prefetched blocks ahead pushed both out. Measured on the
+// AVX512-BF16 EPYC, 30 layers' weights read from memory, GFLOP/s: that product at 32 rows 114 -> 157-164 in
+// panels (the AVX-512 blocks 108 -> 125), at 128 and 512 rows 153-158 -> 176-183; products of K = 576 alike
+// whether split in two or not, so rows up to kPanelColumns stay whole.
+constexpr int64_t kPanelColumns = 768;
+
+// The columns of one pass: K in equal panels of at most kPanelColumns (multiples of `lanes`), or whole.
+inline int64_t panel_width(int64_t K, int64_t lanes) {
+  if (K <= kPanelColumns) return K;
+  const int64_t panels = (K + kPanelColumns - 1) / kPanelColumns;
+  return ((K + panels - 1) / panels + lanes - 1) / lanes * lanes;
+}
+
+// x [M, K] @ w[0:rows, K]^T into out[:, 0:rows] (row stride ldo), by register blocks; K a multiple of the lanes,
+// taken in panels (panel_width).
 // With AVX2, a bfloat16 weight block that kWidenFromRows rows or more pass is widened to float32 once, into a
 // buffer that stays in L1, rather than in registers by every block of rows: converted in registers, the AVX2 blocks
 // ran a bf16 weight at 0.90-0.93x float32's speed at 128-512 rows on the AVX512-BF16 EPYC, which kept a bf16
@@ -999,7 +1020,23 @@ void blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t
   constexpr int MR = Dots::kRows;
   const int64_t range = std::max<int64_t>(MR, kRowRangeBytes / (4 * K) / MR * MR);
   const bool widen = Dots::kWidens && !std::is_same_v<W, float> && std::min(M, range) >= kWidenFromRows;
+  const int64_t panel = panel_width(K, std::is_same_v<Dots, NarrowDots> ? 8 : 16);
   std::vector<float> widened(widen ? kBlockWeights * K : 0);
+  // Runs NR weight rows over the row range in panels of the columns, prefetching `ahead`'s bytes a panel's share at
+  // a time.
+  auto panels = [&](auto nr, const auto* weights, const float* rows_from, int64_t m, float* to, const char* ahead,
+                    int64_t ahead_bytes) {
+    constexpr int NR = decltype(nr)::value;
+    const int64_t count = (K + panel - 1) / panel;
+    for (int64_t p = 0; p < count; ++p) {
+      const int64_t k0 = p * panel, len = std::min(panel, K - k0);
+      const char* next = ahead == nullptr ? nullptr : ahead + ahead_bytes * p / count;
+      const char* end = ahead == nullptr ? nullptr : ahead + ahead_bytes * (p + 1) / count;
+      rows_by_weights<Dots, NR>(rows_from + k0, m, weights + k0, K, len, to, ldo, p > 0, next, end);
+    }
+  };
+  using Four = std::integral_constant<int, kBlockWeights>;
+  using One = std::integral_constant<int, 1>;
   for (int64_t m0 = 0; m0 < M; m0 += range) {
     const int64_t m = std::min(range, M - m0);
     int64_t j = 0;
@@ -1011,17 +1048,17 @@ void blocks_product(const float* x, int64_t M, const W* w, int64_t rows, int64_t
           for (int64_t k = 0; k < kBlockWeights * K; k += 64 / sizeof(W))
             _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
           to_float(block, nullptr, widened.data(), kBlockWeights * K);
-          rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, widened.data(), K, out + m0 * ldo + j, ldo,
-                                               static_cast<const float*>(nullptr));
+          panels(Four{}, widened.data(), x + m0 * K, m, out + m0 * ldo + j, nullptr, 0);
           continue;
         }
       }
-      rows_by_weights<Dots, kBlockWeights>(x + m0 * K, m, block, K, out + m0 * ldo + j, ldo, ahead);
+      panels(Four{}, block, x + m0 * K, m, out + m0 * ldo + j, reinterpret_cast<const char*>(ahead),
+             kBlockWeights * K * sizeof(W));
     }
     for (; j < rows; ++j) {
       const W* weights = w + j * K;
-      rows_by_weights<Dots, 1>(x + m0 * K, m, weights, K, out + m0 * ldo + j, ldo,
-                               weights + kBlocksAhead * kBlockWeights * K);
+      panels(One{}, weights, x + m0 * K, m, out + m0 * ldo + j,
+             reinterpret_cast<const char*>(weights + kBlocksAhead * kBlockWeights * K), K * sizeof(W));
     }
   }
 }

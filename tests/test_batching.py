@@ -47,11 +47,11 @@ def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
     torch.testing.assert_close(torch.cat(chunks), expected, atol=1e-4, rtol=1e-4)
 
 
-def paged_case(dtype, tokens, head_dim, seed=1):
+def paged_case(dtype, tokens, head_dim, seed=1, H=6, KV=3):
     """Tokens of `tokens` rows at different positions (up to 48: runs of 8 and a part), blocks of 4 out of order and
-    one shared, over 6 query and 3 kv heads: the operands of decodekit::paged_attention but the window."""
+    one shared, over H query and KV kv heads: the operands of decodekit::paged_attention but the window."""
     gen = torch.Generator().manual_seed(seed)
-    H, KV, bs, blocks = 6, 3, 4, 60
+    bs, blocks = 4, 60
     keys, values = (torch.randn(blocks * bs, KV, head_dim, generator=gen).to(dtype) for _ in range(2))
     tables = torch.stack([torch.randperm(blocks, generator=gen)[:12] for _ in range(tokens)])
     tables[-1, :2] = tables[0, :2]  # a shared prompt block
@@ -90,11 +90,29 @@ def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype,
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine")
     from decodekit.models import native
-    from decodekit.models.llama import visible
 
     native.load()
-    case = paged_case(dtype, tokens, head_dim)
+    assert_paged_kernel_is_attention(paged_case(dtype, tokens, head_dim), window)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2), (10, 2)])
+@pytest.mark.parametrize("tokens", [2, 9], ids=["split-by-kv-head", "whole-token"])
+def test_paged_attention_takes_any_number_of_query_heads_a_kv_head(heads, kv_heads, tokens):
+    # The query heads of a kv head are scored together, up to 3 at a time: one each (4 of 4), three (9 of 3), and
+    # groups of 4 and 5 taken in parts (3 + 1, 3 + 2).
+    if not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine")
+    from decodekit.models import native
+
+    native.load()
+    assert_paged_kernel_is_attention(paged_case(torch.float32, tokens, 20, H=heads, KV=kv_heads), 5)
+
+
+def assert_paged_kernel_is_attention(case, window):
+    from decodekit.models.llama import visible
+
     q, k, v, keys, values, slots, tables, owner, positions, bs = case
+    tokens, head_dim, dtype = q.shape[0], q.shape[2], q.dtype
     H, KV = q.shape[1], keys.shape[1]
     out, written_keys, written_values = paged_kernel(case, window)
     expected_keys, expected_values = keys.clone(), values.clone()

@@ -536,7 +536,7 @@ inline __m256 exp8(__m256 x) {
 inline float row_max(const float* x, int64_t n) {
   float top = x[0];
   int64_t j = 0;
-  if (n >= 32) {
+  if (n >= 8) {
     __m256 a0 = _mm256_loadu_ps(x), a1 = a0, a2 = a0, a3 = a0;
     for (; j + 32 <= n; j += 32) {
       a0 = _mm256_max_ps(a0, _mm256_loadu_ps(x + j));
@@ -544,9 +544,13 @@ inline float row_max(const float* x, int64_t n) {
       a2 = _mm256_max_ps(a2, _mm256_loadu_ps(x + j + 16));
       a3 = _mm256_max_ps(a3, _mm256_loadu_ps(x + j + 24));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
-    top = *std::max_element(lanes, lanes + 8);
+    for (; j + 8 <= n; j += 8) a0 = _mm256_max_ps(a0, _mm256_loadu_ps(x + j));
+    // Lanes folded by shuffles: a scalar pass over short rows (the paged attention's runs of 8) waited on each
+    // comparison in turn.
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   }
   for (; j < n; ++j) top = std::max(top, x[j]);
   return top;
@@ -1418,11 +1422,11 @@ inline void divide_row(float* out, int64_t D, float total) {
 
 // Each task is one token and a range of its kv heads (all of them when there are enough tokens to keep every
 // thread busy): a slot's keys and values for those heads are one contiguous row. A task reads its positions in runs
-// of 8, keys and values together: a head's scores for a run are one vector (an accumulator a position, their lanes
-// summed into one), folded into the head's running softmax, and the run's values added to the head's output. The
-// kernel before it scored position by position (a horizontal sum a head and position) and read keys and values in
-// two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks scattered),
-// where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
+// of 8, keys and values together, the query heads of a kv head together (each key and value vector loaded once for
+// them): a head's scores for a run folded into the head's running softmax, and the run's values added to the head's
+// output. The kernel before it scored position by position (a horizontal sum a head and position) and read keys and
+// values in two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks
+// scattered), where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
 constexpr int kPagedRun = 8;
 
 template <typename A>
@@ -1439,7 +1443,9 @@ struct PagedTask {
 // The next run's key and value rows, prefetched a few lines at each of a run's steps: blocks sit anywhere in the pool,
 // so the hardware prefetcher loses the stream at every block boundary. Issued all at once, or a row a head, the
 // prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight): with runs of
-// 16 they read 14-17 GB/s, spread so about 19.
+// 16 they read 14-17 GB/s, spread so about 19. Into L2 (T1) rather than L1: `perf` put a quarter of the kernel's
+// samples on the prefetch waiting for a free L1 miss slot; the AVX512-BF16 EPYC's L2 keeps more misses in flight, and
+// a 32-row step over 30 layers' pools ran 12-25% faster (in one process, alternating).
 class RunPrefetch {
  public:
   template <typename A>
@@ -1454,7 +1460,7 @@ class RunPrefetch {
   }
   void step() {
     for (int64_t k = 0; k < per_step_ && row_ < rows_; ++k) {
-      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T0);
+      _mm_prefetch(at_[row_] + line_ * 64, _MM_HINT_T1);
       if (++line_ == lines_) line_ = 0, ++row_;
     }
   }
@@ -1464,58 +1470,113 @@ class RunPrefetch {
   int64_t lines_, rows_, per_step_ = 0, row_ = 0, line_ = 0;
 };
 
-// The 8 lane sums of 8 vectors, sum i in lane i.
-inline __m256 lane_sums(const __m256 (&a)[8]) {
-  // hadd of hadds: the low 128 bits hold a[0..3]'s sums of lanes 0-3, the high ones of lanes 4-7 (a[4..7] likewise)
-  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+// Half a run: the positions whose keys and values a group's heads read together.
+constexpr int kHalfRun = kPagedRun / 2;
+
+// scores[g][s] = q_g . key[s] (unscaled) for G query heads of one kv head (rows of `q`, D apart) and a run's n
+// positions (zeros past n). Each key vector is loaded once for the G heads: a head at a time, the loads of keys
+// outnumbered the products, and the kernel ran at about a quarter of the FMA rate with the pool in cache. Half a run
+// at a time keeps G x 4 accumulators, G queries and a key in AVX2's 16 registers (G <= 3).
+template <int G, typename A>
+inline void group_scores(const float* q, int64_t D, const A* const* key, int64_t off, int n, RunPrefetch& ahead,
+                         float (*scores)[kPagedRun]) {
+  const int64_t vector_end = D / 8 * 8;
+  for (int half = 0; half < kPagedRun; half += kHalfRun) {
+    __m256 acc[G][kHalfRun];
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < kHalfRun; ++s) acc[g][s] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < vector_end; d += 8) {
+      ahead.step();
+      __m256 qd[G];
+      for (int g = 0; g < G; ++g) qd[g] = _mm256_loadu_ps(q + g * D + d);
+      for (int s = 0; s < kHalfRun; ++s) {
+        if (half + s >= n) break;
+        const __m256 k = load8(key[half + s] + off + d);
+        for (int g = 0; g < G; ++g) acc[g][s] = _mm256_fmadd_ps(qd[g], k, acc[g][s]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores[g] + half, horizontal_sums(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (int g = 0; g < G; ++g)
+    for (int s = 0; s < kPagedRun; ++s) {
+      float tail = 0.f;
+      if (s < n)
+        for (int64_t d = vector_end; d < D; ++d) tail += q[g * D + d] * static_cast<float>(key[s][off + d]);
+      scores[g][s] = s < n ? scores[g][s] + tail : 0.f;
+    }
 }
 
-// A task's runs (any head_dim: 8 columns a vector, then one at a time), each head's scores folded into its running
-// softmax by fold_block_row, as the prompt kernel's key blocks are. `result` [heads, D] gets the unnormalised
-// outputs, `best` and `total` each head's largest score and sum of exp(score - best).
+// out_g[D] += sum_s weights[g][s] * value[s] for G heads' outputs (rows of `out`, D apart): each value vector loaded
+// once for the G heads, half a run's weights in registers.
+template <int G, typename A>
+inline void group_values(float* out, int64_t D, const A* const* value, int64_t off, int n,
+                         const float (*weights)[kPagedRun]) {
+  const int64_t vector_end = D / 8 * 8;
+  for (int half = 0; half < n; half += kHalfRun) {
+    const int m = std::min(kHalfRun, n - half);
+    __m256 w[G][kHalfRun];
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < kHalfRun; ++s) w[g][s] = _mm256_set1_ps(weights[g][half + s]);
+    for (int64_t d = 0; d < vector_end; d += 8) {
+      __m256 sum[G];
+      for (int g = 0; g < G; ++g) sum[g] = _mm256_loadu_ps(out + g * D + d);
+      for (int s = 0; s < m; ++s) {
+        const __m256 v = load8(value[half + s] + off + d);
+        for (int g = 0; g < G; ++g) sum[g] = _mm256_fmadd_ps(w[g][s], v, sum[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + g * D + d, sum[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = vector_end; d < D; ++d)
+      for (int s = 0; s < n; ++s) out[g * D + d] += weights[g][s] * static_cast<float>(value[s][off + d]);
+}
+
+// Query heads of one kv head taken together: at most 3 (AVX2's registers), a group of more in parts.
+constexpr int kHeadsTogether = 3;
+
+template <typename Fn>
+void with_heads_together(int64_t heads, Fn fn) {
+  if (heads == 1) return fn(std::integral_constant<int, 1>{});
+  if (heads == 2) return fn(std::integral_constant<int, 2>{});
+  fn(std::integral_constant<int, 3>{});
+}
+
+// A task's runs (any head_dim: 8 columns a vector, then one at a time), the query heads of each kv head together,
+// each head's scores folded into its running softmax by fold_block_row, as the prompt kernel's key blocks are.
+// `result` [heads, D] gets the unnormalised outputs, `best` and `total` each head's largest score and sum of
+// exp(score - best).
 template <typename A>
 void paged_task(const PagedTask<A>& t, const float* query, float* result, float* best, float* total) {
   constexpr int kRun = kPagedRun;
-  const int64_t D = t.D, heads = t.heads, vector_end = D / 8 * 8;
-  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(D)));
+  const int64_t D = t.D, heads = t.heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::fill(result, result + heads * D, 0.f);
   std::fill(best, best + heads, -std::numeric_limits<float>::infinity());
   std::fill(total, total + heads, 0.f);
+  const int64_t parts_per_group = (t.per_group + kHeadsTogether - 1) / kHeadsTogether;
+  const int64_t steps = heads / t.per_group * parts_per_group * 2 * std::max<int64_t>(1, D / 8);
   for (int64_t j0 = t.first; j0 <= t.p; j0 += kRun) {
     const int n = static_cast<int>(std::min<int64_t>(kRun, t.p + 1 - j0));
     const A* key[kRun];
     const A* value[kRun];
     for (int s = 0; s < n; ++s) key[s] = t.ks + t.row(j0 + s), value[s] = t.vs + t.row(j0 + s);
-    RunPrefetch ahead(t, j0 + kRun, heads * std::max<int64_t>(1, D / 8));
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t off = h / t.per_group * D;
-      const float* qh = query + h * D;
-      __m256 acc[kRun];
-      for (int s = 0; s < kRun; ++s) acc[s] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < vector_end; d += 8) {
-        ahead.step();
-        const __m256 qd = _mm256_loadu_ps(qh + d);
-        for (int s = 0; s < kRun; ++s)
-          if (s < n) acc[s] = _mm256_fmadd_ps(qd, load8(key[s] + off + d), acc[s]);
+    RunPrefetch ahead(t, j0 + kRun, steps);
+    for (int64_t g0 = 0; g0 < heads; g0 += t.per_group) {  // each kv head's query heads, in parts
+      const int64_t off = g0 / t.per_group * D;
+      for (int64_t h0 = g0; h0 < g0 + t.per_group; h0 += kHeadsTogether) {
+        with_heads_together(std::min<int64_t>(kHeadsTogether, g0 + t.per_group - h0), [&](auto together) {
+          constexpr int G = decltype(together)::value;
+          alignas(32) float weights[G][kRun];
+          group_scores<G>(query + h0 * D, D, key, off, n, ahead, weights);
+          for (int g = 0; g < G; ++g) {
+            for (int s = 0; s < kRun; ++s) weights[g][s] *= scale;
+            fold_block_row<NarrowSoftmax>(weights[g], {0, n}, 0, n, kRun, best[h0 + g], total[h0 + g],
+                                          result + (h0 + g) * D, D);
+          }
+          group_values<G>(result + h0 * D, D, value, off, n, weights);
+        });
       }
-      alignas(32) float weights[kRun] = {};  // the run's scores, then exp(score - best) (zeros past n)
-      for (int64_t d = vector_end; d < D; ++d)
-        for (int s = 0; s < n; ++s) weights[s] += qh[d] * static_cast<float>(key[s][off + d]);
-      _mm256_store_ps(weights, _mm256_mul_ps(_mm256_add_ps(lane_sums(acc), _mm256_load_ps(weights)), scale));
-      float* o = result + h * D;
-      fold_block_row<NarrowSoftmax>(weights, {0, n}, 0, n, kRun, best[h], total[h], o, D);
-      __m256 w[kRun];
-      for (int s = 0; s < kRun; ++s) w[s] = _mm256_set1_ps(weights[s]);
-      for (int64_t d = 0; d < vector_end; d += 8) {
-        __m256 sum = _mm256_loadu_ps(o + d);
-        for (int s = 0; s < kRun; ++s)
-          if (s < n) sum = _mm256_fmadd_ps(w[s], load8(value[s] + off + d), sum);
-        _mm256_storeu_ps(o + d, sum);
-      }
-      for (int64_t d = vector_end; d < D; ++d)
-        for (int s = 0; s < n; ++s) o[d] += weights[s] * static_cast<float>(value[s][off + d]);
     }
   }
 }

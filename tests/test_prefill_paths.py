@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decodekit.kernels import choices, cpu, native
-from decodekit.kernels.linear import mkl_packing
+from decodekit.kernels.linear import mkl_packing, onednn_packing
 from decodekit.kernels import quantize as kernels_quantize
 from decodekit.kernels.quantize import int_mm_exact, interleaved_columns, quantize
 from decodekit.testing import tiny_model
@@ -107,14 +107,17 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
     routes = ["library", "tiles", "blocks", "wide_blocks"]
     if mkl_packing():  # a bfloat16 weight packed as float32 (where the CPU has no bf16 instructions: forced below)
         routes.append("packed")
+    if onednn_packing():  # reordered as float32 for oneDNN
+        routes.append("onednn")
     # The kernel each route runs (wide_blocks runs the AVX2 blocks where the CPU has no AVX-512: a cached choice from
     # another machine, say).
     ran = {"tiles": "decodekit::tiled_product", "blocks": "decodekit::tiled_product",
-           "wide_blocks": "decodekit::tiled_product", "packed": "decodekit::packed_product"}
+           "wide_blocks": "decodekit::tiled_product", "packed": "decodekit::packed_product",
+           "onednn": "mkldnn::_linear_pointwise"}
     results = {}
     for route in routes:
-        # "packed" is decided apart (over the route chosen among the others); the others are forced to pass it by.
-        pinned = {name: "library", f"{fmt}_packed_rows_128": "packed"} if route == "packed" else \
+        # The copy routes are decided apart (over the route chosen among the others); the others pass them by.
+        pinned = {name: "library", f"{fmt}_packed_rows_128": route} if route in ("packed", "onednn") else \
             {name: route, f"{fmt}_packed_rows_128": route}
         pinned[f"eager_weights_{fmt}"] = "plain"  # oneDNN's packed layers (packed.py) would take every product
         with choices.forced(**pinned), cpu.forced(onednn_bf16=False), torch.profiler.profile() as profile:
@@ -236,24 +239,25 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     model = quantize(tiny_model(tmp_path, "llama"), "int8")
     # int8_split where torch._int_mm's sums are exact here (not so where oneDNN is held below VNNI on a VNNI CPU).
     routes = ["float32", "tiles", "int8pack"] + (["int8_split"] if int_mm_exact() else []) + \
-        (["packed"] if mkl_packing() else [])
+        (["packed"] if mkl_packing() else []) + (["onednn"] if onednn_packing() else [])
     results = {}
     for route in routes:
-        # "packed" (the dequantized weight packed once as float32) is decided over the int8 route: pinned off for
-        # the others.
-        pinned = {"int8_many_rows": "float32", "int8_packed_rows_128": "packed"} if route == "packed" else \
+        # "packed" and "onednn" (the dequantized weight copied once as float32 for MKL or oneDNN) are decided over the
+        # int8 route: pinned off for the others.
+        pinned = {"int8_many_rows": "float32", "int8_packed_rows_128": route} if route in ("packed", "onednn") else \
             {"int8_many_rows": route, "int8_packed_rows_128": route}
         with choices.forced(**pinned), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         ran = {event.key for event in profile.key_averages()}
         assert ("decodekit::packed_product" in ran) == (route == "packed"), route
+        assert ("mkldnn::_linear_pointwise" in ran) == (route == "onednn"), route
     reference, tokens = results["float32"]
     # tiles, packed and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8
     # (bfloat16).
-    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
+    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "onednn": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
     for route, (logits, generated) in results.items():
         assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
-    for route in {"tiles", "packed"} & set(results):
+    for route in {"tiles", "packed", "onednn"} & set(results):
         assert torch.equal(results[route][1], tokens), route
 
 

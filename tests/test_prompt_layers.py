@@ -9,7 +9,7 @@ from decodekit.batching.paged import PagedBatch, PagedCache, Segment
 from decodekit.families import llama
 from decodekit.families.cache import DynamicCache, StaticCache
 from decodekit.kernels import choices, cpu, native
-from decodekit.kernels.linear import mkl_packing
+from decodekit.kernels.linear import mkl_packing, onednn_packing
 from decodekit.kernels.quantize import int_mm_exact, quantize
 from decodekit.testing import tiny_model
 
@@ -19,29 +19,32 @@ PROMPT = torch.arange(3, 3 + 100)[None] % 90 + 3  # 100 tokens: the class of pro
 MORE = torch.arange(5, 5 + 30)[None] % 90 + 3  # a second prompt after the first, over its cache (masked: Python layers)
 ROUTES = ["library", "tiles", "blocks",
           pytest.param("wide_blocks", marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs avx512f")),
-          pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing"))]
+          pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
+          pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN"))]
+COPIES = ("packed", "onednn")  # the routes decided over the one chosen among the others
 
 
 def pinned(route: str, dtype: str = "float32") -> dict:
     """choices.forced settings that send every prompt product of 100 rows by weights of `dtype` by `route` and
     attention to decodekit's kernel (oneDNN's packed layers, packed.py, would take the products otherwise)."""
     pins = {f"eager_weights_{dtype}": "plain", f"prompt_attention_{dtype}_512": "kernel"}
-    if route == "packed":
-        return {**pins, f"{dtype}_rows_128": "library", f"{dtype}_packed_rows_128": "packed"}
+    if route in COPIES:
+        return {**pins, f"{dtype}_rows_128": "library", f"{dtype}_packed_rows_128": route}
     return {**pins, f"{dtype}_rows_128": route, f"{dtype}_packed_rows_128": route}
 
 
 INT8_ROUTES = [
     pytest.param("int8_split", marks=pytest.mark.skipif(not int_mm_exact(), reason="torch._int_mm is not exact here")),
     "tiles",
-    pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing"))]
+    pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN"))]
 
 
 def pinned_int8(route: str) -> dict:
     """choices.forced settings that send an int8 model's prompt products of 100 rows by `route`."""
     pins = {"prompt_attention_float32_512": "kernel"}
-    if route == "packed":
-        return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": "packed"}
+    if route in COPIES:
+        return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": route}
     return {**pins, "int8_many_rows": route, "int8_packed_rows_128": route}
 
 
@@ -215,8 +218,12 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
     x, norm = torch.randn(20, 8), torch.ones(8)
     weight, cos = torch.randn(24, 8), torch.ones(20, 4)
     start = torch.ops.decodekit.prompt_layer_start
-    with pytest.raises(RuntimeError, match="a product route from 0 to 6 expected .* got 7"):
-        start(x, norm, 1e-6, weight, 7, None, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="a product route from 0 to 7 expected .* got 8"):
+        start(x, norm, 1e-6, weight, 8, None, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="got 23"):  # nor oneDNN's
+        start(x, norm, 1e-6, weight, 7 + 16, None, None, None, None, cos, cos, 2, 2)
+    with pytest.raises(RuntimeError, match="oneDNN's route takes a float32 weight"):
+        start(x, norm, 1e-6, weight.bfloat16(), 7, None, None, None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match="got 18"):  # interleaved columns are an int8 weight's
         start(x, norm, 1e-6, weight, 2 + 16, None, None, None, None, cos, cos, 2, 2)
     with pytest.raises(RuntimeError, match="scales go with an int8 weight's route"):

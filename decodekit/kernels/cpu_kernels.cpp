@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -2124,24 +2125,37 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // The route of one product, as the Python layers take it for float32 rows (linear.Linear.prompt_route,
 // quantize.Int8Linear.prompt_route): the library's matmul by a float32 weight, a weight packed by mkl_pack,
-// decodekit::tiled_product's tiles, blocks or AVX-512 blocks, or an int8 weight's split product or tiles (with its
-// scales; kInterleaved added where its columns are stored interleaved).
+// decodekit::tiled_product's tiles, blocks or AVX-512 blocks, an int8 weight's split product or tiles (with its
+// scales; kInterleaved added where its columns are stored interleaved), or a float32 weight reordered for oneDNN.
 enum ProductRoute : int64_t {
   kLibraryRoute = 0, kPackedRoute = 1, kTilesRoute = 2, kBlocksRoute = 3, kWideRoute = 4, kInt8SplitRoute = 5,
-  kInt8TilesRoute = 6, kInterleaved = 16
+  kInt8TilesRoute = 6, kOneDnnRoute = 7, kInterleaved = 16
 };
+
+// rows [M, K] float32 @ W^T (+ bias), W reordered by mkldnn._reorder_linear_weight: oneDNN's linear, the operator
+// linear.onednn_product calls, found once through the dispatcher.
+at::Tensor onednn_product(const at::Tensor& rows, const at::Tensor& reordered, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{rows, reordered, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")), c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
 
 // The product [M, N] in the rows' dtype (a new tensor: the routes that make their own are not copied again).
 at::Tensor layer_product(const at::Tensor& rows, const at::Tensor& weight, int64_t route, int64_t N,
                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scales) {
   const bool interleaved = route & kInterleaved;
   route &= ~kInterleaved;
-  TORCH_CHECK(route >= kLibraryRoute && route <= kInt8TilesRoute && (!interleaved || route >= kInt8SplitRoute),
-              "prompt layer: a product route from 0 to 6 expected (16 added for an int8 weight's interleaved columns), "
+  TORCH_CHECK(route >= kLibraryRoute && route <= kOneDnnRoute &&
+                  (!interleaved || route == kInt8SplitRoute || route == kInt8TilesRoute),
+              "prompt layer: a product route from 0 to 7 expected (16 added for an int8 weight's interleaved columns), "
               "got ", route + (interleaved ? kInterleaved : 0));
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
               "prompt layer: a bias must be float32 [", N, "]");
-  TORCH_CHECK(route >= kInt8SplitRoute || !scales, "prompt layer: scales go with an int8 weight's route");
+  TORCH_CHECK(route == kInt8SplitRoute || route == kInt8TilesRoute || !scales,
+              "prompt layer: scales go with an int8 weight's route");
   if (route == kPackedRoute) {
     check_packed(rows, weight, N, bias);
     at::Tensor out = at::empty({rows.size(0), N}, rows.options());
@@ -2150,6 +2164,10 @@ at::Tensor layer_product(const at::Tensor& rows, const at::Tensor& weight, int64
   }
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == rows.size(1),
               "prompt layer: a weight [", N, ", ", rows.size(1), "] expected, got ", weight.sizes());
+  if (route == kOneDnnRoute) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "prompt layer: oneDNN's route takes a float32 weight");
+    return onednn_product(rows.to(at::kFloat), weight, bias).to(rows.scalar_type());
+  }
   // bfloat16 rows: computed in float32 and rounded once, as Linear._many_rows does.
   const at::Tensor wide_rows = rows.to(at::kFloat);
   at::Tensor y;
@@ -2323,4 +2341,11 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("mkl_pack", &mkl_pack);
   m.impl("packed_product", &packed_product);
+}
+
+// A weight reordered for oneDNN (the "onednn" route) is an MkldnnCPU tensor, which sends the call there.
+TORCH_LIBRARY_IMPL(decodekit, MkldnnCPU, m) {
+  m.impl("prompt_layer_start", &prompt_layer_start);
+  m.impl("prompt_layer_end", &prompt_layer_end);
+  m.impl("prompt_layer_finish", &prompt_layer_finish);
 }

@@ -71,7 +71,11 @@ TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_produ
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
 # The prompt routes of Linear.prompt_route and quantize.Int8Linear.prompt_route as the C++ prompt layers number
 # them (ProductRoute in cpu_kernels.cpp); an int8 weight whose columns are stored interleaved adds INTERLEAVED.
-PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4, "int8_split": 5, "int8_tiles": 6}
+PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4, "int8_split": 5, "int8_tiles": 6,
+                 "onednn": 7}
+# The routes whose operand is a copy of the weight made once (packed_weight): MKL's packed layout, oneDNN's reordered
+# one. packed_route decides between them and the route otherwise taken.
+COPY_ROUTES = ("packed", "onednn")
 INTERLEAVED = 16
 
 
@@ -127,27 +131,52 @@ def reserve_copy(size: int) -> bool:
         return True
 
 
-def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor]):
+def onednn_packing() -> bool:
+    """Whether this torch carries oneDNN (mkldnn), whose linear takes a float32 weight reordered once."""
+    return torch.backends.mkldnn.is_available()
+
+
+# The row count oneDNN is told to lay a float32 weight out for: on the AVX512-BF16 EPYC a weight laid out for 4, 128,
+# 512 or 2,048 rows ran products of 128 to 2,048 rows alike (213-223 GFLOP/s), so one copy serves every prompt.
+ONEDNN_ROWS_HINT = 128
+
+
+def copy_of_weight(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight as a copy route holds it: "packed" for MKL (decodekit::mkl_pack), "onednn" reordered into
+    oneDNN's blocked layout."""
+    if kind == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
+    return torch.ops.decodekit.mkl_pack(weight)
+
+
+def onednn_product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W^T (+ bias) by oneDNN's linear, W given as copy_of_weight("onednn", ...) made it."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+
+def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor],
+                  kind: str = "packed"):
     """`module`'s weight as float32 (`float32()`, computed from `sources`: the weight, and an int8 weight's scales)
-    packed for MKL, made on first use and again when a source has changed (its data or version); None where MKL's
-    packing is missing or the copy would pass the memory budget. The copy is held in the module's __dict__, out of its
-    state (HoldsPackedCopy)."""
+    copied once for a copy route (copy_of_weight: `kind` "packed" for MKL, "onednn" for oneDNN), made on first use
+    and again when a source has changed (its data or version) or the other copy is asked for; None where the library is missing or the copy would pass the memory budget. The copy is held in the
+    module's __dict__, out of its state (HoldsPackedCopy)."""
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
-    key = tuple((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources)
+    key = (kind, *((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources))
     held = module.__dict__.get("_mkl_packed")
     if held is not None and held[0] == key:
         return held[1]
     module.__dict__.pop("_mkl_packed", None)
     held = None  # a stale copy is released before a new one is counted
-    if any(t.device.type != "cpu" for t in sources) or not mkl_packing():
+    available = onednn_packing() if kind == "onednn" else mkl_packing()
+    if any(t.device.type != "cpu" for t in sources) or not available:
         return None
     size = 4 * sources[0].numel()  # float32, whatever the weight's own format
     if not reserve_copy(size):
         return None
     try:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in and out of inference mode
-            packed = torch.ops.decodekit.mkl_pack(float32().detach().float())
+            packed = copy_of_weight(kind, float32().detach().float().contiguous())
     except BaseException:
         release_copy(size)
         raise
@@ -214,7 +243,7 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
                bench machine 1.12x the best other route for a 32-row decode step's products, 1.13x at 16 rows;
     "library"  the library's threaded matmul; a bfloat16 weight converted whole on every call, a float32 copy of it
                written and read back through memory.
-    An eager prompt's float32 product may take a faster route still: packed_route_pays."""
+    An eager prompt's float32 product may take a faster route still: packed_route."""
     from . import choices
 
     size = row_class(rows)
@@ -228,34 +257,43 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
 
 
-def packed_route_pays(dtype: torch.dtype, rows: int, other: str,
-                      problem: Callable[[int], tuple[list, Callable[[], object]]]) -> bool:
-    """Whether a product of `rows` rows outside a trace runs faster by the weight as float32 packed once for MKL
-    (packed_weight: the library's matmul packs a float32 weight on every call, and a bfloat16 or int8 weight is
-    converted first) than by `other`, the route otherwise chosen for those rows and weights of `dtype` (float32,
-    bfloat16, int8), measured once per dtype and class of prompt rows (over 64; choices.py:
-    float32_packed_rows_128, ...) where torch carries MKL. `problem(size)` gives a default-model-sized layer's
-    [(rows, float32 weight)] and a call of the same products by `other`. On the AMX bench machine the packed products
-    of float32 layers ran 1.24x the library's at 128 rows and 1.05x at 512; with that machine held to AVX2, bfloat16
-    layers ran 1.12x their tiles at 128 rows. Compiled steps (continuous batching's decode rows) keep the other
-    route: a trace cannot make the packed copy."""
+def packed_route(dtype: torch.dtype, rows: int, other: str,
+                 problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str:
+    """Whether a product of `rows` rows outside a trace runs faster by the weight as float32 copied once for a library
+    (packed_weight) than by `other`, the route otherwise chosen for those rows and weights of `dtype` (float32,
+    bfloat16, int8): "packed" (MKL's packed layout: the library's matmul packs a float32 weight on every call, and a
+    bfloat16 or int8 weight is converted first), "onednn" (oneDNN's reordered one) or `other`, measured once per dtype
+    and class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among those this torch carries.
+    `problem(size)` gives a default-model-sized layer's [(rows, float32 weight)] and a call of the same products by
+    `other`. On the AMX bench machine MKL's packed products of float32 layers ran 1.24x the library's at 128 rows and
+    1.05x at 512; with that machine held to AVX2, bfloat16 layers ran 1.12x their tiles at 128 rows. On the
+    AVX512-BF16 EPYC oneDNN's products of float32 layers ran 205-221 GFLOP/s at 512 and 2,048 rows where MKL's matmul
+    ran 172-205 and decodekit's blocks 167-209 (its down projection 213-217 against 171-176). Compiled steps
+    (continuous batching's decode rows) keep the other route: a trace cannot make the copy."""
     from . import choices
 
     size = row_class(rows)
-    if size <= ROW_CLASSES[0][1] or not mkl_packing():
-        return False
+    kinds = [kind for kind, available in (("packed", mkl_packing), ("onednn", onednn_packing)) if available()]
+    if size <= ROW_CLASSES[0][1] or not kinds:
+        return other
 
     def candidates() -> dict:
         pairs, by_other = problem(size)
-        packs = [(x, torch.ops.decodekit.mkl_pack(weight), weight.shape[0]) for x, weight in pairs]
-        return {"packed": lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs], other: by_other}
+        offered = {other: by_other}
+        if "packed" in kinds:
+            packs = [(x, copy_of_weight("packed", weight), weight.shape[0]) for x, weight in pairs]
+            offered["packed"] = lambda: [torch.ops.decodekit.packed_product(x, p, n) for x, p, n in packs]
+        if "onednn" in kinds:
+            reordered = [(x, copy_of_weight("onednn", weight)) for x, weight in pairs]
+            offered["onednn"] = lambda: [onednn_product(x, w) for x, w in reordered]
+        return offered
 
     name = f"{str(dtype).removeprefix('torch.')}_packed_rows_{size}"
-    return choices.decide(name, candidates, otherwise=other) == "packed"
+    return choices.decide(name, candidates, otherwise=other)
 
 
 def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
-    """packed_route_pays's problem for a float32 or bfloat16 weight whose products otherwise take `other`."""
+    """packed_route's problem for a float32 or bfloat16 weight whose products otherwise take `other`."""
     def problem(size: int):
         layer = sample_layer(size, dtype)
         return [(x, weight.float()) for x, weight in layer], _through(other, layer)
@@ -263,16 +301,18 @@ def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list
     return problem
 
 
-def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[str, bool]:
+def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[str, str | None]:
     """For a prompt's `rows` rows by a weight of `dtype`: the route many_rows_route measured ("library" for a dtype it
-    does not take) and whether the weight packed once beats it (packed_route_pays; never inside a trace, nor where
-    decodekit's kernels are not `ready`). The same for every layer of a model: its prompt layers look it up once."""
+    does not take) and the copy route that beats it ("packed" or "onednn": packed_route; None where neither does,
+    inside a trace, or where decodekit's kernels are not `ready`). The same for every layer of a model: its prompt
+    layers look it up once."""
     if dtype not in TILED_DTYPES:
-        return "library", False
+        return "library", None
     route = many_rows_route(dtype, rows)
-    pays = ready and not torch.compiler.is_compiling() and \
-        packed_route_pays(dtype, rows, route, _tiled_problem(dtype, route))
-    return route, pays
+    if not ready or torch.compiler.is_compiling():
+        return route, None
+    copy = packed_route(dtype, rows, route, _tiled_problem(dtype, route))
+    return route, copy if copy in COPY_ROUTES else None
 
 
 def few_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -322,6 +362,8 @@ class Linear(HoldsPackedCopy, nn.Linear):
             y = torch.ops.decodekit.packed_product(flat, operand, self.out_features, bias)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         flat = flat.float()
+        if route == "onednn":
+            return onednn_product(flat.contiguous(), operand, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
         if route == "library":
             y = F.linear(flat, operand.float(), bias)
         else:
@@ -330,17 +372,18 @@ class Linear(HoldsPackedCopy, nn.Linear):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def prompt_route(self, x: torch.Tensor, rows: int,
-                     choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor]:
+                     choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:
         """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
-        this weight's dtype and the rows, looked up where not given) says: ("packed", the packed copy), ("tiles",
+        this weight's dtype and the rows, looked up where not given) says: ("packed", MKL's packed copy), ("onednn",
+        oneDNN's reordered copy), ("tiles",
         "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or ("library", the weight: F.linear in
         float32). PROMPT_ROUTES numbers them for the C++ prompt layers."""
         ready = native.ready(x, self.weight, self.bias)
-        route, pays = choice or prompt_choice(self.weight.dtype, rows, ready)
-        if pays and ready:
-            packed = packed_weight(self, (self.weight,), self.weight.float)
-            if packed is not None:
-                return "packed", packed
+        route, copy = choice or prompt_choice(self.weight.dtype, rows, ready)
+        if copy and ready:
+            operand = packed_weight(self, (self.weight,), self.weight.float, copy)
+            if operand is not None:
+                return copy, operand
         if route in DECODEKIT_ROUTES and ready:
             # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
             if route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f"):

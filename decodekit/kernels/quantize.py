@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import choices, native
-from .linear import HoldsPackedCopy, one_row, packed_route_pays, packed_weight, sample_layer
+from .linear import COPY_ROUTES, HoldsPackedCopy, one_row, onednn_product, packed_route, packed_weight, sample_layer
 
 QUANTIZATIONS = ("int8",)
 
@@ -106,13 +106,15 @@ class Int8Linear(HoldsPackedCopy):
         """The scaled float32 product of a prompt's rows where prompt_route names one of decodekit's kernels, which
         apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
         extra pass through memory; None where another route runs."""
-        # Without the packed copy, the int8 route alone (packed_route_pays times it so).
+        # Without the copy, the int8 route alone (packed_route times it so).
         route = self.prompt_route(flat, flat.shape[0], None if packed_copy else (many_rows_route(), False))
         if route is None:
             return None
         name, operand = route
         if name == "packed":
             return torch.ops.decodekit.packed_product(flat.float().contiguous(), operand, self.out_features)
+        if name == "onednn":
+            return onednn_product(flat.float().contiguous(), operand)
         interleaved = self.input_order is not None
         if name == "int8_split":
             return split_int8_product(flat, operand, interleaved, self.scales)
@@ -121,21 +123,21 @@ class Int8Linear(HoldsPackedCopy):
         return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, self.scales, interleaved)
 
     def prompt_route(self, x: torch.Tensor, rows: int,
-                     choice: tuple[str, bool] | None = None) -> tuple[str, torch.Tensor] | None:
+                     choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor] | None:
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
         applied, as `choice` (prompt_choice(rows), looked up where not given) says: ("int8_split", the int8 weight:
-        decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed", the
-        dequantized weight packed once for MKL) where that measured faster than the int8 route (packed_route_pays: on
+        decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed" or
+        "onednn", the dequantized weight copied once for MKL or oneDNN) where that measured faster than the int8 route (packed_route: on
         a CPU without int8 instructions the int8 routes convert the weight on every call) and the copy fits the memory
         budget. None where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as
         the few-row kernels take."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
-        route, pays = choice or prompt_choice(rows)
-        if pays:
-            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized)
+        route, copy = choice or prompt_choice(rows)
+        if copy:
+            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized, copy)
             if packed is not None:
-                return "packed", packed
+                return copy, packed
         if route == "int8_split":
             return "int8_split", self.weight_int8
         return ("int8_tiles", self.weight_int8) if route == "tiles" else None
@@ -159,15 +161,19 @@ class Int8Linear(HoldsPackedCopy):
         return flat.to(torch.bfloat16) @ self.weight_int8.to(torch.bfloat16).t()  # a width int8pack does not take
 
 
-def prompt_choice(rows: int) -> tuple[str, bool]:
-    """For a prompt's `rows` rows by int8 weights: the route many_rows_route measured and whether the weight
-    dequantized and packed once beats it (packed_route_pays; never inside a trace). The same for every layer."""
+def prompt_choice(rows: int) -> tuple[str, str | None]:
+    """For a prompt's `rows` rows by int8 weights: the route many_rows_route measured and the copy route of the
+    weight dequantized once that beats it ("packed" or "onednn": packed_route; None where neither does, or inside a
+    trace). The same for every layer."""
     route = many_rows_route()
-    return route, not torch.compiler.is_compiling() and packed_route_pays(torch.int8, rows, route, int8_problem)
+    if torch.compiler.is_compiling():
+        return route, None
+    copy = packed_route(torch.int8, rows, route, int8_problem)
+    return route, copy if copy in COPY_ROUTES else None
 
 
 def int8_problem(size: int):
-    """packed_route_pays's problem for int8 weights: a default-model-sized layer quantized, its dequantized weights,
+    """packed_route's problem for int8 weights: a default-model-sized layer quantized, its dequantized weights,
     and a call of its products by this CPU's int8 route (what forward runs where the packed copy is not taken)."""
     layer = []
     for x, weight in sample_layer(size, torch.float32):

@@ -231,6 +231,11 @@ def _through(route: str, layer: list):
     return library if route == "library" else through_decodekit
 
 
+# The decode class's sample: copies of a layer filling this many times the last-level cache, at most
+# STEP_SAMPLE_MEMORY bytes, named in the choices' cache key.
+STEP_CACHE_MULTIPLE, STEP_SAMPLE_MEMORY, STEP_SAMPLE = 2, 256 << 20, "weights_from_memory"
+
+
 def many_rows_route(dtype: torch.dtype, rows: int) -> str:
     """How a float32 product of `rows` rows (a prompt's prefill, a continuous-batching step) by a float32 or bfloat16
     weight runs on this CPU, measured once per weight dtype and row class (choices.py). Each route but the
@@ -243,18 +248,29 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
                bench machine 1.12x the best other route for a 32-row decode step's products, 1.13x at 16 rows;
     "library"  the library's threaded matmul; a bfloat16 weight converted whole on every call, a float32 copy of it
                written and read back through memory.
-    An eager prompt's float32 product may take a faster route still: packed_route."""
+    An eager prompt's float32 product may take a faster route still: packed_route.
+
+    The decode class's sample reads its weights from memory, as a step's products do (a model's layers overflow the
+    last-level cache), going round copies of the layer that fill STEP_CACHE_MULTIPLE times it: measured on one layer
+    in cache, the AVX-512 blocks and the AVX2 ones ran alike at 32 rows on the AVX512-BF16 EPYC and the choice fell
+    either way, while from memory the AVX2 blocks ran 1.2-1.3x the AVX-512 ones."""
     from . import choices
 
     size = row_class(rows)
+    from_memory = size == ROW_CLASSES[0][1]
 
     def candidates() -> dict:
         if dtype not in TILED_DTYPES or not native.load():
             return {}
         layer = sample_layer(size, dtype)
+        if from_memory:
+            layer_bytes = sum(weight.numel() * weight.element_size() for _, weight in layer)
+            wanted = min(STEP_CACHE_MULTIPLE * cpu.last_level_cache_bytes(), STEP_SAMPLE_MEMORY)
+            layer = layer + [(x, weight.clone()) for _ in range(-(-wanted // layer_bytes) - 1) for x, weight in layer]
         return {route: _through(route, layer) for route in many_rows_routes()}
 
-    return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library")
+    return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library",
+                          sample=STEP_SAMPLE if from_memory else "")
 
 
 def packed_route(dtype: torch.dtype, rows: int, other: str,

@@ -1473,6 +1473,7 @@ class RunPrefetch {
 
 // Half a run: the positions whose keys and values a group's heads read together.
 constexpr int kHalfRun = kPagedRun / 2;
+static_assert(kHalfRun == 4, "group_scores sums a half run's accumulators four at a time (horizontal_sums)");
 
 // scores[g][s] = q_g . key[s] (unscaled) for G query heads of one kv head (rows of `q`, D apart) and a run's n
 // positions (zeros past n). Each key vector is loaded once for the G heads: a head at a time, the loads of keys
@@ -1496,7 +1497,8 @@ inline void group_scores(const float* q, int64_t D, const A* const* key, int64_t
         for (int g = 0; g < G; ++g) acc[g][s] = _mm256_fmadd_ps(qd[g], k, acc[g][s]);
       }
     }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores[g] + half, horizontal_sums(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(scores[g] + half, horizontal_sums(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
   for (int g = 0; g < G; ++g)
     for (int s = 0; s < kPagedRun; ++s) {

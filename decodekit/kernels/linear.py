@@ -158,8 +158,9 @@ def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32:
                   kind: str = "packed"):
     """`module`'s weight as float32 (`float32()`, computed from `sources`: the weight, and an int8 weight's scales)
     copied once for a copy route (copy_of_weight: `kind` "packed" for MKL, "onednn" for oneDNN), made on first use
-    and again when a source has changed (its data or version) or the other copy is asked for; None where the library is missing or the copy would pass the memory budget. The copy is held in the
-    module's __dict__, out of its state (HoldsPackedCopy)."""
+    and again when a source has changed (its data or version) or the other copy is asked for; None where the library
+    is missing or the copy would pass the memory budget. The copy is held in the module's __dict__, out of its state
+    (HoldsPackedCopy)."""
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
     key = (kind, *((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources))
@@ -275,11 +276,11 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
 
 def packed_route(dtype: torch.dtype, rows: int, other: str,
                  problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str:
-    """Whether a product of `rows` rows outside a trace runs faster by the weight as float32 copied once for a library
-    (packed_weight) than by `other`, the route otherwise chosen for those rows and weights of `dtype` (float32,
-    bfloat16, int8): "packed" (MKL's packed layout: the library's matmul packs a float32 weight on every call, and a
-    bfloat16 or int8 weight is converted first), "onednn" (oneDNN's reordered one) or `other`, measured once per dtype
-    and class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among those this torch carries.
+    """The fastest way for a product of `rows` rows outside a trace: by the weight as float32 copied once for a library
+    (packed_weight), "packed" (MKL's packed layout: the library's matmul packs a float32 weight on every call, and a
+    bfloat16 or int8 weight is converted first) or "onednn" (oneDNN's reordered one), or by `other`, the route
+    otherwise chosen for those rows and weights of `dtype` (float32, bfloat16, int8); measured once per dtype and
+    class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among the copies this torch can make.
     `problem(size)` gives a default-model-sized layer's [(rows, float32 weight)] and a call of the same products by
     `other`. On the AMX bench machine MKL's packed products of float32 layers ran 1.24x the library's at 128 rows and
     1.05x at 512; with that machine held to AVX2, bfloat16 layers ran 1.12x their tiles at 128 rows. On the
@@ -391,9 +392,8 @@ class Linear(HoldsPackedCopy, nn.Linear):
                      choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:
         """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
         this weight's dtype and the rows, looked up where not given) says: ("packed", MKL's packed copy), ("onednn",
-        oneDNN's reordered copy), ("tiles",
-        "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or ("library", the weight: F.linear in
-        float32). PROMPT_ROUTES numbers them for the C++ prompt layers."""
+        oneDNN's reordered copy), ("tiles", "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or
+        ("library", the weight: F.linear in float32). PROMPT_ROUTES numbers them for the C++ prompt layers."""
         ready = native.ready(x, self.weight, self.bias)
         route, copy = choice or prompt_choice(self.weight.dtype, rows, ready)
         if copy and ready:

@@ -127,9 +127,9 @@ class Int8Linear(HoldsPackedCopy):
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
         applied, as `choice` (prompt_choice(rows), looked up where not given) says: ("int8_split", the int8 weight:
         decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed" or
-        "onednn", the dequantized weight copied once for MKL or oneDNN) where that measured faster than the int8 route (packed_route: on
-        a CPU without int8 instructions the int8 routes convert the weight on every call) and the copy fits the memory
-        budget. None where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as
+        "onednn", the dequantized weight copied once for MKL or oneDNN) where that measured faster than the int8
+        route (packed_route: on a CPU without int8 instructions the int8 routes convert the weight on every call) and
+        the copy fits the memory budget. None where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as
         the few-row kernels take."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None

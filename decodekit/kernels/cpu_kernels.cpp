@@ -1538,8 +1538,10 @@ inline void group_values(float* out, int64_t D, const A* const* value, int64_t o
 // Query heads of one kv head taken together: at most 3 (AVX2's registers), a group of more in parts.
 constexpr int kHeadsTogether = 3;
 
+// fn(std::integral_constant<int, G>) for G = heads, 1 to kHeadsTogether.
 template <typename Fn>
 void with_heads_together(int64_t heads, Fn fn) {
+  static_assert(kHeadsTogether == 3, "with_heads_together names each G up to kHeadsTogether");
   if (heads == 1) return fn(std::integral_constant<int, 1>{});
   if (heads == 2) return fn(std::integral_constant<int, 2>{});
   fn(std::integral_constant<int, 3>{});

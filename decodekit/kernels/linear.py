@@ -275,12 +275,13 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
 
 
 def packed_route(dtype: torch.dtype, rows: int, other: str,
-                 problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str:
-    """The fastest way for a product of `rows` rows outside a trace: by the weight as float32 copied once for a library
-    (packed_weight), "packed" (MKL's packed layout: the library's matmul packs a float32 weight on every call, and a
-    bfloat16 or int8 weight is converted first) or "onednn" (oneDNN's reordered one), or by `other`, the route
-    otherwise chosen for those rows and weights of `dtype` (float32, bfloat16, int8); measured once per dtype and
-    class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among the copies this torch can make.
+                 problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str | None:
+    """The copy route (COPY_ROUTES) that runs a product of `rows` rows outside a trace faster than `other`, the route
+    otherwise chosen for those rows and weights of `dtype` (float32, bfloat16, int8), or None where none does: the
+    weight as float32 copied once for a library (packed_weight), "packed" (MKL's packed layout: the library's matmul
+    packs a float32 weight on every call, and a bfloat16 or int8 weight is converted first) or "onednn" (oneDNN's
+    reordered one); measured once per dtype and class of prompt rows (over 64; choices.py: float32_packed_rows_128,
+    ...) among the copies this torch can make.
     `problem(size)` gives a default-model-sized layer's [(rows, float32 weight)] and a call of the same products by
     `other`. On the AMX bench machine MKL's packed products of float32 layers ran 1.24x the library's at 128 rows and
     1.05x at 512; with that machine held to AVX2, bfloat16 layers ran 1.12x their tiles at 128 rows. On the
@@ -292,7 +293,7 @@ def packed_route(dtype: torch.dtype, rows: int, other: str,
     size = row_class(rows)
     kinds = [kind for kind, available in (("packed", mkl_packing), ("onednn", onednn_packing)) if available()]
     if size <= ROW_CLASSES[0][1] or not kinds:
-        return other
+        return None
 
     def candidates() -> dict:
         pairs, by_other = problem(size)
@@ -306,7 +307,8 @@ def packed_route(dtype: torch.dtype, rows: int, other: str,
         return offered
 
     name = f"{str(dtype).removeprefix('torch.')}_packed_rows_{size}"
-    return choices.decide(name, candidates, otherwise=other)
+    chosen = choices.decide(name, candidates, otherwise=other)
+    return chosen if chosen in COPY_ROUTES else None
 
 
 def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
@@ -328,8 +330,7 @@ def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[st
     route = many_rows_route(dtype, rows)
     if not ready or torch.compiler.is_compiling():
         return route, None
-    copy = packed_route(dtype, rows, route, _tiled_problem(dtype, route))
-    return route, copy if copy in COPY_ROUTES else None
+    return route, packed_route(dtype, rows, route, _tiled_problem(dtype, route))
 
 
 def few_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import choices, native
-from .linear import COPY_ROUTES, HoldsPackedCopy, one_row, onednn_product, packed_route, packed_weight, sample_layer
+from .linear import HoldsPackedCopy, one_row, onednn_product, packed_route, packed_weight, sample_layer
 
 QUANTIZATIONS = ("int8",)
 
@@ -107,7 +107,7 @@ class Int8Linear(HoldsPackedCopy):
         apply the scales and the interleaved columns' order as they go, so neither the rows nor the product take an
         extra pass through memory; None where another route runs."""
         # Without the copy, the int8 route alone (packed_route times it so).
-        route = self.prompt_route(flat, flat.shape[0], None if packed_copy else (many_rows_route(), False))
+        route = self.prompt_route(flat, flat.shape[0], None if packed_copy else (many_rows_route(), None))
         if route is None:
             return None
         name, operand = route
@@ -129,8 +129,8 @@ class Int8Linear(HoldsPackedCopy):
         decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed" or
         "onednn", the dequantized weight copied once for MKL or oneDNN) where that measured faster than the int8
         route (packed_route: on a CPU without int8 instructions the int8 routes convert the weight on every call) and
-        the copy fits the memory budget. None where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as
-        the few-row kernels take."""
+        the copy fits the memory budget. None where another route runs (many_rows_route: int8pack, float32), off CPU,
+        or for as few rows as the few-row kernels take."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
         route, copy = choice or prompt_choice(rows)
@@ -168,8 +168,7 @@ def prompt_choice(rows: int) -> tuple[str, str | None]:
     route = many_rows_route()
     if torch.compiler.is_compiling():
         return route, None
-    copy = packed_route(torch.int8, rows, route, int8_problem)
-    return route, copy if copy in COPY_ROUTES else None
+    return route, packed_route(torch.int8, rows, route, int8_problem)
 
 
 def int8_problem(size: int):

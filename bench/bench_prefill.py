@@ -102,8 +102,9 @@ def chunk_forward_job(model, chunk: int = CHUNK, context: int = CONTEXT):
 
 def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT) -> dict:
     """The attention of one prompt chunk of continuous batching (PagedBatch.attend, every layer's shapes) after
-    `context - chunk` tokens already cached: GFLOP/s of its causal products."""
-    c = model.config
+    `context - chunk` tokens already cached: GFLOP/s of its causal products (an int8 model's by its own route:
+    kernels/attention.py)."""
+    c, int8 = model.config, getattr(model, "quantization", None) == "int8"
     batch = paged_chunk(model, chunk, context)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, c.num_attention_heads, chunk, c.head_dim, generator=generator, dtype=model.dtype)
@@ -113,7 +114,7 @@ def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT
     def run():
         with torch.inference_mode():
             for layer in range(c.num_hidden_layers):
-                batch.attend(q, k, v, layer, None)
+                batch.attend(q, k, v, layer, None, int8)
 
     seconds = median_time(run, runs)
     flops = attention_flops(c, chunk, past=context - chunk) * c.num_hidden_layers
@@ -202,7 +203,7 @@ def main() -> int:
                            "gflops": round(gflops, 1), "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
                            "vs_fp32": round(timings.ratio("fp32 chunk", f"{fmt} chunk"), 3)}
     sdpa_ratio = {n: round(timings.ratio(f"fp32 {n} (SDPA attention)", f"fp32 {n}"), 3) for n in prompts}
-    chunks = {fmt: chunk_attention(ours[fmt], args.runs) for fmt in ("fp32", "bf16")}
+    chunks = {fmt: chunk_attention(model, args.runs) for fmt, model in ours.items()}
     from decodekit.kernels import native
 
     alone = attention_alone(config, args.lengths, args.runs) if native.load() else {}

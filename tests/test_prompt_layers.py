@@ -41,8 +41,9 @@ INT8_ROUTES = [
 
 
 def pinned_int8(route: str) -> dict:
-    """choices.forced settings that send an int8 model's prompt products of 100 rows by `route`."""
-    pins = {"prompt_attention_float32_512": "kernel"}
+    """choices.forced settings that send an int8 model's prompt products of 100 rows by `route` and its attention
+    to decodekit's float32 kernel (its own choice where the CPU has AVX512-BF16, the float32 one elsewhere)."""
+    pins = {"prompt_attention_float32_512": "kernel", "prompt_attention_int8_512": "kernel"}
     if route in COPIES:
         return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": route}
     return {**pins, "int8_many_rows": route, "int8_packed_rows_128": route}
@@ -102,6 +103,41 @@ def test_prompt_layers_give_an_int8_models_bits(tmp_path, monkeypatch, route, wi
     assert calls == (0 if route == "tiles" and width % 32 else model.config.num_hidden_layers)
     assert torch.equal(first, first_py) and torch.equal(second, second_py)
     assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
+
+
+@pytest.mark.skipif(not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16")
+def test_an_int8_models_prompt_attention_takes_the_bfloat16_kernel_where_chosen(tmp_path, monkeypatch):
+    # An int8 model's weights round far more than bfloat16 attention does (attention.py), so where the CPU has
+    # AVX512-BF16 its float32 attention has a choice of its own: chosen, its q, k, v are rounded to bfloat16 for the
+    # kernel in the C++ layers as in the Python ones and in continuous batching's prompt chunks. A float32 model
+    # keeps the float32 choice. head_dim 32 (2 heads of 64): the bfloat16 products' tiles.
+    from decodekit.kernels import attention
+
+    narrowed = []
+    bf16_kernel = attention.bf16_kernel
+    monkeypatch.setattr(attention, "bf16_kernel", lambda q, *rest: narrowed.append(q.dtype) or bf16_kernel(q, *rest))
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    fp32 = tiny_model(tmp_path, "llama", **shape)
+    model = quantize(tiny_model(tmp_path, "llama", **shape), "int8")
+    layers, outputs = model.config.num_hidden_layers, {}
+    for route in ("kernel", "bf16_kernel"):
+        with choices.forced(**{**pinned_int8("tiles"), "prompt_attention_int8_512": route}):
+            (first, second, cache), calls = run(model, True, monkeypatch)
+            assert calls == (layers if route == "kernel" else 0)  # prompt_layer_end calls the float32 kernel
+            assert narrowed == ([] if route == "kernel" else [torch.bfloat16] * layers)
+            (first_py, _, cache_py), _ = run(model, False, monkeypatch)
+            assert torch.equal(first, first_py)
+            assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
+            narrowed.clear()
+            model.generate_batch([PROMPT[0].tolist()], max_new_tokens=1, progress_bar=False)
+            assert len(narrowed) == (0 if route == "kernel" else layers)  # the prompt's chunk
+            narrowed.clear()
+            outputs[route] = first
+            with torch.inference_mode():
+                fp32(PROMPT)
+            assert not narrowed
+    assert not torch.equal(outputs["kernel"], outputs["bf16_kernel"])
+    assert float((outputs["bf16_kernel"] - outputs["kernel"]).norm() / outputs["kernel"].norm()) < 1e-2
 
 
 def test_prompt_layers_fill_a_static_cache_as_the_python_layers_do(tmp_path, monkeypatch):

@@ -116,8 +116,9 @@ class DecodeRows:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
-    def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
-        """q [1, H, N, D], k, v [1, KV, N, D] -> [1, H, N, D]."""
+    def attend(self, q, k, v, layer_idx: int, window: int | None, int8: bool = False) -> torch.Tensor:
+        """q [1, H, N, D], k, v [1, KV, N, D] -> [1, H, N, D]. `int8` as PagedBatch.attend takes it (decode rows have
+        no prompt attention to choose)."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
@@ -157,9 +158,10 @@ class PagedBatch:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are given per token (position_ids); nothing is read from the cache's length
 
-    def attend(self, q, k, v, layer_idx: int, window: int | None) -> torch.Tensor:
+    def attend(self, q, k, v, layer_idx: int, window: int | None, int8: bool = False) -> torch.Tensor:
         """Writes k, v [1, KV, N, D] at the tokens' slots and returns the attention of q [1, H, N, D] over each
-        token's request row, [1, H, N, D].
+        token's request row, [1, H, N, D] (`int8`: the model's weights are, which its prompt chunks' attention route
+        is chosen for: attention.prompt_attention_route).
 
         One-token segments (decode rows) go through decodekit::paged_attention, which reads each row's blocks
         in place; prompt chunks through SDPA over their row's gathered keys and values, whose fused kernel
@@ -174,12 +176,13 @@ class PagedBatch:
         if not native_ok:
             keys.index_copy_(0, self._slots, k)
             values.index_copy_(0, self._slots, v)
-            return self.gathered_attention(tokens, keys, values, window, self.segments).transpose(0, 1)[None]
+            out = self.gathered_attention(tokens, keys, values, window, self.segments, None, int8)
+            return out.transpose(0, 1)[None]
         out = torch.empty_like(tokens)
         chunk_at = self._chunk_tokens.to(keys.device)
         keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])
         values.index_copy_(0, self._slots[chunk_at], v[chunk_at])
-        self.gathered_attention(tokens, keys, values, window, self.chunks, out)
+        self.gathered_attention(tokens, keys, values, window, self.chunks, out, int8)
         if len(self.singles):
             at = self._single_tokens
             out[at] = torch.ops.decodekit.paged_attention(
@@ -187,7 +190,7 @@ class PagedBatch:
                 self.positions[at], self.cache.block_size, window or 0)
         return out.transpose(0, 1)[None]
 
-    def gathered_attention(self, tokens, keys, values, window, segments, out=None) -> torch.Tensor:
+    def gathered_attention(self, tokens, keys, values, window, segments, out=None, int8=False) -> torch.Tensor:
         """Attention through SDPA for `segments`, one at a time over its row's gathered keys and values (written
         already); fills `out` [N, H, D] at their tokens."""
 
@@ -200,7 +203,7 @@ class PagedBatch:
             # passed as a [1, KV, L, D] view: the kernel and SDPA read rows at a stride.
             k = keys.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)
             v = values.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)
-            y = prompt_attention(tokens[s.start:s.end].transpose(0, 1), k[0], v[0], window)
+            y = prompt_attention(tokens[s.start:s.end].transpose(0, 1), k[0], v[0], window, int8)
             if y is not None:  # decodekit's kernel, where it measured faster than SDPA here
                 out[s.start:s.end] = y.transpose(0, 1)
                 continue

@@ -19,7 +19,7 @@ from torch import nn
 from ..kernels import elementwise, native
 from ..kernels.linear import COPY_ROUTES, INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
-from ..kernels.attention import prompt_attention, prompt_attention_route, wide_softmax
+from ..kernels.attention import by_route, prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
@@ -87,6 +87,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @property
+    def int8(self) -> bool:
+        """Whether this layer's weights are int8 (quantize.Int8Linear): its float32 prompt attention may then run in
+        bfloat16 products (attention.prompt_attention_route)."""
+        return type(self.qkv) is Int8Linear
+
     def forward(self, x, cos, sin, cache, masks, slots=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
@@ -98,7 +104,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if getattr(cache, "paged", False):  # continuous batching: the tokens of many requests (batching/paged.py)
-            y = cache.attend(q, k, v, self.layer_idx, self.window)
+            y = cache.attend(q, k, v, self.layer_idx, self.window, self.int8)
             return self.o(y.transpose(1, 2).reshape(B, T, -1))
         if slots is not None:
             k, v = cache.write(k, v, self.layer_idx, slots)
@@ -109,7 +115,7 @@ class Attention(nn.Module):
         if T == 1 and q.device.type == "cpu" and (q.dtype != torch.float32 or torch.compiler.is_compiling()):
             y = one_query_attention(q, k, v, mask)
         elif B == 1 and not masks:  # one unpadded prompt, plain causal: decodekit's kernel where it measured faster
-            y = prompt_attention(q[0], k[0], v[0], None)
+            y = prompt_attention(q[0], k[0], v[0], None, self.int8)
             y = None if y is None else y[None]
         if y is None:
             y = F.scaled_dot_product_attention(
@@ -390,7 +396,9 @@ class LlamaForCausalLM(nn.Module):
                 not native.load():
             return None
         paged = getattr(cache, "paged", False)
-        if not paged and prompt_attention_route(past + T, x.dtype) != "kernel":
+        int8 = layers[0].attn.int8 if len(layers) else False
+        route = prompt_attention_route(past + T, x.dtype, int8)
+        if not paged and route == "sdpa":
             return None
         decided = {}
         plans = [layer.prompt_plan(x, T, decided) for layer in layers]
@@ -404,12 +412,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, (start, end) in zip(layers, plans):
             q, k, v = ops.prompt_layer_start(rows, *start, cos, sin, c.num_attention_heads, c.num_key_value_heads)
             if paged:
-                attended = cache.attend(q, k, v, layer.attn.layer_idx, layer.attn.window)  # [1, heads, T, D]
+                attended = cache.attend(q, k, v, layer.attn.layer_idx, layer.attn.window, int8)  # [1, heads, T, D]
                 ops.prompt_layer_finish(rows, attended[0].transpose(0, 1).reshape(T, -1), *end, c.intermediate_size)
                 continue
             if cache is not None:
                 k, v = cache.update(k, v, layer.attn.layer_idx)
-            ops.prompt_layer_end(rows, q, k, v, 0, wide, *end, c.intermediate_size)
+            if route == "kernel":  # the float32 kernel, called by prompt_layer_end itself
+                ops.prompt_layer_end(rows, q, k, v, 0, wide, *end, c.intermediate_size)
+                continue
+            attended = by_route(route, q[0], k[0], v[0], 0)  # [heads, T, D]
+            ops.prompt_layer_finish(rows, attended.transpose(0, 1).reshape(T, -1), *end, c.intermediate_size)
         return rows.view(B, T, hidden)
 
     def _forward_fixed(self, x, attention_mask, position_ids, cache, slots, logits_to_keep):

@@ -1,6 +1,10 @@
 """Causal attention of a prompt or a prompt chunk on CPU: decodekit::prefill_attention where it measured faster than
 the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul). Its
-products run in float32, or for bfloat16 on a CPU with AVX512-BF16 in bfloat16 pairs summed in float32."""
+products run in float32, or on a CPU with AVX512-BF16 in bfloat16 pairs summed in float32: for bfloat16 models, and
+for int8 ones (quantize.py), whose weights' rounding outweighs that of bfloat16 attention many times over. On the
+default model over a 1,024-token text, against the float32 model's next-token distributions: int8 weights KL 0.00602
+(top-1 agreement 94.3%), int8 with bfloat16 attention 0.00611 (93.9%), float32 weights with bfloat16 attention
+0.00007 (99.1%)."""
 
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ BF16_COLUMNS = 32  # kBf16Columns in cpu_kernels.cpp: the bfloat16 products need
 SHORT_KEYS = 1024
 
 
-def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
+def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) -> str:
     """"kernel" (decodekit::prefill_attention in float32), "bf16_kernel" (the same in bfloat16 products, offered for
-    bfloat16 where the CPU has AVX512-BF16) or "sdpa" for attention in `dtype` over `keys` keys, measured once per
-    CPU, dtype and class of lengths (choices.py: prompt_attention_float32_512, prompt_attention_bfloat16_2048, ...)
-    on a prompt of 512 or 2,048 tokens through one layer of the default model's shape (9 query heads, 3 kv heads,
-    head_dim 64). The dtypes are measured apart: SDPA computes in the model's dtype, which on a CPU with bfloat16
-    matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the float32 kernel; on the AVX512-BF16 bench
-    machine without AMX the bfloat16 kernel ran 1.4-1.9x as fast as the float32 one."""
+    bfloat16 where the CPU has AVX512-BF16, and for the float32 attention of an `int8` model, its q, k, v rounded to
+    bfloat16) or "sdpa" for attention in `dtype` over `keys` keys, measured once per CPU, dtype (int8 models' apart
+    where the bfloat16 kernel is offered) and class of lengths (choices.py: prompt_attention_float32_512,
+    prompt_attention_int8_2048, ...) on a prompt of 512 or 2,048 tokens through one layer of the default model's
+    shape (9 query heads, 3 kv heads, head_dim 64). The dtypes are measured apart: SDPA computes in the model's
+    dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the float32
+    kernel; on the AVX512-BF16 bench machine without AMX the bfloat16 kernel ran 1.4-1.9x as fast as the float32
+    one."""
     size = 512 if keys <= SHORT_KEYS else 2048
+    rounded = int8 and dtype == torch.float32 and cpu.has("avx512_bf16")
 
     def candidates() -> dict:
         if not native.load():
@@ -37,11 +44,12 @@ def prompt_attention_route(keys: int, dtype: torch.dtype) -> str:
             "kernel": lambda: kernel(q[0], k[0], v[0], 0),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
-        if dtype == torch.bfloat16 and cpu.has("avx512_bf16"):
-            offered["bf16_kernel"] = lambda: bf16_kernel(q[0], k[0], v[0], 0)
+        if (dtype == torch.bfloat16 or rounded) and cpu.has("avx512_bf16"):
+            offered["bf16_kernel"] = lambda: by_route("bf16_kernel", q[0], k[0], v[0], 0)
         return offered
 
-    return choices.decide(f"prompt_attention_{str(dtype).removeprefix('torch.')}_{size}", candidates, otherwise="sdpa")
+    name = "int8" if rounded else str(dtype).removeprefix("torch.")
+    return choices.decide(f"prompt_attention_{name}_{size}", candidates, otherwise="sdpa")
 
 
 def wide_softmax() -> bool:
@@ -61,17 +69,27 @@ def bf16_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) 
     return torch.ops.decodekit.prefill_attention(q, k, v, window, True)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor | None:
+def by_route(route: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor | None:
+    """Attention of q [H, T, D] over k, v [KV, L, D] by `route` (prompt_attention_route), in q's dtype; None for
+    "sdpa", which the caller runs. "bf16_kernel" rounds float32 q, k, v to bfloat16 first; where the CPU lacks
+    AVX512-BF16 (a test forced the probe off after the choice was made) or head_dim is not a multiple of 32, the
+    float32 kernel runs instead."""
+    if route == "sdpa":
+        return None
+    if route == "bf16_kernel" and cpu.has("avx512_bf16") and q.shape[-1] % BF16_COLUMNS == 0:
+        bf16 = torch.bfloat16
+        return bf16_kernel(q.to(bf16), k.to(bf16), v.to(bf16), window).to(q.dtype)
+    return kernel(q, k, v, window)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                     int8: bool = False) -> torch.Tensor | None:
     """Causal attention of q [H, T, D] over k, v [KV, L, D] (query i at position L - T + i; a sliding `window` or
-    None), as [H, T, D] in q's dtype; None where the kernel does not apply (off CPU, a dtype it does not take,
-    autograd recording, code being compiled) or SDPA measured faster here: the caller runs SDPA."""
+    None), as [H, T, D] in q's dtype, for a model whose weights are `int8` or not (prompt_attention_route); None
+    where the kernel does not apply (off CPU, a dtype it does not take, autograd recording, code being compiled) or
+    SDPA measured faster here: the caller runs SDPA."""
     if q.device.type != "cpu" or q.dtype not in ATTENTION_DTYPES or torch.compiler.is_compiling():
         return None
     if q.shape[1] <= native.MAX_ROWS or not native.ready(q, k, v):
         return None
-    route = prompt_attention_route(k.shape[1], q.dtype)
-    # The probe is asked again: a choice made before a test forced avx512_bf16 off stays made.
-    if route == "bf16_kernel" and cpu.has("avx512_bf16") and q.dtype == k.dtype == v.dtype and \
-            q.shape[-1] % BF16_COLUMNS == 0:
-        return bf16_kernel(q, k, v, window or 0)
-    return kernel(q, k, v, window or 0) if route != "sdpa" else None
+    return by_route(prompt_attention_route(k.shape[1], q.dtype, int8), q, k, v, window or 0)

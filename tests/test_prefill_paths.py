@@ -109,21 +109,25 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         routes.append("packed")
     if onednn_packing():  # reordered as float32 for oneDNN
         routes.append("onednn")
+    if fmt == "bfloat16":  # a plain float32 copy, multiplied by float32's route (pinned to blocks)
+        routes.append("float32_copy")
     # The kernel each route runs (wide_blocks runs the AVX2 blocks where the CPU has no AVX-512: a cached choice from
     # another machine, say).
     ran = {"tiles": "decodekit::tiled_product", "blocks": "decodekit::tiled_product",
            "wide_blocks": "decodekit::tiled_product", "packed": "decodekit::packed_product",
-           "onednn": "mkldnn::_linear_pointwise"}
+           "onednn": "mkldnn::_linear_pointwise", "float32_copy": "decodekit::tiled_product"}
     results = {}
     for route in routes:
         # The copy routes are decided apart (over the route chosen among the others); the others pass them by.
-        pinned = {name: "library", f"{fmt}_packed_rows_128": route} if route in ("packed", "onednn") else \
-            {name: route, f"{fmt}_packed_rows_128": route}
+        copy = route in ("packed", "onednn", "float32_copy")
+        pinned = {name: "library" if copy else route, f"{fmt}_packed_rows_128": route, "float32_rows_128": "blocks"}
         pinned[f"eager_weights_{fmt}"] = "plain"  # oneDNN's packed layers (packed.py) would take every product
         with choices.forced(**pinned), cpu.forced(onednn_bf16=False), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         if route in ran:  # bf16 products in float32 (AVX2's way) through the route
             assert ran[route] in {event.key for event in profile.key_averages()}, route
+        held = model.layers[0].mlp.down.__dict__.get("_mkl_packed", {})
+        assert (route in held) == copy, route  # a copy of its kind, only for copies
     logits, tokens = results["library"]
     # Each route sums in its own order. In float32 that moves the last bits; a bfloat16 model rounds every product
     # to 8 bits, where a sum on a rounding boundary lands one step apart and the step travels through the layers
@@ -235,29 +239,57 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
         assert "_mkl_packed" not in other.__dict__ and kernels_linear._packing["used"] == held - 64 * 48 * 4
 
 
+def test_copies_of_two_kinds_are_held_side_by_side_and_go_together_when_the_weight_changes():
+    # Prompts of two classes of lengths may take two copy routes: each kind's copy is kept, not made again when the
+    # other is asked for, and both count against the budget; a change of the weight lets both go.
+    import gc
+
+    from decodekit.kernels import linear as kernels_linear
+
+    layer = kernels_linear.Linear(64, 48).to(torch.bfloat16)
+    kinds = [kind for kind in ("packed", "onednn", "float32_copy") if kernels_linear.copy_available(kind)]
+    gc.collect()
+    used = kernels_linear._packing["used"]
+    first = {kind: kernels_linear.packed_weight(layer, (layer.weight,), layer.weight.float, kind) for kind in kinds}
+    assert all(copy is not None for copy in first.values())
+    for kind in reversed(kinds):  # asked again, each kind's own copy
+        assert kernels_linear.packed_weight(layer, (layer.weight,), layer.weight.float, kind) is first[kind]
+    assert kernels_linear._packing["used"] == used + len(kinds) * 64 * 48 * 4
+    torch.testing.assert_close(first["float32_copy"], layer.weight.float(), rtol=0, atol=0)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    again = kernels_linear.packed_weight(layer, (layer.weight,), layer.weight.float, kinds[0])
+    assert again is not first[kinds[0]] and set(layer.__dict__["_mkl_packed"]) == {kinds[0]}  # the stale ones went
+    del first, again
+    gc.collect()
+    assert kernels_linear._packing["used"] == used + 64 * 48 * 4
+
+
 def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     model = quantize(tiny_model(tmp_path, "llama"), "int8")
     # int8_split where torch._int_mm's sums are exact here (not so where oneDNN is held below VNNI on a VNNI CPU).
-    routes = ["float32", "tiles", "int8pack"] + (["int8_split"] if int_mm_exact() else []) + \
-        (["packed"] if mkl_packing() else []) + (["onednn"] if onednn_packing() else [])
+    copies = (["packed"] if mkl_packing() else []) + (["onednn"] if onednn_packing() else []) + ["float32_copy"]
+    routes = ["float32", "tiles", "int8pack"] + (["int8_split"] if int_mm_exact() else []) + copies
     results = {}
     for route in routes:
-        # "packed" and "onednn" (the dequantized weight copied once as float32 for MKL or oneDNN) are decided over the
-        # int8 route: pinned off for the others.
-        pinned = {"int8_many_rows": "float32", "int8_packed_rows_128": route} if route in ("packed", "onednn") else \
-            {"int8_many_rows": route, "int8_packed_rows_128": route}
+        # The copies (the dequantized weight copied once as float32 for MKL or oneDNN, or plain for float32's route,
+        # pinned to blocks) are decided over the int8 route: pinned off for the others.
+        pinned = {"int8_many_rows": "float32" if route in copies else route, "int8_packed_rows_128": route,
+                  "float32_rows_128": "blocks"}
         with choices.forced(**pinned), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         ran = {event.key for event in profile.key_averages()}
         assert ("decodekit::packed_product" in ran) == (route == "packed"), route
         assert ("mkldnn::_linear_pointwise" in ran) == (route == "onednn"), route
+        assert ("decodekit::tiled_product" in ran) == (route in ("tiles", "float32_copy")), route
     reference, tokens = results["float32"]
-    # tiles, packed and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8
+    # tiles, the copies and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8
     # (bfloat16).
-    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "onednn": 1e-5, "int8_split": 1e-3, "int8pack": 2e-2}
+    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "onednn": 1e-5, "float32_copy": 1e-5, "int8_split": 1e-3,
+              "int8pack": 2e-2}
     for route, (logits, generated) in results.items():
         assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
-    for route in {"tiles", "packed", "onednn"} & set(results):
+    for route in {"tiles", *copies} & set(results):
         assert torch.equal(results[route][1], tokens), route
 
 

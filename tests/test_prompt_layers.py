@@ -21,14 +21,14 @@ ROUTES = ["library", "tiles", "blocks",
           pytest.param("wide_blocks", marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs avx512f")),
           pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
           pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN"))]
-COPIES = ("packed", "onednn")  # the routes decided over the one chosen among the others
+COPIES = ("packed", "onednn", "float32_copy")  # the routes decided over the one chosen among the others
 
 
 def pinned(route: str, dtype: str = "float32") -> dict:
     """choices.forced settings that send every prompt product of 100 rows by weights of `dtype` by `route` and
     attention to decodekit's kernel (oneDNN's packed layers, packed.py, would take the products otherwise)."""
-    pins = {f"eager_weights_{dtype}": "plain", f"prompt_attention_{dtype}_512": "kernel"}
-    if route in COPIES:
+    pins = {f"eager_weights_{dtype}": "plain", f"prompt_attention_{dtype}_512": "kernel", "float32_rows_128": "blocks"}
+    if route in COPIES:  # a float32 copy multiplied by float32's route, pinned to blocks
         return {**pins, f"{dtype}_rows_128": "library", f"{dtype}_packed_rows_128": route}
     return {**pins, f"{dtype}_rows_128": route, f"{dtype}_packed_rows_128": route}
 
@@ -37,13 +37,15 @@ INT8_ROUTES = [
     pytest.param("int8_split", marks=pytest.mark.skipif(not int_mm_exact(), reason="torch._int_mm is not exact here")),
     "tiles",
     pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
-    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN"))]
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN")),
+    "float32_copy"]
 
 
 def pinned_int8(route: str) -> dict:
     """choices.forced settings that send an int8 model's prompt products of 100 rows by `route` and its attention
     to decodekit's float32 kernel (its own choice where the CPU has AVX512-BF16, the float32 one elsewhere)."""
-    pins = {"prompt_attention_float32_512": "kernel", "prompt_attention_int8_512": "kernel"}
+    pins = {"prompt_attention_float32_512": "kernel", "prompt_attention_int8_512": "kernel",
+            "float32_rows_128": "blocks"}
     if route in COPIES:
         return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": route}
     return {**pins, "int8_many_rows": route, "int8_packed_rows_128": route}
@@ -75,7 +77,7 @@ def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_
         assert torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", [*ROUTES, "float32_copy"])
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(tmp_path, monkeypatch,
                                                                                       model_type, route):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import elementwise, native
-from ..kernels.linear import COPY_ROUTES, INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
+from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import by_route, prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
@@ -174,7 +174,7 @@ class Block(nn.Module):
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
                     return None  # the Python layer reorders the rows first
-                if route not in COPY_ROUTES:  # a copy is dequantized, in the input's column order
+                if operand.dtype == torch.int8:  # a copy is dequantized, in the input's column order
                     scales, flags = linear.scales.float(), INTERLEAVED if interleaved else 0
             else:
                 return None

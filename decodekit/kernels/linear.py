@@ -74,8 +74,10 @@ DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through deco
 PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4, "int8_split": 5, "int8_tiles": 6,
                  "onednn": 7}
 # The routes whose operand is a copy of the weight made once (packed_weight): MKL's packed layout, oneDNN's reordered
-# one. packed_route decides between them and the route otherwise taken.
+# one. packed_route decides between them, a plain float32 copy (a bfloat16 or int8 weight's, multiplied by the route
+# float32 weights take: FLOAT32_COPY) and the route otherwise taken.
 COPY_ROUTES = ("packed", "onednn")
+FLOAT32_COPY = "float32_copy"
 INTERLEAVED = 16
 
 
@@ -143,10 +145,19 @@ ONEDNN_ROWS_HINT = 128
 
 def copy_of_weight(kind: str, weight: torch.Tensor) -> torch.Tensor:
     """A float32 weight as a copy route holds it: "packed" for MKL (decodekit::mkl_pack), "onednn" reordered into
-    oneDNN's blocked layout."""
+    oneDNN's blocked layout, "float32_copy" as it is (FLOAT32_COPY)."""
+    if kind == FLOAT32_COPY:
+        return weight
     if kind == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
     return torch.ops.decodekit.mkl_pack(weight)
+
+
+def copy_available(kind: str) -> bool:
+    """Whether this torch can make and multiply a copy of `kind` (copy_of_weight)."""
+    if kind == "onednn":
+        return onednn_packing()
+    return native.load() if kind == FLOAT32_COPY else mkl_packing()
 
 
 def onednn_product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,20 +168,21 @@ def onednn_product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor 
 def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor],
                   kind: str = "packed"):
     """`module`'s weight as float32 (`float32()`, computed from `sources`: the weight, and an int8 weight's scales)
-    copied once for a copy route (copy_of_weight: `kind` "packed" for MKL, "onednn" for oneDNN), made on first use
-    and again when a source has changed (its data or version) or the other copy is asked for; None where the library
-    is missing or the copy would pass the memory budget. The copy is held in the module's __dict__, out of its state
-    (HoldsPackedCopy)."""
+    copied once for a copy route (copy_of_weight: `kind` "packed" for MKL, "onednn" for oneDNN, "float32_copy"
+    plain), made on first use and again when a source has changed (its data or version); None where the library is
+    missing or the copy would pass the memory budget. Copies of each kind are held apart, in the module's __dict__, out
+    of its state (HoldsPackedCopy): prompts of two classes of lengths may take two kinds (on the AVX512-BF16 EPYC held
+    to AVX2, a bfloat16 model's 128-row products took the plain copy, its 512-row ones oneDNN's), and one copy
+    replaced by the other on every change of length made a prefill of 512 tokens 1.4x as long."""
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
-    key = (kind, *((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources))
-    held = module.__dict__.get("_mkl_packed")
-    if held is not None and held[0] == key:
-        return held[1]
-    module.__dict__.pop("_mkl_packed", None)
-    held = None  # a stale copy is released before a new one is counted
-    available = onednn_packing() if kind == "onednn" else mkl_packing()
-    if any(t.device.type != "cpu" for t in sources) or not available:
+    current = tuple((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources)
+    held = module.__dict__.setdefault("_mkl_packed", {})  # kind -> (the sources it was made from, the copy)
+    if kind in held and held[kind][0] == current:
+        return held[kind][1]
+    for stale in [k for k, (made_from, _) in held.items() if k == kind or made_from != current]:
+        del held[stale]  # released before a new one is counted
+    if any(t.device.type != "cpu" for t in sources) or not copy_available(kind):
         return None
     size = 4 * sources[0].numel()  # float32, whatever the weight's own format
     if not reserve_copy(size):
@@ -182,7 +194,7 @@ def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32:
         release_copy(size)
         raise
     weakref.finalize(packed, release_copy, size)
-    module.__dict__["_mkl_packed"] = (key, packed)
+    held[kind] = (current, packed)
     return packed
 
 
@@ -276,12 +288,14 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
 
 def packed_route(dtype: torch.dtype, rows: int, other: str,
                  problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str | None:
-    """The copy route (COPY_ROUTES) that runs a product of `rows` rows outside a trace faster than `other`, the route
-    otherwise chosen for those rows and weights of `dtype` (float32, bfloat16, int8), or None where none does: the
-    weight as float32 copied once for a library (packed_weight), "packed" (MKL's packed layout: the library's matmul
-    packs a float32 weight on every call, and a bfloat16 or int8 weight is converted first) or "onednn" (oneDNN's
-    reordered one); measured once per dtype and class of prompt rows (over 64; choices.py: float32_packed_rows_128,
-    ...) among the copies this torch can make.
+    """The copy route that runs a product of `rows` rows outside a trace faster than `other`, the route otherwise
+    chosen for those rows and weights of `dtype` (float32, bfloat16, int8), or None where none does: the weight as
+    float32 copied once (packed_weight), "packed" (MKL's packed layout: the library's matmul packs a float32 weight on
+    every call, and a bfloat16 or int8 weight is converted first), "onednn" (oneDNN's reordered one) or, for a
+    bfloat16 or int8 weight, "float32_copy" (the copy as it is, multiplied by the route float32 weights take here:
+    many_rows_route; so a prompt by such weights runs as float32's does where nothing else beats that); measured once
+    per dtype and class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among the copies this torch
+    can make.
     `problem(size)` gives a default-model-sized layer's [(rows, float32 weight)] and a call of the same products by
     `other`. On the AMX bench machine MKL's packed products of float32 layers ran 1.24x the library's at 128 rows and
     1.05x at 512; with that machine held to AVX2, bfloat16 layers ran 1.12x their tiles at 128 rows. On the
@@ -291,7 +305,9 @@ def packed_route(dtype: torch.dtype, rows: int, other: str,
     from . import choices
 
     size = row_class(rows)
-    kinds = [kind for kind, available in (("packed", mkl_packing), ("onednn", onednn_packing)) if available()]
+    kinds = [kind for kind in (*COPY_ROUTES, FLOAT32_COPY) if copy_available(kind)]
+    if dtype == torch.float32 and FLOAT32_COPY in kinds:
+        kinds.remove(FLOAT32_COPY)  # the weight itself
     if size <= ROW_CLASSES[0][1] or not kinds:
         return None
 
@@ -304,11 +320,13 @@ def packed_route(dtype: torch.dtype, rows: int, other: str,
         if "onednn" in kinds:
             reordered = [(x, copy_of_weight("onednn", weight)) for x, weight in pairs]
             offered["onednn"] = lambda: [onednn_product(x, w) for x, w in reordered]
+        if FLOAT32_COPY in kinds:
+            offered[FLOAT32_COPY] = _through(many_rows_route(torch.float32, size), pairs)
         return offered
 
     name = f"{str(dtype).removeprefix('torch.')}_packed_rows_{size}"
     chosen = choices.decide(name, candidates, otherwise=other)
-    return chosen if chosen in COPY_ROUTES else None
+    return chosen if chosen in kinds else None
 
 
 def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
@@ -322,15 +340,32 @@ def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list
 
 def prompt_choice(dtype: torch.dtype, rows: int, ready: bool = True) -> tuple[str, str | None]:
     """For a prompt's `rows` rows by a weight of `dtype`: the route many_rows_route measured ("library" for a dtype it
-    does not take) and the copy route that beats it ("packed" or "onednn": packed_route; None where neither does,
-    inside a trace, or where decodekit's kernels are not `ready`). The same for every layer of a model: its prompt
-    layers look it up once."""
+    does not take) and the copy route that beats it ("packed", "onednn" or "float32_copy": packed_route; None where
+    none does, inside a trace, or where decodekit's kernels are not `ready`). The same for every layer of a model: its
+    prompt layers look it up once."""
     if dtype not in TILED_DTYPES:
         return "library", None
     route = many_rows_route(dtype, rows)
     if not ready or torch.compiler.is_compiling():
         return route, None
     return route, packed_route(dtype, rows, route, _tiled_problem(dtype, route))
+
+
+def float32_route(rows: int) -> str:
+    """The route of a product of `rows` rows by a float32 weight (many_rows_route): a float32 copy's (FLOAT32_COPY)."""
+    return many_rows_route(torch.float32, rows)
+
+
+def kernel_route(route: str, weight: torch.Tensor, ready: bool) -> tuple[str, torch.Tensor]:
+    """(the route a product by `weight` takes as `route` (one of many_rows_routes()) names it, `weight`): the AVX2
+    blocks for "wide_blocks" where the CPU lacks AVX-512 (a forced-off avx512f probe) or the width is not a multiple
+    of 16, tiles for blocks of a width that is not a multiple of 8, the library where decodekit's kernels are not
+    `ready`."""
+    if route in DECODEKIT_ROUTES and ready:
+        if route == "wide_blocks" and weight.shape[1] % 16 == 0 and cpu.has("avx512f"):
+            return "wide_blocks", weight
+        return ("blocks" if route != "tiles" and weight.shape[1] % 8 == 0 else "tiles"), weight
+    return "library", weight
 
 
 def few_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -393,17 +428,14 @@ class Linear(HoldsPackedCopy, nn.Linear):
                      choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:
         """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
         this weight's dtype and the rows, looked up where not given) says: ("packed", MKL's packed copy), ("onednn",
-        oneDNN's reordered copy), ("tiles", "blocks" or "wide_blocks", the weight: decodekit::tiled_product) or
-        ("library", the weight: F.linear in float32). PROMPT_ROUTES numbers them for the C++ prompt layers."""
+        oneDNN's reordered copy), ("tiles", "blocks" or "wide_blocks", the weight or its plain float32 copy:
+        decodekit::tiled_product) or ("library", the weight or its copy: F.linear in float32). PROMPT_ROUTES numbers
+        them for the C++ prompt layers."""
         ready = native.ready(x, self.weight, self.bias)
         route, copy = choice or prompt_choice(self.weight.dtype, rows, ready)
         if copy and ready:
             operand = packed_weight(self, (self.weight,), self.weight.float, copy)
             if operand is not None:
-                return copy, operand
-        if route in DECODEKIT_ROUTES and ready:
-            # Blocks read 8 columns at a time, 16 wide; a forced-off avx512f probe takes the AVX2 blocks.
-            if route == "wide_blocks" and self.in_features % 16 == 0 and cpu.has("avx512f"):
-                return "wide_blocks", self.weight
-            return ("blocks" if route != "tiles" and self.in_features % 8 == 0 else "tiles"), self.weight
-        return "library", self.weight
+                return (copy, operand) if copy != FLOAT32_COPY else kernel_route(float32_route(rows), operand, True)
+        return kernel_route(route, self.weight, ready)
+

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from . import choices, native
-from .linear import HoldsPackedCopy, one_row, onednn_product, packed_route, packed_weight, sample_layer
+from .linear import (FLOAT32_COPY, HoldsPackedCopy, float32_route, kernel_route, one_row, onednn_product,
+                     packed_route, packed_weight, sample_layer)
 
 QUANTIZATIONS = ("int8",)
 
@@ -115,6 +116,11 @@ class Int8Linear(HoldsPackedCopy):
             return torch.ops.decodekit.packed_product(flat.float().contiguous(), operand, self.out_features)
         if name == "onednn":
             return onednn_product(flat.float().contiguous(), operand)
+        if operand.dtype == torch.float32:  # the plain float32 copy, by float32's route
+            if name == "library":
+                return flat.float() @ operand.t()
+            return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, blocks=name != "tiles",
+                                                     wide=name == "wide_blocks")
         interleaved = self.input_order is not None
         if name == "int8_split":
             return split_int8_product(flat, operand, interleaved, self.scales)
@@ -126,17 +132,20 @@ class Int8Linear(HoldsPackedCopy):
                      choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor] | None:
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
         applied, as `choice` (prompt_choice(rows), looked up where not given) says: ("int8_split", the int8 weight:
-        decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product) or ("packed" or
-        "onednn", the dequantized weight copied once for MKL or oneDNN) where that measured faster than the int8
-        route (packed_route: on a CPU without int8 instructions the int8 routes convert the weight on every call) and
-        the copy fits the memory budget. None where another route runs (many_rows_route: int8pack, float32), off CPU,
-        or for as few rows as the few-row kernels take."""
+        decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product), ("packed" or
+        "onednn", the dequantized weight copied once for MKL or oneDNN) or (float32's route, the dequantized weight as
+        a plain float32 copy) where that measured faster than the int8 route (packed_route: on a CPU without int8
+        instructions the int8 routes convert the weight on every call) and the copy fits the memory budget. None
+        where another route runs (many_rows_route: int8pack, float32), off CPU, or for as few rows as the few-row
+        kernels take."""
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
         route, copy = choice or prompt_choice(rows)
         if copy:
             packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized, copy)
             if packed is not None:
+                if copy == FLOAT32_COPY:  # multiplied as a float32 weight is
+                    return kernel_route(float32_route(rows), packed, True)
                 return copy, packed
         if route == "int8_split":
             return "int8_split", self.weight_int8
@@ -163,8 +172,8 @@ class Int8Linear(HoldsPackedCopy):
 
 def prompt_choice(rows: int) -> tuple[str, str | None]:
     """For a prompt's `rows` rows by int8 weights: the route many_rows_route measured and the copy route of the
-    weight dequantized once that beats it ("packed" or "onednn": packed_route; None where neither does, or inside a
-    trace). The same for every layer."""
+    weight dequantized once that beats it ("packed", "onednn" or "float32_copy": packed_route; None where none does, or
+    inside a trace). The same for every layer."""
     route = many_rows_route()
     if torch.compiler.is_compiling():
         return route, None

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from decodekit import AutoModelForCausalLM
+from decodekit.kernels import choices, cpu
 from decodekit.models.quantize import Int8Linear, int_mm_exact, many_rows_route
 from decodekit.testing import write_tiny_model
 from helpers import needs_exact_int_mm
@@ -80,7 +81,14 @@ def mean_loglik(model, sequences, prompt_lengths):
     return total / count
 
 
-def test_int8_keeps_the_log_likelihood_within_two_percent(default_model):
+# The int8 model's prompt attention by each route it may take (kernels/attention.py: in bfloat16 products only where
+# the CPU has AVX512-BF16; its own choice otherwise takes whichever measured faster).
+ATTENTION = ["kernel", pytest.param("bf16_kernel", marks=pytest.mark.skipif(
+    not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16"))]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_int8_keeps_the_log_likelihood_within_two_percent(default_model, attention):
     fp32, tok = default_model
     from decodekit.models.default import default_model_path
 
@@ -91,7 +99,9 @@ def test_int8_keeps_the_log_likelihood_within_two_percent(default_model):
         ids = tok(p, return_tensors="pt")["input_ids"]
         sequences.append(fp32.generate(ids, max_new_tokens=32, min_new_tokens=32)[0])
         lengths.append(ids.shape[1])
-    own, quantized = mean_loglik(fp32, sequences, lengths), mean_loglik(int8, sequences, lengths)
+    own = mean_loglik(fp32, sequences, lengths)
+    with choices.forced(prompt_attention_int8_512=attention, prompt_attention_float32_512="kernel"):
+        quantized = mean_loglik(int8, sequences, lengths)
     assert abs(quantized - own) / abs(own) < 0.02, (own, quantized)
 
 

@@ -174,7 +174,7 @@ class Block(nn.Module):
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
                     return None  # the Python layer reorders the rows first
-                if operand.dtype == torch.int8:  # a copy is dequantized, in the input's column order
+                if operand.dtype == torch.int8:  # the weight itself, not a copy (dequantized, in the input's order)
                     scales, flags = linear.scales.float(), INTERLEAVED if interleaved else 0
             else:
                 return None

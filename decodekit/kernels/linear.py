@@ -357,10 +357,10 @@ def float32_route(rows: int) -> str:
 
 
 def kernel_route(route: str, weight: torch.Tensor, ready: bool) -> tuple[str, torch.Tensor]:
-    """(the route a product by `weight` takes as `route` (one of many_rows_routes()) names it, `weight`): the AVX2
-    blocks for "wide_blocks" where the CPU lacks AVX-512 (a forced-off avx512f probe) or the width is not a multiple
-    of 16, tiles for blocks of a width that is not a multiple of 8, the library where decodekit's kernels are not
-    `ready`."""
+    """(prompt route, `weight`) for a product by `weight` where `route` (one of many_rows_routes()) was chosen: blocks
+    read 8 columns at a time, 16 wide, so "wide_blocks" takes the AVX2 blocks where the CPU lacks AVX-512 (a
+    forced-off avx512f probe) or the width is not a multiple of 16, and blocks take tiles where it is not a multiple
+    of 8; the library where decodekit's kernels are not `ready`."""
     if route in DECODEKIT_ROUTES and ready:
         if route == "wide_blocks" and weight.shape[1] % 16 == 0 and cpu.has("avx512f"):
             return "wide_blocks", weight

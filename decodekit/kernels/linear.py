@@ -368,6 +368,16 @@ def kernel_route(route: str, weight: torch.Tensor, ready: bool) -> tuple[str, to
     return "library", weight
 
 
+def float32_product(rows: torch.Tensor, route: str, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] float32 @ weight^T (+ bias) in float32 by a route kernel_route names: "library" (F.linear, the
+    weight widened), "tiles", "blocks" or "wide_blocks" (decodekit::tiled_product)."""
+    if route == "library":
+        return F.linear(rows, weight.float(), bias)
+    y = torch.ops.decodekit.tiled_product(rows, weight, blocks=route != "tiles", wide=route == "wide_blocks")
+    return y if bias is None else y + bias
+
+
 def few_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ weight^T + bias for x of 1 to native.MAX_ROWS `rows` on CPU, by decodekit's row kernel (float32 and
     bfloat16 weights) or, inside a compiled step, one_row; None where neither applies."""
@@ -417,12 +427,7 @@ class Linear(HoldsPackedCopy, nn.Linear):
         flat = flat.float()
         if route == "onednn":
             return onednn_product(flat.contiguous(), operand, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        if route == "library":
-            y = F.linear(flat, operand.float(), bias)
-        else:
-            y = torch.ops.decodekit.tiled_product(flat, operand, blocks=route != "tiles", wide=route == "wide_blocks")
-            y = y if bias is None else y + bias
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return float32_product(flat, route, operand, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def prompt_route(self, x: torch.Tensor, rows: int,
                      choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from . import choices, native
-from .linear import (FLOAT32_COPY, HoldsPackedCopy, float32_route, kernel_route, one_row, onednn_product,
-                     packed_route, packed_weight, sample_layer)
+from .linear import (FLOAT32_COPY, HoldsPackedCopy, float32_product, float32_route, kernel_route, one_row,
+                     onednn_product, packed_route, packed_weight, sample_layer)
 
 QUANTIZATIONS = ("int8",)
 
@@ -117,10 +117,7 @@ class Int8Linear(HoldsPackedCopy):
         if name == "onednn":
             return onednn_product(flat.float().contiguous(), operand)
         if operand.dtype == torch.float32:  # the plain float32 copy, by float32's route
-            if name == "library":
-                return flat.float() @ operand.t()
-            return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, blocks=name != "tiles",
-                                                     wide=name == "wide_blocks")
+            return float32_product(flat.float().contiguous(), name, operand)
         interleaved = self.input_order is not None
         if name == "int8_split":
             return split_int8_product(flat, operand, interleaved, self.scales)

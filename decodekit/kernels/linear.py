@@ -368,13 +368,32 @@ def kernel_route(route: str, weight: torch.Tensor, ready: bool) -> tuple[str, to
     return "library", weight
 
 
-def float32_product(rows: torch.Tensor, route: str, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, K] float32 @ weight^T (+ bias) in float32 by a route kernel_route names: "library" (F.linear, the
-    weight widened), "tiles", "blocks" or "wide_blocks" (decodekit::tiled_product)."""
+def copied_route(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor],
+                 copy: str, rows: int) -> tuple[str, torch.Tensor] | None:
+    """(prompt route, operand) for a product of `rows` rows by `module`'s weight copied once for the copy route `copy`
+    (packed_weight's arguments): MKL's and oneDNN's copies take their own route, a plain float32 copy (FLOAT32_COPY)
+    the one float32 weights take (kernel_route); None where no copy is made."""
+    operand = packed_weight(module, sources, float32, copy)
+    if operand is None:
+        return None
+    return kernel_route(float32_route(rows), operand, True) if copy == FLOAT32_COPY else (copy, operand)
+
+
+def prompt_product(rows: torch.Tensor, route: str, operand: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] @ W^T (+ bias) by a prompt route that names no int8 kernel, `operand` the weight or its copy
+    (Linear.prompt_route): "packed" (decodekit::packed_product; bfloat16 rows widened and the product rounded back a
+    block at a time, in cache), "onednn" (onednn_product), "library" (F.linear, the weight widened), "tiles", "blocks"
+    or "wide_blocks" (decodekit::tiled_product); the others in float32."""
+    if route == "packed":
+        rows = rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float()
+        return torch.ops.decodekit.packed_product(rows, operand, out_features, bias)
+    rows = rows.float()
+    if route == "onednn":
+        return onednn_product(rows.contiguous(), operand, bias)
     if route == "library":
-        return F.linear(rows, weight.float(), bias)
-    y = torch.ops.decodekit.tiled_product(rows, weight, blocks=route != "tiles", wide=route == "wide_blocks")
+        return F.linear(rows, operand.float(), bias)
+    y = torch.ops.decodekit.tiled_product(rows, operand, blocks=route != "tiles", wide=route == "wide_blocks")
     return y if bias is None else y + bias
 
 
@@ -419,15 +438,8 @@ class Linear(HoldsPackedCopy, nn.Linear):
         """The float32 product of a prompt's rows, by the route prompt_route chooses."""
         route, operand = self.prompt_route(x, rows)
         bias = None if self.bias is None else self.bias.float()
-        flat = x.reshape(rows, -1)
-        if route == "packed":  # bfloat16 rows widened and the product rounded back a block at a time, in cache
-            flat = flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
-            y = torch.ops.decodekit.packed_product(flat, operand, self.out_features, bias)
-            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        flat = flat.float()
-        if route == "onednn":
-            return onednn_product(flat.contiguous(), operand, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return float32_product(flat, route, operand, bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = prompt_product(x.reshape(rows, -1), route, operand, self.out_features, bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def prompt_route(self, x: torch.Tensor, rows: int,
                      choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:
@@ -438,9 +450,6 @@ class Linear(HoldsPackedCopy, nn.Linear):
         them for the C++ prompt layers."""
         ready = native.ready(x, self.weight, self.bias)
         route, copy = choice or prompt_choice(self.weight.dtype, rows, ready)
-        if copy and ready:
-            operand = packed_weight(self, (self.weight,), self.weight.float, copy)
-            if operand is not None:
-                return (copy, operand) if copy != FLOAT32_COPY else kernel_route(float32_route(rows), operand, True)
-        return kernel_route(route, self.weight, ready)
+        copied = copied_route(self, (self.weight,), self.weight.float, copy, rows) if copy and ready else None
+        return copied or kernel_route(route, self.weight, ready)
 

@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from . import choices, native
-from .linear import (FLOAT32_COPY, HoldsPackedCopy, float32_product, float32_route, kernel_route, one_row,
-                     onednn_product, packed_route, packed_weight, sample_layer)
+from .linear import HoldsPackedCopy, copied_route, one_row, packed_route, prompt_product, sample_layer
 
 QUANTIZATIONS = ("int8",)
 
@@ -112,12 +111,8 @@ class Int8Linear(HoldsPackedCopy):
         if route is None:
             return None
         name, operand = route
-        if name == "packed":
-            return torch.ops.decodekit.packed_product(flat.float().contiguous(), operand, self.out_features)
-        if name == "onednn":
-            return onednn_product(flat.float().contiguous(), operand)
-        if operand.dtype == torch.float32:  # the plain float32 copy, by float32's route
-            return float32_product(flat.float().contiguous(), name, operand)
+        if operand.dtype != torch.int8:  # a copy of the weight, dequantized in the input's order
+            return prompt_product(flat.float().contiguous(), name, operand, self.out_features)
         interleaved = self.input_order is not None
         if name == "int8_split":
             return split_int8_product(flat, operand, interleaved, self.scales)
@@ -138,12 +133,9 @@ class Int8Linear(HoldsPackedCopy):
         if x.device.type != "cpu" or rows <= native.MAX_ROWS or not native.ready(x, self.bias):
             return None
         route, copy = choice or prompt_choice(rows)
-        if copy:
-            packed = packed_weight(self, (self.weight_int8, self.scales), self.dequantized, copy)
-            if packed is not None:
-                if copy == FLOAT32_COPY:  # multiplied as a float32 weight is
-                    return kernel_route(float32_route(rows), packed, True)
-                return copy, packed
+        copied = copied_route(self, (self.weight_int8, self.scales), self.dequantized, copy, rows) if copy else None
+        if copied is not None:
+            return copied
         if route == "int8_split":
             return "int8_split", self.weight_int8
         return ("int8_tiles", self.weight_int8) if route == "tiles" else None

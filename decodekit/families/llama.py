@@ -397,8 +397,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         paged = getattr(cache, "paged", False)
         int8 = layers[0].attn.int8 if len(layers) else False
-        route = prompt_attention_route(past + T, x.dtype, int8)
-        if not paged and route == "sdpa":
+        route = None if paged else prompt_attention_route(past + T, x.dtype, int8)  # a batch's chunks choose their own
+        if route == "sdpa":
             return None
         decided = {}
         plans = [layer.prompt_plan(x, T, decided) for layer in layers]

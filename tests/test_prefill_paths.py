@@ -274,8 +274,10 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     for route in routes:
         # The copies (the dequantized weight copied once as float32 for MKL or oneDNN, or plain for float32's route,
         # pinned to blocks) are decided over the int8 route: pinned off for the others.
+        # The attention float32's: a rounding one (attention.py) turns the products' last-bit differences into
+        # steps of its roundings.
         pinned = {"int8_many_rows": "float32" if route in copies else route, "int8_packed_rows_128": route,
-                  "float32_rows_128": "blocks"}
+                  "float32_rows_128": "blocks", "prompt_attention_int8_512": "kernel"}
         with choices.forced(**pinned), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         ran = {event.key for event in profile.key_averages()}
@@ -462,6 +464,98 @@ def test_bfloat16_prefill_attention_refuses_a_head_dim_it_does_not_tile():
     q, k = torch.zeros(2, 4, 48).bfloat16(), torch.zeros(1, 4, 48).bfloat16()
     with pytest.raises(RuntimeError, match="head_dim multiple of 32, got 48"):
         torch.ops.decodekit.prefill_attention(q, k, k, 0, True)
+
+
+INT8_KERNEL = pytest.mark.skipif(not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni")
+
+
+def int8_scores_attention(q, k, v, first, window):
+    """Causal attention in float64 on the scores decodekit::prefill_attention_int8 computes: each query row rounded to
+    int8 by 127 / its largest magnitude, each key less its kv head's mean key likewise, their products exact."""
+    heads, kv_heads, D = q.shape[0], k.shape[0], q.shape[-1]
+
+    def rounded(x):
+        top = x.abs().amax(-1, keepdim=True)
+        return (x * torch.full_like(top, 127).div(top)).round().double(), top.double() / 127  # as the kernel divides
+
+    q8, q_scale = rounded(q)
+    k8, k_scale = rounded(k - k.double().mean(1, keepdim=True).float())
+    k8, k_scale = k8.repeat_interleave(heads // kv_heads, 0), k_scale.repeat_interleave(heads // kv_heads, 0)
+    scores = (q8 @ k8.transpose(1, 2)) * (q_scale / D**0.5) * k_scale.transpose(1, 2)
+    q_pos, k_pos = torch.arange(first, first + q.shape[1])[:, None], torch.arange(k.shape[1])[None]
+    mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.double().repeat_interleave(heads // kv_heads, 0)
+
+
+def int8_kernel_on_threads(q, k, v, window):
+    """The int8 kernel's output on 1 and on 2 threads."""
+    got = []
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                got.append(torch.ops.decodekit.prefill_attention_int8(q, k, v, window))
+        finally:
+            torch.set_num_threads(saved)
+    return got
+
+
+@INT8_KERNEL
+@pytest.mark.parametrize("first, length, window", BF16_CASES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 32), (4, 4, 12), (9, 3, 64), (2, 1, 128)])
+def test_int8_prefill_attention_is_attention_on_its_rounded_scores(first, length, window, heads, kv_heads, head_dim):
+    # The scores are exact integer sums scaled in float32, the rest float32: the output is within float32's rounding
+    # of float64 attention on the same rounded queries and keys (a key read from the wrong position, a tile masked
+    # wrongly or a mean key not taken off both rows alike is not), and within the roundings' error of exact
+    # attention. Keys far from zero (offset 3) are what the mean key is taken off for. 1 and 2 threads agree bit
+    # for bit. head_dim 12: quads that do not fill a vector.
+    generator = torch.Generator().manual_seed(first + length + window + head_dim)
+    q = torch.randn(heads, length, head_dim, generator=generator)
+    k = torch.randn(kv_heads, first + length, head_dim, generator=generator) + 3
+    v = torch.randn(kv_heads, first + length, head_dim, generator=generator)
+    one, two = int8_kernel_on_threads(q, k, v, window)
+    assert one.dtype == torch.float32 and torch.equal(one, two)
+    assert float((one.double() - int8_scores_attention(q, k, v, first, window)).abs().max()) < 2e-6
+    p, values = attention_weights(q, k, v, first, window)
+    assert float((one.double() - p @ values).norm() / (p @ values).norm()) < 2e-2
+
+
+@INT8_KERNEL
+def test_int8_prefill_attention_reads_keys_and_values_at_a_row_stride():
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(6, 200, 64, generator=generator)
+    for length in (300, 1000):  # whole rows, then keys in blocks
+        rows = torch.randn(2, length, 2, 64, generator=generator)  # k and v as [L, KV, D] rows, as batching's chunks
+        k, v = rows[0].transpose(0, 1), rows[1].transpose(0, 1)
+        with torch.inference_mode():
+            want = torch.ops.decodekit.prefill_attention_int8(q, k.contiguous(), v.contiguous(), 0)
+            assert torch.equal(torch.ops.decodekit.prefill_attention_int8(q, k, v, 0), want)
+
+
+def test_int8_prefill_attention_refuses_what_it_does_not_take():
+    ops = torch.ops.decodekit
+    with pytest.raises(RuntimeError, match="all float32 expected"):
+        ops.prefill_attention_int8(torch.zeros(2, 4, 8).bfloat16(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8))
+    with pytest.raises(RuntimeError, match="shapes do not fit"):
+        ops.prefill_attention_int8(torch.zeros(3, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 4 up to 256 expected, got 6"):
+        ops.prefill_attention_int8(torch.zeros(2, 4, 6), torch.zeros(1, 4, 6), torch.zeros(1, 4, 6))
+
+
+@INT8_KERNEL
+def test_the_int8_route_falls_back_to_the_float32_kernel_where_it_cannot_run():
+    from decodekit.kernels import attention
+
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(4, 300, 32, generator=generator), *torch.randn(2, 2, 300, 32, generator=generator)
+    with torch.inference_mode():
+        scored = attention.by_route("int8_kernel", q, k, v, 0)
+        assert torch.equal(scored, torch.ops.decodekit.prefill_attention_int8(q, k, v, 0))
+        with cpu.forced(avx512_vnni=False):  # the probe forced off after the choice was made
+            assert torch.equal(attention.by_route("int8_kernel", q, k, v, 0), attention.kernel(q, k, v, 0))
+        assert torch.equal(attention.by_route("int8_kernel", q.bfloat16(), k.bfloat16(), v.bfloat16(), 0),
+                           attention.kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0))  # float32 q, k, v only
 
 
 @pytest.mark.skipif(not cpu.has("avx512f"), reason="the AVX-512 softmax needs a CPU with avx512f")

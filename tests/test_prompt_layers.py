@@ -107,39 +107,48 @@ def test_prompt_layers_give_an_int8_models_bits(tmp_path, monkeypatch, route, wi
     assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
 
 
-@pytest.mark.skipif(not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16")
-def test_an_int8_models_prompt_attention_takes_the_bfloat16_kernel_where_chosen(tmp_path, monkeypatch):
-    # An int8 model's weights round far more than bfloat16 attention does (attention.py), so where the CPU has
-    # AVX512-BF16 its float32 attention has a choice of its own: chosen, its q, k, v are rounded to bfloat16 for the
-    # kernel in the C++ layers as in the Python ones and in continuous batching's prompt chunks. A float32 model
-    # keeps the float32 choice. head_dim 32 (2 heads of 64): the bfloat16 products' tiles.
+# The kernels an int8 model's float32 prompt attention may round in (attention.py), where the CPU has what they need.
+ROUNDING_ATTENTION = [
+    pytest.param("bf16_kernel", torch.bfloat16, marks=pytest.mark.skipif(
+        not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16")),
+    pytest.param("int8_kernel", torch.float32, marks=pytest.mark.skipif(
+        not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni"))]
+
+
+@pytest.mark.parametrize("route, operand", ROUNDING_ATTENTION)
+def test_an_int8_models_prompt_attention_takes_a_rounding_kernel_where_chosen(tmp_path, monkeypatch, route, operand):
+    # An int8 model's weights round far more than bfloat16 attention or int8 scores do (attention.py), so where the
+    # CPU has AVX512-BF16 or AVX512-VNNI its float32 attention has a choice of its own: chosen, the kernel runs (its
+    # q, k, v rounded to bfloat16 first, or float32 to the int8 kernel) in the C++ layers as in the Python ones and
+    # in continuous batching's prompt chunks. A float32 model keeps the float32 choice. head_dim 32 (2 heads of 64):
+    # the bfloat16 products' tiles.
     from decodekit.kernels import attention
 
-    narrowed = []
-    bf16_kernel = attention.bf16_kernel
-    monkeypatch.setattr(attention, "bf16_kernel", lambda q, *rest: narrowed.append(q.dtype) or bf16_kernel(q, *rest))
+    called = []
+    rounding = getattr(attention, route)
+    monkeypatch.setattr(attention, route, lambda q, *rest: called.append(q.dtype) or rounding(q, *rest))
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     fp32 = tiny_model(tmp_path, "llama", **shape)
     model = quantize(tiny_model(tmp_path, "llama", **shape), "int8")
     layers, outputs = model.config.num_hidden_layers, {}
-    for route in ("kernel", "bf16_kernel"):
-        with choices.forced(**{**pinned_int8("tiles"), "prompt_attention_int8_512": route}):
+    for chosen in ("kernel", route):
+        with choices.forced(**{**pinned_int8("tiles"), "prompt_attention_int8_512": chosen}):
             (first, second, cache), calls = run(model, True, monkeypatch)
-            assert calls == (layers if route == "kernel" else 0)  # prompt_layer_end calls the float32 kernel
-            assert narrowed == ([] if route == "kernel" else [torch.bfloat16] * layers)
+            assert calls == (layers if chosen == "kernel" else 0)  # prompt_layer_end calls the float32 kernel
+            assert called == ([] if chosen == "kernel" else [operand] * layers)
             (first_py, _, cache_py), _ = run(model, False, monkeypatch)
             assert torch.equal(first, first_py)
             assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, cache_py.keys + cache_py.values))
-            narrowed.clear()
+            called.clear()
             model.generate_batch([PROMPT[0].tolist()], max_new_tokens=1, progress_bar=False)
-            assert len(narrowed) == (0 if route == "kernel" else layers)  # the prompt's chunk
-            narrowed.clear()
-            outputs[route] = first
+            assert len(called) == (0 if chosen == "kernel" else layers)  # the prompt's chunk
+            called.clear()
+            outputs[chosen] = first
             with torch.inference_mode():
                 fp32(PROMPT)
-            assert not narrowed
-    assert not torch.equal(outputs["kernel"], outputs["bf16_kernel"])
-    assert float((outputs["bf16_kernel"] - outputs["kernel"]).norm() / outputs["kernel"].norm()) < 1e-2
+            assert not called
+    assert not torch.equal(outputs["kernel"], outputs[route])
+    assert float((outputs[route] - outputs["kernel"]).norm() / outputs["kernel"].norm()) < 1e-2
 
 
 def test_prompt_layers_fill_a_static_cache_as_the_python_layers_do(tmp_path, monkeypatch):

@@ -1,10 +1,13 @@
 """Causal attention of a prompt or a prompt chunk on CPU: decodekit::prefill_attention where it measured faster than
 the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul). Its
 products run in float32, or on a CPU with AVX512-BF16 in bfloat16 pairs summed in float32: for bfloat16 models, and
-for int8 ones (quantize.py), whose weights' rounding outweighs that of bfloat16 attention many times over. On the
-default model over a 1,024-token text, against the float32 model's next-token distributions: int8 weights KL 0.00602
-(top-1 agreement 94.3%), int8 with bfloat16 attention 0.00611 (93.9%), float32 weights with bfloat16 attention
-0.00007 (99.1%)."""
+for int8 ones (quantize.py), whose weights' rounding outweighs that of bfloat16 attention many times over. For the
+same reason an int8 model's scores may be int8 products where the CPU has AVX512-VNNI (decodekit::
+prefill_attention_int8: queries and keys rounded to int8, the keys less their mean; the probabilities times the
+values in float32). On the default model over a 1,024-token text, against the float32 model's next-token
+distributions: int8 weights KL 0.00602 (top-1 agreement 94.3%), int8 with bfloat16 attention 0.00611 (93.9%), int8
+with int8 scores 0.00685 (93.8%); float32 weights with bfloat16 attention 0.00007 (99.1%), with int8 scores 0.00085
+(97.6%), a bfloat16 model 0.00129."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from . import choices, cpu, native
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 BF16_COLUMNS = 32  # kBf16Columns in cpu_kernels.cpp: the bfloat16 products need a head_dim multiple of it
+INT8_QUADS = 4  # the int8 scores multiply four bytes at a time: a head_dim multiple of it (up to 256)
 
 
 # Attention over up to this many keys is measured as one class, longer as another: on the AVX2 bench machine the
@@ -24,15 +28,18 @@ SHORT_KEYS = 1024
 def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) -> str:
     """"kernel" (decodekit::prefill_attention in float32), "bf16_kernel" (the same in bfloat16 products, offered for
     bfloat16 where the CPU has AVX512-BF16, and for the float32 attention of an `int8` model, its q, k, v rounded to
-    bfloat16) or "sdpa" for attention in `dtype` over `keys` keys, measured once per CPU, dtype (int8 models' apart
-    where the bfloat16 kernel is offered) and class of lengths (choices.py: prompt_attention_float32_512,
+    bfloat16), "int8_kernel" (an `int8` model's float32 attention with int8 scores, where the CPU has AVX512-VNNI)
+    or "sdpa" for attention in `dtype` over `keys` keys, measured once per CPU, dtype (int8 models' apart where a
+    rounding kernel is offered) and class of lengths (choices.py: prompt_attention_float32_512,
     prompt_attention_int8_2048, ...) on a prompt of 512 or 2,048 tokens through one layer of the default model's
     shape (9 query heads, 3 kv heads, head_dim 64). The dtypes are measured apart: SDPA computes in the model's
     dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the float32
     kernel; on the AVX512-BF16 bench machine without AMX the bfloat16 kernel ran 1.4-1.9x as fast as the float32
     one."""
     size = 512 if keys <= SHORT_KEYS else 2048
-    rounded = int8 and dtype == torch.float32 and cpu.has("avx512_bf16")
+    quantized = int8 and dtype == torch.float32
+    narrowed = quantized and cpu.has("avx512_bf16")  # what bf16_kernel needs for float32 attention
+    scored = quantized and cpu.has("avx512_vnni")
 
     def candidates() -> dict:
         if not native.load():
@@ -44,11 +51,13 @@ def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) ->
             "kernel": lambda: kernel(q[0], k[0], v[0], 0),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
-        if (dtype == torch.bfloat16 or rounded) and cpu.has("avx512_bf16"):
+        if (dtype == torch.bfloat16 or narrowed) and cpu.has("avx512_bf16"):
             offered["bf16_kernel"] = lambda: by_route("bf16_kernel", q[0], k[0], v[0], 0)
+        if scored:
+            offered["int8_kernel"] = lambda: by_route("int8_kernel", q[0], k[0], v[0], 0)
         return offered
 
-    name = "int8" if rounded else str(dtype).removeprefix("torch.")
+    name = "int8" if narrowed or scored else str(dtype).removeprefix("torch.")
     return choices.decide(f"prompt_attention_{name}_{size}", candidates, otherwise="sdpa")
 
 
@@ -69,16 +78,26 @@ def bf16_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) 
     return torch.ops.decodekit.prefill_attention(q, k, v, window, True)
 
 
+def int8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """decodekit::prefill_attention_int8 on float32 q, k, v (a CPU with AVX512-VNNI, head_dim a multiple of 4 up
+    to 256): the scores in int8 products, the rest in float32; float32 out."""
+    return torch.ops.decodekit.prefill_attention_int8(q, k, v, window)
+
+
 def by_route(route: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor | None:
     """Attention of q [H, T, D] over k, v [KV, L, D] by `route` (prompt_attention_route), in q's dtype; None for
-    "sdpa", which the caller runs. "bf16_kernel" rounds float32 q, k, v to bfloat16 first; where the CPU lacks
-    AVX512-BF16 (a test forced the probe off after the choice was made) or head_dim is not a multiple of 32, the
-    float32 kernel runs instead."""
+    "sdpa", which the caller runs. "bf16_kernel" rounds float32 q, k, v to bfloat16 first; "int8_kernel" takes
+    float32 ones. Where the CPU lacks what a rounding kernel needs (a test forced the probe off after the choice was
+    made) or head_dim does not tile, the float32 kernel runs instead."""
     if route == "sdpa":
         return None
-    if route == "bf16_kernel" and cpu.has("avx512_bf16") and q.shape[-1] % BF16_COLUMNS == 0:
+    D = q.shape[-1]
+    if route == "bf16_kernel" and cpu.has("avx512_bf16") and D % BF16_COLUMNS == 0:
         bf16 = torch.bfloat16
         return bf16_kernel(q.to(bf16), k.to(bf16), v.to(bf16), window).to(q.dtype)
+    if route == "int8_kernel" and cpu.has("avx512_vnni") and q.dtype == torch.float32 and D % INT8_QUADS == 0 \
+            and D <= 256:
+        return int8_kernel(q, k, v, window)
     return kernel(q, k, v, window)
 
 

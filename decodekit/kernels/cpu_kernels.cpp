@@ -1931,6 +1931,193 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
   });
 }
 
+// Prompt attention of an int8 model's float32 q, k, v on a CPU with AVX512-VNNI (for the Ice Lake and Cascade Lake
+// servers, which have no AVX512-BF16): the scores in int8 products, vpdpbusd multiplying four unsigned bytes by four
+// signed ones into an int32 lane, four times the multiply-adds of a float32 FMA; the probabilities times the values
+// stay float32, since 8 bits would round the small probabilities of long rows away. A query row is rounded to int8
+// with a scale of its own and shifted by 128 into vpdpbusd's unsigned operand (the shift's share, 128 x the key's
+// sum, is taken off again); a key, less its kv head's mean key, with a scale of its own. Taking the mean key off
+// moves all the scores of a row by one amount, which leaves its softmax as it was, and narrows what a key's 8 bits
+// must span. Why an int8 model may: its weights' rounding sets its error (attention.py).
+#define DECODEKIT_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// The keys a score tile spans: two vectors of 16 int32 sums.
+constexpr int64_t kQuadColumns = 32;
+
+// The largest |x[d] - centre[d]| of D floats.
+DECODEKIT_AVX512VNNI inline float largest_difference(const float* x, const float* centre, int64_t D) {
+  __m512 top = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 lanes = lanes_left(D - d);
+    const __m512 y = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + d), _mm512_maskz_loadu_ps(lanes, centre + d));
+    top = _mm512_max_ps(top, _mm512_abs_ps(y));
+  }
+  return _mm512_reduce_max_ps(top);
+}
+
+// (x[d] - centre[d]) * inverse rounded to the nearest integer (ties to even) plus `offset`, as D bytes: int8 with
+// offset 0, uint8 with 128.
+DECODEKIT_AVX512VNNI inline void round_to_bytes(const float* x, const float* centre, int64_t D, float inverse, int offset,
+                                               int8_t* out) {
+  const __m512 by = _mm512_set1_ps(inverse);
+  const __m512i shift = _mm512_set1_epi32(offset);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 lanes = lanes_left(D - d);
+    const __m512 y = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + d), _mm512_maskz_loadu_ps(lanes, centre + d));
+    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(y, by)), shift);
+    _mm512_mask_cvtepi32_storeu_epi8(out + d, lanes, i);
+  }
+}
+
+// c[r][n] = (sum_p a[r][p] . b[p][n] - shift[n]) * row_scale[r] * key_scale[n] for R rows and 32 columns: a's rows
+// hold quads of unsigned bytes (one 32-bit word each) lda words apart, b is [quads][ldb] words of four signed bytes
+// (vpdpbusd multiplies a word's four bytes by another's and adds the four products to an int32 lane). The sums are
+// exact: 4 x 255 x 127 a quad, under 2^24 for head_dim up to 256 after the shift is taken off.
+template <int R>
+DECODEKIT_AVX512VNNI void quad_tile(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t quads,
+                                    const int32_t* shift, const float* key_scale, const float* row_scale, float* c,
+                                    int64_t ldc) {
+  __m512i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < quads; ++p) {
+    const __m512i b0 = _mm512_loadu_si512(b + p * ldb), b1 = _mm512_loadu_si512(b + p * ldb + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i ar = _mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], ar, b1);
+    }
+  }
+  const __m512i s0 = _mm512_loadu_si512(shift), s1 = _mm512_loadu_si512(shift + 16);
+  const __m512 k0 = _mm512_loadu_ps(key_scale), k1 = _mm512_loadu_ps(key_scale + 16);
+  for (int r = 0; r < R; ++r) {
+    const __m512 by = _mm512_set1_ps(row_scale[r]);
+    _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], s0)), k0), by));
+    _mm512_storeu_ps(c + r * ldc + 16,
+                     _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], s1)), k1), by));
+  }
+}
+
+// q [H, T, D], k and v [KV, L, D] float32 (D % 4 == 0; k and v rows may be apart) -> out [H, T, D] float32, as
+// attend_prompt. The keys are rounded and laid out in quads once per call, each query row once; every task keys
+// through kWholeRowKeys in one block, longer in kKeyBlock blocks with fold_block_row's running softmax, and adds a
+// block's probabilities times its values by the library's float32 matmul.
+DECODEKIT_AVX512VNNI void attend_prompt_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
+                                            float* os) {
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
+  const int64_t group = H / KV, first = L - T, quads = D / 4;
+  const int64_t padded = L + kQuadColumns;  // a block's last tile may read up to 31 keys past L: zeros
+  const float* ks = k.data_ptr<float>();
+  const int64_t head_stride = k.stride(0), key_stride = k.stride(1);
+  // Each kv head's mean key (in double: a sum over up to tens of thousands of keys).
+  std::vector<float> centre(KV * D), zeros(D, 0.f);
+  for (int64_t g = 0; g < KV; ++g) {
+    std::vector<double> sum(D, 0.0);
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t d = 0; d < D; ++d) sum[d] += ks[g * head_stride + j * key_stride + d];
+    for (int64_t d = 0; d < D; ++d) centre[g * D + d] = static_cast<float>(sum[d] / static_cast<double>(L));
+  }
+  // keys [KV, D/4, padded] words of four int8, their scales and 128 x their sums [KV, padded].
+  at::Tensor key_words = at::zeros({KV, quads, padded}, k.options().dtype(at::kInt));
+  at::Tensor key_scales = at::zeros({KV, padded}, k.options());
+  at::Tensor shifts = at::zeros({KV, padded}, k.options().dtype(at::kInt));
+  auto* words = reinterpret_cast<uint32_t*>(key_words.data_ptr<int>());
+  float* kscale = key_scales.data_ptr<float>();
+  int32_t* kshift = shifts.data_ptr<int>();
+  at::parallel_for(0, KV * L, 256, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> bytes(D);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t g = n / L, j = n % L;
+      const float* key = ks + g * head_stride + j * key_stride;
+      const float top = largest_difference(key, centre.data() + g * D, D);
+      round_to_bytes(key, centre.data() + g * D, D, top > 0.f ? 127.f / top : 0.f, 0, bytes.data());
+      int32_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += bytes[d];
+      for (int64_t p = 0; p < quads; ++p) std::memcpy(words + (g * quads + p) * padded + j, bytes.data() + 4 * p, 4);
+      kscale[g * padded + j] = top / 127.f;
+      kshift[g * padded + j] = 128 * sum;
+    }
+  });
+  // Query rows as bytes + 128 [H * T, D] and their scales, 1/sqrt(D) included.
+  at::Tensor query_bytes = at::empty({H * T, D}, q.options().dtype(at::kByte));
+  std::vector<float> qscale(H * T);
+  const float* qs = q.data_ptr<float>();
+  auto* qb = reinterpret_cast<int8_t*>(query_bytes.data_ptr<uint8_t>());
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, H * T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float top = largest_difference(qs + n * D, zeros.data(), D);
+      round_to_bytes(qs + n * D, zeros.data(), D, top > 0.f ? 127.f / top : 0.f, 128, qb + n * D);
+      qscale[n] = top / 127.f * scale;
+    }
+  });
+  const auto* queries = reinterpret_cast<const uint32_t*>(qb);
+  const PromptOutput<float> output{os, T, H, D, group, false};
+  const auto opts = q.options();
+  struct State {
+    std::vector<float> scores, result, best, total;
+  };
+  for_prompt_tasks<State>(KV, T, L, window, [&](const PromptTask& t, State& st) {
+    const int64_t M = group * t.rows, lo = t.lo, width = t.hi - lo;
+    const int64_t block = width > kWholeRowKeys ? kKeyBlock : width;
+    const int64_t columns = (block + kQuadColumns - 1) / kQuadColumns * kQuadColumns;
+    st.scores.resize(M * columns);
+    st.result.assign(M * D, 0.f);
+    st.best.assign(M, -std::numeric_limits<float>::infinity());
+    st.total.assign(M, 0.f);
+    const uint32_t* head_keys = words + t.g * quads * padded;
+    // Row r's query: rows of one head are consecutive in q, so the stacked rows are one head's block after another.
+    const auto row_of = [&](int64_t r) { return (t.g * group + r / t.rows) * T + t.i0 + r % t.rows; };
+    const at::Tensor head_values = v.select(0, t.g);  // [L, D]; rows may be apart
+    at::Tensor rt = at::from_blob(st.result.data(), {M, D}, opts);
+    for (int64_t k0 = lo; k0 < t.hi; k0 += block) {
+      const int64_t n = std::min(block, t.hi - k0), tiles = (n + kQuadColumns - 1) / kQuadColumns;
+      const int64_t used = tiles * kQuadColumns;
+      for (int64_t r = 0; r < M;) {
+        // A head's rows are consecutive in q: a tile takes up to 8 of them, never rows of two heads.
+        const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
+        with_row_count(run, [&](auto R) {
+          for (int64_t c = 0; c < tiles; ++c) {
+            const int64_t key = k0 + c * kQuadColumns;
+            quad_tile<R>(queries + row_of(r) * quads, quads, head_keys + key, padded, quads,
+                         kshift + t.g * padded + key, kscale + t.g * padded + key, qscale.data() + row_of(r),
+                         st.scores.data() + r * columns + c * kQuadColumns, columns);
+          }
+        });
+        r += run;
+      }
+      bool any = false;
+      for (int64_t r = 0; r < M; ++r) {
+        if (fold_block_row<WideSoftmax>(st.scores.data() + r * columns, visible_keys(t, r, first, window, lo), k0 - lo, n,
+                                        used, st.best[r], st.total[r], st.result.data() + r * D, D))
+          any = true;
+      }
+      if (any) rt.addmm_(at::from_blob(st.scores.data(), {M, n}, {columns, 1}, opts), head_values.narrow(0, k0, n));
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      divide_row(st.result.data() + r * D, D, st.total[r]);
+      std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
+    }
+  });
+}
+
+at::Tensor prefill_attention_int8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
+              "prefill_attention_int8: q [H, T, D], k and v [KV, L, D] expected");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
+              "prefill_attention_int8: q, k, v all float32 expected");
+  const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = q_in.contiguous(), k = rows_of(k_in), v = rows_of(v_in);
+  TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
+              "prefill_attention_int8: shapes do not fit");
+  TORCH_CHECK(q.size(2) % 4 == 0 && q.size(2) <= 256, "prefill_attention_int8: head_dim a multiple of 4 up to 256 expected, got ",
+              q.size(2));
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
+              "prefill_attention_int8: needs a CPU with avx512_vnni");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  attend_prompt_int8(q, k, v, window, out.data_ptr<float>());
+  return out;
+}
+
 // `wide`: the softmax passes with AVX-512; the caller checks that the CPU has it (attention.py).
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window,
                              bool wide) {
@@ -2310,6 +2497,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("mkl_pack(Tensor weight) -> Tensor");
   m.def("packed_product(Tensor rows, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int window=0, bool wide=False) -> Tensor");
+  m.def("prefill_attention_int8(Tensor q, Tensor k, Tensor v, int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
@@ -2336,6 +2524,7 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, m) {
   m.impl("split_product", &split_product);
   m.impl("tiled_product", &tiled_product);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_int8", &prefill_attention_int8);
   m.impl("rms_norm", &rms_norm_rows);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);

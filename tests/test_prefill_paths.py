@@ -347,6 +347,20 @@ def test_a_bad_packed_copies_memory_share_is_refused_with_the_accepted_values(mo
         kernels_linear.packed_memory_share()
 
 
+def on_threads(call):
+    """call()'s result on 1 and on 2 threads, in inference mode."""
+    got = []
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                got.append(call())
+        finally:
+            torch.set_num_threads(saved)
+    return got
+
+
 # The last cases see more than 768 keys: those take the keys in blocks of 256 with an online softmax (a window of
 # 300 makes some blocks invisible to some rows and a row's first visible block start mid-block).
 @pytest.mark.parametrize("first, length, window", [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (300, 33, 64),
@@ -366,14 +380,7 @@ def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_h
     q_pos, k_pos = torch.arange(first, keys)[:, None], torch.arange(keys)[None]
     mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
     expected = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
-    for threads in (1, 2):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.inference_mode():
-                got = torch.ops.decodekit.prefill_attention(q, k, v, window, wide)
-        finally:
-            torch.set_num_threads(saved)
+    for got in on_threads(lambda: torch.ops.decodekit.prefill_attention(q, k, v, window, wide)):
         assert (got - expected).abs().max() < 1e-5
 
 
@@ -389,16 +396,7 @@ def attention_weights(q, k, v, first, window):
 
 def bf16_kernel_on_threads(q, k, v, window):
     """The bfloat16 kernel's output on 1 and on 2 threads."""
-    got = []
-    for threads in (1, 2):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.inference_mode():
-                got.append(torch.ops.decodekit.prefill_attention(q, k, v, window, True))
-        finally:
-            torch.set_num_threads(saved)
-    return got
+    return on_threads(lambda: torch.ops.decodekit.prefill_attention(q, k, v, window, True))
 
 
 BF16_KERNEL = pytest.mark.skipif(not cpu.has("avx512_bf16"), reason="the bfloat16 products need a CPU with avx512_bf16")
@@ -489,16 +487,7 @@ def int8_scores_attention(q, k, v, first, window):
 
 def int8_kernel_on_threads(q, k, v, window):
     """The int8 kernel's output on 1 and on 2 threads."""
-    got = []
-    for threads in (1, 2):
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with torch.inference_mode():
-                got.append(torch.ops.decodekit.prefill_attention_int8(q, k, v, window))
-        finally:
-            torch.set_num_threads(saved)
-    return got
+    return on_threads(lambda: torch.ops.decodekit.prefill_attention_int8(q, k, v, window))
 
 
 @INT8_KERNEL

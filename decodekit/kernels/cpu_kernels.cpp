@@ -1861,6 +1861,54 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   }
 }
 
+// The per-thread state of a task of a tiled prompt kernel (attend_prompt_bf16, attend_prompt_int8): a key block's
+// scores, the task's output sums, each row's running maximum and total.
+struct TiledTaskState {
+  std::vector<float> scores, result, best, total;
+  std::vector<c10::BFloat16> probabilities;  // the bfloat16 kernel's rounded probabilities
+};
+
+// Keys a tiled kernel's score tile spans: two vectors of 16 float32 or int32 sums.
+constexpr int64_t kTileKeys = 32;
+
+// A task of a tiled prompt kernel over keys [lo, t.hi) (lo at or before t.lo), its M stacked rows: in one block
+// through kWholeRowKeys keys, longer in kKeyBlock blocks with fold_block_row's running softmax. A block's scores come
+// by tiles of up to kRowsPerChunk rows of one head (a head's rows are consecutive in q) by kTileKeys keys,
+// `score(R, r, key, out, ldo)` writing rows r.. r + R - 1 of the keys from `key`; then each row is folded and
+// `folded(r, row, used, ldo)` sees it; `weigh(k0, n, used, ldp)` adds the block's probabilities times its values to
+// st.result. The rows end divided by their totals.
+template <typename Score, typename Folded, typename Weigh>
+void tiled_task(const PromptTask& t, int64_t lo, int64_t M, int64_t D, int64_t first, int64_t window, TiledTaskState& st,
+                Score score, Folded folded, Weigh weigh) {
+  const int64_t width = t.hi - lo, block = width > kWholeRowKeys ? kKeyBlock : width;
+  const int64_t columns = (block + kTileKeys - 1) / kTileKeys * kTileKeys;
+  st.scores.resize(M * columns);
+  st.result.assign(M * D, 0.f);
+  st.best.assign(M, -std::numeric_limits<float>::infinity());
+  st.total.assign(M, 0.f);
+  for (int64_t k0 = lo; k0 < t.hi; k0 += block) {
+    const int64_t n = std::min(block, t.hi - k0), tiles = (n + kTileKeys - 1) / kTileKeys, used = tiles * kTileKeys;
+    for (int64_t r = 0; r < M;) {
+      const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
+      with_row_count(run, [&](auto R) {
+        for (int64_t c = 0; c < tiles; ++c)
+          score(R, r, k0 + c * kTileKeys, st.scores.data() + r * columns + c * kTileKeys, columns);
+      });
+      r += run;
+    }
+    bool any = false;
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = st.scores.data() + r * columns;
+      if (fold_block_row<WideSoftmax>(row, visible_keys(t, r, first, window, lo), k0 - lo, n, used, st.best[r],
+                                      st.total[r], st.result.data() + r * D, D))
+        any = true;
+      folded(r, row, used, columns);
+    }
+    if (any) weigh(k0, n, used, columns);
+  }
+  for (int64_t r = 0; r < M; ++r) divide_row(st.result.data() + r * D, D, st.total[r]);
+}
+
 // Prompt attention of a bfloat16 model on a CPU with AVX512-BF16, whose vdpbf16ps multiplies pairs of bfloat16 and
 // sums them into float32 lanes at twice the rate of float32 FMAs. q, k and v are bfloat16 already (the model's
 // activations and cache), so both products read them as they are; the scores and the output sum in float32, and
@@ -1871,6 +1919,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 // Both products run on tiles of up to kRowsPerChunk stacked rows by 32 columns: 16 float32 accumulators.
 constexpr int64_t kBf16Columns = 32;
+static_assert(kBf16Columns == kTileKeys, "tiled_task's score tiles are pair_tile's 32 columns");
 
 // c[r][n] = scale * (c[r][n] where `accumulate`) + sum_p a[r][p] . b[p][n] for R rows and 32 columns: a's rows hold
 // bfloat16 pairs (one 32-bit word each) lda words apart, b is [pairs][ldb] words, each the pair of two consecutive
@@ -1929,45 +1978,20 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
   const auto* qs = reinterpret_cast<const uint32_t*>(q.data_ptr<c10::BFloat16>());
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const PromptOutput<c10::BFloat16> output{os, T, H, D, group, false};
-  struct State {
-    std::vector<float> scores, result, best, total;
-    std::vector<c10::BFloat16> probabilities;
-  };
-  for_prompt_tasks<State>(KV, T, L, window, [&](const PromptTask& t, State& st) {
-    const int64_t M = group * t.rows, lo = t.lo / 2 * 2, width = t.hi - lo;
-    const int64_t block = width > kWholeRowKeys ? kKeyBlock : width;
-    const int64_t columns = (block + kBf16Columns - 1) / kBf16Columns * kBf16Columns;
-    st.scores.resize(M * columns);
-    st.probabilities.resize(M * columns);
-    st.result.assign(M * D, 0.f);
-    st.best.assign(M, -std::numeric_limits<float>::infinity());
-    st.total.assign(M, 0.f);
+  for_prompt_tasks<TiledTaskState>(KV, T, L, window, [&](const PromptTask& t, TiledTaskState& st) {
+    const int64_t M = group * t.rows;
     const uint32_t* head_keys = keys + t.g * pairs * padded;
     const uint32_t* head_values = values + t.g * (padded / 2) * D;
     // Row r's query: rows of one head are consecutive in q, so the stacked rows are one head's block after another.
     const auto query = [&](int64_t r) { return qs + ((t.g * group + r / t.rows) * T + t.i0 + r % t.rows) * pairs; };
-    for (int64_t k0 = lo; k0 < t.hi; k0 += block) {
-      const int64_t n = std::min(block, t.hi - k0), tiles = (n + kBf16Columns - 1) / kBf16Columns;
-      const int64_t used = tiles * kBf16Columns;
-      for (int64_t r = 0; r < M;) {
-        // A head's rows are consecutive in q: a tile takes up to 8 of them, never rows of two heads.
-        const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
-        with_row_count(run, [&](auto R) {
-          for (int64_t c = 0; c < tiles; ++c)
-            pair_tile<R>(query(r), pairs, head_keys + k0 + c * kBf16Columns, padded, pairs,
-                         st.scores.data() + r * columns + c * kBf16Columns, columns, false, scale);
-        });
-        r += run;
-      }
-      bool any = false;
-      for (int64_t r = 0; r < M; ++r) {
-        float* row = st.scores.data() + r * columns;
-        if (fold_block_row<WideSoftmax>(row, visible_keys(t, r, first, window, lo), k0 - lo, n, used, st.best[r],
-                                        st.total[r], st.result.data() + r * D, D))
-          any = true;
-        round_to_bf16(row, used, st.probabilities.data() + r * columns);
-      }
-      if (!any) continue;
+    const auto score = [&](auto R, int64_t r, int64_t key, float* out, int64_t ldo) {
+      pair_tile<R>(query(r), pairs, head_keys + key, padded, pairs, out, ldo, false, scale);
+    };
+    const auto rounded = [&](int64_t r, const float* row, int64_t used, int64_t columns) {
+      st.probabilities.resize(st.scores.size());
+      round_to_bf16(row, used, st.probabilities.data() + r * columns);
+    };
+    const auto weigh = [&](int64_t k0, int64_t, int64_t used, int64_t columns) {
       const auto* p = reinterpret_cast<const uint32_t*>(st.probabilities.data());
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerChunk)
         with_row_count(std::min<int64_t>(kRowsPerChunk, M - r0), [&](auto R) {
@@ -1975,11 +1999,9 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
             pair_tile<R>(p + r0 * columns / 2, columns / 2, head_values + k0 / 2 * D + d0, D, used / 2,
                          st.result.data() + r0 * D + d0, D, true, 1.f);
         });
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      divide_row(st.result.data() + r * D, D, st.total[r]);
-      round_to_bf16(st.result.data() + r * D, D, output.row(t, r));
-    }
+    };
+    tiled_task(t, t.lo / 2 * 2, M, D, first, window, st, score, rounded, weigh);
+    for (int64_t r = 0; r < M; ++r) round_to_bf16(st.result.data() + r * D, D, output.row(t, r));
   });
 }
 
@@ -1992,9 +2014,6 @@ DECODEKIT_AVX512BF16 void attend_prompt_bf16(const at::Tensor& q, const at::Tens
 // moves all the scores of a row by one amount, which leaves its softmax as it was, and narrows what a key's 8 bits
 // must span. Why an int8 model may: its weights' rounding sets its error (attention.py).
 #define DECODEKIT_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
-// The keys a score tile spans: two vectors of 16 int32 sums.
-constexpr int64_t kQuadColumns = 32;
 
 // The largest |x[d] - centre[d]| of D floats.
 DECODEKIT_AVX512VNNI inline float largest_difference(const float* x, const float* centre, int64_t D) {
@@ -2058,7 +2077,7 @@ DECODEKIT_AVX512VNNI void attend_prompt_int8(const at::Tensor& q, const at::Tens
                                             float* os) {
   const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KV = k.size(0), L = k.size(1);
   const int64_t group = H / KV, first = L - T, quads = D / 4;
-  const int64_t padded = L + kQuadColumns;  // a block's last tile may read up to 31 keys past L: zeros
+  const int64_t padded = L + kTileKeys;  // a block's last tile may read up to 31 keys past L: zeros
   const float* ks = k.data_ptr<float>();
   const int64_t head_stride = k.stride(0), key_stride = k.stride(1);
   // Each kv head's mean key (in double: a sum over up to tens of thousands of keys).
@@ -2105,50 +2124,21 @@ DECODEKIT_AVX512VNNI void attend_prompt_int8(const at::Tensor& q, const at::Tens
   });
   const auto* queries = reinterpret_cast<const uint32_t*>(qb);
   const PromptOutput<float> output{os, T, H, D, group, false};
-  const auto opts = q.options();
-  struct State {
-    std::vector<float> scores, result, best, total;
-  };
-  for_prompt_tasks<State>(KV, T, L, window, [&](const PromptTask& t, State& st) {
-    const int64_t M = group * t.rows, lo = t.lo, width = t.hi - lo;
-    const int64_t block = width > kWholeRowKeys ? kKeyBlock : width;
-    const int64_t columns = (block + kQuadColumns - 1) / kQuadColumns * kQuadColumns;
-    st.scores.resize(M * columns);
-    st.result.assign(M * D, 0.f);
-    st.best.assign(M, -std::numeric_limits<float>::infinity());
-    st.total.assign(M, 0.f);
+  for_prompt_tasks<TiledTaskState>(KV, T, L, window, [&](const PromptTask& t, TiledTaskState& st) {
+    const int64_t M = group * t.rows;
     const uint32_t* head_keys = words + t.g * quads * padded;
     // Row r's query: rows of one head are consecutive in q, so the stacked rows are one head's block after another.
     const auto row_of = [&](int64_t r) { return (t.g * group + r / t.rows) * T + t.i0 + r % t.rows; };
     const at::Tensor head_values = v.select(0, t.g);  // [L, D]; rows may be apart
-    for (int64_t k0 = lo; k0 < t.hi; k0 += block) {
-      const int64_t n = std::min(block, t.hi - k0), tiles = (n + kQuadColumns - 1) / kQuadColumns;
-      const int64_t used = tiles * kQuadColumns;
-      for (int64_t r = 0; r < M;) {
-        // A head's rows are consecutive in q: a tile takes up to 8 of them, never rows of two heads.
-        const int64_t run = std::min({int64_t{kRowsPerChunk}, t.rows - r % t.rows, M - r});
-        with_row_count(run, [&](auto R) {
-          for (int64_t c = 0; c < tiles; ++c) {
-            const int64_t key = k0 + c * kQuadColumns;
-            quad_tile<R>(queries + row_of(r) * quads, quads, head_keys + key, padded, quads,
-                         kshift + t.g * padded + key, kscale + t.g * padded + key, qscale.data() + row_of(r),
-                         st.scores.data() + r * columns + c * kQuadColumns, columns);
-          }
-        });
-        r += run;
-      }
-      bool any = false;
-      for (int64_t r = 0; r < M; ++r) {
-        if (fold_block_row<WideSoftmax>(st.scores.data() + r * columns, visible_keys(t, r, first, window, lo), k0 - lo, n,
-                                        used, st.best[r], st.total[r], st.result.data() + r * D, D))
-          any = true;
-      }
-      if (any) add_weighted_rows(st.scores.data(), columns, M, n, head_values.narrow(0, k0, n), st.result.data(), D, true);
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      divide_row(st.result.data() + r * D, D, st.total[r]);
-      std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
-    }
+    const auto score = [&](auto R, int64_t r, int64_t key, float* out, int64_t ldo) {
+      quad_tile<R>(queries + row_of(r) * quads, quads, head_keys + key, padded, quads, kshift + t.g * padded + key,
+                   kscale + t.g * padded + key, qscale.data() + row_of(r), out, ldo);
+    };
+    const auto weigh = [&](int64_t k0, int64_t n, int64_t, int64_t columns) {
+      add_weighted_rows(st.scores.data(), columns, M, n, head_values.narrow(0, k0, n), st.result.data(), D, true);
+    };
+    tiled_task(t, t.lo, M, D, first, window, st, score, [](int64_t, const float*, int64_t, int64_t) {}, weigh);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(output.row(t, r), st.result.data() + r * D, D * sizeof(float));
   });
 }
 

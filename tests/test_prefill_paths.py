@@ -541,8 +541,9 @@ def test_the_int8_route_falls_back_to_the_float32_kernel_where_it_cannot_run():
     with torch.inference_mode():
         scored = attention.by_route("int8_kernel", q, k, v, 0)
         assert torch.equal(scored, torch.ops.decodekit.prefill_attention_int8(q, k, v, 0))
-        with cpu.forced(avx512_vnni=False):  # the probe forced off after the choice was made
-            assert torch.equal(attention.by_route("int8_kernel", q, k, v, 0), attention.kernel(q, k, v, 0))
+        for probe in ("avx512_vnni", "avx512f"):  # a probe forced off after the choice was made
+            with cpu.forced(**{probe: False}):
+                assert torch.equal(attention.by_route("int8_kernel", q, k, v, 0), attention.kernel(q, k, v, 0))
         assert torch.equal(attention.by_route("int8_kernel", q.bfloat16(), k.bfloat16(), v.bfloat16(), 0),
                            attention.kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0))  # float32 q, k, v only
 

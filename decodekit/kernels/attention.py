@@ -39,7 +39,7 @@ def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) ->
     size = 512 if keys <= SHORT_KEYS else 2048
     quantized = int8 and dtype == torch.float32
     narrowed = quantized and cpu.has("avx512_bf16")  # what bf16_kernel needs for float32 attention
-    scored = quantized and cpu.has("avx512_vnni")
+    scored = quantized and int8_scores_run()
 
     def candidates() -> dict:
         if not native.load():
@@ -78,6 +78,12 @@ def bf16_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) 
     return torch.ops.decodekit.prefill_attention(q, k, v, window, True)
 
 
+def int8_scores_run() -> bool:
+    """Whether the int8 kernel may run here: AVX512-VNNI for its products, AVX-512 for its softmax (probes a test
+    may force off, as held_to_avx2.sh does)."""
+    return cpu.has("avx512_vnni") and cpu.has("avx512f")
+
+
 def int8_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """decodekit::prefill_attention_int8 on float32 q, k, v (a CPU with AVX512-VNNI, head_dim a multiple of 4 up
     to 256): the scores in int8 products, the rest in float32; float32 out."""
@@ -95,8 +101,7 @@ def by_route(route: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wind
     if route == "bf16_kernel" and cpu.has("avx512_bf16") and D % BF16_COLUMNS == 0:
         bf16 = torch.bfloat16
         return bf16_kernel(q.to(bf16), k.to(bf16), v.to(bf16), window).to(q.dtype)
-    if route == "int8_kernel" and cpu.has("avx512_vnni") and q.dtype == torch.float32 and D % INT8_QUADS == 0 \
-            and D <= 256:
+    if route == "int8_kernel" and int8_scores_run() and q.dtype == torch.float32 and D % INT8_QUADS == 0 and D <= 256:
         return int8_kernel(q, k, v, window)
     return kernel(q, k, v, window)
 

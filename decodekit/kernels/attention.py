@@ -51,7 +51,7 @@ def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) ->
             "kernel": lambda: kernel(q[0], k[0], v[0], 0),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         }
-        if (dtype == torch.bfloat16 or narrowed) and cpu.has("avx512_bf16"):
+        if narrowed or (dtype == torch.bfloat16 and cpu.has("avx512_bf16")):
             offered["bf16_kernel"] = lambda: by_route("bf16_kernel", q[0], k[0], v[0], 0)
         if scored:
             offered["int8_kernel"] = lambda: by_route("int8_kernel", q[0], k[0], v[0], 0)

@@ -2142,15 +2142,24 @@ DECODEKIT_AVX512VNNI void attend_prompt_int8(const at::Tensor& q, const at::Tens
   });
 }
 
-at::Tensor prefill_attention_int8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window) {
-  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
-              "prefill_attention_int8: q [H, T, D], k and v [KV, L, D] expected");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
-              "prefill_attention_int8: q, k, v all float32 expected");
+// q [H, T, D] made contiguous and k, v [KV, L, D] with contiguous rows, their shapes checked for `op`. k and v may
+// come with their rows apart (continuous batching gathers a chunk's keys as [L, KV, D] and passes them transposed):
+// the products read rows at a stride, so only a strided last dimension is copied.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_operands(const char* op, const at::Tensor& q_in,
+                                                                  const at::Tensor& k_in, const at::Tensor& v_in) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(), op,
+              ": q [H, T, D], k and v [KV, L, D] expected");
   const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
   const at::Tensor q = q_in.contiguous(), k = rows_of(k_in), v = rows_of(v_in);
-  TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
-              "prefill_attention_int8: shapes do not fit");
+  TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1), op,
+              ": shapes do not fit");
+  return {q, k, v};
+}
+
+at::Tensor prefill_attention_int8(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
+              "prefill_attention_int8: q, k, v all float32 expected");
+  const auto [q, k, v] = attention_operands("prefill_attention_int8", q_in, k_in, v_in);
   TORCH_CHECK(q.size(2) % 4 == 0 && q.size(2) <= 256, "prefill_attention_int8: head_dim a multiple of 4 up to 256 expected, got ",
               q.size(2));
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
@@ -2163,17 +2172,10 @@ at::Tensor prefill_attention_int8(const at::Tensor& q_in, const at::Tensor& k_in
 // `wide`: the softmax passes with AVX-512; the caller checks that the CPU has it (attention.py).
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t window,
                              bool wide) {
-  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.sizes() == k_in.sizes(),
-              "prefill_attention: q [H, T, D], k and v [KV, L, D] expected");
   const at::ScalarType dtype = q_in.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
               "prefill_attention: q, k, v all float32 or all bfloat16 expected");
-  // k and v may come with their rows apart (continuous batching gathers a chunk's keys as [L, KV, D] and passes
-  // them transposed): the products read rows at a stride, so only a strided last dimension is copied.
-  const auto rows_of = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
-  const at::Tensor q = q_in.contiguous(), k = rows_of(k_in), v = rows_of(v_in);
-  TORCH_CHECK(k.size(2) == q.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) >= q.size(1),
-              "prefill_attention: shapes do not fit");
+  const auto [q, k, v] = attention_operands("prefill_attention", q_in, k_in, v_in);
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "prefill_attention: wide=True needs a CPU with avx512f");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (dtype == at::kBFloat16) {  // products in bfloat16 (`wide` does not apply: the softmax is AVX-512's)

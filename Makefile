@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp bench lock clean
+.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,14 @@ test-llamacpp:
 
 bench: install-dev
 	$(PY) bench/bench_generate.py
+
+# On a machine with a CUDA GPU, in a Python whose torch is a CUDA build with decodekit's dependencies (not .venv,
+# whose torch is the CPU wheel): the GPU checks that `make test` skips, then decodekit against transformers there.
+test-cuda:
+	$(PYTHON) -m pytest -q tests/test_cuda.py
+
+bench-cuda:
+	cd bench && $(PYTHON) bench_cuda.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

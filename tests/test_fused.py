@@ -333,3 +333,16 @@ def test_a_step_that_does_not_compile_falls_back(model, caplog):
         out = model.generate(PROMPT, compile=True, **kwargs)
     assert torch.equal(out, model.generate(PROMPT, **kwargs))
     assert "falls back to the eager loop: the step did not compile" in caplog.text
+
+
+@pytest.mark.parametrize("config, graphs", [
+    ({}, False), ({"mode": "default"}, False), ({"mode": "reduce-overhead"}, True), ({"mode": "max-autotune"}, True),
+    ({"mode": "max-autotune-no-cudagraphs"}, False), ({"options": {"triton.cudagraphs": True}}, True),
+    ({"backend": "cudagraphs"}, True), ({"backend": "eager"}, False),
+])
+def test_which_compile_configs_replay_cuda_graphs(config, graphs):
+    """Those steps mark their cache as a fixed address and copy their outputs out of the graph's memory on CUDA
+    (tests/test_cuda.py checks the replay itself on a GPU)."""
+    from decodekit.plugins.fused import replays_graphs
+
+    assert replays_graphs({"fullgraph": True, "dynamic": False, **config}) is graphs

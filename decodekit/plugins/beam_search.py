@@ -390,8 +390,8 @@ class FusedBeams(F.FusedLoop):
             eos_block = block if cur < min_length else no_block
             if host:  # the running beams' sequences, in the rows the step computes (state[0]: running)
                 eos_block = eos_block + F.host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
-            state, go, logp = fused.step(state, go, torch.tensor(cur, device=dev), positions, torch.tensor([slot], device=dev),
-                                         mask, eos_block, noise_key, *lengths, eos_ids)
+            state, go, logp = fused(state, go, torch.tensor(cur, device=dev), positions, torch.tensor([slot], device=dev),
+                                    mask, eos_block, noise_key, *lengths, eos_ids)
             fused.compiled_once = True
             searching.append(go)
             if scores_out is not None:

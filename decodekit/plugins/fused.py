@@ -16,7 +16,8 @@ torch.compile'd function over a fixed-shape static cache.
   log line on the `decodekit` logger names the reason.
 `compile_config` = {"mode", "fullgraph", "dynamic", "backend", "options"} is passed to torch.compile (an
 inductor mode as the options it stands for, see compile_arguments); on CUDA, mode="reduce-overhead" makes the
-step a CUDA graph replay (not verified on hardware yet).
+step a CUDA graph replay (FusedStep: its cache at fixed addresses, its outputs copied out), checked on an H200 by
+tests/test_cuda.py.
 """
 
 from __future__ import annotations
@@ -246,13 +247,42 @@ def compile_arguments(options: dict) -> dict:
 
 
 class FusedStep:
-    """One compiled step with its own static cache: `make(model, cache)` returns the function to compile."""
+    """One compiled step with its own static cache: `make(model, cache)` returns the function to compile; call
+    the FusedStep to run it."""
 
     def __init__(self, model, batch: int, length: int, options: dict, make):
         self.compiled_once = False
         self.cache = StaticCache.for_model(model, batch, length)
         model.rotary.ensure(length, model.device, model.dtype)
+        self.graphs = model.device.type == "cuda" and replays_graphs(options)
+        if self.graphs:
+            # A CUDA graph replays fixed addresses; the step writes its cache, an input of the graph, which
+            # inductor then replays only if the input is marked as never moving (else it skips the graphs).
+            for tensor in (*self.cache.keys, *self.cache.values):
+                torch._dynamo.mark_static_address(tensor)
         self.step = compile_own(make(model, self.cache), options)
+
+    def __call__(self, *args):
+        """One step. Replayed as a CUDA graph, its outputs live in the graph's memory, which the next replay
+        overwrites: the loop keeps them (tokens, flags) or passes them back in, so they are copied out."""
+        if not self.graphs:
+            return self.step(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return _copied(self.step(*args))
+
+
+def _copied(outputs):
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_copied(o) for o in outputs)
+    return outputs.clone() if isinstance(outputs, torch.Tensor) else outputs
+
+
+def replays_graphs(options: dict) -> bool:
+    """Whether a step compiled with compile_config `options` runs as CUDA graph replays on a CUDA device
+    (mode="reduce-overhead" or "max-autotune", inductor's triton.cudagraphs option, the cudagraphs backend)."""
+    args = compile_arguments(options)
+    return bool(args.get("options", {}).get("triton.cudagraphs") or args.get("backend") == "cudagraphs"
+                or args.get("mode") in ("reduce-overhead", "max-autotune"))
 
 
 def compile_own(step, options: dict):
@@ -436,8 +466,8 @@ class FusedTokens(FusedLoop):
             if host:
                 eos_block = eos_block + host_block(host, torch.cat((input_ids, torch.stack(generated, dim=1)), dim=1),
                                                    eos_block.shape[-1])
-            nxt, unfinished, scores = fused.step(nxt[:, None], positions, slots, mask, eos_block,
-                                                 noise_key, unfinished, pad, eos_ids)
+            nxt, unfinished, scores = fused(nxt[:, None], positions, slots, mask, eos_block,
+                                            noise_key, unfinished, pad, eos_ids)
             fused.compiled_once = True
             generated.append(nxt)
             alive.append(unfinished)

@@ -308,7 +308,7 @@ class Speculative:
         p = torch.softmax(scores, dim=-1)[0]
         if j < K and q is not None:
             c = candidates[j]
-            u = torch.rand((), generator=generator, device=p.device)
+            u = _uniform((), p, generator)
             if bool(u * q[j, c] <= p[c]):  # accept with probability min(1, p(c) / q(c))
                 return c, True
             residual = (p - q[j]).clamp(min=0)
@@ -347,5 +347,12 @@ class Speculative:
 def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
     """One token from `probs` [V] by the exponential race (see SamplingSelector), its noise drawn from
     `generator` in order: the draft and the check draw a varying number of times a step."""
-    noise = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    noise = _uniform(probs.shape, probs, generator).log_().neg_()
     return (probs / noise).argmax()
+
+
+def _uniform(shape, like: torch.Tensor, generator) -> torch.Tensor:
+    """Uniforms in [0, 1) drawn from `generator` on its own device (a seed's generator is the CPU's, whatever the
+    model's device), in `like`'s dtype and on its device."""
+    where = generator.device if generator is not None else like.device
+    return torch.rand(shape, generator=generator, device=where, dtype=like.dtype).to(like.device)

@@ -1,0 +1,124 @@
+"""decodekit against transformers on a GPU, on the same random weights, side by side in one run: the default
+model's shape (SmolLM2-135M) and Llama 3.2 1B's, bfloat16.
+
+    python bench/bench_cuda.py [--runs 3] [--new-tokens 128] [--shapes smollm2-135m llama-1b] [--skip-transformers]
+
+Rows per shape: batch-1 decode tokens/s after a 128-token prompt, eager, compile=True and
+compile_config={"mode": "reduce-overhead"} (the step as a CUDA graph replay), against transformers' eager
+generate() and its static cache (which transformers compiles itself); the time to first token of a 2,048-token
+prompt; a batch of 64 prompts decoded together. Each figure is the median of `runs` rounds run round-robin; ratios
+are medians of per-round ratios. Prints one JSON line per shape as it finishes (a stopped run keeps what it has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from bench_generate import interleaved
+
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+}
+
+
+def write_checkpoint(path: Path, shape: str) -> Path:
+    """Random weights of `shape` as a bfloat16 safetensors checkpoint both libraries load."""
+    from safetensors.torch import save_file
+
+    from decodekit.testing import tiny_config, tiny_state_dict
+
+    config = tiny_config("llama", max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES[shape])
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tiny_state_dict(config).items()}, str(path / "model.safetensors"))
+    return path
+
+
+def synced(fn):
+    def run():
+        with torch.inference_mode():
+            fn()
+        torch.cuda.synchronize()
+    return run
+
+
+def shape_rows(path: Path, args) -> dict:
+    from decodekit import AutoModelForCausalLM
+
+    n = args.new_tokens
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    vocab = ours.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (1, 128), generator=g).cuda()
+    long = torch.randint(3, vocab, (1, 2048), generator=g).cuda()
+    batch = torch.randint(3, vocab, (64, 128), generator=g).cuda()
+    fixed = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    decode = {
+        "decodekit eager": lambda: ours.generate(prompt, **fixed),
+        "decodekit compile=True": lambda: ours.generate(prompt, compile=True, **fixed),
+        "decodekit reduce-overhead": lambda: ours.generate(prompt, compile_config={"mode": "reduce-overhead"}, **fixed),
+    }
+    first = {"decodekit": lambda: ours(long, use_cache=True, logits_to_keep=1)}
+    many = {"decodekit": lambda: ours.generate(batch, **fixed)}
+    if not args.skip_transformers:
+        import transformers
+
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        decode["transformers eager"] = lambda: ref.generate(prompt, pad_token_id=0, **fixed)
+        decode["transformers static cache"] = lambda: ref.generate(prompt, pad_token_id=0, cache_implementation="static", **fixed)
+        first["transformers"] = lambda: ref(long, use_cache=True, logits_to_keep=1)
+        many["transformers"] = lambda: ref.generate(batch, pad_token_id=0, **fixed)
+    rows = {}
+    t = interleaved({name: synced(fn) for name, fn in decode.items()}, args.runs)
+    for name in decode:
+        rows[f"decode {name} tok/s"] = round(n / t.median(name), 1)
+    for name in [m for m in decode if m.startswith("decodekit")] if not args.skip_transformers else []:
+        rows[f"decode {name} vs transformers eager"] = round(t.ratio("transformers eager", name), 2)
+        rows[f"decode {name} vs transformers static cache"] = round(t.ratio("transformers static cache", name), 2)
+    t = interleaved({name: synced(fn) for name, fn in first.items()}, args.runs)
+    for name in first:
+        rows[f"first token of 2048 ({name}) ms"] = round(1000 * t.median(name), 2)
+    if "transformers" in first:
+        rows["first token vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+    t = interleaved({name: synced(fn) for name, fn in many.items()}, args.runs)
+    for name in many:
+        rows[f"batch 64 ({name}) tok/s"] = round(64 * n / t.median(name), 1)
+    if "transformers" in many:
+        rows["batch 64 vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_cuda.py needs a CUDA device", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            start = time.perf_counter()
+            rows = shape_rows(write_checkpoint(Path(tmp) / shape, shape), args)
+            print(json.dumps({"shape": shape, "seconds": round(time.perf_counter() - start), **rows}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""decodekit on a GPU: every strategy, the compiled step (and its CUDA-graph replay), bf16 and int8 weights,
+continuous batching and methods give on the device what they give on the CPU.
+
+Skipped without a CUDA device; `make test-cuda` runs them on a machine with one (a CUDA build of torch in the
+Python that runs make). DECODEKIT_TEST_DEVICE names another torch device type to run them on (xpu, mps).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from decodekit import AutoModelForCausalLM
+from decodekit.testing import write_tiny_model
+
+from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method
+
+DEVICE = os.environ.get("DECODEKIT_TEST_DEVICE", "cuda")
+
+
+def _available(device: str) -> bool:
+    backend = getattr(torch, device, None)
+    return device == "cpu" or bool(backend is not None and backend.is_available())
+
+
+pytestmark = pytest.mark.skipif(not _available(DEVICE), reason=f"needs a {DEVICE} device: run `make test-cuda` on a "
+                                "machine with one")
+
+PROMPT = torch.tensor([[5, 9, 14, 3, 7, 21, 8]])
+BATCH = torch.tensor([[5, 9, 14, 3, 7, 8], [0, 0, 0, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_float32():
+    """TF32 products would round float32 logits to about 1e-3: the comparisons with the CPU need float32's."""
+    if DEVICE != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def pair(request, tmp_path_factory):
+    """(the model on the CPU, the same checkpoint loaded on the device)."""
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def test_the_model_loads_on_the_device_with_its_cache_and_rotary_tables(pair):
+    cpu, dev = pair
+    assert dev.device.type == DEVICE
+    assert all(p.device.type == DEVICE for p in dev.parameters())
+    logits = dev(PROMPT.to(DEVICE)).logits
+    assert logits.device.type == DEVICE
+    torch.testing.assert_close(logits.cpu(), cpu(PROMPT).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_on_the_device_equals_the_cpu(pair):
+    cpu, dev = pair
+    for ids, mask in ((PROMPT, None), (BATCH, MASK)):
+        want = cpu.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
+        got = dev.generate(*on(DEVICE, ids), attention_mask=None if mask is None else mask.to(DEVICE),
+                           max_new_tokens=24, eos_token_id=None)
+        assert got.device.type == DEVICE
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_beams=3),
+    dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+    dict(penalty_alpha=0.6, top_k=4),
+    dict(dola_layers="high", repetition_penalty=1.2),
+    dict(prompt_lookup_num_tokens=2),
+    dict(guidance_scale=1.5),
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=5),
+], ids=lambda kw: ",".join(kw))
+def test_deterministic_strategies_on_the_device_equal_the_cpu(pair, kwargs):
+    cpu, dev = pair
+    want = cpu.generate(PROMPT, max_new_tokens=12, eos_token_id=None, **kwargs)
+    got = dev.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None, **kwargs)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_assisted_decoding_on_the_device_equals_greedy(tmp_path, llama):
+    target = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    draft = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "draft", "llama", seed=3), device=DEVICE)
+    ids = PROMPT.to(DEVICE)
+    greedy = target.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(target.generate(ids, max_new_tokens=16, eos_token_id=None, assistant_model=draft), greedy)
+
+
+def test_sampling_on_the_device_is_reproducible_for_a_seed(pair):
+    """A seed's generator lives on the model's device, as torch's do: the same seed gives the same text there
+    (CUDA's generator draws other numbers than the CPU's, so not the CPU's text), another seed another."""
+    _, dev = pair
+    kwargs = dict(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, max_new_tokens=20, eos_token_id=None)
+    ids, mask = BATCH.to(DEVICE), MASK.to(DEVICE)
+    first = dev.generate(ids, attention_mask=mask, seed=7, **kwargs)
+    assert torch.equal(dev.generate(ids, attention_mask=mask, seed=7, **kwargs), first)
+    assert not torch.equal(dev.generate(ids, attention_mask=mask, seed=8, **kwargs), first)
+
+
+def test_speculative_sampling_on_the_device(tmp_path, llama):
+    """Assisted sampling draws its acceptance coins and residual samples from the call's generator: a seed's, on
+    the device, or one of the CPU's that the caller passes."""
+    target = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    draft = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "draft", "llama", seed=3), device=DEVICE)
+    ids = PROMPT.to(DEVICE)
+    kwargs = dict(do_sample=True, max_new_tokens=16, eos_token_id=None, assistant_model=draft)
+    seeded = target.generate(ids, seed=5, **kwargs)
+    assert torch.equal(target.generate(ids, seed=5, **kwargs), seeded)
+    on_cpu = [target.generate(ids, generator=torch.Generator().manual_seed(5), **kwargs) for _ in range(2)]
+    assert torch.equal(on_cpu[0], on_cpu[1]) and on_cpu[0].device.type == DEVICE
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_the_compiled_step_on_the_device_equals_eager(llama, mode):
+    """compile=True, and mode="reduce-overhead" (on CUDA a CUDA-graph replay of the step), over two calls (the
+    second replays what the first compiled) and a batch with padding."""
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    config = {"compile_config": {"mode": mode}} if mode else {"compile": True}
+    for ids, mask in ((PROMPT, None), (BATCH, MASK), (PROMPT[:, 2:], None)):
+        ids, mask = ids.to(DEVICE), None if mask is None else mask.to(DEVICE)
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, **config), eager)
+    sampled = dict(do_sample=True, top_p=0.9, seed=3, max_new_tokens=20, eos_token_id=None)
+    ids = PROMPT.to(DEVICE)
+    assert torch.equal(model.generate(ids, **sampled, **config), model.generate(ids, **sampled))
+    beams = dict(num_beams=3, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **beams, **config), model.generate(ids, **beams))
+
+
+def test_bf16_weights_on_the_device_track_float32(llama):
+    """bfloat16 weights on the device: logits within bfloat16's rounding of the float32 model's, and the compiled
+    step equal to the eager loop."""
+    fp32 = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    bf16 = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    ids = PROMPT.to(DEVICE)
+    torch.testing.assert_close(bf16(ids).logits.float(), fp32(ids).logits, rtol=0.05, atol=0.1)
+    eager = bf16.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(bf16.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
+
+
+def test_int8_weights_on_the_device_equal_int8_on_the_cpu(llama):
+    """quantize="int8" stores int8 weights with per-channel scales wherever the model is; on the device the
+    products are the library's, and their logits agree with the CPU's int8 model."""
+    cpu = AutoModelForCausalLM.from_pretrained(llama, quantize="int8")
+    dev = AutoModelForCausalLM.from_pretrained(llama, quantize="int8", device=DEVICE)
+    torch.testing.assert_close(dev(PROMPT.to(DEVICE)).logits.cpu(), cpu(PROMPT).logits, rtol=1e-3, atol=1e-3)
+    ids = PROMPT.to(DEVICE)
+    eager = dev.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(eager.cpu(), cpu.generate(PROMPT, max_new_tokens=16, eos_token_id=None))
+    assert torch.equal(dev.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
+
+
+def test_a_model_moved_to_the_device_after_loading_generates_there(llama):
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    want = model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)
+    model.generate(PROMPT, max_new_tokens=12, eos_token_id=None, compile=True)  # a step built for the CPU first
+    moved = model.to(DEVICE)
+    assert torch.equal(moved.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None).cpu(), want)
+    assert torch.equal(moved.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None, compile=True).cpu(), want)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_continuous_batching_on_the_device_equals_generate(llama, compile):
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    prompts = [[5, 9, 14, 3, 7], [4, 5, 6], list(range(10, 40)), [11, 12, 13, 14, 15, 16, 17]]
+    results = model.generate_batch(prompts, max_new_tokens=14, eos_token_id=None, compile=compile, block_size=4,
+                                   progress_bar=False)
+    for prompt, out in zip(prompts, results.values()):
+        alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=14, eos_token_id=None)
+        assert out.generated_tokens == alone[0, len(prompt):].tolist()
+    sampled = model.generate_batch(prompts[:2], max_new_tokens=10, do_sample=True, seed=4, eos_token_id=None,
+                                   progress_bar=False)
+    for prompt, out in zip(prompts, sampled.values()):
+        alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=10, do_sample=True, seed=4,
+                               eos_token_id=None)
+        assert out.generated_tokens == alone[0, len(prompt):].tolist()
+
+
+def test_methods_run_on_the_device(tmp_path, llama):
+    """A hook-only method and a transformers-style loop (which makes its tensors on model.device) run there."""
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    ids = PROMPT.to(DEVICE)
+    greedy = model.generate(ids, max_new_tokens=8, eos_token_id=None)
+    banned = int(greedy[0, PROMPT.shape[1]])
+    hooked = model.generate(ids, max_new_tokens=8, eos_token_id=None, banned_token=banned,
+                            custom_generate=str(write_method(tmp_path / "ban", HOOK_METHOD)), trust_remote_code=True)
+    assert hooked.device.type == DEVICE and banned not in hooked[0, PROMPT.shape[1]:].tolist()
+    looped = model.generate(ids, max_new_tokens=8,
+                            custom_generate=str(write_method(tmp_path / "loop", TRANSFORMERS_STYLE_GREEDY)),
+                            trust_remote_code=True)
+    assert torch.equal(looped, greedy)
+
+
+def test_a_wrapped_transformers_model_on_the_device_equals_its_own_generate(llama):
+    transformers = pytest.importorskip("transformers")
+    import decodekit
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).to(DEVICE)
+    ids = BATCH.to(DEVICE)
+    mask = MASK.to(DEVICE)
+    for kwargs in (dict(), dict(num_beams=3), dict(do_sample=False, repetition_penalty=1.3)):
+        want = hf.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None, **kwargs)
+        got = decodekit.wrap(hf).generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
+                                          eos_token_id=None, **kwargs)
+        assert torch.equal(got, want)

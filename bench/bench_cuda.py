@@ -3,8 +3,8 @@ model's shape (SmolLM2-135M) and Llama 3.2 1B's, bfloat16.
 
     python bench/bench_cuda.py [--runs 3] [--new-tokens 128] [--shapes smollm2-135m llama-1b] [--skip-transformers]
 
-Rows per shape: batch-1 decode tokens/s after a 128-token prompt, eager, compile=True and
-compile_config={"mode": "reduce-overhead"} (the step as a CUDA graph replay), against transformers' eager
+Rows per shape: batch-1 decode tokens/s after a 128-token prompt, eager, compile=True (the step as a CUDA graph
+replay) and compile_config={"mode": "default"} (compiled, no graphs), against transformers' eager
 generate() and its static cache (which transformers compiles itself); the time to first token of a 2,048-token
 prompt; a batch of 64 prompts decoded together. Each figure is the median of `runs` rounds run round-robin; ratios
 are medians of per-round ratios. Prints one JSON line per shape as it finishes (a stopped run keeps what it has).
@@ -67,8 +67,8 @@ def shape_rows(path: Path, args) -> dict:
     fixed = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
     decode = {
         "decodekit eager": lambda: ours.generate(prompt, **fixed),
-        "decodekit compile=True": lambda: ours.generate(prompt, compile=True, **fixed),
-        "decodekit reduce-overhead": lambda: ours.generate(prompt, compile_config={"mode": "reduce-overhead"}, **fixed),
+        "decodekit compile=True": lambda: ours.generate(prompt, compile=True, **fixed),  # CUDA graphs
+        "decodekit no graphs": lambda: ours.generate(prompt, compile_config={"mode": "default"}, **fixed),
     }
     first = {"decodekit": lambda: ours(long, use_cache=True, logits_to_keep=1)}
     many = {"decodekit": lambda: ours.generate(batch, **fixed)}

@@ -128,10 +128,10 @@ def test_speculative_sampling_on_the_device(tmp_path, llama):
     assert torch.equal(on_cpu[0], on_cpu[1]) and on_cpu[0].device.type == DEVICE
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead", "default"])
 def test_the_compiled_step_on_the_device_equals_eager(llama, mode):
-    """compile=True, and mode="reduce-overhead" (on CUDA a CUDA-graph replay of the step), over two calls (the
-    second replays what the first compiled) and a batch with padding."""
+    """compile=True (on CUDA a CUDA-graph replay of the step, as mode="reduce-overhead"), and mode="default" (no
+    graphs), over two calls (the second replays what the first compiled) and a batch with padding."""
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
     config = {"compile_config": {"mode": mode}} if mode else {"compile": True}
     for ids, mask in ((PROMPT, None), (BATCH, MASK), (PROMPT[:, 2:], None)):

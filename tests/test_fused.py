@@ -346,3 +346,16 @@ def test_which_compile_configs_replay_cuda_graphs(config, graphs):
     from decodekit.plugins.fused import replays_graphs
 
     assert replays_graphs({"fullgraph": True, "dynamic": False, **config}) is graphs
+
+
+def test_a_step_on_cuda_replays_graphs_unless_compile_config_chooses_otherwise():
+    from decodekit.plugins.fused import replays_graphs, step_options
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert step_options(None, cpu) == {"fullgraph": True, "dynamic": False}
+    assert step_options(None, cuda) == {"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}
+    assert replays_graphs(step_options({"fullgraph": False}, cuda))
+    for own in ({"mode": "default"}, {"mode": "max-autotune-no-cudagraphs"}, {"backend": "eager"},
+                {"options": {"size_asserts": False}}):
+        options = step_options(own, cuda)
+        assert "reduce-overhead" not in options.values() and not replays_graphs(options)

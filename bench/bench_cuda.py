@@ -22,28 +22,14 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import interleaved
+from bench_generate import DEFAULT_SHAPE, interleaved, random_checkpoint
 
 SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "smollm2-135m": DEFAULT_SHAPE,
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True,
+                     max_position_embeddings=8192),
 }
-
-
-def write_checkpoint(path: Path, shape: str) -> Path:
-    """Random weights of `shape` as a bfloat16 safetensors checkpoint both libraries load."""
-    from safetensors.torch import save_file
-
-    from decodekit.testing import tiny_config, tiny_state_dict
-
-    config = tiny_config("llama", max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES[shape])
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tiny_state_dict(config).items()}, str(path / "model.safetensors"))
-    return path
 
 
 def synced(fn):
@@ -115,7 +101,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             start = time.perf_counter()
-            rows = shape_rows(write_checkpoint(Path(tmp) / shape, shape), args)
+            rows = shape_rows(random_checkpoint(Path(tmp) / shape, SHAPES[shape], torch.bfloat16), args)
             print(json.dumps({"shape": shape, "seconds": round(time.perf_counter() - start), **rows}), flush=True)
     return 0
 

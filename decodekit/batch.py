@@ -34,7 +34,7 @@ class OutputBusy(OSError):
 @dataclass
 class BatchSettings:
     """What every row is generated with. `model`: a directory, Hub repo or .gguf file (None: the default model),
-    with `gguf_file` and `revision` as in from_pretrained;
+    with `gguf_file`, `revision`, `backend`, `dtype`, `quantize` and `device` as in from_pretrained;
     `method`: a custom_generate directory or Hub repo, run with `trust_remote_code` (or a pinned revision);
     `generation`: generate() keywords (max_new_tokens, do_sample, a plugin's fields, ...); `chat`: wrap each
     prompt in the chat template as a user message."""
@@ -45,6 +45,7 @@ class BatchSettings:
     backend: str | None = None
     dtype: str = "float32"
     quantize: str | None = None
+    device: str = "cpu"
     method: str | None = None
     trust_remote_code: bool = False
     generation: dict = field(default_factory=dict)
@@ -60,7 +61,8 @@ class RowGenerator:
         from .models.default import load_model
 
         model, tokenizer = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
-                                      revision=settings.revision, gguf_file=settings.gguf_file, backend=settings.backend)
+                                      revision=settings.revision, gguf_file=settings.gguf_file, backend=settings.backend,
+                                      device=settings.device)
         self._start(settings, model, tokenizer)
 
     @classmethod
@@ -95,7 +97,7 @@ class RowGenerator:
         """The row of one prompt; raises what generate() raises."""
         import torch
 
-        ids = self._ids(prompt)
+        ids = self._ids(prompt).to(self.model.device)
         out = self.model.generate(ids, **self._arguments())
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         return self._row(sequences[0, ids.shape[1]:].tolist())

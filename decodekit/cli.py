@@ -200,6 +200,8 @@ def _model_flags(parser, generation: bool = True) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="weight dtype (default: float32)")
     parser.add_argument("--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)")
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="where the model runs: cpu (default), cuda, cuda:N, or another torch device type (xpu, mps)")
     if not generation:
         return
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
@@ -208,12 +210,31 @@ def _model_flags(parser, generation: bool = True) -> None:
                         help="wrap the prompt in the model's chat template as a user message")
 
 
+def _device(value: str) -> str:
+    """--device: a torch device this process has."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device; use cpu, cuda, cuda:N, xpu or mps") from None
+    if device.type == "cpu":
+        return value
+    backend = getattr(torch, device.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    count = getattr(backend, "device_count", lambda: 1)() if available else 0
+    if (device.index or 0) >= count:
+        raise argparse.ArgumentTypeError(f"{value!r}: this torch ({torch.__version__}) has {count} {device.type} "
+                                         "device(s); use cpu" + (f" or {device.type}:0..{count - 1}" if count else ""))
+    return value
+
+
 def load_model_of(args):
     """(model, tokenizer) that the _model_flags in `args` choose."""
     from .models.default import load_model
 
     return load_model(args.model, dtype=args.dtype, quantize=args.quantize, revision=args.revision,
-                      gguf_file=args.gguf_file, backend=args.backend)
+                      gguf_file=args.gguf_file, backend=args.backend, device=args.device)
 
 
 def _method_flags(parser) -> None:
@@ -235,7 +256,7 @@ def cmd_batch(args) -> int:
 
     generation = {"max_new_tokens": args.max_new_tokens, **parse_method_args(args.arg)}
     settings = BatchSettings(model=args.model, gguf_file=args.gguf_file, revision=args.revision, backend=args.backend,
-                             dtype=args.dtype, quantize=args.quantize, method=args.custom_generate,
+                             dtype=args.dtype, quantize=args.quantize, device=args.device, method=args.custom_generate,
                              trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
                              prompt_key=args.prompt_key)
     try:
@@ -547,10 +568,11 @@ def cmd_generate(args) -> int:
         check_method_args(args.custom_generate, trust, parse_method_args(args.arg))
     model, tokenizer = load_model_of(args)
     if args.assistant:
-        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype)
+        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,
+                                                                         device=args.device)
     loaded = time.perf_counter()
 
-    input_ids = prompt_ids(tokenizer, args.prompt, chat=args.chat)
+    input_ids = prompt_ids(tokenizer, args.prompt, chat=args.chat).to(model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     if args.custom_generate:
         kwargs["custom_generate"] = args.custom_generate

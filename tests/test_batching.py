@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -201,7 +202,7 @@ def test_twenty_requests_arriving_over_time_equal_generate_alone(model, tmp_path
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "kernels-off-eager"])
-def test_compiled_decode_steps_equal_generate_alone(model, native):
+def test_compiled_decode_steps_equal_generate_alone(model, native, caplog):
     # compile=True on the manager: steps whose rows all decode run compiled, one function for every row count; as
     # requests end, the rows fall from 6 to 1. Without decodekit's C++ kernels every step runs eagerly.
     if native and not cpu.has("native_kernels"):
@@ -210,7 +211,7 @@ def test_compiled_decode_steps_equal_generate_alone(model, native):
                 ([4, 2], {"max_new_tokens": 9, "do_sample": True, "seed": 3}),
                 ([8, 1, 8, 1, 3], {"max_new_tokens": 6, "num_return_sequences": 2, "do_sample": True, "seed": 4}),
                 ([3] * 21, {"max_new_tokens": 12, "repetition_penalty": 1.3})]
-    with cpu.forced(native_kernels=native):
+    with cpu.forced(native_kernels=native), caplog.at_level(logging.INFO, logger="decodekit"):
         manager = model.init_continuous_batching(compile=True, block_size=4)
         blocks = manager.free_blocks
         ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
@@ -222,6 +223,8 @@ def test_compiled_decode_steps_equal_generate_alone(model, native):
     compiled = manager.runner.compiled
     assert compiled.broken is None and manager.free_blocks == blocks
     assert (compiled.steps > 10) if native else compiled.steps == 0
+    eager = "decode steps run eagerly: the compiled step attends through decodekit's C++ paged kernel"
+    assert (eager in caplog.text) is (not native)  # compile=True says when it cannot compile (CUDA, kernels off)
 
 
 @pytest.mark.parametrize("weights", [{"dtype": torch.bfloat16}, {"quantize": "int8"}], ids=["bf16", "int8"])

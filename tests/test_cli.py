@@ -130,6 +130,44 @@ def test_a_non_number_for_a_count_flag_names_what_is_expected(capsys):
     assert "argument --max-new-tokens: expected an integer >= 1, got 'abc'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["serve"], ["batch", "in.jsonl", "out.jsonl"]])
+def test_device_names_a_device_this_torch_has(no_model_loads, command, capsys):
+    """--device takes any torch device the process has; one it lacks, or no device at all, is refused before any
+    model loads, with what is there."""
+    import torch
+
+    from decodekit.cli import build_parser
+
+    assert build_parser().parse_args([*command, "--device", "cpu"]).device == "cpu"
+    assert build_parser().parse_args(command).device == "cpu"
+    for bad, says in (("cuda:99", "'cuda:99': this torch (" + torch.__version__ + ") has"), ("gpu", "'gpu' is not a torch device")):
+        if bad == "cuda:99" or not torch.cuda.is_available():
+            with pytest.raises(SystemExit):
+                main([*command, "--device", bad])
+            assert f"argument --device: {says}" in capsys.readouterr().err
+
+
+def test_generate_and_batch_load_the_model_on_the_device_given(default_model, monkeypatch, capsys):
+    """The flag reaches from_pretrained for the model, an assistant and batch's rows."""
+    from decodekit.batch import BatchSettings, RowGenerator
+    from decodekit.models.default import default_model_path
+
+    seen = []
+    load = decodekit.models.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("device"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(decodekit.models.AutoModelForCausalLM, "from_pretrained", staticmethod(recording))
+    path = str(default_model_path())
+    assert main(["generate", "Hi", "--assistant", path, "--device", "cpu", "--max-new-tokens", "2", "--no-stream"]) == 0
+    assert seen == ["cpu", "cpu"]
+    assert RowGenerator(BatchSettings(device="cpu", generation={"max_new_tokens": 2}))("Hi")["generated_token_ids"]
+    assert seen == ["cpu", "cpu", "cpu"]
+    capsys.readouterr()
+
+
 def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsys):
     from decodekit.hub_loader.source import resolve
 

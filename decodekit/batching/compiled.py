@@ -42,6 +42,11 @@ class CompiledDecode:
         self.broken: str | None = None
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
+        keys = cache.keys[0]
+        if not kernels.paged_step_ready(model, keys):
+            logger.info("continuous batching: decode steps run eagerly: the compiled step attends through decodekit's "
+                        "C++ paged kernel, which takes a float32 or bfloat16 cache on the CPU with the kernels built "
+                        "(here a %s cache on %s)", str(keys.dtype).removeprefix("torch."), keys.device)
 
     def usable(self) -> bool:
         return self.broken is None and kernels.paged_step_ready(self.model, self.cache.keys[0])

@@ -49,7 +49,7 @@ def require_ray():
 
 
 class BatchGenerator:
-    """For `map_batches`: the keyword arguments are BatchSettings' fields (model, backend, dtype, quantize,
+    """For `map_batches`: the keyword arguments are BatchSettings' fields (model, backend, dtype, quantize, device,
     method, trust_remote_code, generation, chat, prompt_key)."""
 
     def __init__(self, **settings):
@@ -88,8 +88,10 @@ def generate_on_ray(rows: list[dict], settings: BatchSettings, address: str = "l
     # number in one row and a string in another) would not fit one Arrow schema.
     key = settings.prompt_key
     dataset = ray.data.from_items([{key: row[key], ROW: json.dumps(row)} for row in rows])
+    # An actor sees a GPU only where it asks for one (Ray hides the others from it).
+    gpus = {"num_gpus": 1} if settings.device.startswith("cuda") else {}
     out = dataset.map_batches(BatchGenerator, fn_constructor_kwargs=asdict(settings), batch_size=batch_size,
-                              concurrency=concurrency, batch_format="default")
+                              concurrency=concurrency, batch_format="default", **gpus)
     for result in out.iter_rows():
         row = json.loads(result[ROW])
         if result.get(ERROR_KEY):

@@ -9,8 +9,10 @@ ratios; plus the machine's measured memory bandwidth and the bound it implies fo
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -181,7 +183,9 @@ def bench_setup(parser: argparse.ArgumentParser):
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     if getattr(args, "random_weights", False):
-        return args, random_checkpoint(Path(tempfile.mkdtemp(prefix="decodekit-bench-")), DEFAULT_SHAPE), None
+        directory = Path(tempfile.mkdtemp(prefix="decodekit-bench-"))
+        atexit.register(shutil.rmtree, directory, True)  # half a gigabyte of weights
+        return args, random_checkpoint(directory, DEFAULT_SHAPE), None
 
     from decodekit import AutoTokenizer
     from decodekit.models.default import default_model_path

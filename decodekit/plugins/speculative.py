@@ -352,7 +352,7 @@ def _draw(probs: torch.Tensor, generator) -> torch.Tensor:
 
 
 def _uniform(shape, like: torch.Tensor, generator) -> torch.Tensor:
-    """Uniforms in [0, 1) drawn from `generator` on its own device (a seed's generator is the CPU's, whatever the
-    model's device), in `like`'s dtype and on its device."""
+    """Uniforms in [0, 1) drawn from `generator` on its own device (a caller's generator may be the CPU's while the
+    model is on a GPU), in `like`'s dtype and on its device."""
     where = generator.device if generator is not None else like.device
     return torch.rand(shape, generator=generator, device=where, dtype=like.dtype).to(like.device)

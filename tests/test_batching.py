@@ -303,16 +303,20 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
 
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
-    from decodekit.kernels.linear import many_rows_routes
+    from decodekit.kernels.linear import STEP_SAMPLE, many_rows_routes
     from decodekit.kernels.packed import LAYOUT_SAMPLE
 
     # Plain weights too: a step of 17 rows or more runs on oneDNN-packed weights where packing measures faster (a
-    # close call on the AMD EPYC machine, which then ran no tiled_product here).
-    on_disk = {choices.signature(): {choices._key("float32_rows_32", many_rows_routes()): "blocks",
+    # close call on the AMD EPYC machine, which then ran no tiled_product here). The decode class's key names the
+    # sample it was measured on: without it the file held nothing for this choice, the step measured it afresh, and
+    # a CPU where the library's matmul measured fastest (the AMX Xeon) ran no tiled_product.
+    on_disk = {choices.signature(): {choices._key("float32_rows_32", many_rows_routes(), STEP_SAMPLE): "blocks",
                                      choices._key("eager_weights_float32", ("packed", "plain"), LAYOUT_SAMPLE): "plain"}}
     monkeypatch.setattr(choices, "_made", {})  # a fresh process: the choice is in the cache file only
     monkeypatch.setattr(choices, "_read", lambda: on_disk)
     monkeypatch.setattr(choices, "_write", lambda key, choice: None)
+    # Whatever is measured, the library's matmul wins, as it may on some CPU: only the cached choice is "blocks".
+    monkeypatch.setattr(choices, "fastest", lambda offered: {label: float(label != "library") for label in offered})
     fresh = tiny_model(tmp_path, "llama").eval()  # no step compiled for it yet
     from torch._dynamo.utils import counters
 
@@ -326,6 +330,53 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
             manager.runner.compiled([1] * rows, tables, [3] * rows)
     assert manager.runner.compiled.broken is None and counters["stats"]["unique_graphs"] == graphs
     assert "decodekit::tiled_product" in {event.key for event in run.key_averages()}
+
+
+def test_compiled_sampling_first_made_for_one_row_serves_steps_of_several(model):
+    # serve's default: the manager's sampling race compiled. Its first graph was made for a step with one sampled row
+    # (beside a greedy one); a later step with four sampled rows replayed it (its shape guards had been dropped) and
+    # inductor's AssertionError ended manager.run() for every client.
+    from decodekit.core.selectors import race_rows
+
+    manager = model.init_continuous_batching(compile=True, block_size=4)
+    first = [([4, 2], {"max_new_tokens": 3, "do_sample": True, "top_k": 0, "seed": 1}), ([5, 6], {"max_new_tokens": 3})]
+    later = [([i + 3, 1], {"max_new_tokens": 5, "do_sample": True, "top_k": 0, "seed": i}) for i in range(4)]
+    for batch in (first, later):
+        ids = [manager.add_request(prompt, **fields) for prompt, fields in batch]
+        manager.run(until_idle=True)
+        for (prompt, fields), rid in zip(batch, ids):
+            out = manager.get_result(rid, timeout=0)
+            assert out.status == RequestStatus.FINISHED, out.error
+            assert out.sequences == alone(model, prompt, **fields), fields
+    assert manager._race is not race_rows  # still compiled: no fallback was needed
+
+
+def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so(model, caplog):
+    # Any exception from compiled code (inductor raises AssertionErrors, not dynamo's exceptions) runs that step
+    # eagerly and is logged; the loop goes on and every request gets the tokens it gets alone.
+    from decodekit.core.selectors import race_rows
+
+    manager = model.init_continuous_batching(compile=True, block_size=4)
+
+    def broken(*args):
+        raise AssertionError("a graph replayed for the wrong shape")
+
+    manager._race = broken
+    if manager.runner.compiled is not None:
+        manager.runner.compiled._step = lambda: broken
+    requests = [([4, 2], {"max_new_tokens": 4, "do_sample": True, "top_k": 0, "seed": 2}), ([9, 9, 9], {"max_new_tokens": 5})]
+    with caplog.at_level(logging.WARNING, logger="decodekit"):
+        ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
+        manager.run(until_idle=True)
+    for (prompt, fields), rid in zip(requests, ids):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.sequences == alone(model, prompt, **fields)
+    assert manager._race is race_rows
+    assert "the compiled sampling failed (AssertionError: a graph replayed for the wrong shape)" in caplog.text
+    if manager.runner.compiled is not None and cpu.has("native_kernels"):
+        assert manager.runner.compiled.broken == "AssertionError: a graph replayed for the wrong shape"
+        assert "the compiled decode step failed" in caplog.text
 
 
 def test_warm_up_writes_every_page_of_the_cache_before_any_step(model):

@@ -71,10 +71,11 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(tensor, dim)
         try:
             logits = self._step()(ids, position, slots, table, self.cache.keys, self.cache.values)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            self.broken = str(error).splitlines()[0]
-            logger.info("continuous batching: the compiled decode step did not compile (%s); steps run eagerly",
-                        self.broken)
+        except Exception as error:  # not only dynamo's: inductor raises AssertionErrors and the like
+            # The eager step that follows raises again where the fault is the step's inputs, and fails only the
+            # requests concerned; a compiled graph that raised once is not run again.
+            self.broken = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            logger.warning("continuous batching: the compiled decode step failed (%s); steps run eagerly", self.broken)
             return None
         return logits[:rows]
 

@@ -151,7 +151,10 @@ class ContinuousBatchingManager:
         self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
         # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V]
         # (22 ms a step of 32 rows of the default model); compiled, one.
-        self._race = race_rows if compile_options is None else compile_own(race_rows, {"dynamic": True})
+        # Every guard kept: with the steps' filter (argument_guards_only, which knows none of race_rows' argument
+        # names) a graph specialised to one sampled row was replayed for several and inductor raised.
+        self._race = (race_rows if compile_options is None
+                      else compile_own(race_rows, {"dynamic": True}, guard_filter=None))
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._cancels: set[str] = set()
@@ -412,13 +415,15 @@ class ContinuousBatchingManager:
         return True
 
     def _select_together(self, requests: list, logits: dict) -> dict:
+        if self._race is race_rows:
+            return select_together(requests, logits, race_rows)
         try:
             return select_together(requests, logits, self._race)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            logger.info("continuous batching: the compiled sampling did not compile (%s); it runs eagerly",
-                        str(error).splitlines()[0])
+        except Exception as error:  # inductor's own failures are AssertionErrors and the like, not dynamo's
+            logger.warning("continuous batching: the compiled sampling failed (%s: %s); it runs eagerly from now on",
+                           type(error).__name__, (str(error).splitlines() or [""])[0])
             self._race = race_rows
-            return select_together(requests, logits, self._race)
+            return select_together(requests, logits, race_rows)
 
     def _forward(self, works: list) -> dict[str, torch.Tensor]:
         """The step's logits. If the shared forward fails, each work runs alone (a work's positions are written

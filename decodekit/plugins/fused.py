@@ -226,12 +226,12 @@ def uses_inductor(compile_config: dict) -> bool:
     return compile_config.get("backend", "inductor") == "inductor"
 
 
-def compile_arguments(options: dict) -> dict:
+def compile_arguments(options: dict, guard_filter=argument_guards_only) -> dict:
     """torch.compile's keyword arguments for a step from compile_config (plus fullgraph/dynamic defaults).
 
     torch.compile takes `mode` or `options`, not both; for inductor a mode is only a set of options, so it
-    is merged with the step's own options, then compile_config's `options` (which win), and the guard
-    filter. Another backend with a mode gets the mode alone.
+    is merged with the step's own options, then compile_config's `options` (which win), and `guard_filter`
+    (None: dynamo keeps every guard). Another backend with a mode gets the mode alone.
     """
     args = dict(options)
     mode = args.pop("mode", None)
@@ -239,11 +239,11 @@ def compile_arguments(options: dict) -> dict:
     if uses_inductor(args):
         from torch._inductor import list_mode_options
 
-        inductor = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS, **own}
-        return {**args, "options": {**inductor, "guard_filter_fn": argument_guards_only}}
-    if mode is not None:
+        own = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS, **own}
+    elif mode is not None:
         return {**args, "mode": mode}
-    return {**args, "options": {**own, "guard_filter_fn": argument_guards_only}}
+    filtered = {} if guard_filter is None else {"guard_filter_fn": guard_filter}
+    return {**args, "options": {**own, **filtered}}
 
 
 class FusedStep:
@@ -297,14 +297,15 @@ def replays_graphs(options: dict) -> bool:
                 or args.get("mode") in ("reduce-overhead", "max-autotune"))
 
 
-def compile_own(step, options: dict):
+def compile_own(step, options: dict, guard_filter=argument_guards_only):
     """torch.compile(step) (options: compile_config, see compile_arguments) on a code object of its own: dynamo
     counts recompilations per code object, and a long-lived process with many steps would otherwise hit its
-    limit."""
+    limit. `guard_filter` as in compile_arguments: a function whose arguments are not the steps' (STEP_ARGUMENTS)
+    and that holds no weights passes None, so its graphs stay guarded on the shapes they were specialised to."""
     compile_own.made += 1
     code = step.__code__.replace(co_name=f"decodekit_step_{compile_own.made}")
     own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-    return torch.compile(own, **compile_arguments(options))
+    return torch.compile(own, **compile_arguments(options, guard_filter))
 
 
 compile_own.made = 0

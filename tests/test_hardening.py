@@ -72,21 +72,51 @@ def test_sourceless_bytecode_and_native_extensions_are_refused(model, tmp_path, 
         run(model, repo)
 
 
-def test_a_symlinked_folder_is_read_hashed_and_listed_so_a_pin_holds(model, tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "__init__.py").write_text("")
-    (outside / "value.py").write_text("MARK = 'first'\n")
+def test_a_symlinked_folder_inside_the_method_is_read_hashed_and_listed_so_a_pin_holds(model, tmp_path):
     repo = write_method(tmp_path / "m", "from .shared.value import MARK\n\ndef generate(model, input_ids, **kw):\n    return MARK\n")
-    (repo / "custom_generate" / "shared").symlink_to(outside, target_is_directory=True)
+    inside = repo / "custom_generate" / "real"
+    inside.mkdir()
+    (inside / "__init__.py").write_text("")
+    (inside / "value.py").write_text("MARK = 'first'\n")
+    (repo / "custom_generate" / "shared").symlink_to(inside, target_is_directory=True)
     with pytest.raises(UntrustedCodeError) as refused:
         run(model, repo, trust=None)
-    assert "shared/value.py  sha256:" in str(refused.value) and f"a link to {outside / 'value.py'}" in str(refused.value)
+    assert "shared/value.py  sha256:" in str(refused.value) and f"a link to {inside / 'value.py'}" in str(refused.value)
     pin = load_method(str(repo), True).source.revision
     assert run(model, repo, trust=pin) == "first"
-    (outside / "value.py").write_text("MARK = 'second'\n")  # the target changes under the same pin
+    (inside / "value.py").write_text("MARK = 'second'\n")  # the target changes under the same pin
     with pytest.raises(UntrustedCodeError, match="changed since you pinned it"):
         run(model, repo, trust=pin)
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_link_that_leads_out_of_the_method_folder_is_refused_before_it_is_read(model, tmp_path, kind, monkeypatch):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "value.py").write_text("MARK = 'outside'\n")
+    repo = versioned(tmp_path / "m", "source")
+    link = repo / "custom_generate" / ("shared" if kind == "folder" else "value.py")
+    link.symlink_to(outside if kind == "folder" else outside / "value.py", target_is_directory=kind == "folder")
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    for trust in (None, True):
+        with pytest.raises(MethodFilesError, match=re.escape(f"custom_generate/{link.name} is a symlink to ")
+                           + r".*leads out of the method's folder"):
+            run(model, repo, trust=trust)
+    assert not [path for path in opened if "outside" in path]
+
+
+@pytest.mark.parametrize("target", ["/proc/self/environ", "/proc/kmsg"])
+def test_a_link_into_proc_is_refused_at_once_with_or_without_trust(model, tmp_path, target):
+    # Before: /proc/self/environ was read, hashed and copied into the snapshot; /proc/kmsg blocked load_method.
+    repo = versioned(tmp_path / "m", "source")
+    (repo / "custom_generate" / "data.txt").symlink_to(target)
+    for trust in (None, True):
+        started = time.monotonic()
+        with pytest.raises(MethodFilesError, match=r"custom_generate/data\.txt is a symlink to /proc/"):
+            run(model, repo, trust=trust)
+        assert time.monotonic() - started < 30  # a bound on a hang, far above the call's own time
 
 
 def test_a_symlink_loop_is_refused(model, tmp_path):
@@ -113,6 +143,58 @@ def test_an_absolute_import_of_custom_generate_is_refused_and_flagged_by_check(m
     assert [str(p) for p in check_repo(repo)] == [
         "custom_generate/generate.py:1: imports custom_generate absolutely, which Python finds on sys.path rather than "
         "in the checked copy (decodekit refuses it); import siblings relatively: `from . import helper`"]
+
+
+@pytest.mark.parametrize("statement", [
+    "helper = importlib.import_module('custom_generate.helper')",
+    "helper = __import__('custom_generate.helper', fromlist=['MARK'])",
+    "space = {}\n    exec('import custom_generate.helper as helper', space)\n    helper = space['helper']",
+    "import helper"], ids=["import_module", "__import__", "exec", "bare"])
+def test_an_import_at_run_time_never_loads_the_original_folder_or_its_bytecode(model, tmp_path, monkeypatch, statement):
+    # The static check sees only import statements of custom_generate. Under a valid pin, a forged helper.pyc in
+    # the original folder's __pycache__ ran when the method reached its sibling by any of these at run time.
+    body = f"import importlib\n\ndef generate(model, input_ids, **kw):\n    {statement}\n    return helper.MARK\n"
+    repo = write_method(tmp_path / "m", body, extra={"helper.py": "MARK = 'helper'\n"})
+    (repo / "custom_generate" / "__init__.py").write_text("")
+    forged = tmp_path / "forged.py"
+    forged.write_text("MARK = 'forged bytecode'\n")
+    cache = repo / "custom_generate" / "__pycache__"
+    cache.mkdir()
+    py_compile.compile(str(forged), cfile=str(cache / f"helper.{sys.implementation.cache_tag}.pyc"),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    monkeypatch.syspath_prepend(str(repo / "custom_generate" if statement == "import helper" else repo))
+    for name in ("custom_generate", "custom_generate.helper", "helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    pin = load_method(str(repo), True).source.revision
+    with pytest.raises(ImportError, match=r"imports '(custom_generate(\.helper)?|helper)' at run time.*original folder"
+                                          r".*`from \. import helper`"):
+        run(model, repo, trust=pin)
+    assert not {"custom_generate.helper", "helper"} & set(sys.modules)  # nothing of the original folder was loaded
+    # Code that is not a method's imports the folder as before: the guard speaks for methods only.
+    import importlib
+
+    assert importlib.import_module("helper" if statement == "import helper" else "custom_generate.helper").MARK
+
+
+def test_threads_loading_the_same_new_method_at_once_all_get_the_whole_module(model, tmp_path):
+    # Seven of eight threads used to get the module while the first still executed it (AttributeError: generate).
+    repo = write_method(tmp_path / "m", "import time\ntime.sleep(0.3)\n\ndef generate(model, input_ids, **kw):\n"
+                                         "    return 'whole'\n")
+    results, start = [], threading.Barrier(8)
+
+    def load():
+        start.wait()
+        try:
+            results.append(run(model, repo))
+        except Exception as error:  # noqa: BLE001 - the test reports what a thread saw
+            results.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == ["whole"] * 8
 
 
 def test_folders_nested_past_the_limit_are_refused_at_once(model, tmp_path):
@@ -146,8 +228,8 @@ def test_too_many_files_are_refused_before_any_is_copied(model, tmp_path):
         run(model, repo)
 
 
-@pytest.mark.parametrize("target, words", [("/sys/kernel", "links to /sys/kernel, a system folder"),
-                                           ("/dev/zero", "is a symlink to /dev/zero, which is not a regular file"),
+@pytest.mark.parametrize("target, words", [("/sys/kernel", "is a symlink to /sys/kernel, which leads out of"),
+                                           ("/dev/zero", "is a symlink to /dev/zero, which leads out of"),
                                            ("/no/such/file", "is a symlink to /no/such/file, which does not exist")],
                          ids=["sys-folder", "device", "missing"])
 def test_links_out_to_system_folders_and_devices_get_their_own_message(model, tmp_path, target, words):

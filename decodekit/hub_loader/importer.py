@@ -1,7 +1,14 @@
 """Importing custom_generate/ as a real package, so relative imports work at any depth.
 
 Each (source, revision, content) gets its own package name, so two methods never collide, and
-the same one is imported once per process.
+the same one is imported once per process (under a lock: a thread that asks while another imports it waits
+for the whole module, never sees it half-executed).
+
+Only the snapshot's sources run (snapshot.py). A method cannot reach back into the folder it was read from:
+absolute imports of `custom_generate` are refused in its source (check_imports), and at run time an import
+made by a method's code (`importlib.import_module`, `__import__`, `exec`, a bare `import helper`) that Python
+would find in a loaded method's original folder, where bytecode in `__pycache__` was never hashed, raises
+ImportError instead (OriginalFolderGuard, on sys.meta_path once a method is imported).
 """
 
 from __future__ import annotations
@@ -9,21 +16,76 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import re
 import sys
+import threading
 from types import ModuleType
 
-from .source import MethodSource
+from .source import METHOD_DIR, MethodSource
 from .trust import content_hash
+
+PACKAGE_PREFIX = "_decodekit_method_"
+SIBLINGS_HINT = "import siblings relatively: `from . import helper`"
+
+
+class OriginalFolderGuard(importlib.abc.MetaPathFinder):
+    """Refuses imports made by a method's code that would load from a loaded method's original folder (its real
+    path), where a `__pycache__` nobody hashed sits beside the sources; every other import passes untouched."""
+
+    def __init__(self) -> None:
+        self.originals: dict[str, str] = {}  # real path of an original custom_generate/ -> the method's label
+
+    def find_spec(self, name, path=None, target=None):
+        if not self.originals or name.startswith(PACKAGE_PREFIX) or not _imported_by_method():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        places = [spec.origin] if spec.origin else []
+        places += list(spec.submodule_search_locations or [])
+        for place in places:
+            real = os.path.realpath(place)
+            for folder, label in self.originals.items():
+                if real == folder or real.startswith(folder + os.sep):
+                    raise ImportError(
+                        f"custom_generate of `{label}` imports {name!r} at run time, which Python would load from the "
+                        f"method's original folder ({folder}) and its unhashed __pycache__, not from the copy decodekit "
+                        f"checked; {SIBLINGS_HINT}.", name=name)
+        return None
+
+
+def _imported_by_method() -> bool:
+    """Whether the import under way was asked for by a method's code: the first frame outside the import machinery
+    that names its module (exec'd code with bare globals does not) belongs to a method's package."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__")
+        if module and module != __name__ and not module.startswith(("importlib", "_frozen_importlib")):
+            return module.startswith(PACKAGE_PREFIX)
+        frame = frame.f_back
+    return False
+
+
+_guard = OriginalFolderGuard()
+_lock = threading.RLock()
+
+
+def guard_original(source: MethodSource) -> None:
+    """Puts `source`'s original custom_generate/ under the guard (installed on first use)."""
+    _guard.originals[os.path.realpath(source.root / METHOD_DIR)] = source.label
+    if _guard not in sys.meta_path:
+        sys.meta_path.insert(0, _guard)
 
 
 def package_name(source: MethodSource) -> str:
     key = f"{source.kind}\0{source.label}\0{source.revision}\0{content_hash(list(source.files))}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     slug = re.sub(r"\W+", "_", source.label).strip("_")[-40:] or "method"
-    return f"_decodekit_method_{slug}_{digest}"
+    return f"{PACKAGE_PREFIX}{slug}_{digest}"
 
 
 def absolute_self_imports(text: str) -> list[int]:
@@ -53,17 +115,22 @@ def check_imports(source: MethodSource) -> None:
                 raise MethodFilesError(
                     f"`{source.label}`: custom_generate/{name}:{lines[0]} imports custom_generate absolutely. Python "
                     "finds that name on sys.path (the original folder, and bytecode beside it that was never hashed), "
-                    "not in the copy decodekit checked; import siblings relatively: `from . import helper`.")
+                    f"not in the copy decodekit checked; {SIBLINGS_HINT}.")
 
 
 def import_generate_module(source: MethodSource) -> ModuleType:
     """custom_generate/generate.py of `source`, imported as `<unique package>.generate`."""
     pkg = package_name(source)
     name = f"{pkg}.generate"
-    if name in sys.modules:
-        return sys.modules[name]
-    check_imports(source)
-    method_dir = source.method_dir
+    with _lock:
+        if name in sys.modules:
+            return sys.modules[name]
+        check_imports(source)
+        guard_original(source)
+        return _import_package(pkg, name, source.method_dir)
+
+
+def _import_package(pkg: str, name: str, method_dir) -> ModuleType:
     init = method_dir / "__init__.py"
     if init.is_file():
         spec = importlib.util.spec_from_file_location(pkg, init, submodule_search_locations=[str(method_dir)])

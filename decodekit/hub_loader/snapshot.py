@@ -4,16 +4,19 @@ is what the trust gate checks and what gets imported.
 So the code that runs is byte for byte the code that was hashed: a file changed after the read (by an
 editor, a `git checkout`, another process) reaches neither the hash of this call nor its import. What is
 read, and what is refused:
-- every file under custom_generate/, symlinks followed (a symlinked file or folder is read through its link,
-  and the listing shows where it points; a link loop is refused);
+- every file under custom_generate/; a symlink only where it stays inside custom_generate/ (the listing shows
+  where it points) or, for a Hub download, leads into that repository's own blob store, where huggingface_hub
+  keeps the files its snapshot links to. Any other link, to a file or a folder, is refused before anything is
+  read through it: a link to /proc/self/environ would be hashed and copied, one to /proc/kmsg would block the
+  read; a link loop is refused too;
 - `__pycache__/` folders are skipped: the snapshot is imported from its own source, so no bytecode that
   came with the method ever runs;
 - bytecode without its source (.pyc, .pyo) and native extensions (.so, .pyd, .dylib, .dll) are refused:
   they cannot be reviewed, and a hash of them says nothing about what they do;
 - a file over MAX_FILE_BYTES, or files over MAX_TOTAL_BYTES together, are refused before they are read
   whole (DECODEKIT_MAX_METHOD_BYTES raises the total); so are more than MAX_FILES files, folders nested deeper
-  than MAX_DEPTH, a link to something that is not a regular file or folder (a device, a fifo), a folder that
-  links into /proc, /sys or /dev, and a folder that cannot be read (each with a sentence naming it);
+  than MAX_DEPTH, a link to something that is not a regular file or folder (a device, a fifo), and a folder
+  that cannot be read (each with a sentence naming it);
 - a Python file that imports `custom_generate` absolutely (`from custom_generate import helper`) is refused:
   that name is looked up on sys.path, i.e. in the original folder and its unhashed `__pycache__`, not in the
   snapshot; a sibling is imported relatively (`from . import helper`), as transformers requires too.
@@ -43,7 +46,6 @@ REFUSED_SUFFIXES = {".pyc": "bytecode", ".pyo": "bytecode", ".so": "a native ext
 SKIPPED_DIRS = {"__pycache__"}
 MAX_FILES = 1000
 MAX_DEPTH = 32
-PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
 class MethodFilesError(UntrustedCodeError):
@@ -60,9 +62,31 @@ def max_total_bytes() -> int:
     return int(value)
 
 
-def _walk(method_dir: Path, label: str):
-    """(relative posix name, path) of every file to read, sorted, symlinked folders followed once. Iterative, so
-    depth is a limit of ours (MAX_DEPTH), not Python's recursion limit."""
+def _inside(real: str, roots: tuple[str, ...]) -> bool:
+    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+def _check_link(entry: os.DirEntry, name: str, label: str, roots: tuple[str, ...]) -> None:
+    """MethodFilesError unless the symlink `entry` (custom_generate/`name`) leads to an existing regular file or
+    folder inside `roots`; decided from the link and the target's metadata, before anything is opened."""
+    target, real = os.readlink(entry.path), os.path.realpath(entry.path)
+    if not os.path.exists(entry.path):
+        why = "which does not exist"
+    elif not _inside(real, roots):
+        why = (f"which leads out of the method's folder (to {real}); a method's files must be its own: copy what it "
+               "needs into custom_generate/")
+    elif not (entry.is_file() or entry.is_dir()):
+        why = "which is not a regular file (a device, fifo or socket)"
+    else:
+        return
+    raise MethodFilesError(f"`{label}`: custom_generate/{name} is a symlink to {target}, {why}.")
+
+
+def _walk(method_dir: Path, label: str, allowed: tuple[str, ...] = ()):
+    """(relative posix name, path) of every file to read, sorted, symlinked folders inside the method's folder (or
+    `allowed`, real paths) followed once, every other link refused. Iterative, so depth is a limit of ours
+    (MAX_DEPTH), not Python's recursion limit."""
+    roots = (os.path.realpath(method_dir), *allowed)
     found = []
     stack = [(method_dir, "", (), 0)]  # (folder, its name under custom_generate/, real paths above it, depth)
     while stack:
@@ -74,9 +98,6 @@ def _walk(method_dir: Path, label: str):
         if depth > MAX_DEPTH:
             raise MethodFilesError(f"`{label}`: custom_generate/{prefix} nests folders more than {MAX_DEPTH} deep; a "
                                    "method's folder may not.")
-        if depth and real.startswith(PSEUDO_FILESYSTEMS) and real.split("/")[1] in {"proc", "sys", "dev"}:
-            raise MethodFilesError(f"`{label}`: custom_generate/{prefix.rstrip('/')} links to {real}, a system folder; "
-                                   "a method's files must be its own.")
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as error:
@@ -85,16 +106,13 @@ def _walk(method_dir: Path, label: str):
         subfolders = []
         for entry in entries:
             name = prefix + entry.name
+            if entry.is_symlink():
+                _check_link(entry, name, label, roots)
             if entry.is_dir():  # follows a symlinked folder
                 if entry.name not in SKIPPED_DIRS:
                     subfolders.append((Path(entry.path), name + "/", above + (real,), depth + 1))
                 continue
             if not entry.is_file():
-                if entry.is_symlink():
-                    target = os.readlink(entry.path)
-                    why = "which does not exist" if not os.path.exists(entry.path) else \
-                        "which is not a regular file (a device, fifo or socket)"
-                    raise MethodFilesError(f"`{label}`: custom_generate/{name} is a symlink to {target}, {why}.")
                 continue  # sockets, fifos: nothing Python imports
             why = REFUSED_SUFFIXES.get(Path(entry.name).suffix.lower())
             if why is not None:
@@ -124,8 +142,8 @@ class _Snapshots:
             atexit.register(_remove, self._root)
         return self._root
 
-    def take(self, method_dir: Path, label: str, show_links: bool):
-        files = _walk(method_dir, label)
+    def take(self, method_dir: Path, label: str, show_links: bool, allowed: tuple[str, ...] = ()):
+        files = _walk(method_dir, label, allowed)
         limit_total, total = max_total_bytes(), 0
         for name, path in files:  # sizes first: a refusal reads nothing
             size = path.stat().st_size
@@ -194,8 +212,9 @@ def _remove(folder: Path) -> None:
 _snapshots = _Snapshots()
 
 
-def take_snapshot(method_dir: Path, label: str, show_links: bool = True):
+def take_snapshot(method_dir: Path, label: str, show_links: bool = True, allowed: tuple[str, ...] = ()):
     """Reads `method_dir` once into a read-only snapshot. Returns (snapshot folder, ((name, sha256), ...),
     {name: where a symlinked file really is}, content hash). The snapshot folder holds the files under their
-    names; the same content taken twice in a process gives the same folder."""
-    return _snapshots.take(Path(method_dir), label, show_links)
+    names; the same content taken twice in a process gives the same folder. `allowed`: folders (real paths)
+    besides `method_dir` that its symlinks may lead into."""
+    return _snapshots.take(Path(method_dir), label, show_links, allowed)

@@ -44,8 +44,10 @@ def from_directory(root: Path, label: str, kind: str, revision: str | None = Non
     """A source already on disk, read once into its snapshot (snapshot.py); `revision` defaults to the
     content hash of what was read."""
     _check_layout(root, label)
-    # Hub cache files are symlinks into its blob store: where they point says nothing to a reviewer.
-    snapshot, files, links, digest = take_snapshot(root / METHOD_DIR, label, show_links=kind != "hub")
+    # Hub cache files are symlinks into its blob store (<repo>/blobs beside <repo>/snapshots/<sha>): where they point
+    # says nothing to a reviewer, and that store is the only place outside custom_generate/ a link may lead.
+    blobs = (os.path.realpath(root.parent.parent / "blobs"),) if kind == "hub" else ()
+    snapshot, files, links, digest = take_snapshot(root / METHOD_DIR, label, show_links=kind != "hub", allowed=blobs)
     return MethodSource(label, kind, root, revision or digest, files, snapshot, links)
 
 

@@ -496,10 +496,101 @@ def test_scores_no_token_can_come_from_are_an_error_naming_the_processors(model,
     def spoils_at_the_third_step(input_ids, scores):
         return torch.full_like(scores, fill) if input_ids.shape[1] >= PROMPT.shape[1] + 2 else scores
 
+    baseline = model.generate(PROMPT, max_new_tokens=5)
     decodekit.register(processor_plugin(processor=spoils_at_the_third_step), name="spoils")
-    with pytest.raises(PluginError, match=rf"the scores are {re.escape(words)} in row 0 at position 4 after the logits "
-                                          r"processors .*spoils_at_the_third_step of plugin 'spoils'"):
+    with pytest.raises(PluginError, match=r"the logits processor spoils_at_the_third_step of plugin 'spoils' left the "
+                                          rf"scores {re.escape(words)} in row 0 at position 4"):
         model.generate(PROMPT, max_new_tokens=5)  # before: token 0, silently
+    # Disabled as a processor that raises is (before: named at every call, never disabled).
+    assert manager.get_plugin_manager().get_plugin("spoils") is None
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=5), baseline)
+
+
+def test_scores_a_builtin_left_unusable_still_name_every_processor(model, clean_manager):
+    # Built-in processors are not disabled: the user's own values did it (every token banned here).
+    with pytest.raises(PluginError, match=r"the scores are -inf for every token in row 0 at position 2 after the logits "
+                                          r"processors \[.the logits processor NoBadWordsLogitsProcessor"):
+        model.generate(PROMPT, max_new_tokens=2, bad_words_ids=[[t] for t in range(8)])
+
+
+def test_a_processor_raising_system_exit_fails_its_call_alone_and_is_disabled(model, clean_manager):
+    def exits(input_ids, scores):
+        raise SystemExit(3)
+
+    baseline = model.generate(PROMPT, max_new_tokens=3)
+    decodekit.register(processor_plugin(processor=exits), name="exits")
+    with pytest.raises(PluginError, match=r"the logits processor exits of plugin 'exits' at position 2 raised "
+                                          r"SystemExit\(3\)"):
+        model.generate(PROMPT, max_new_tokens=3)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=3), baseline)  # before: SystemExit at every later call
+    assert manager.get_plugin_manager().get_plugin("exits") is None
+
+
+def test_a_processor_refusing_the_calls_values_with_value_error_is_not_disabled(model, clean_manager):
+    # A ValueError says the call's own values are invalid: one client's bad field must not disable the plugin for all.
+    def picky(input_ids, scores):
+        if input_ids.shape[1] > 2:
+            raise ValueError("this call's values are invalid")
+        return scores
+
+    decodekit.register(processor_plugin(processor=picky), name="picky")
+    with pytest.raises(ValueError, match="this call's values are invalid"):
+        model.generate(PROMPT, max_new_tokens=3)
+    assert manager.get_plugin_manager().get_plugin("picky") is not None
+
+
+def criterion_plugin(criterion):
+    return type("Stops", (), {"decodekit_stopping_criteria": staticmethod(decodekit.hookimpl(lambda: [criterion]))})
+
+
+def one_for_all(input_ids, scores):
+    return torch.tensor([input_ids[0, -1] == 3])
+
+
+def of_longs(input_ids, scores):
+    return torch.zeros(input_ids.shape[0], dtype=torch.long)
+
+
+def exits(input_ids, scores):
+    raise SystemExit("stop")
+
+
+@pytest.mark.parametrize("criterion, words", [
+    (one_for_all, r"returned a torch.bool tensor of shape \(1,\) on cpu at position 3; a criterion returns done "
+                  r"\[batch\] = \[2\]"),
+    (of_longs, r"returned a torch.int64 tensor of shape \(2,\)"),
+    (exits, r"at position 3 raised SystemExit\(stop\)")], ids=["one-for-all", "longs", "system-exit"])
+def test_a_stopping_criterion_of_the_wrong_shape_or_raising_names_its_plugin_and_is_disabled(
+        model, clean_manager, criterion, words):
+    # Before: a [1] tensor was broadcast and stopped the row it never judged, in every later call too.
+    batch = torch.tensor([[1, 2], [5, 6]])
+    baseline = model.generate(batch, max_new_tokens=4)
+    decodekit.register(criterion_plugin(criterion), name="stops")
+    with pytest.raises(PluginError, match=rf"the stopping criterion {criterion.__name__} of plugin 'stops' {words}"):
+        model.generate(batch, max_new_tokens=4)
+    record = next(r for r in manager.plugin_records() if r.name == "stops")
+    assert record.error.startswith("disabled after a stopping criterion raised")
+    assert torch.equal(model.generate(batch, max_new_tokens=4), baseline)
+
+
+def test_a_stopping_criterion_passed_to_generate_is_named_as_such(model, clean_manager):
+    with pytest.raises(PluginError, match=r"the stopping criterion one_for_all of stopping_criteria \(passed to "
+                                          r"generate\) returned a torch.bool tensor of shape \(1,\)"):
+        model.generate(torch.tensor([[1, 2], [5, 6]]), max_new_tokens=4, stopping_criteria=[one_for_all])
+    # One Python bool for every row, as transformers' older criteria return, is accepted.
+    out = model.generate(PROMPT, max_new_tokens=4, stopping_criteria=[lambda ids, scores: ids.shape[1] >= 4])
+    assert out.shape == (1, 4)
+
+
+def test_a_plugin_disabled_after_failing_can_be_unregistered_by_its_name(model, clean_manager):
+    decodekit.register(processor_plugin(processor=one_row), name="shapes")
+    with pytest.raises(PluginError):
+        model.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=2)
+    assert "shapes" in {r.name for r in manager.plugin_records()}
+    decodekit.unregister("shapes")  # before: "No plugin named 'shapes' is registered"
+    assert "shapes" not in {r.name for r in manager.plugin_records()}
+    with pytest.raises(ValueError, match="No plugin named 'shapes' is registered"):
+        decodekit.unregister("shapes")
 
 
 def test_a_selector_that_goes_wrong_after_the_first_step_names_its_plugin(model, clean_manager):

@@ -56,9 +56,9 @@ def build_pipeline(generation_config, context, logits_processor=None, stopping_c
         processors.extend_from(owner, contributed)
     processors.extend_from("logits_processor (passed to generate)", logits_processor or ())
     criteria = StoppingCriteriaList()
-    for _, contributed in call_hooks("decodekit_stopping_criteria", **hook_args):
-        criteria.extend(contributed)
-    criteria.extend(stopping_criteria or ())
+    for owner, contributed in call_hooks("decodekit_stopping_criteria", **hook_args):
+        criteria.extend_from(owner, contributed)
+    criteria.extend_from("stopping_criteria (passed to generate)", stopping_criteria or ())
     owner, selector = call_first("decodekit_token_selector", **hook_args)
     if selector is None:
         raise ValueError(

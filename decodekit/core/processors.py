@@ -16,7 +16,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, failed_at_run_time
+from ..registry.manager import PluginError, failed_at_run_time, isolated
 
 NEG_INF = -math.inf
 
@@ -41,6 +41,9 @@ class LogitsProcessorList(list):
         super().__init__(*args)
         self.owners: dict[int, str] = {}
         self.checked = False
+        # Eager calls only: after each processor of a plugin that a failure disables, the rows it left unusable
+        # (a mask, no synchronisation), so check_scores can name and disable the processor that banned every token.
+        self.left_unusable: list[tuple[object, torch.Tensor]] = []
 
     def extend_from(self, owner: str, processors) -> None:
         processors = list(processors)
@@ -59,19 +62,36 @@ class LogitsProcessorList(list):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         check = not torch.compiler.is_compiling()
         processor = None
+        if check:
+            self.left_unusable = []
         try:
             for processor in self:
                 given = scores
                 scores = processor(input_ids, scores)
                 if check:
                     self._check_output(processor, given, scores, input_ids.shape[-1])
-        except Exception as error:
-            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
-                error.add_note(f"(raised by {self.describe(processor)} at position {input_ids.shape[-1]})")
+                    if isolated(self.owner_of(processor)):
+                        self.left_unusable.append((processor, unusable_rows(scores)))
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as error:  # SystemExit from a processor is its failure too, never the process's
+            where = f"{self.describe(processor)} at position {input_ids.shape[-1]}"
             failed_at_run_time(self.owner_of(processor), "a logits processor", error)
+            if not isinstance(error, Exception):
+                raise PluginError(f"{where} raised {type(error).__name__}({error}); a processor returns scores") \
+                    from error
+            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
+                error.add_note(f"(raised by {where})")
             raise
         self.checked = True
         return scores
+
+    def blame_unusable(self, bad: torch.Tensor) -> object | None:
+        """The first processor of an isolated plugin that left one of the `bad` rows unusable (see left_unusable)."""
+        for processor, unusable in getattr(self, "left_unusable", ()):
+            if bool((unusable & bad).any()):
+                return processor
+        return None
 
     def _check_output(self, processor, given: torch.Tensor, out, position: int) -> None:
         shape, dtype, device = tuple(given.shape), given.dtype, given.device
@@ -103,6 +123,13 @@ def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinish
     if not len(processors):
         raise RuntimeError(f"the model's logits are {what} in row {row} at position {position}: check the weights and "
                            "the dtype (float16 overflows on some models; try bfloat16 or float32).")
+    culprit = processors.blame_unusable(bad) if isinstance(processors, LogitsProcessorList) else None
+    if culprit is not None:  # a plugin's processor did it: that plugin is disabled, as when it raises
+        error = PluginError(f"{processors.describe(culprit)} left the scores {what} in row {row} at position "
+                            f"{position}; no token can be chosen from them. A processor that bans tokens must leave "
+                            "at least one allowed.")
+        failed_at_run_time(processors.owner_of(culprit), "a logits processor", error)
+        raise error
     raise PluginError(f"the scores are {what} in row {row} at position {position} after the logits processors "
                       f"{[processors.describe(p) for p in processors]}; no token can be chosen from them. A processor "
                       "that bans tokens must leave at least one allowed.")

@@ -20,12 +20,55 @@ class StoppingCriteria(Protocol):
 
 
 class StoppingCriteriaList(list):
-    """Done where any of its criteria is done."""
+    """Done where any of its criteria is done.
+
+    Each criterion may be tagged with the plugin that contributed it (`extend_from`). Eager calls check what each
+    returns (a bool tensor [batch] on the ids' device, or one Python bool for every row, as transformers' older
+    criteria return): a tensor of another shape would be broadcast and stop rows it never judged. A wrong output or
+    an exception raises PluginError naming the criterion, its plugin and the position, and an installed or
+    run-time plugin is disabled for the process (registry.failed_at_run_time), as a processor's is.
+    """
+
+    def extend_from(self, owner: str, criteria) -> None:
+        criteria = list(criteria)
+        self.extend(criteria)
+        self.__dict__.setdefault("owners", {}).update((id(c), owner) for c in criteria)
+
+    def describe(self, criterion) -> str:
+        owner = self.__dict__.get("owners", {}).get(id(criterion))
+        name = getattr(criterion, "__name__", None) or type(criterion).__name__
+        return f"the stopping criterion {name}" + (f" of {owner}" if owner and "(" in owner else
+                                                   f" of plugin {owner!r}" if owner else "")
 
     def __call__(self, input_ids, scores):
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        from ..registry.manager import PluginError, failed_at_run_time
+
+        B = input_ids.shape[0]
+        check = not torch.compiler.is_compiling()
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for criterion in self:
-            done = done | criterion(input_ids, scores)
+            try:
+                said = criterion(input_ids, scores)
+                if check and not isinstance(said, bool):
+                    ok = (isinstance(said, torch.Tensor) and tuple(said.shape) == (B,) and said.dtype == torch.bool
+                          and said.device == input_ids.device)
+                    if not ok:
+                        got = (f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
+                               if isinstance(said, torch.Tensor) else type(said).__name__)
+                        raise PluginError(f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
+                                          f"; a criterion returns done [batch] = [{B}], a bool tensor on "
+                                          f"{input_ids.device}.")
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as error:  # SystemExit from a criterion is its failure, never the process's
+                where = f"{self.describe(criterion)} at position {input_ids.shape[-1]}"
+                failed_at_run_time(self.__dict__.get("owners", {}).get(id(criterion)), "a stopping criterion", error)
+                if not isinstance(error, Exception):
+                    raise PluginError(f"{where} raised {type(error).__name__}({error})") from error
+                if not isinstance(error, PluginError) and hasattr(error, "add_note"):
+                    error.add_note(f"(raised by {where})")
+                raise
+            done = done | said
         return done
 
     @property

@@ -226,11 +226,19 @@ def _in_call_order(caller, hook_name: str) -> list[Any]:
     return impls[::-1]
 
 
+def isolated(name: str | None) -> bool:
+    """Whether a failure of plugin `name`'s processor, selector or criterion would disable it (failed_at_run_time):
+    an installed or run-time plugin, outside DECODEKIT_STRICT_PLUGINS."""
+    return not (name is None or name in _propagating or name in {n for n, _ in _call_plugins.get()} or _strict())
+
+
 def failed_at_run_time(name: str | None, what: str, error: BaseException) -> bool:
     """A plugin's processor or selector failed during generation (raised, or gave a wrong output): an installed or
     run-time plugin is disabled, as when one of its hooks raises, so later calls run without it; a built-in, a
-    call's method, or any plugin under DECODEKIT_STRICT_PLUGINS is not. Returns whether it was disabled."""
-    if name is None or name in _propagating or name in {n for n, _ in _call_plugins.get()} or _strict():
+    call's method, or any plugin under DECODEKIT_STRICT_PLUGINS is not; nor is a ValueError a failure, which says
+    the call's own values are invalid (as a hook's does): one client's bad field must not take a plugin from every
+    later one. Returns whether it was disabled."""
+    if not isolated(name) or isinstance(error, ValueError):
         return False
     pm = get_plugin_manager()
     with _lock:
@@ -326,10 +334,19 @@ def register(plugin: Any, name: str | None = None, *, scope: str = "process") ->
 
 
 def unregister(name: str) -> None:
+    """Removes plugin `name`: a registered one, or one that failed and was disabled (`decodekit list` shows it with
+    its error), whose record goes."""
     pm = get_plugin_manager()
-    if pm.get_plugin(name) is None:
-        raise ValueError(f"No plugin named {name!r} is registered; registered: {sorted(n for n, _ in pm.list_name_plugin())}.")
     with _lock:
+        if pm.get_plugin(name) is None:
+            record = _records.get(name)
+            if record is not None and record.error is not None:
+                del _records[name]
+                return
+            disabled = sorted(n for n, r in _records.items() if r.error is not None)
+            raise ValueError(f"No plugin named {name!r} is registered; registered: "
+                             f"{sorted(n for n, _ in pm.list_name_plugin())}"
+                             + (f", disabled after failing: {disabled}." if disabled else "."))
         pm.unregister(name=name)
         _records.pop(name, None)
         _propagating.discard(name)

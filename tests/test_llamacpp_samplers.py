@@ -66,6 +66,15 @@ def test_top_n_sigma_and_smoothing_by_hand():
     assert smoothed[0, :4].tolist() == pytest.approx([4.0, 3.5, -4.0, -8.5]) and smoothed[0, 4] == -float("inf")
 
 
+@pytest.mark.parametrize("curve", [1.0, 0.5, 2.0, 3.0])
+def test_a_huge_smoothing_factor_keeps_the_top_token_and_no_nan(curve):
+    # 0 * inf in a term of zero coefficient (the cubic at curve 1) made every score NaN: no token could be chosen.
+    scores = torch.tensor([[4.0, 3.0, 0.0, -1.0, -float("inf")]])
+    smoothed = QuadraticSmoothingLogitsWarper(1e308, curve)(None, scores)
+    assert not smoothed.isnan().any() and smoothed[0, 0] == 4.0 and smoothed[0, 4] == -float("inf")
+    assert int(smoothed.argmax()) == 0 or curve < 1  # below 1 the cubic lifts far tokens, as the formula says
+
+
 def test_the_chain_runs_in_llama_cpps_order_unless_told(model):
     from decodekit.core.generate import merge_config
     from decodekit.plugins.llamacpp_samplers import order

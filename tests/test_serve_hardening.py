@@ -230,8 +230,10 @@ def test_a_failing_request_fails_alone(server, fault_method, fault):
         good = [pool.submit(completion, server, prompt=p, max_tokens=8) for p in prompts]
         bad, good = bad.result(), [g.result() for g in good]
     assert bad.status_code == 500
+    message = bad.json()["error"]["message"]
     assert {"exit": "SystemExit", "interrupt": "KeyboardInterrupt", "raise": "RuntimeError",
-            "outside-vocabulary": "outside the vocabulary"}[fault] in bad.json()["error"]["message"]
+            "outside-vocabulary": "outside the vocabulary"}[fault] in message
+    assert message.startswith(f"method {fault_method[0]!r} failed: ")  # the method is named
     assert [g.json()["choices"][0]["text"] for g in good] == want
     assert server.healthy() and server.idle()
 
@@ -255,13 +257,38 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     ({"prompt": "Hi", "echo": True}, "echo=True is not supported"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, "role in"),
+    # Each of these was a 500 (an int() of "--5", of "²", of 5,000 digits; a tool_choice whose function is a string;
+    # an earlier call without arguments; a RecursionError) or silently accepted.
+    ({"prompt": "Hi", "logit_bias": {"--5": 1}}, "logit_bias key '--5' is not a token id"),
+    ({"prompt": "Hi", "logit_bias": {"\u00b2": 1}}, "logit_bias key '\u00b2' is not a token id"),
+    ({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}, "is not a token id"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": "f"}}, "tool_choice="),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f"}}]}]}, "messages[1].tool_calls is invalid"),
+    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": json.loads("{\"items\": " * 200 + "{}" + "}" * 200)}}}}},
+     "response_format.json_schema.schema nests deeper than 64 levels"),
+    ({"prompt": "Hi", "response_format": {"type": "json_object", "bogus": 1}}, "response_format has fields"),
+    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
+                                                                                  "schema": {}}}}, "strict='yes'"),
+    ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens=9 is more than max_tokens=4"),
 ], ids=["surrogate-prompt", "surrogate-message", "deep-json", "python-object-field", "string-bool", "best-of",
-        "unknown-field", "unserved-field", "stream-options", "bad-role"])
+        "unknown-field", "unserved-field", "stream-options", "bad-role", "bias-dashes", "bias-superscript",
+        "bias-digits", "tool-choice-string", "history-call-no-arguments", "deep-schema", "response-format-bogus",
+        "strict-string", "min-over-max"])
 def test_malformed_requests_are_400s_naming_what_is_wrong(server, body, words):
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
     response = server.post(path, body)
     assert response.status_code == 400, response.text
     assert words in response.json()["error"]["message"]
+    assert server.healthy()
+
+
+def test_a_huge_smoothing_factor_is_served(server):
+    # Before: 0 * inf in the cubic term made the top token NaN, a 500.
+    response = completion(server, smoothing_factor=1e308, temperature=1, seed=1)
+    assert response.status_code == 200, response.text
     assert server.healthy()
 
 

@@ -123,6 +123,20 @@ def test_auto_parses_hermes_tool_calls_and_keeps_other_text():
                                      "</tool_call>")
     assert content == "Let me look." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert plan.tool_calls("Just text.") == ("Just text.", [])
+    content, calls = plan.tool_calls('<tool_call> not json </tool_call> a <tool_call>{"name": "get_weather"}</tool_call>'
+                                     " b <tool_call> never closed")
+    assert content == "a  b <tool_call> never closed" and [c["function"]["arguments"] for c in calls] == ["{}"]
+
+
+def test_parsing_tool_calls_of_a_long_adversarial_output_is_one_scan():
+    # A regular expression with whitespace around a lazy group backtracked cubically on this (most of a minute on the
+    # event loop for a 40-token output); a scan is linear. 200,000 characters finish at once; the cubic did not.
+    plan = plan_tools({"tools": [WEATHER]})
+    text = ("<tool_call>" + " " * 1000) * 200
+    assert plan.tool_calls(text) == (text, [])
+    many = '<tool_call> {"name": "get_weather", "arguments": {"city": "Oslo"}} </tool_call>\n' * 2000
+    content, calls = plan.tool_calls(many)
+    assert content is None and len(calls) == 2000
 
 
 def test_logit_bias_of_minus_100_bans_greedys_first_token(client, default_model):

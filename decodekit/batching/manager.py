@@ -460,7 +460,10 @@ class ContinuousBatchingManager:
             logger.exception("continuous batching: the listener of request %s raised", output.request_id)
 
     def _fail(self, request: Request, error: BaseException) -> None:
-        request.error = f"{type(error).__name__}: {error}"
+        # The notes name the plugin or method whose code raised (processors.py, stopping.py add them).
+        notes = "".join(f" {note}" for note in getattr(error, "__notes__", ()))
+        by = f"method {request.method!r} failed: " if request.method else ""
+        request.error = f"{by}{type(error).__name__}: {error}{notes}"
         logger.info("continuous batching: request %s failed: %s", request.id, request.error)
         self._end(request, RequestStatus.FAILED)
 

@@ -97,6 +97,7 @@ class Request:
     token_logprobs: list[float] = field(default_factory=list)
     token_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
+    method: str | None = None  # the label of the request's custom_generate method, which its errors name
     stopped_by_length: bool = False
     created_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -286,4 +287,5 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
         id=request_id, prompt=prompt, config=gc, pipeline=pipeline, max_length=max_length, streaming=streaming,
         logprobs=logprobs, top_logprobs=top, sequences=sequences, unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
         pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
+        method=method.method.source.label if method is not None else None,
     )

@@ -124,7 +124,16 @@ class QuadraticSmoothingLogitsWarper:
         top = scores.amax(-1, keepdim=True)
         diff = scores - top
         k, c = (3 - self.curve) / 2, (self.curve - 1) / 2
-        smoothed = top - k * self.factor * diff**2 + c * self.factor * diff**3
+        # The factor multiplies each power before its coefficient, and a zero coefficient's term is left out: with a
+        # huge factor a term overflows to inf, and 0 * inf (curve 1's cubic, the top token's) would be NaN. Where the
+        # two terms overflow with opposite signs the token is out of reach: -inf.
+        # The factor is held to what the scores' dtype holds (1e308 is inf in float32, and inf * 0 is NaN too).
+        largest = torch.finfo(scores.dtype).max
+        factor = min(self.factor, largest)
+        smoothed = top - k * (factor * diff**2) if k else top.expand_as(scores)
+        if c:
+            smoothed = smoothed + c * (factor * diff**3)
+        smoothed = smoothed.nan_to_num(nan=float("-inf"), posinf=largest, neginf=float("-inf"))
         return torch.where(torch.isfinite(scores), smoothed, scores)
 
 

@@ -9,6 +9,7 @@ by add_request before anything is allocated.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,31 @@ UNSERVED = {
     "service_tier": "auto", "modalities": ["text"],
 }
 MAX_LOGIT_BIAS = 300  # entries of a logit_bias, as OpenAI's limit
+TOKEN_KEY = re.compile(r"\s*[0-9]{1,10}\s*")  # a logit_bias key: ASCII digits (str.isdigit takes "²", int() refuses it)
+# How deep a JSON schema (response_format, a tool's parameters) may nest: the schema checkers and compilers recurse,
+# and a body of 200 levels ended in a RecursionError (a 500) deep inside them.
+MAX_SCHEMA_DEPTH = 64
+RESPONSE_FORMAT_FIELDS = {"type", "json_schema"}
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def nesting_depth(value, limit: int) -> int:
+    """How deep `value` (parsed JSON) nests, counted iteratively and only as far as `limit` + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def check_schema_depth(schema, where: str) -> None:
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise BadRequest(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels; this server takes schemas of at most "
+                         f"{MAX_SCHEMA_DEPTH}.", where)
 
 # decodekit fields a request may not set: Python objects (no JSON value is one), what only the operator decides,
 # and what the OpenAI fields already say (set those instead).
@@ -194,7 +220,7 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
                              "in [-100, 100].", "logit_bias")
         sequence_bias = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+            token = int(key) if isinstance(key, str) and TOKEN_KEY.fullmatch(key) else None
             if token is None or not 0 <= token < vocab:
                 raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
             sequence_bias[(token,)] = float(number({"bias": value}, "bias", -100, 100, 0))
@@ -206,6 +232,12 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
             raise BadRequest(f"response_format={response_format!r} is invalid; expected {{\"type\": \"text\"}}, "
                              '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
                              '"schema": {...}}}.', "response_format")
+        unknown = sorted(set(response_format) - RESPONSE_FORMAT_FIELDS)
+        if unknown:
+            raise BadRequest(f"response_format has fields this server does not know: {unknown}; it takes "
+                             f"{sorted(RESPONSE_FORMAT_FIELDS)}.", "response_format")
+        if kind == "json_schema":
+            check_json_schema(response_format.get("json_schema"))
         if kind != "text":
             fields["response_format"] = response_format
     top_k = number(body, "top_k", -1, 2**31 - 1, None, True)
@@ -230,6 +262,23 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     boolean(body, "skip_special_tokens", True)  # checked here; applied when the text is decoded
     fields.update({name: body[name] for name in LLAMACPP if body.get(name) is not None})
     return fields
+
+
+def check_json_schema(spec) -> None:
+    """response_format.json_schema as OpenAI defines it: {"name", "description"?, "schema", "strict"?}."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise BadRequest(f'{where} must be an object {{"name": ..., "schema": {{...}}}}, got {spec!r}.', where)
+    unknown = sorted(set(spec) - JSON_SCHEMA_FIELDS)
+    if unknown:
+        raise BadRequest(f"{where} has fields this server does not know: {unknown}; it takes "
+                         f"{sorted(JSON_SCHEMA_FIELDS)}.", where)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise BadRequest(f"{where}.strict={spec['strict']!r} is invalid; expected true or false.", f"{where}.strict")
+    for name in ("name", "description"):
+        if spec.get(name) is not None and not isinstance(spec[name], str):
+            raise BadRequest(f"{where}.{name} must be a string, got {spec[name]!r}.", f"{where}.{name}")
+    check_schema_depth(spec.get("schema"), f"{where}.schema")
 
 
 def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> dict[str, Any]:
@@ -265,6 +314,10 @@ def merged_request(body: dict, settings: ServerSettings, default_max_tokens: int
     if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
         raise BadRequest(f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
                          f"[1, {settings.max_tokens_limit}] (this server's --max-tokens-limit).", "decodekit.max_new_tokens")
+    least = arguments.get("min_new_tokens")
+    if is_int(least) and least > max_new:
+        raise BadRequest(f"min_tokens={least} is more than max_tokens={max_new}; expected min_tokens <= max_tokens.",
+                         "min_tokens")
     rows = arguments.get("num_return_sequences")
     if not is_int(rows) or not 1 <= rows <= settings.max_n:
         raise BadRequest(f"decodekit.num_return_sequences={rows!r} is invalid; expected an integer in "
@@ -317,7 +370,7 @@ def chat_messages(body: dict) -> list[dict]:
         calls = message.get("tool_calls")
         if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                for c in calls)):
+                and isinstance(c["function"].get("arguments"), str) for c in calls)):
             raise BadRequest(f"{where}.tool_calls is invalid; an assistant's earlier calls are a list of {{\"id\": ..., "
                              '"type": "function", "function": {"name": ..., "arguments": "..."}}.', f"{where}.tool_calls")
         content = message.get("content")

@@ -16,14 +16,13 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import BadRequest
+from .protocol import BadRequest, check_schema_depth
 
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SYSTEM = ("You may call one or more functions to help with the user's request. The functions are described, as "
           "JSON schemas, inside <tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with a JSON "
           'object of its name and arguments inside <tool_call></tool_call>: <tool_call>{{"name": <function name>, '
@@ -60,15 +59,35 @@ class ToolPlan:
                 return text, []  # cut off by max_tokens before the call was whole
         if self.choice != "auto":
             return None, [_call(self.choice, text)]
-        calls = []
-        for found in CALL.finditer(text):
+        calls, spans = [], call_spans(text)
+        for _, _, inner in spans:
             try:
-                call = json.loads(found.group(1))
+                call = json.loads(inner)
                 calls.append(_call(call["name"], call.get("arguments", {})))
             except (ValueError, KeyError, TypeError):
                 continue  # not a call: stays in the text
-        content = CALL.sub("", text).strip() if calls else text
+        if not calls:
+            return text or None, calls
+        kept, at = [], 0
+        for start, end, _ in spans:
+            kept.append(text[at:start])
+            at = end
+        content = ("".join(kept) + text[at:]).strip()
         return content or None, calls
+
+
+def call_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, what is inside, stripped) of each <tool_call>...</tool_call> in `text`, each closed by the first
+    closing tag after it: one scan, where a regular expression with whitespace on both sides of a lazy group
+    backtracked cubically (a long output of tags and spaces held the event loop for most of a minute)."""
+    spans, at = [], 0
+    while (start := text.find(OPEN, at)) != -1:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            break
+        spans.append((start, end + len(CLOSE), text[start + len(OPEN):end].strip()))
+        at = end + len(CLOSE)
+    return spans
 
 
 def _params(function: dict) -> dict:
@@ -97,6 +116,7 @@ def plan_tools(body: dict) -> ToolPlan | None:
                              "\"...\", \"description\": \"...\", \"parameters\": {...JSON schema...}}}.", f"tools[{i}]")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object.", f"tools[{i}]")
+        check_schema_depth(function.get("parameters"), f"tools[{i}].function.parameters")
         functions.append(function)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -108,8 +128,9 @@ def plan_tools(body: dict) -> ToolPlan | None:
         return None
     if choice == "required":
         return ToolPlan(functions, "required")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if name not in names:
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or name not in names:
         raise BadRequest(f"tool_choice={choice!r} is invalid; expected \"none\", \"auto\", \"required\" or "
                          f'{{"type": "function", "function": {{"name": NAME}}}} with NAME one of {names}.', "tool_choice")
     return ToolPlan(functions, name)

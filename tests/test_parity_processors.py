@@ -124,6 +124,22 @@ def test_unbatched_guidance_equals_transformers_step_by_step():
         ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_unbatched_guidance_on_a_plain_transformers_model_inside_transformers_generate(architecture):
+    # transformers' own test builds the processor on its model itself (no decodekit.wrap). It used to be handed
+    # decodekit's DynamicCache, which transformers' forward cannot read (get_query_offset): now the processor keeps
+    # whatever cache the model's forward returns, as transformers' processor does.
+    hf = tiny_transformers_model(architecture)
+    ids = torch.tensor([[1, 17, 23, 5]])
+    runs = {}
+    for name, make in (("ours", ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor")),
+                       ("theirs", transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor)):
+        processor = make(1.5, hf)
+        runs[name] = hf.generate(ids, logits_processor=transformers.LogitsProcessorList([processor]), do_sample=False,
+                                 max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(runs["ours"], runs["theirs"])
+
+
 def test_stopping_criteria_take_transformers_arguments():
     import time
 

@@ -19,8 +19,16 @@ BATCH = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15,
 NEW = 12
 
 
+# Where transformers' cached generate() differs from its own run without a cache and decodekit's equals that run
+# (docs/transformers.md): MiniMax's lightning-attention cache in padded batches and beam search. The oracle there is
+# transformers with use_cache=False.
+CACHE_WRONG_IN_TRANSFORMERS = {"minimax"}
+
+
 def reference(hf, ids, **kwargs):
     """transformers' generate with the same stopping rule as decodekit's calls below (no EOS)."""
+    if hf.config.model_type in CACHE_WRONG_IN_TRANSFORMERS:
+        kwargs = {**kwargs, "use_cache": False}
     return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW, **kwargs)
 
 
@@ -126,6 +134,32 @@ def test_speculative_decoding_gives_greedy_tokens_as_transformers(architecture, 
     assert torch.equal(mine, greedy)
     if theirs is not None:
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("weight", [0.3, 0.7])
+def test_ensemble_verification_greedy_equals_transformers(architecture, weight):
+    # transformers 5.23's assistant_ensemble_weight: candidates checked against w * p + (1 - w) * q. An assistant that
+    # disagrees with the model (another seed) makes the mixture choose other tokens than greedy's at some steps.
+    hf, assistant = tiny_transformers_model(architecture), tiny_transformers_model(architecture, seed=5)
+    draft = dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    for name, value in draft.items():  # transformers reads the draft's settings from the assistant's own config
+        setattr(assistant.generation_config, name, value)
+    options = dict(assistant_ensemble_weight=weight, **draft)
+    theirs = reference(hf, LONG, assistant_model=assistant, **options)
+    mine = ours(wrap(hf), LONG, assistant_model=assistant, **options)
+    assert torch.equal(mine, theirs)
+    if (architecture, weight) == ("llama", 0.3):  # the mixture did choose: not greedy's tokens
+        assert not torch.equal(mine, reference(hf, LONG))
+
+
+def test_ensemble_verification_is_refused_where_the_draft_has_no_distribution():
+    model = wrap(tiny_transformers_model("llama"))
+    with pytest.raises(ValueError, match="assistant_ensemble_weight verifies .* not prompt lookup"):
+        ours(model, LONG, prompt_lookup_num_tokens=3, assistant_ensemble_weight=0.5)
+    with pytest.raises(ValueError, match=r"assistant_ensemble_weight=1\.0 is invalid; expected a number in the open "
+                                         r"interval \(0, 1\)"):
+        ours(model, LONG, assistant_model=tiny_transformers_model("llama", seed=5), assistant_ensemble_weight=1.0)
 
 
 def test_static_cache_equals_transformers(pair):
@@ -354,6 +388,11 @@ def test_a_wrapped_model_can_be_copied(gpt2):
     assert twin.module is hf and torch.equal(ours(twin, PROMPT), ours(model, PROMPT))
 
 
+# Where transformers' own guidance differs from the oracle without any cache (unconditional_guidance) and decodekit's
+# equals it (docs/transformers.md): Bamba's and MiniMax's unconditional runs in transformers' processor.
+GUIDANCE_WRONG_IN_TRANSFORMERS = {"bamba", "minimax"}
+
+
 def unconditional_guidance(hf, prompt, scale: float, steps: int) -> torch.Tensor:
     """Greedy decoding with classifier-free guidance computed without any cache: the oracle for models whose
     guidance transformers runs without their cache (a state-space model's forward takes cache_params or cache, and its
@@ -375,10 +414,12 @@ def test_guidance_and_watermark_equal_transformers(pair):
     if model.holds_recurrent_state:  # RecurrentGemma: refused with the reason
         with pytest.raises(ValueError, match="keeps its recurrent state in its own layers"):
             ours(model, PROMPT, guidance_scale=1.5)
-    elif masks_prompt_only(hf):
+    elif masks_prompt_only(hf) or hf.config.model_type in GUIDANCE_WRONG_IN_TRANSFORMERS:
         assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), unconditional_guidance(hf, PROMPT, 1.5, NEW))
-    else:
-        assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), reference(hf, PROMPT, guidance_scale=1.5))
+    else:  # where transformers' own guidance fails (OpenAI GPT: a model without a cache), the oracle without one
+        theirs = oracle_or_none(lambda: reference(hf, PROMPT, guidance_scale=1.5))
+        expected = theirs if theirs is not None else unconditional_guidance(hf, PROMPT, 1.5, NEW)
+        assert torch.equal(ours(model, PROMPT, guidance_scale=1.5), expected)
 
 
 @pytest.mark.parametrize("architecture", ["mamba", "jamba", "recurrent_gemma"])

@@ -85,6 +85,21 @@ ARCHITECTURES = {
                                                       intermediate_size=64, expand=2, conv_kernel=4)),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(hidden_size=32, state_size=8, num_hidden_layers=2,
                                                                          intermediate_size=64, expand=2, conv_kernel=4)),
+    # A hybrid whose forward derives no positions of its own from the cache (Bamba), a model that takes no cache at
+    # all (OpenAI GPT), lightning attention beside full attention (MiniMax), convolution layers beside attention
+    # (LFM2-MoE: transformers marks its cache croppable, so speculative decoding runs on it).
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(LLAMA_LIKE, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                                                      mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                                      mamba_chunk_size=16)),
+    "openai-gpt": ("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(LLAMA_LIKE, head_dim=8, num_local_experts=2,
+                                                            num_experts_per_tok=1, block_size=16,
+                                                            layer_types=["linear_attention", "full_attention"])),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                                             num_hidden_layers=2, num_attention_heads=4,
+                                                             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                             num_dense_layers=1, layer_types=["conv", "full_attention"],
+                                                             max_position_embeddings=64)),
 }
 
 

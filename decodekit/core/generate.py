@@ -156,6 +156,18 @@ def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def token_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The position of every token of `input_ids` [B, T] for a forward of the whole sequence: the mask's
+    (mask_positions) where there is one, else 0..T-1 where the forward takes position_ids, else None. Decoding loops
+    give positions wherever the forward takes them, as transformers' generate() does: a transformers model derives
+    them from the cache length, not the mask, and some derive none (Bamba put every decoded token at position 0)."""
+    if attention_mask is not None:
+        return mask_positions(attention_mask)
+    if not _forward_accepts(model, "position_ids"):
+        return None
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+
+
 def _forward_accepts(model, name: str) -> bool:
     try:
         params = inspect.signature(model.forward).parameters
@@ -357,12 +369,12 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    # Positions follow the real tokens of each row (given explicitly: a transformers model derives them from the
-    # cache length, not the mask); without padding the model derives them from the cache.
-    positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
+    # Positions follow the real tokens of each row, wherever the forward takes them (token_positions).
+    every = token_positions(model, input_ids, attention_mask)
+    positions = every[:, -1:] if every is not None else None
     cached = cached_length(cache) if use_cache else 0
     step_ids = input_ids[:, cached:]
-    step_positions = mask_positions(attention_mask)[:, cached:] if attention_mask is not None else None
+    step_positions = every[:, cached:] if every is not None else None
     chunk = gc.prefill_chunk_size
     if chunk and use_cache and not recurrent(cache) and not (gc.output_hidden_states or gc.output_attentions):
         # The prompt in pieces: less memory for its activations; the logits of the last piece decide as before.
@@ -400,12 +412,13 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             break
         if attention_mask is not None:
             attention_mask = torch.cat((attention_mask, attention_mask.new_ones(B, 1)), dim=-1)
+        if positions is not None:
             positions = positions + 1
         if use_cache:
             step_ids, step_positions = next_tokens[:, None], positions
         else:
             step_ids = input_ids
-            step_positions = mask_positions(attention_mask) if attention_mask is not None else None
+            step_positions = token_positions(model, input_ids, attention_mask) if positions is not None else None
     if streamer is not None:
         streamer.end()
     return loop_result(gc, input_ids, cache, scores_out, logits_out, hidden_out, attentions_out)

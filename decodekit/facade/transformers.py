@@ -101,6 +101,15 @@ def cache_keyword(model) -> str:
     return next((name for name in ("cache", "cache_params") if name in parameters), "past_key_values")
 
 
+def takes_cache(model) -> bool:
+    """Whether `model`'s forward takes a cache at all (OpenAI GPT's does not: it is run on the whole sequence each
+    step, as transformers' generate() runs it)."""
+    import inspect
+
+    parameters = inspect.signature(getattr(model, "forward", model)).parameters
+    return any(name in parameters for name in ("past_key_values", "cache", "cache_params"))
+
+
 # Models that multiply their hidden states by the 2D padding mask (state-space layers, no attention): transformers'
 # generate() hands them the mask only while they read the prompt; after it a step's mask would be read as the
 # step's own (and has the wrong length).
@@ -153,7 +162,7 @@ def make_cache(model, kind: str, max_length: int):
     for a model that keeps a cache of its own kind (state-space models)."""
     from transformers import DynamicCache, StaticCache
 
-    if not model._supports_default_dynamic_cache():
+    if not model._supports_default_dynamic_cache() or not takes_cache(model):
         return None
     config = model.config.get_text_config(decoder=True)
     if kind == "static" and "local" in (getattr(config, "attention_layers", None) or ()):

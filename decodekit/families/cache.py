@@ -73,11 +73,26 @@ def crop_to(cache, length: int) -> None:
         cache.crop(length)
         return
     # Layer by layer: a self-speculative draft writes only the first layers, so layers can differ in length (the
-    # cache's own crop would drop the same count from each); a sliding-window layer takes only counts to drop.
-    for layer in getattr(cache, "layers", None) or [cache]:
-        drop = layer.get_seq_length() - length
+    # cache's own crop would drop the same count from each); a sliding-window layer takes only counts to drop. A
+    # linear-attention layer (convolution states, recorded since record_past) knows no length of its own: it read what
+    # the cache's attention layers read, and drops as many (speculative decoding refuses early exit on such caches).
+    layers = getattr(cache, "layers", None) or [cache]
+    whole = cache.get_seq_length() - length if any(not hasattr(layer, "get_seq_length") for layer in layers) else 0
+    for layer in layers:
+        drop = layer.get_seq_length() - length if hasattr(layer, "get_seq_length") else whole
         if drop > 0:
             layer.crop(-drop)
+
+
+def rolls_back(cache) -> bool | None:
+    """Whether crop_to can roll `cache` back past tokens it read: True for decodekit's caches and attention-only
+    transformers caches; for one with linear-attention layers, what transformers says once they have read tokens
+    (`is_croppable`: convolution states alone can be, recurrent states cannot), None before (it cannot tell yet)."""
+    if not recurrent(cache):
+        return True
+    read = any(any(getattr(layer, name, {}).values()) for layer in cache.layers
+               for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"))
+    return bool(getattr(cache, "is_croppable", False)) if read else None
 
 
 def new_cache(model, kind: str, batch_size: int, max_length: int):

@@ -24,7 +24,7 @@ import torch
 
 from ..core.cache import reorder_rows
 from ..core.config import is_int
-from ..core.generate import _forward_accepts, mask_positions
+from ..core.generate import _forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput
 from ..core.selectors import draw_key, race_noise
 from ..registry import hookimpl
@@ -267,12 +267,13 @@ class BeamSearch:
         noise_key = draw_key(context.generator).to(input_ids.device) if gc.do_sample else None
         cache = pipeline.cache
         extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
-        positions = attention_mask.sum(-1, keepdim=True) - 1 if attention_mask is not None else None
+        every = token_positions(model, input_ids, attention_mask)
+        positions = every[:, -1:] if every is not None else None
         scores_out = [] if gc.output_scores else None
         logits_out = [] if gc.output_logits else None
 
         out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-                    position_ids=mask_positions(attention_mask) if attention_mask is not None else None, **extra)
+                    position_ids=every, **extra)
         cur = T0
         while True:
             logits = out.logits[:, -1, :].float()
@@ -292,12 +293,14 @@ class BeamSearch:
                 reorder_rows(cache, source)
             if attention_mask is not None:
                 attention_mask = torch.cat((attention_mask[source], attention_mask.new_ones(rows, 1)), dim=-1)
+            if positions is not None:
                 positions = positions[source] + 1
             step_ids = search.running[:, :, :cur].reshape(rows, cur)
             if cache is not None:
                 step_ids = step_ids[:, -1:]
-            out = model(step_ids, attention_mask=attention_mask, position_ids=positions if cache is not None else None,
-                        past_key_values=cache, use_cache=cache is not None, **extra)
+            out = model(step_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
+                        position_ids=positions if cache is not None else token_positions(model, step_ids, attention_mask),
+                        **extra)
         return plan.output(search, gc, cache, scores_out, logits_out)
 
 

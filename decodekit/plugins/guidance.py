@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import new_cache
 from ..core.config import is_number
 from ..core.generate import mask_positions
 from ..registry import hookimpl
@@ -83,8 +82,11 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
         self.model = model
         self.negative = unconditional_ids
         self.negative_mask = unconditional_attention_mask
-        self.cache = new_cache(model, "dynamic", 0, 0)  # its batch follows the call's; dynamic needs no size
-        self.mask = None
+        # The cache is the one the model's forward makes and returns, as transformers' processor keeps it: whatever
+        # kind the model lays out (a hybrid's, MiniMax's lightning attention, decodekit's), for any model object
+        # (transformers' own, wrapped or not). A model that returns none is run on the whole sequence each step.
+        self.cache = None
+        self.ids = self.mask = None
 
     def _unconditional(self, input_ids: torch.LongTensor) -> torch.Tensor:
         B = input_ids.shape[0]
@@ -92,12 +94,15 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             ids = self.negative.expand(B, -1) if self.negative is not None else input_ids[:, -1:]
             mask = self.negative_mask.expand(B, -1) if self.negative_mask is not None else torch.ones_like(ids)
             self.mask = mask.to(input_ids.device).long()
-            ids = ids.to(input_ids.device)
+            self.ids = feed = ids.to(input_ids.device)
         else:
-            ids = input_ids[:, -1:]
+            self.ids = torch.cat((self.ids, input_ids[:, -1:]), dim=-1)
             self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=-1)
-        positions = mask_positions(self.mask)[:, -ids.shape[1]:]
-        out = self.model(ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            feed = self.ids if self.cache is None else input_ids[:, -1:]
+        positions = mask_positions(self.mask)[:, -feed.shape[1]:]
+        out = self.model(feed, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True)
+        self.cache = returned_cache(out)
         return out.logits[:, -1, :].float()
 
     def __call__(self, input_ids, scores):
@@ -106,6 +111,15 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             return scores
         uncond = torch.log_softmax(self._unconditional(input_ids), dim=-1)
         return self.scale * (scores - uncond) + uncond
+
+
+def returned_cache(out):
+    """The cache a forward returned, under transformers' newer name (`cache`) or the older one, or None."""
+    for name in ("cache", "past_key_values"):
+        cache = out.get(name) if isinstance(out, dict) else getattr(out, name, None)
+        if cache is not None:
+            return cache
+    return None
 
 
 class ClassifierFreeGuidanceLogitsProcessor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import cached_length, crop_to, record_past, recurrent
+from ..core.cache import cached_length, crop_to, record_past, recurrent, rolls_back
 from ..core.config import is_int, is_number
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
@@ -32,7 +32,7 @@ def decodekit_config_fields():
     return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
             "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None,
             "assistant_tokenizer": None, "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10,
-            "target_lookbehind": 10, "is_assistant": False}
+            "target_lookbehind": 10, "is_assistant": False, "assistant_ensemble_weight": None}
 
 
 @hookimpl
@@ -60,6 +60,15 @@ def decodekit_validate_config(generation_config, context):
             raise ValueError("assistant_early_exit drafts with the model itself; pass it without assistant_model and "
                              "prompt_lookup_num_tokens.")
     _check_assistant_tokenizer(gc, context)
+    weight = gc.assistant_ensemble_weight
+    if weight is not None:
+        if not is_number(weight) or not 0 < weight < 1:
+            raise bad("assistant_ensemble_weight", "expected a number in the open interval (0, 1), or None for "
+                      "lossless speculative decoding")
+        if (assistant is None and early is None) or gc.assistant_tokenizer is not None:
+            raise ValueError("assistant_ensemble_weight verifies against a mixture of the model's and the draft's "
+                             "distributions, so it needs a draft that has them: assistant_model (without "
+                             "assistant_tokenizer) or assistant_early_exit, not prompt lookup.")
     if assistant is None and lookup is None and early is None:
         return
     if assistant is not None and lookup is not None:
@@ -196,6 +205,15 @@ def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int,
     return ids[:0]
 
 
+def refuse_unless_rolls_back(cache, whose: str = "this model's cache") -> None:
+    """ValueError where `cache` cannot be rolled back past rejected tokens (rolls_back is False). A cache with
+    linear-attention layers says so only once it has read tokens: this is asked again before each roll-back."""
+    if rolls_back(cache) is False:
+        raise ValueError(f"speculative decoding rolls the cache back past rejected tokens, and {whose} "
+                         f"({type(cache).__name__}) holds recurrent states (a state-space or linear-attention layer) "
+                         "that cannot be rolled back: use greedy decoding, sampling or beam search.")
+
+
 class Speculative:
     def rows_per_prompt(self, gc) -> int:
         return 1
@@ -209,10 +227,16 @@ class Speculative:
         cache, max_length = pipeline.cache, context.max_length
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
-        if recurrent(cache):
-            raise ValueError(f"speculative decoding rolls the cache back past rejected tokens, and this model's cache "
-                             f"({type(cache).__name__}) holds recurrent states (a state-space or linear-attention layer) "
-                             "that cannot be rolled back: use greedy decoding, sampling or beam search.")
+        if getattr(model, "holds_recurrent_state", False):  # RecurrentGemma: its states are in its layers
+            raise ValueError(f"speculative decoding rolls the model back past rejected tokens, and "
+                             f"{type(model.module).__name__} keeps recurrent states in its own layers, which cannot be "
+                             "rolled back: use greedy decoding, sampling or beam search.")
+        if isinstance(assistant, EarlyExit) and recurrent(cache):
+            raise ValueError("self-speculative decoding (assistant_early_exit) drafts on the first layers of the "
+                             f"model's own cache, and this cache ({type(cache).__name__}) has linear-attention or "
+                             "recurrent layers, whose states record no length a draft could be cropped back to: use an "
+                             "assistant_model, prompt lookup, or greedy decoding.")
+        refuse_unless_rolls_back(cache)
         record_past(cache)  # a sliding window keeps what a rejected draft would push out
         a_cache = translator = None
         if isinstance(assistant, EarlyExit):
@@ -227,7 +251,7 @@ class Speculative:
             from ..registry.manager import call_first
 
             a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
-            if a_cache is not None and recurrent(a_cache):
+            if a_cache is not None and rolls_back(a_cache) is False:
                 raise ValueError("the assistant's cache holds recurrent states (a state-space model), which cannot be "
                                  "rolled back past a rejected draft: use an attention-only assistant.")
             if a_cache is not None:
@@ -246,6 +270,7 @@ class Speculative:
         # The target's cache holds every token but the last, which the next forward feeds with the candidates.
         if input_ids.shape[1] > 1:
             model(input_ids[:, :-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if keep_all else {}))
+            refuse_unless_rolls_back(cache)  # a linear-attention layer tells only now
         done = False
         while not done:
             cur = input_ids.shape[1]
@@ -284,6 +309,9 @@ class Speculative:
                 accepted += 1
             if assistant is not None and gc.num_assistant_tokens_schedule != "constant":
                 n_assist = n_assist + 2 if accepted == K else max(1, n_assist - 1)
+            refuse_unless_rolls_back(cache)  # (a one-token prompt: known after the first verification)
+            if a_cache is not None and a_cache is not cache:
+                refuse_unless_rolls_back(a_cache, "the assistant's cache")
             step = torch.stack(new_tokens).view(1, -1)
             input_ids = torch.cat((input_ids, step), dim=1)
             if streamer is not None:
@@ -301,19 +329,30 @@ class Speculative:
 
     @staticmethod
     def _judge(scores, candidates, q, j, K, gc, generator):
-        """(the token to append at position j, whether the candidate there was accepted)."""
+        """(the token to append at position j, whether the candidate there was accepted). With
+        assistant_ensemble_weight w, a candidate is verified against v = w * p + (1 - w) * q instead of p (static
+        ensemble verification, as transformers): greedy keeps it where it is v's argmax, sampling with probability
+        min(1, v(c) / q(c)); the token after the last candidate is p's alone."""
+        w = gc.assistant_ensemble_weight
+        ensemble = w is not None and j < K and q is not None
         if not gc.do_sample:
-            token = scores.argmax(dim=-1)[0]
+            if ensemble:
+                token = (w * torch.softmax(scores, dim=-1)[0] + (1 - w) * q[j]).argmax()
+            else:
+                token = scores.argmax(dim=-1)[0]
             return token, j < K and bool(token == candidates[j])
         p = torch.softmax(scores, dim=-1)[0]
         if j < K and q is not None:
             c = candidates[j]
             u = _uniform((), p, generator)
-            if bool(u * q[j, c] <= p[c]):  # accept with probability min(1, p(c) / q(c))
+            target = w * p[c] + (1 - w) * q[j, c] if ensemble else p[c]
+            if bool(u * q[j, c] <= target):  # accept with probability min(1, target(c) / q(c))
                 return c, True
+            # (v - q)+ is w * (p - q)+: the same distribution once normalised
             residual = (p - q[j]).clamp(min=0)
             total = residual.sum()
-            dist = residual / total if bool(total > 0) else p
+            tiny = torch.finfo(residual.dtype).tiny if ensemble else 0
+            dist = residual / total if bool(total > tiny) else p
             return _draw(dist, generator), False
         token = _draw(p, generator)
         return token, j < K and bool(token == candidates[j])
@@ -336,6 +375,8 @@ class Speculative:
                 qs.append(q)
             else:
                 token = scores.argmax(dim=-1)[0]
+                if gc.assistant_ensemble_weight is not None:  # greedy verification mixes in the draft's q
+                    qs.append(torch.softmax(scores, dim=-1)[0])
             tokens.append(token)
             ids = torch.cat((ids, token.view(1, 1)), dim=1)
             if threshold and float(torch.softmax(scores[0], dim=-1)[token]) < threshold:

@@ -179,6 +179,49 @@ def test_stop_string_tables_equal_transformers():
                 == Theirs._stop_string_get_matching_positions(tokens, indices, stops)), (tokens, stops)
 
 
+def test_stop_string_embedding_table_and_byte_helpers_equal_transformers():
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+
+    from decodekit.core.stopping import StopStringCriteria as Ours
+    from transformers.generation.stopping_criteria import StopStringCriteria as Theirs
+
+    rng = random.Random(1)
+    for _ in range(50):
+        tokens = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 5))) for _ in range(25)]
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 6))) for _ in range(3)]
+        indices = rng.sample(range(40), len(tokens))
+        mine, theirs = (cls._stop_string_create_embedding_vec(tokens, indices, stops) for cls in (Ours, Theirs))
+        assert torch.equal(mine[0], theirs[0]) and mine[1:] == theirs[1:], (tokens, stops)
+    with pytest.raises(ValueError, match="no token of the vocabulary can end"):
+        Ours._stop_string_create_embedding_vec(["a", "b"], [0, 1], ["z"])
+    decoder = Theirs._byte_level_decoder()
+    for token in ["Ġab", "âĢĻ", "plain", "<0x0A>", "<0xZZ>", "é"]:
+        for mode in ("byte_level", "byte_fallback", None):
+            assert Ours._token_to_bytes(token, mode, decoder) == Theirs._token_to_bytes(token, mode, decoder)
+    from decodekit.core.stopping import byte_level_decoder
+
+    assert byte_level_decoder() == decoder
+    for decoder_of in (decoders.ByteLevel(), decoders.ByteFallback(), decoders.Sequence([decoders.Replace("_", " "),
+                                                                                        decoders.ByteFallback()]),
+                       decoders.WordPiece()):
+        backend = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
+        backend.decoder = decoder_of
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+        assert Ours._get_stop_string_matching_mode(tokenizer) == Theirs._get_stop_string_matching_mode(tokenizer)
+
+
+def test_watermark_processor_has_transformers_attributes():
+    from decodekit.plugins.watermark import WatermarkLogitsProcessor
+
+    ours = WatermarkLogitsProcessor(vocab_size=100, greenlist_ratio=0.3, bias=1.5, hashing_key=7, context_width=2)
+    theirs = transformers.WatermarkLogitsProcessor(vocab_size=100, device="cpu", greenlist_ratio=0.3, bias=1.5,
+                                                   hashing_key=7, context_width=2)
+    for name in ("bias", "greenlist_size", "hash_key", "seeding_scheme", "context_width", "vocab_size"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
 def test_clean_vocabulary_equals_transformers():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -195,3 +238,6 @@ def test_clean_vocabulary_equals_transformers():
     # The vocabulary's order is the tokenizer's hash order, different between two get_vocab() calls: by id.
     ours, theirs = (dict(zip(*reversed(cls.clean_tokenizer_vocab(tokenizer)))) for cls in (Ours, Theirs))
     assert ours == theirs and ours[8] == " ab" and len(ours) == len(pieces)
+    ours, theirs = (dict(zip(*reversed(cls.clean_tokenizer_vocab(tokenizer, stop_string_matching_mode="byte_level"))))
+                    for cls in (Ours, Theirs))
+    assert ours == theirs and ours[8] == b" ab"

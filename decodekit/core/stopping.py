@@ -7,6 +7,7 @@ A row is finished once any criterion says so; finished rows are padded until eve
 from __future__ import annotations
 
 import copy
+import json
 import time
 import warnings
 from typing import Protocol, Sequence, runtime_checkable
@@ -144,6 +145,15 @@ class ConfidenceCriteria:
         return torch.full((input_ids.shape[0],), p < self.assistant_confidence_threshold, device=input_ids.device)
 
 
+def byte_level_decoder() -> dict[str, int]:
+    """{character: byte} of the byte-level alphabet of GPT-2's BPE (and SmolLM2's, Llama 3's): bytes that print as
+    themselves keep their character, the others take the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
 def validate_stopping_criteria(stopping_criteria: StoppingCriteriaList, max_length: int) -> StoppingCriteriaList:
     """A copy of `stopping_criteria` that stops at `max_length`: a MaxLengthCriteria is added where there is none;
     one with another length stays and a UserWarning says so (transformers' behaviour)."""
@@ -188,18 +198,86 @@ class StopStringCriteria:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     @staticmethod
-    def clean_tokenizer_vocab(tokenizer, static_prefix: str = "abcdef"):
+    def clean_tokenizer_vocab(tokenizer, static_prefix: str = "abcdef", stop_string_matching_mode=None):
         """(token strings, token ids) of the whole vocabulary, as tuples: each token as the text it adds after
         `static_prefix`, so a word-start marker reads as a space and no prefix-space rule of the tokenizer's leaks
-        in. Compares as transformers' method of that name in its string mode (byte-level fragments of an incomplete
-        character come out as replacement characters here, not as bytes)."""
+        in. With a `stop_string_matching_mode` ("byte_level", "byte_fallback": _get_stop_string_matching_mode) each
+        token is its bytes instead, so a fragment of a character is kept whole (as transformers' method of that name)."""
         base = tokenizer.convert_ids_to_tokens(tokenizer(static_prefix, add_special_tokens=False)["input_ids"])
+        decoder = byte_level_decoder() if stop_string_matching_mode == "byte_level" else None
         tokens, indices = [], []
         for token, index in tokenizer.get_vocab().items():
-            text = tokenizer.convert_tokens_to_string(list(base) + [token])
-            tokens.append(text[text.index(static_prefix) + len(static_prefix):])
+            clean = StopStringCriteria._token_to_bytes(token, stop_string_matching_mode, decoder)
+            if clean is None:
+                text = tokenizer.convert_tokens_to_string(list(base) + [token])
+                clean = text[text.index(static_prefix) + len(static_prefix):]
+                clean = clean.encode("utf-8") if stop_string_matching_mode is not None else clean
+            tokens.append(clean)
             indices.append(index)
         return tuple(tokens), tuple(indices)
+
+    @staticmethod
+    def _get_stop_string_matching_mode(tokenizer) -> str | None:
+        """How a tokenizer's tokens map to text, for matching stop strings: "byte_level" (GPT-2's byte alphabet),
+        "byte_fallback" (`<0xNN>` tokens for bytes) or None (tokens are text), read from its decoder."""
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if decoder is None:
+            return None
+        if type(decoder).__name__ == "ByteLevel":
+            return "byte_level"
+        try:
+            state = json.loads(decoder.__getstate__())
+        except (AttributeError, TypeError, ValueError):
+            return None
+        types = set()
+        stack = [state]
+        while stack:  # every "type" anywhere in the decoder's state (a Sequence nests its decoders)
+            item = stack.pop()
+            if isinstance(item, dict):
+                types.add(item.get("type"))
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        return "byte_fallback" if "ByteFallback" in types else "byte_level" if "ByteLevel" in types else None
+
+    @staticmethod
+    def _token_to_bytes(token: str, stop_string_matching_mode, byte_decoder) -> bytes | None:
+        """The bytes `token` stands for in a byte-level vocabulary (each character one byte of `byte_decoder`) or as
+        a byte-fallback token (`<0xNN>`), else None (the token is to be read as text)."""
+        if stop_string_matching_mode == "byte_level":
+            if byte_decoder is not None and all(char in byte_decoder for char in token):
+                return bytes(byte_decoder[char] for char in token)
+        elif stop_string_matching_mode == "byte_fallback":
+            digits = token[3:5]
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and all(
+                    char in "0123456789abcdefABCDEF" for char in digits):
+                return bytes([int(digits, 16)])
+        return None
+
+    @staticmethod
+    def _stop_string_create_embedding_vec(token_list, token_indices, stop_strings):
+        """(table, most positions, most end lengths): the matching tables (_stop_string_get_matching_positions) as
+        one int32 tensor a step can gather from, a row per token id and one more for ids past the vocabulary (-1
+        everywhere): per stop string its positions, then per stop string its end lengths, each padded with -1 to
+        the most any token has, and last the token's length. Laid out as transformers' vectorized matcher reads it."""
+        positions, ends = StopStringCriteria._stop_string_get_matching_positions(token_list, token_indices,
+                                                                                   stop_strings)
+        most_positions = max((len(p) for table in positions.values() for p in table.values()), default=1)
+        most_ends = max((len(e) for table in ends.values() for e in table.values()), default=0)
+        if not most_ends:
+            raise ValueError(f"stop_strings={list(stop_strings)!r}: no token of the vocabulary can end any of them "
+                             "(characters the vocabulary does not have?).")
+        n = len(stop_strings)
+        table = torch.full((max(token_indices) + 2, n * (most_positions + most_ends) + 1), -1, dtype=torch.int32)
+        for i, stop in enumerate(stop_strings):
+            for index, found in positions[stop].items():
+                table[index, most_positions * i:most_positions * i + len(found)] = torch.tensor(found)
+            start = most_positions * n + most_ends * i
+            for index, found in ends[stop].items():
+                table[index, start:start + len(found)] = torch.tensor(found)
+        for token, index in zip(token_list, token_indices):
+            table[index, -1] = len(token)
+        return table, most_positions, most_ends
 
     @staticmethod
     def _stop_string_get_matching_positions(token_list, token_indices, stop_strings):

@@ -220,6 +220,14 @@ class WatermarkLogitsProcessor:
             context_width=context_width))
         self.green = GreenLists(vocab_size, config, device)
 
+    # transformers' attribute names, which code written against its processor (and its tests) reads.
+    bias = property(lambda self: self.config.bias)
+    seeding_scheme = property(lambda self: self.config.seeding_scheme)
+    context_width = property(lambda self: self.config.context_width)
+    hash_key = property(lambda self: self.config.hashing_key)
+    vocab_size = property(lambda self: self.green.vocab_size)
+    greenlist_size = property(lambda self: self.green.size)
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if input_ids.shape[-1] < self.config.context_width:
             return scores

@@ -273,10 +273,18 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
                                                                                   "schema": {}}}}, "strict='yes'"),
     ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens=9 is more than max_tokens=4"),
+    # Costs a client could set that no limit covered: a stop id list paid at every step, a schema compiled and kept,
+    # DRY breakers each looked for in the whole vocabulary.
+    ({"prompt": "Hi", "stop_token_ids": [5] * 2000}, "stop_token_ids has 2000 entries; this server takes at most 1024"),
+    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [
+        {"type": "object", "properties": {f"p{i}": {"const": i}}} for i in range(5000)]}}}},
+     "response_format.json_schema.schema is"),
+    ({"prompt": "Hi", "dry_multiplier": 0.8, "dry_sequence_breakers": [f"b{i}" for i in range(100)]},
+     "dry_sequence_breakers"),
 ], ids=["surrogate-prompt", "surrogate-message", "deep-json", "python-object-field", "string-bool", "best-of",
         "unknown-field", "unserved-field", "stream-options", "bad-role", "bias-dashes", "bias-superscript",
         "bias-digits", "tool-choice-string", "history-call-no-arguments", "deep-schema", "response-format-bogus",
-        "strict-string", "min-over-max"])
+        "strict-string", "min-over-max", "stop-ids", "huge-schema", "dry-breakers"])
 def test_malformed_requests_are_400s_naming_what_is_wrong(server, body, words):
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
     response = server.post(path, body)

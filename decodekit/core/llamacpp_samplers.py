@@ -234,7 +234,13 @@ def dry_breaker_sequences(tokenizer, breakers: tuple[str, ...], max_chars: int =
     """{head token: [tail token sequences]} of DRY's sequence breakers, as llama.cpp builds them: every token whose
     text holds a breaker is a breaker head on its own (empty tail); a token whose text ends with the start of a
     breaker heads the rest of it, tokenized (at most `max_tail` tokens). Breakers are cut to `max_chars`."""
-    return _breakers(tokenizer, tuple(b[:max_chars] for b in breakers if b), max_tail)
+    return _breakers(tokenizer, tuple(dict.fromkeys(b[:max_chars] for b in breakers if b)), max_tail)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary_words(tokenizer) -> tuple[str, ...]:
+    """Each token of `tokenizer` decoded alone: once per tokenizer, not per set of breakers."""
+    return tuple(tokenizer.decode([i]) for i in range(len(tokenizer)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -242,7 +248,7 @@ def _breakers(tokenizer, breakers: tuple[str, ...], max_tail: int) -> dict[int, 
     out: dict[int, list[tuple[int, ...]]] = {}
     if not breakers:
         return out
-    words = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    words = _vocabulary_words(tokenizer)
     for breaker in breakers:
         for token, word in enumerate(words):
             if breaker in word:

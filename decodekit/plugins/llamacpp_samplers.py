@@ -41,6 +41,11 @@ LETTERS = {"d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typical_p", "p": 
            "t": "temperature", "e": None}
 
 
+# How many distinct DRY sequence breakers a call may give: building them scans the whole vocabulary for each one
+# (thousands from one request took minutes of CPU). llama.cpp's default has four.
+MAX_DRY_BREAKERS = 64
+
+
 @hookimpl
 def decodekit_config_fields():
     return dict(FIELDS)
@@ -92,6 +97,9 @@ def decodekit_validate_config(generation_config, context):
     breakers = gc.dry_sequence_breakers
     if not isinstance(breakers, (list, tuple)) or not all(isinstance(b, str) for b in breakers):
         raise gc.invalid("dry_sequence_breakers", "expected a list of strings, e.g. ['\\n', ':', '\"', '*']")
+    if len(set(breakers)) > MAX_DRY_BREAKERS:  # each is looked for in every token of the vocabulary
+        raise gc.invalid("dry_sequence_breakers", f"expected at most {MAX_DRY_BREAKERS} distinct strings, got "
+                         f"{len(set(breakers))}")
     if gc.mirostat not in (0, 1, 2) or isinstance(gc.mirostat, bool):
         raise gc.invalid("mirostat", "expected 0 (off), 1 (mirostat) or 2 (mirostat 2.0)")
     if not active(gc):

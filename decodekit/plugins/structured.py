@@ -175,10 +175,15 @@ def _from_schema(gc, field: str, schema: dict) -> str:
 _lock = threading.Lock()
 _tokenizers: OrderedDict = OrderedDict()  # (id(tokenizer), vocab, eos) -> (tokenizer, LLTokenizer)
 _grammars: OrderedDict = OrderedDict()  # (id(LLTokenizer), grammar) -> (LLTokenizer, LLMatcher template)
-KEEP_TOKENIZERS, KEEP_GRAMMARS = 4, 64
+# Bounds on what is kept: a tokenizer view per distinct EOS set (about as large as the vocabulary), grammars by count
+# and by the size of their text (a compiled grammar grows with it). A grammar keeps its tokenizer view alive, so a
+# view that goes takes its grammars with it: distinct stop_token_ids per request used to keep 64 views alive.
+KEEP_TOKENIZERS, KEEP_GRAMMARS, KEEP_GRAMMAR_CHARS = 4, 64, 16 << 20
 
 
-def _kept(store: OrderedDict, key, limit: int, make):
+def _kept(store: OrderedDict, key, limit: int, make, chars: int = 0):
+    """store[key], made by make() where missing; the least recently used go past `limit` entries (grammars: also
+    past KEEP_GRAMMAR_CHARS characters of grammar text together)."""
     with _lock:
         if key in store:
             store.move_to_end(key)
@@ -186,9 +191,16 @@ def _kept(store: OrderedDict, key, limit: int, make):
     value = make()  # outside the lock: building a tokenizer takes about a second
     with _lock:
         store[key] = value
-        while len(store) > limit:
-            store.popitem(last=False)
+        while len(store) > limit or (store is _grammars and len(store) > 1 and _grammar_chars() > chars):
+            _, gone = store.popitem(last=False)
+            if store is _tokenizers:  # gone: (tokenizer, its LLTokenizer), which grammar keys name
+                for stale in [k for k in _grammars if k[0] == id(gone[1])]:
+                    del _grammars[stale]
     return value[1]
+
+
+def _grammar_chars() -> int:
+    return sum(len(grammar) for _, grammar in _grammars)
 
 
 def llg_tokenizer(tokenizer, vocab: int, eos: tuple[int, ...] = ()):
@@ -222,7 +234,7 @@ def compiled(llg_tok, grammar: str):
             raise GrammarError(matcher.get_error())
         return llg_tok, matcher
 
-    return _kept(_grammars, (id(llg_tok), grammar), KEEP_GRAMMARS, make)
+    return _kept(_grammars, (id(llg_tok), grammar), KEEP_GRAMMARS, make, KEEP_GRAMMAR_CHARS)
 
 
 # ---- the processor ---------------------------------------------------------------------------------------

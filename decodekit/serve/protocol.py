@@ -9,6 +9,7 @@ by add_request before anything is allocated.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,10 @@ UNSERVED = {
     "service_tier": "auto", "modalities": ["text"],
 }
 MAX_LOGIT_BIAS = 300  # entries of a logit_bias, as OpenAI's limit
+MAX_STOP_TOKEN_IDS = 1024  # each is compared with every row's newest token at every step
+# A response_format schema (or the tools' parameters together) as JSON text: OpenAI's limit on a structured-output
+# schema's strings; its grammar is compiled per distinct schema and kept.
+MAX_SCHEMA_CHARS = 120_000
 TOKEN_KEY = re.compile(r"\s*[0-9]{1,10}\s*")  # a logit_bias key: ASCII digits (str.isdigit takes "²", int() refuses it)
 # How deep a JSON schema (response_format, a tool's parameters) may nest: the schema checkers and compilers recurse,
 # and a body of 200 levels ended in a RecursionError (a 500) deep inside them.
@@ -77,9 +82,15 @@ def nesting_depth(value, limit: int) -> int:
 
 
 def check_schema_depth(schema, where: str) -> None:
+    """BadRequest naming `where` for a schema nested past MAX_SCHEMA_DEPTH or longer than MAX_SCHEMA_CHARS as JSON
+    (the depth first: the JSON encoder recurses)."""
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise BadRequest(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels; this server takes schemas of at most "
                          f"{MAX_SCHEMA_DEPTH}.", where)
+    size = len(json.dumps(schema)) if schema is not None else 0
+    if size > MAX_SCHEMA_CHARS:
+        raise BadRequest(f"{where} is {size} characters of JSON; this server takes schemas of at most "
+                         f"{MAX_SCHEMA_CHARS}.", where)
 
 # decodekit fields a request may not set: Python objects (no JSON value is one), what only the operator decides,
 # and what the OpenAI fields already say (set those instead).
@@ -253,9 +264,14 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     if min_tokens:
         fields["min_new_tokens"] = min_tokens
     stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"stop_token_ids has {len(stop_ids)} entries; this server takes at most {MAX_STOP_TOKEN_IDS}.",
+                         "stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)):
         raise BadRequest(f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).",
                          "stop_token_ids")
+    if stop_ids:
+        stop_ids = sorted(set(stop_ids))  # one tokenizer view per distinct set for structured output, not per order
     ignore_eos = boolean(body, "ignore_eos")
     if ignore_eos or stop_ids:  # the tokens that end a row: stop_token_ids, and EOS unless ignored; none: None
         fields["eos_token_id"] = list(stop_ids or []) + ([] if ignore_eos else list(eos)) or None

@@ -23,6 +23,7 @@ from typing import Any
 from .protocol import BadRequest, check_schema_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
 SYSTEM = ("You may call one or more functions to help with the user's request. The functions are described, as "
           "JSON schemas, inside <tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with a JSON "
           'object of its name and arguments inside <tool_call></tool_call>: <tool_call>{{"name": <function name>, '
@@ -108,6 +109,8 @@ def plan_tools(body: dict) -> ToolPlan | None:
         return None
     if not isinstance(tools, list):
         raise BadRequest("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., ...}}.", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise BadRequest(f"tools has {len(tools)} functions; this server takes at most {MAX_TOOLS}, as OpenAI.", "tools")
     functions = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None

@@ -546,11 +546,25 @@ def test_invalid_requests_are_refused_when_added(model, fields, message):
 
 
 def test_a_full_queue_refuses_more(model):
-    manager = model.init_continuous_batching(max_queue_size=2)  # not started: nothing leaves the queue
-    manager.add_request([1])
-    manager.add_request([2])
+    # Not started: nothing leaves the queue. The one free running slot takes a request at the next step, so that one
+    # does not wait; two more do.
+    manager = model.init_continuous_batching(max_queue_size=2, max_running=1)
+    for prompt in ([1], [2], [3]):
+        manager.add_request(prompt)
     with pytest.raises(QueueFull, match="max_queue_size=2"):
-        manager.add_request([3])
+        manager.add_request([4])
+
+
+def test_a_burst_no_larger_than_the_free_slots_is_never_refused(model):
+    # Before: requests arriving between two steps counted as waiting though free slots would take them all (429s from
+    # an idle server).
+    manager = model.init_continuous_batching(max_queue_size=1, max_running=8)
+    ids = [manager.add_request([i + 1], max_new_tokens=2) for i in range(8)]
+    with pytest.raises(QueueFull, match="max_queue_size=1"):
+        for i in range(8, 10):
+            manager.add_request([i + 1], max_new_tokens=2)
+    manager.run(until_idle=True)
+    assert all(manager.get_result(rid, timeout=0).status == RequestStatus.FINISHED for rid in ids)
     other = model.init_continuous_batching()
     other.add_request([1], request_id="same")
     with pytest.raises(ValueError, match="'same' is already in use"):

@@ -160,8 +160,10 @@ def test_an_api_key_is_required(server):
 
 def test_a_full_queue_answers_429(default_model):
     model, tok = default_model
-    manager = model.init_continuous_batching(max_queue_size=1, max_cache_bytes=64 * 2**20)  # never started
+    # Never started: one request for the free slot, one waiting, and the queue is full.
+    manager = model.init_continuous_batching(max_queue_size=1, max_running=1, max_cache_bytes=64 * 2**20)
     manager.add_request([1, 2, 3], max_new_tokens=2)
+    manager.add_request([1, 2, 4], max_new_tokens=2)
     srv = Server(manager, tok, ServerSettings(model_name=NAME), port=0).start()
     try:
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)

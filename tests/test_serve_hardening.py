@@ -293,6 +293,17 @@ def test_malformed_requests_are_400s_naming_what_is_wrong(server, body, words):
     assert server.healthy()
 
 
+def test_tokenize_and_detokenize_refuse_what_no_request_could_use(server):
+    # Before: a 1.9 MB prompt was encoded whole in the event loop (health blocked for seconds, memory kept).
+    response = server.post("/tokenize", {"prompt": "word " * 380_000})
+    assert response.status_code == 400 and "The prompt has more than" in response.json()["error"]["message"]
+    response = server.post("/detokenize", {"tokens": [5] * 100_000})
+    assert response.status_code == 400 and "tokens has 100000 ids" in response.json()["error"]["message"]
+    assert server.post("/tokenize", {"prompt": "Hello there"}).json()["count"] >= 2
+    assert server.post("/detokenize", {"tokens": [5, 6]}).status_code == 200
+    assert server.healthy()
+
+
 def test_a_huge_smoothing_factor_is_served(server):
     # Before: 0 * inf in the cubic term made the top token NaN, a 500.
     response = completion(server, smoothing_factor=1e308, temperature=1, seed=1)

@@ -295,7 +295,10 @@ class ContinuousBatchingManager:
                 raise RuntimeError("The manager is stopped; start() it again before adding requests.")
             if request_id in self._active or request_id in self._results:
                 raise ValueError(f"request_id={request_id!r} is already in use.")
-            waiting = len(self._incoming) + len(self.scheduler.waiting)
+            # Requests that free running slots will take at the next step do not wait: a burst arriving between two
+            # steps was refused while slots were free.
+            free = max(0, self.scheduler.max_running - len(self.scheduler.running))
+            waiting = max(0, len(self._incoming) + len(self.scheduler.waiting) - free)
             if self.max_queue_size and waiting >= self.max_queue_size:
                 raise QueueFull(f"{waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later.")
             if listener is not None:

@@ -195,12 +195,20 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         try:
             body = await body_of(request, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
             if "messages" in body:
-                ids = await run_in_threadpool(chat_ids, tokenizer, chat_messages(body), True)
+                messages = chat_messages(body)
+
+                def encode():  # in a worker thread, as every long text's encoding: the event loop answers meanwhile
+                    tokens_within(tokenizer, [m["content"] for m in messages], context)
+                    return chat_ids(tokenizer, messages, True)
             elif isinstance(body.get("prompt"), str):
-                special = boolean(body, "add_special_tokens", True)
-                ids = await run_in_threadpool(tokenizer.encode, body["prompt"], special)
+                special, prompt = boolean(body, "add_special_tokens", True), body["prompt"]
+
+                def encode():
+                    tokens_within(tokenizer, [prompt], context)  # what no request could use is not encoded whole
+                    return tokenizer.encode(prompt, special)
             else:
                 raise BadRequest("tokenize takes {\"prompt\": \"...\"} or {\"messages\": [...]}.", "prompt")
+            ids = await run_in_threadpool(encode)
             return {"tokens": ids, "count": len(ids), "max_model_len": context}
         except BadRequest as error:
             return error_response(error)
@@ -211,9 +219,16 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         try:
             body = await body_of(request, {"model", "tokens"})
             tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
-                raise BadRequest(f"tokens must be a list of token ids in [0, {vocab}).", "tokens")
-            return {"prompt": tokenizer.decode(tokens)}
+            if isinstance(tokens, list) and len(tokens) > 2 * context:
+                raise BadRequest(f"tokens has {len(tokens)} ids; this server decodes at most {2 * context} (twice the "
+                                 "model's context).", "tokens")
+
+            def decode():  # checked and decoded in a worker thread: the event loop answers meanwhile
+                if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+                    raise BadRequest(f"tokens must be a list of token ids in [0, {vocab}).", "tokens")
+                return tokenizer.decode(tokens)
+
+            return {"prompt": await run_in_threadpool(decode)}
         except BadRequest as error:
             return error_response(error)
 

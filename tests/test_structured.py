@@ -203,8 +203,15 @@ def test_a_transformers_model_through_wrap_keeps_the_constraint(default_model):
     ({"response_format": {"type": "xml"}}, "expected a dict whose 'type' is one of ['text', 'json_object', 'json_schema']"),
     ({"response_format": {"type": "json_schema"}}, "type 'json_schema' needs {'json_schema': {'schema': {...}}}"),
     ({"regex": "a", "choice": ["a"]}, "structured output takes one constraint at a time; got regex and choice"),
+    # No finite value matches these: the engine's grammar only ended at once, and the call gave empty text.
+    ({"json_schema": {"$ref": "#"}}, "the schema admits no finite JSON value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+     "the schema admits no finite JSON value"),
+    ({"json_schema": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}},
+     "the schema admits no finite JSON value"),
 ], ids=["bad-schema", "not-json", "not-a-schema", "bad-regex", "empty-regex", "bad-grammar", "no-choices", "choice-type",
-        "format-type", "format-schema", "two-constraints"])
+        "format-type", "format-schema", "two-constraints", "self-reference", "reference-cycle", "required-self"])
 def test_bad_constraints_are_clear_errors(default_model, kwargs, message):
     model, tok = default_model
     with pytest.raises(ValueError) as error:
@@ -256,3 +263,14 @@ def test_the_kept_tokenizer_views_and_grammars_stay_within_their_bounds(default_
         structured.compiled(view, structured.require_engine().LLMatcher.grammar_from_json_schema(schema))
         kept = [len(grammar) for _, grammar in structured._grammars]
         assert len(kept) == 1 or sum(kept) <= 3000
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+    {"type": "object", "properties": {"next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}, "required": ["next"]},
+], ids=["tree", "self-or-string", "linked-list"])
+def test_recursive_schemas_with_a_way_out_are_served(default_model, schema):
+    model, tok = default_model
+    out = model.generate(torch.tensor([[1, 2]]), tokenizer=tok, max_new_tokens=24, json_schema=schema)
+    assert out.shape[1] > 2  # generated, under the constraint (a tree's JSON may be cut off at 24 tokens)

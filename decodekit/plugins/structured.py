@@ -159,7 +159,82 @@ def _schema_dict(gc, value, field: str = "json_schema") -> dict:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as error:
         raise gc.invalid(field, f"not a valid JSON schema: {error.message}") from None
+    if not admits_a_value(value):
+        raise gc.invalid(field, "the schema admits no finite JSON value: a $ref that refers back to itself with "
+                                "nothing else to choose (every value would nest forever), or false")
     return value
+
+
+def admits_a_value(schema) -> bool:
+    """Whether some finite JSON value could match `schema`, as far as its structure tells (`false`, and required
+    properties, array items and references that can only lead back to themselves, cannot; keywords it does not
+    weigh are taken to allow a value). The engine compiles `{"$ref": "#"}` to a grammar that only ends at once: the
+    call then gave empty text, never an error. A least fixed point over the schema's subschemas: none admits a value
+    until what it needs does."""
+    nodes, stack, seen = [], [schema], set()
+    while stack:  # every subschema, iteratively (a schema may nest deeply)
+        node = stack.pop()
+        if isinstance(node, dict) and id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    admits: dict[int, bool] = {id(n): False for n in nodes}
+
+    def value(sub) -> bool:
+        return sub if isinstance(sub, bool) else admits.get(id(sub), True) if isinstance(sub, dict) else True
+
+    def resolve(ref: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return True  # another document: not weighed
+        target = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return True  # the engine reports a reference it cannot follow
+        return target
+
+    def admitted(node: dict) -> bool:
+        if "$ref" in node and not value(resolve(node["$ref"])):
+            return False
+        if "anyOf" in node and not any(value(s) for s in node["anyOf"]):
+            return False
+        if "oneOf" in node and not any(value(s) for s in node["oneOf"]):
+            return False
+        if "allOf" in node and not all(value(s) for s in node["allOf"]):
+            return False
+        if "enum" in node or "const" in node:
+            return True
+        kinds = node.get("type")
+        kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
+        if kinds - {"object", "array"}:
+            return True  # a string, number, boolean or null is always there to take
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if ("object" in kinds or not kinds) and not all(value(properties[r]) for r in node.get("required", [])
+                                                         if isinstance(r, str) and r in properties):
+            return "array" in kinds and array_admitted(node)
+        return "array" not in kinds or array_admitted(node) or "object" in kinds
+
+    def array_admitted(node: dict) -> bool:
+        least = node.get("minItems", 0)
+        if not isinstance(least, int) or least < 1:
+            return True
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        needed = prefix[:least] + ([node["items"]] if "items" in node and len(prefix) < least else [])
+        return all(value(s) for s in needed)
+
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if not admits[id(node)] and admitted(node):
+                admits[id(node)] = changed = True
+    return value(schema)
 
 
 def _from_schema(gc, field: str, schema: dict) -> str:

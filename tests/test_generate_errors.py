@@ -45,6 +45,15 @@ PROMPT = torch.tensor([[5, 6, 7]])
         ({"cache_implementation": "paged"}, r"cache_implementation='paged' is invalid; expected one of \['static', 'dynamic'\]"),
         ({"output_scores": 1}, r"output_scores=1"),
         ({"max_new_tokenz": 5}, r"unknown arguments \['max_new_tokenz'\] \(did you mean 'max_new_tokens'\?\)"),
+        # Found by fuzzing: each was a bare TypeError, an ambiguous tensor, an overflow or NaN scores.
+        ({"penalty_alpha": []}, r"penalty_alpha=\[\] is invalid; expected a number in \[0, 1\]"),
+        ({"low_memory": torch.tensor([1, 0])}, r"low_memory=tensor\(\[1, 0\]\) is invalid; expected True, False or None"),
+        ({"mirostat": torch.tensor([1, 2])}, r"mirostat=tensor\(\[1, 2\]\) is invalid; expected 0 \(off\)"),
+        ({"max_cache_len": 2**63, "cache_implementation": "static"}, r"max_cache_len=9223372036854775808 is invalid; "
+                                                                     r"expected an integer from this call's max_length"),
+        ({"assistant_model": True}, r"assistant_model=True is invalid: wrap\(\) takes"),
+        ({"mirostat": 2, "mirostat_tau": 1e300, "do_sample": True}, r"mirostat_tau=1e\+300 is invalid"),
+        ({"dynatemp_range": 1e300, "do_sample": True}, r"dynatemp_range=1e\+300 is invalid; expected a number \[0, "),
     ],
 )
 def test_invalid_config_fields(model, kwargs, message):

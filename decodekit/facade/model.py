@@ -146,7 +146,10 @@ class Model(GenerationMixin):
     def generate(self, *args, assistant_model=None, **kwargs):
         # An assistant given as a bare module gets a facade too, so speculative decoding treats both models alike.
         if assistant_model is not None:
-            kwargs["assistant_model"] = wrap(assistant_model)
+            try:
+                kwargs["assistant_model"] = wrap(assistant_model)
+            except TypeError as error:  # what the call got wrong is one of its arguments: a ValueError naming it
+                raise ValueError(f"assistant_model={assistant_model!r:.80} is invalid: {error}") from None
         return super().generate(*args, **kwargs)
 
     generate.__doc__ = GenerationMixin.generate.__doc__

@@ -33,9 +33,11 @@ def decodekit_validate_config(generation_config, context):
         if fields.get("max_cache_len") is not None and gc.max_cache_len is None:
             gc.max_cache_len = fields["max_cache_len"]
     length = gc.max_cache_len
-    if length is not None and (not is_int(length) or length < context.max_length):
-        raise gc.invalid("max_cache_len", f"expected an integer >= this call's max_length ({context.max_length}: the "
-                         "prompt and every new token) or None")
+    positions = getattr(getattr(context.model, "config", None), "max_position_embeddings", None)
+    most = max(context.max_length, positions if is_int(positions) else 2**31 - 1)
+    if length is not None and (not is_int(length) or not context.max_length <= length <= most):
+        raise gc.invalid("max_cache_len", f"expected an integer from this call's max_length ({context.max_length}: the "
+                         f"prompt and every new token) to the model's context ({most} positions), or None")
 
 
 @hookimpl

@@ -28,17 +28,17 @@ def decodekit_config_fields():
 @hookimpl
 def decodekit_validate_config(generation_config, context):
     gc = generation_config
-    if gc.low_memory not in (None, True, False):
+    if not (gc.low_memory is None or isinstance(gc.low_memory, bool)):  # (a tensor's `in` would be ambiguous)
         raise gc.invalid("low_memory", "expected True, False or None")
     alpha = gc.penalty_alpha
     if alpha is None:
         return
+    if not is_number(alpha) or not 0 <= alpha <= 1:
+        raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and getattr(context.model, "holds_recurrent_state", False):
         raise ValueError(f"contrastive search scores top_k candidates as extra rows of the batch, and "
                          f"{type(context.model.module).__name__} keeps its recurrent state in its own layers, sized "
                          "for the call's batch: use greedy decoding, sampling or beam search.")
-    if not is_number(alpha) or not 0 <= alpha <= 1:
-        raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and gc.number("top_k", 0) <= 1:
         raise ValueError(
             f"generation config: penalty_alpha={alpha} needs top_k > 1 (the number of candidates to compare), "

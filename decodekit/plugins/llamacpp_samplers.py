@@ -81,9 +81,11 @@ def order(gc) -> list[str]:
 @hookimpl
 def decodekit_validate_config(generation_config, context):
     gc = generation_config
+    # Upper bounds where a larger value would overflow float32 in the step (NaN scores, an overflow error) and means
+    # nothing more than the bound: a temperature spread of 10,000 or a target surprise of 10,000 bits.
     numbers = {"top_n_sigma": (None, None), "xtc_probability": (0, 1), "xtc_threshold": (0, 1), "dry_multiplier": (0, None),
-               "dry_base": (0, None), "mirostat_tau": (0, None), "mirostat_eta": (0, None), "dynatemp_range": (0, None),
-               "dynatemp_exponent": (0, None), "smoothing_factor": (0, None), "smoothing_curve": (None, None)}
+               "dry_base": (0, None), "mirostat_tau": (0, 1e4), "mirostat_eta": (0, 1e4), "dynatemp_range": (0, 1e4),
+               "dynatemp_exponent": (0, 1e4), "smoothing_factor": (0, None), "smoothing_curve": (None, None)}
     for name, (low, high) in numbers.items():
         value = getattr(gc, name)
         if not is_number(value) or (low is not None and value < low) or (high is not None and value > high):
@@ -100,7 +102,7 @@ def decodekit_validate_config(generation_config, context):
     if len(set(breakers)) > MAX_DRY_BREAKERS:  # each is looked for in every token of the vocabulary
         raise gc.invalid("dry_sequence_breakers", f"expected at most {MAX_DRY_BREAKERS} distinct strings, got "
                          f"{len(set(breakers))}")
-    if gc.mirostat not in (0, 1, 2) or isinstance(gc.mirostat, bool):
+    if isinstance(gc.mirostat, bool) or not is_int(gc.mirostat) or gc.mirostat not in (0, 1, 2):
         raise gc.invalid("mirostat", "expected 0 (off), 1 (mirostat) or 2 (mirostat 2.0)")
     if not active(gc):
         return

@@ -492,7 +492,12 @@ def test_a_token_outside_the_vocabulary_fails_its_request_before_it_reaches_the_
         bad = manager.add_request([1, 2], max_new_tokens=6, strays=True)
         good = manager.add_request([3, 4], max_new_tokens=6)
         manager.run(until_idle=True)
-        assert get_plugin_manager().get_plugin(plugin) is None  # a process plugin that misbehaves is disabled
+        # The request fails alone and the plugin stays: a served request's fault (one client's field) must not take
+        # the plugin from every later client, whose fields would then be unknown arguments.
+        assert get_plugin_manager().get_plugin(plugin) is not None
+        later = manager.add_request([1, 2], max_new_tokens=2, strays=False)
+        manager.run(until_idle=True)
+        assert manager.get_result(later, timeout=0).status == RequestStatus.FINISHED
     finally:
         if get_plugin_manager().get_plugin(plugin) is not None:
             unregister(plugin)

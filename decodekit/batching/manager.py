@@ -31,6 +31,7 @@ from ..core.config import is_int
 from ..core.limits import available_bytes, bytes_per_position
 from ..core.selectors import race_rows
 from ..plugins.fused import compile_own
+from ..registry.manager import failures_fail_the_request_alone
 from ..sizes import human_size
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request, select_together
 from .runner import CacheRunner, PagedRunner, supports_paged
@@ -405,7 +406,8 @@ class ContinuousBatchingManager:
                 continue
             try:
                 request.status = RequestStatus.DECODING
-                request.apply(logits[request.id], chosen.get(request.id))
+                with failures_fail_the_request_alone():
+                    request.apply(logits[request.id], chosen.get(request.id))
             except BaseException as error:  # the request's own code: SystemExit and the like end it alone
                 if isinstance(error, KeyboardInterrupt) and self._interrupted:
                     raise

@@ -226,6 +226,24 @@ def _in_call_order(caller, hook_name: str) -> list[Any]:
     return impls[::-1]
 
 
+# Set while a served request's own step runs (continuous batching): a plugin's processor, selector or criterion that
+# fails there fails that request alone and stays registered. One client's bad field used to disable the plugin for
+# every later client, whose requests then named its fields unknown.
+_requests_fail_alone: contextvars.ContextVar[bool] = contextvars.ContextVar("decodekit_requests_fail_alone",
+                                                                            default=False)
+
+
+@contextlib.contextmanager
+def failures_fail_the_request_alone():
+    """Inside the block, a run-time failure of a plugin's processor, selector or stopping criterion does not disable
+    the plugin (failed_at_run_time): the caller fails the request it belongs to."""
+    token = _requests_fail_alone.set(True)
+    try:
+        yield
+    finally:
+        _requests_fail_alone.reset(token)
+
+
 def isolated(name: str | None) -> bool:
     """Whether a failure of plugin `name`'s processor, selector or criterion would disable it (failed_at_run_time):
     an installed or run-time plugin, outside DECODEKIT_STRICT_PLUGINS."""
@@ -238,7 +256,7 @@ def failed_at_run_time(name: str | None, what: str, error: BaseException) -> boo
     call's method, or any plugin under DECODEKIT_STRICT_PLUGINS is not; nor is a ValueError a failure, which says
     the call's own values are invalid (as a hook's does): one client's bad field must not take a plugin from every
     later one. Returns whether it was disabled."""
-    if not isolated(name) or isinstance(error, ValueError):
+    if not isolated(name) or isinstance(error, ValueError) or _requests_fail_alone.get():
         return False
     pm = get_plugin_manager()
     with _lock:

@@ -209,6 +209,10 @@ def read_rows(path: Path, prompt_key: str) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
             raise ValueError(f"{path}:{number}: expected a JSON object with a string under {prompt_key!r} "
                              f"(the prompt; --prompt-key names another key).")
+        written = sorted(k for k in (*OUTPUT_KEYS, ERROR_KEY) if k in row)
+        if written:  # the output would overwrite them, and an "error" column would read as a failed row on resume
+            raise ValueError(f"{path}:{number}: the row has {written}, which the output writes to each row; rename "
+                             f"that column in the input.")
         row.setdefault("id", number)
         if _key(row["id"]) in seen:
             raise ValueError(f"{path}:{number}: id {row['id']!r} appears twice; ids must be unique.")
@@ -271,6 +275,9 @@ def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, set
     in any order (decodekit.integrations.ray.on_ray(address) runs them on Ray); None runs them here, in this
     process. OutputBusy if another run is writing `output_path`."""
     input_path, output_path = Path(input_path), Path(output_path)
+    if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
+        raise ValueError(f"the output {output_path} is the input file: rows are appended to the output as they are "
+                         "done, which would change the input; give another output path.")
     rows = read_rows(input_path, settings.prompt_key)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     counts = BatchCounts()

@@ -97,11 +97,35 @@ def test_rows_share_steps_where_the_method_allows_and_equal_generate_alone(defau
     (['{"prompt": "a"}', "not json"], "in.jsonl:2: not JSON"),
     (['{"text": "a"}'], "in.jsonl:1: expected a JSON object with a string under 'prompt'"),
     (['{"prompt": "a", "id": 5}', '{"prompt": "b", "id": 5}'], "in.jsonl:2: id 5 appears twice"),
-], ids=["not-json", "no-prompt", "duplicate-id"])
+    (['{"prompt": "a"}', '{"prompt": "b", "error": "none"}'], "in.jsonl:2: the row has ['error'], which the output "
+                                                                "writes to each row"),
+    (['{"prompt": "a", "generated_text": "x"}'], "in.jsonl:1: the row has ['generated_text']"),
+], ids=["not-json", "no-prompt", "duplicate-id", "error-column", "output-column"])
 def test_bad_input_names_the_file_and_line(tmp_path, capsys, lines, message):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_input_file_as_output_is_refused_and_left_as_it_was(tmp_path, capsys):
+    # Before: the rows were appended to the input file itself.
+    source = tmp_path / "in.jsonl"
+    write_input(source, PROMPTS[:2])
+    before = source.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(source)
+    for output in (source, tmp_path / "link.jsonl", tmp_path / "." / "in.jsonl"):
+        assert main(["batch", str(source), str(output), "--no-progress"]) == 2
+        assert "is the input file" in capsys.readouterr().err and source.read_bytes() == before
+
+
+def test_duplicate_prompts_without_ids_are_each_a_row(default_model, tmp_path):
+    model, tok = default_model
+    (tmp_path / "in.jsonl").write_text('{"prompt": "Hello there"}\n' * 3)
+    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", BatchSettings(generation={"max_new_tokens": 4}),
+                     progress=False) == (3, 0)
+    results = read_output(tmp_path / "out.jsonl")
+    assert sorted(r["id"] for r in results) == [1, 2, 3]
+    assert all(r["generated_token_ids"] == direct(model, tok, "Hello there", max_new_tokens=4) for r in results)
 
 
 def test_an_untrusted_method_is_refused_before_any_row(default_model, tmp_path, capsys):

@@ -629,3 +629,30 @@ def test_unusable_rows_are_those_with_one_nan_anywhere_or_minus_inf_everywhere(d
     scores[5, 3] = float("inf")
     scores[6, :500] = float("nan")
     assert unusable_rows(scores).tolist() == [True, True, True, True, False, False, True, False]
+
+
+class _RaisingLoop:
+    def rows_per_prompt(self, generation_config):
+        return 1
+
+    def __call__(self, *arguments):
+        raise SystemExit("the loop gives up")
+
+
+@pytest.mark.parametrize("hook, returned, words", [
+    ("decodekit_decoding_loop", lambda: 42, r"plugin 'odd': decodekit_decoding_loop returned int, not a loop"),
+    ("decodekit_decoding_loop", _RaisingLoop, r"the decoding loop of plugin 'odd' raised SystemExit\(the loop gives up\)"),
+    ("decodekit_cache", lambda: object(), r"plugin 'odd': decodekit_cache returned a object without \['update', "
+                                          r"'get_seq_length'\]"),
+], ids=["loop-not-callable", "loop-raises", "cache-without-protocol"])
+def test_a_wrong_loop_or_cache_hook_names_its_plugin_and_is_disabled(model, clean_manager, hook, returned, words):
+    # Before: an AttributeError or TypeError from deep inside generate() that named no plugin, at every later call.
+    baseline = model.generate(PROMPT, max_new_tokens=3)
+    plugin = type("Odd", (), {"decodekit_config_fields": staticmethod(decodekit.hookimpl(lambda: {"odd": True})),
+                              hook: staticmethod(decodekit.hookimpl(lambda: returned()))})
+    decodekit.register(plugin, name="odd")
+    with pytest.raises(PluginError, match=words):
+        model.generate(PROMPT, max_new_tokens=3)
+    record = next(r for r in manager.plugin_records() if r.name == "odd")
+    assert record.error is not None and manager.get_plugin_manager().get_plugin("odd") is None
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=3), baseline)

@@ -156,6 +156,32 @@ def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def checked_loop(owner: str | None, loop):
+    """`loop` as decodekit_decoding_loop returned it, if it keeps the hook's contract (callable, with
+    rows_per_prompt); else a PluginError naming the plugin, which is disabled as a failing processor's is."""
+    from ..registry.manager import PluginError, plugin_failure
+
+    if loop is None or (callable(loop) and callable(getattr(loop, "rows_per_prompt", None))):
+        return loop
+    error = PluginError(f"plugin {owner!r}: decodekit_decoding_loop returned {type(loop).__name__}, not a loop: an "
+                        "object with rows_per_prompt(generation_config) and __call__(model, input_ids, attention_mask, "
+                        "pipeline, generation_config, streamer, context).")
+    raise plugin_failure(error, owner, "decodekit_decoding_loop", f"the decoding loop of plugin {owner!r}")
+
+
+def run_loop(owner: str | None, loop, *arguments):
+    """A plugin's decoding loop on the call's prepared arguments: one that raises fails the call naming the plugin,
+    and an installed or run-time plugin is disabled (registry.plugin_failure), as its processors would be."""
+    from ..registry.manager import plugin_failure
+
+    try:
+        return loop(*arguments)
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as error:  # SystemExit from a plugin's loop fails the call, never the process
+        raise plugin_failure(error, owner, "a decoding loop", f"the decoding loop of plugin {owner!r}")
+
+
 def token_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """The position of every token of `input_ids` [B, T] for a forward of the whole sequence: the mask's
     (mask_positions) where there is one, else 0..T-1 where the forward takes position_ids, else None. Decoding loops
@@ -230,7 +256,9 @@ class GenerationMixin:
         )
         # Plugins validate their fields before any of them is used to pick a loop.
         call_hooks("decodekit_validate_config", generation_config=gc, context=context)
-        loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)[1] if custom_generate is None else None
+        loop_owner, loop = (call_first("decodekit_decoding_loop", generation_config=gc, context=context)
+                            if custom_generate is None else (None, None))
+        loop = checked_loop(loop_owner, loop)
         inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
         if inner and loop is not None:
             raise ValueError(f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
@@ -251,7 +279,8 @@ class GenerationMixin:
         context = dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
-            return finished(pipeline, loop(self, input_ids, attention_mask, pipeline, gc, streamer, context))
+            return finished(pipeline, run_loop(loop_owner, loop, self, input_ids, attention_mask, pipeline, gc,
+                                               streamer, context))
         if custom_generate is not None:
             # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
             if "token_selector" in inspect.signature(custom_generate).parameters:

@@ -42,6 +42,20 @@ class Pipeline:
     next_token_logits: Any = last_position_logits
 
 
+def checked_cache(owner: str | None, cache):
+    """`cache` as plugin `owner`'s decodekit_cache returned it, if it has the cache protocol's methods the loops call
+    (update, get_seq_length); else a PluginError naming the plugin, which is disabled as a failing processor's is.
+    (A method of a cache that raises inside the model's forward is not told apart from the model's own failure.)"""
+    missing = [name for name in ("update", "get_seq_length") if not callable(getattr(cache, name, None))]
+    if cache is None or not missing:
+        return cache
+    from ..registry.manager import PluginError, plugin_failure
+
+    error = PluginError(f"plugin {owner!r}: decodekit_cache returned a {type(cache).__name__} without {missing}; a "
+                        "cache has update(key, value, layer_idx), get_seq_length(), crop(length) and reorder(indices).")
+    raise plugin_failure(error, owner, "decodekit_cache", f"the cache of plugin {owner!r}")
+
+
 def build_pipeline(generation_config, context, logits_processor=None, stopping_criteria=None, cache=None,
                    make_cache: bool = True) -> Pipeline:
     """Calls each hook point once (the config is already validated). User-supplied processors and criteria
@@ -66,6 +80,6 @@ def build_pipeline(generation_config, context, logits_processor=None, stopping_c
             f"(do_sample={generation_config.do_sample!r}); the built-ins handle do_sample=True and False."
         )
     if cache is None and make_cache and generation_config.use_cache:
-        cache = call_first("decodekit_cache", **hook_args)[1]
+        cache = checked_cache(*call_first("decodekit_cache", **hook_args))
     reader = call_first("decodekit_next_token_logits", **hook_args)[1]
     return Pipeline(processors, checked_selector(selector, owner), criteria, cache, reader or last_position_logits)

@@ -16,7 +16,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, failed_at_run_time, isolated
+from ..registry.manager import PluginError, failed_at_run_time, isolated, plugin_failure
 
 NEG_INF = -math.inf
 
@@ -75,14 +75,8 @@ class LogitsProcessorList(list):
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as error:  # SystemExit from a processor is its failure too, never the process's
-            where = f"{self.describe(processor)} at position {input_ids.shape[-1]}"
-            failed_at_run_time(self.owner_of(processor), "a logits processor", error)
-            if not isinstance(error, Exception):
-                raise PluginError(f"{where} raised {type(error).__name__}({error}); a processor returns scores") \
-                    from error
-            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
-                error.add_note(f"(raised by {where})")
-            raise
+            raise plugin_failure(error, self.owner_of(processor), "a logits processor",
+                                 f"{self.describe(processor)} at position {input_ids.shape[-1]}")
         self.checked = True
         return scores
 

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, failed_at_run_time
+from ..registry.manager import PluginError, plugin_failure
 
 
 @runtime_checkable
@@ -116,11 +116,11 @@ class CheckedSelector:
             tokens = self.selector(input_ids, scores)
             if not torch.compiler.is_compiling():
                 self._check(tokens, scores, input_ids.shape[-1])
-        except Exception as error:
-            if not isinstance(error, PluginError) and hasattr(error, "add_note"):
-                error.add_note(f"(raised by the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]})")
-            failed_at_run_time(self.owner, "a token selector", error)
+        except (KeyboardInterrupt, GeneratorExit):
             raise
+        except BaseException as error:  # SystemExit from a selector is its failure too, never the process's
+            raise plugin_failure(error, self.owner, "a token selector",
+                                 f"the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]}")
         self.checked = True
         return tokens
 

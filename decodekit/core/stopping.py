@@ -42,7 +42,7 @@ class StoppingCriteriaList(list):
                                                    f" of plugin {owner!r}" if owner else "")
 
     def __call__(self, input_ids, scores):
-        from ..registry.manager import PluginError, failed_at_run_time
+        from ..registry.manager import PluginError, plugin_failure
 
         B = input_ids.shape[0]
         check = not torch.compiler.is_compiling()
@@ -62,13 +62,8 @@ class StoppingCriteriaList(list):
             except (KeyboardInterrupt, GeneratorExit):
                 raise
             except BaseException as error:  # SystemExit from a criterion is its failure, never the process's
-                where = f"{self.describe(criterion)} at position {input_ids.shape[-1]}"
-                failed_at_run_time(self.__dict__.get("owners", {}).get(id(criterion)), "a stopping criterion", error)
-                if not isinstance(error, Exception):
-                    raise PluginError(f"{where} raised {type(error).__name__}({error})") from error
-                if not isinstance(error, PluginError) and hasattr(error, "add_note"):
-                    error.add_note(f"(raised by {where})")
-                raise
+                raise plugin_failure(error, self.__dict__.get("owners", {}).get(id(criterion)), "a stopping criterion",
+                                     f"{self.describe(criterion)} at position {input_ids.shape[-1]}")
             done = done | said
         return done
 

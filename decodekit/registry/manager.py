@@ -266,6 +266,21 @@ def failed_at_run_time(name: str | None, what: str, error: BaseException) -> boo
     return True
 
 
+def plugin_failure(error: BaseException, owner: str | None, what: str, where: str) -> BaseException:
+    """What to raise for `error`, raised by plugin code at run time (`what`: "a logits processor", ...; `where`
+    names the code and position for a note): an isolated plugin is disabled (failed_at_run_time); the error gets a
+    note naming `where`, and one that is no Exception (SystemExit) becomes a PluginError, so it fails the call and
+    not the process. KeyboardInterrupt and GeneratorExit are the caller's to let through."""
+    failed_at_run_time(owner, what, error)
+    if not isinstance(error, Exception):
+        failure = PluginError(f"{where} raised {type(error).__name__}({error})")
+        failure.__cause__ = error
+        return failure
+    if not isinstance(error, (PluginError, ValueError)) and hasattr(error, "add_note"):
+        error.add_note(f"(raised by {where})")
+    return error
+
+
 def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:
     pm = get_plugin_manager()
     caller = getattr(pm.hook, hook_name)

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
+.PHONY: venv install install-dev demo serve test test-architectures test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ serve: install
 test: install-dev
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
+
+# decodekit against transformers on every causal-LM architecture transformers registers (make test runs a slice).
+test-architectures: install-dev
+	DECODEKIT_ALL_ARCHITECTURES=1 $(PY) -m pytest -q tests/test_every_architecture.py
 
 # Ray is an extra: its tests run here (a local cluster of 2 CPUs); `make test` skips them without it.
 test-ray: install-dev

@@ -9,7 +9,7 @@ import torch
 import decodekit
 from decodekit import AutoModelForCausalLM
 
-from tiny_transformers import ARCHITECTURES, EOS, PAD, tiny_transformers_model, transformers
+from tiny_transformers import ARCHITECTURES, EOS, PAD, oracle_arguments, tiny_transformers_model, transformers
 
 from decodekit.facade.transformers import masks_prompt_only  # noqa: E402
 from decodekit.integrations.transformers import TransformersModel, wrap  # noqa: E402  (after the importorskip)
@@ -19,17 +19,11 @@ BATCH = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15,
 NEW = 12
 
 
-# Where transformers' cached generate() differs from its own run without a cache and decodekit's equals that run
-# (docs/transformers.md): MiniMax's lightning-attention cache in padded batches and beam search. The oracle there is
-# transformers with use_cache=False.
-CACHE_WRONG_IN_TRANSFORMERS = {"minimax"}
-
-
 def reference(hf, ids, **kwargs):
-    """transformers' generate with the same stopping rule as decodekit's calls below (no EOS)."""
-    if hf.config.model_type in CACHE_WRONG_IN_TRANSFORMERS:
-        kwargs = {**kwargs, "use_cache": False}
-    return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW, **kwargs)
+    """transformers' generate with the same stopping rule as decodekit's calls below (no EOS), without a cache where
+    its cached run is wrong (tiny_transformers.CACHE_WRONG_IN_TRANSFORMERS)."""
+    return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW,
+                       **oracle_arguments(hf, kwargs))
 
 
 def ours(model, ids, **kwargs):

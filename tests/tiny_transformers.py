@@ -103,6 +103,17 @@ ARCHITECTURES = {
 }
 
 
+# Where transformers' cached generate() differs from its own run without a cache and decodekit's equals that run
+# (docs/transformers.md): MiniMax's lightning-attention cache and RWKV's state in padded batches and beam search. The
+# oracle there is transformers with use_cache=False.
+CACHE_WRONG_IN_TRANSFORMERS = {"minimax", "rwkv"}
+
+
+def oracle_arguments(hf, kwargs: dict) -> dict:
+    """transformers generate()'s keywords for the oracle run on `hf`: without a cache where its cached run is wrong."""
+    return {**kwargs, "use_cache": False} if hf.config.model_type in CACHE_WRONG_IN_TRANSFORMERS else kwargs
+
+
 # Seeds whose greedy text varies (seed 0 of these repeats one token).
 SEEDS = {"qwen3_moe": 1}
 

@@ -24,10 +24,18 @@ def available_bytes(device: torch.device) -> int | None:
 def bytes_per_position(model) -> int:
     """Bytes of keys and values one row's cache takes per position; 0 where the model's config does not tell."""
     config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-    hidden, n_heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (hidden // n_heads if hidden and n_heads else None)
+
+    def field(name: str):
+        try:
+            return getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - a config that refuses a global value (per-layer sizes) tells nothing
+            return None
+
+    layers = field("num_hidden_layers")
+    heads = field("num_key_value_heads") or field("num_attention_heads")
+    hidden, n_heads = field("hidden_size"), field("num_attention_heads")
+    head_dim = field("head_dim") or (hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int)
+                                     and n_heads else None)
     if not all(isinstance(v, int) for v in (layers, heads, head_dim)):
         return 0
     dtype = getattr(model, "dtype", torch.float32)

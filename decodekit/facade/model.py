@@ -144,6 +144,8 @@ class Model(GenerationMixin):
     # --- generation ----------------------------------------------------------------------------------------
 
     def generate(self, *args, assistant_model=None, **kwargs):
+        if self.backend == "transformers":
+            hf.refuse_own_generation_inputs(self.module)
         # An assistant given as a bare module gets a facade too, so speculative decoding treats both models alike.
         if assistant_model is not None:
             try:

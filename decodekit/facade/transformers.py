@@ -110,6 +110,22 @@ def takes_cache(model) -> bool:
     return any(name in parameters for name in ("past_key_values", "cache", "cache_params"))
 
 
+# Models whose generation transformers feeds through inputs of their own making (prepare_inputs_for_generation), not
+# the sequence as it is: decodekit's loops cannot run them and say so, rather than fail deep inside their forward.
+OWN_GENERATION_INPUTS = {
+    "xlm": "transformers generates with XLM by appending a mask token to the whole sequence at every step",
+    "cpmant": "CPM-Ant prepends its prompt-type tokens inside its forward and keeps a cache of its own layout",
+}
+
+
+def refuse_own_generation_inputs(model) -> None:
+    """ValueError for a model of OWN_GENERATION_INPUTS, saying why and what runs it."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in OWN_GENERATION_INPUTS:
+        raise ValueError(f"{type(model).__name__} ({kind}) cannot run under decodekit's decoding loops: "
+                         f"{OWN_GENERATION_INPUTS[kind]}. Run it with transformers' own generate().")
+
+
 # Models that multiply their hidden states by the 2D padding mask (state-space layers, no attention): transformers'
 # generate() hands them the mask only while they read the prompt; after it a step's mask would be read as the
 # step's own (and has the wrong length).

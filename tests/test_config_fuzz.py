@@ -2,6 +2,7 @@
 message names a field it was given; never another exception, never a hang (hypothesis drives it)."""
 
 import math
+import os
 import signal
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from decodekit.testing import tiny_model
 
 AWKWARD = [None, True, False, 0, 1, -1, 2, 3, 7, 95, 96, 10**9, 10**12, 10**30, -(10**9), 2**31, 2**63, 2**64, 0.0, 0.5, 1.0,
-           1.5, 2.0, -0.5, 1e-30, 1e30, math.nan, math.inf, -math.inf, "3", "", "greedy", [], [1], [[1]], [[10**9]], [1, 2],
+           1.5, 2.0, -0.5, 1e-30, 1e30, 1e300, -1e300, math.nan, math.inf, -math.inf, "3", "", "greedy", [], [1], [[1]], [[10**9]], [1, 2],
            {}, {(8,): 1.0}, {(8,): math.nan}, {(10**9,): 1.0}, (5,), object(), torch.tensor([1, 2]),
            torch.tensor([1.5, 2.0]), torch.tensor(3), torch.tensor([[1.5, 2.0]])]
 
@@ -23,7 +24,12 @@ FIELDS = ["max_new_tokens", "max_length", "min_length", "min_new_tokens", "max_t
           "early_stopping", "penalty_alpha", "prompt_lookup_num_tokens", "max_matching_ngram_size", "guidance_scale",
           "dola_layers", "stop_strings", "seed", "use_cache", "cache_implementation", "output_scores",
           "return_dict_in_generate", "compile", "num_assistant_tokens", "encoder_repetition_penalty",
-          "negative_prompt_ids", "negative_prompt_attention_mask"]
+          "negative_prompt_ids", "negative_prompt_attention_mask",
+          # plugins' fields (llama.cpp's samplers, caches, speculative decoding), which the outside fuzzer reached
+          "low_memory", "mirostat", "mirostat_tau", "mirostat_eta", "max_cache_len", "assistant_model",
+          "dynatemp_range", "dynatemp_exponent", "smoothing_factor", "smoothing_curve", "top_n_sigma", "xtc_probability",
+          "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "samplers", "epsilon_cutoff",
+          "eta_cutoff", "assistant_ensemble_weight", "watermarking_config", "token_healing", "prefill_chunk_size"]
 # generate()'s own arguments that take objects; the same awkward values, and callables that return them.
 ARGUMENTS = ["streamer", "logits_processor", "stopping_criteria", "past_key_values", "prefix_allowed_tokens_fn"]
 
@@ -56,7 +62,8 @@ def returning(value):
 CALLABLE_VALUES = [returning(v) for v in (None, 3, [], [1], "x", torch.tensor([1]))]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=int(os.environ.get("DECODEKIT_FUZZ_EXAMPLES", 300)), deadline=None,
+          suppress_health_check=list(HealthCheck), derandomize=True)
 @given(base=st.sampled_from(BASES),
        values=st.dictionaries(st.sampled_from(FIELDS + ARGUMENTS), st.sampled_from(AWKWARD + CALLABLE_VALUES),
                               min_size=1, max_size=3))
@@ -73,6 +80,8 @@ def test_every_outcome_is_a_result_or_an_error_naming_a_field(model, base, value
         message = str(error)
         named = [name for name in kwargs if name in message] + (["seed"] if "seed" in message else [])
         assert named, f"{type(error).__name__} names none of {sorted(kwargs)}: {message}"
+        # A config field's bad value is a ValueError; TypeError is for an object argument of the wrong kind.
+        assert isinstance(error, ValueError) or any(name in ARGUMENTS for name in named), message
     except Hang:
         pytest.fail(f"generate() ran for over 20 s with {kwargs}")
     finally:

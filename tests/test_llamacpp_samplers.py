@@ -36,9 +36,20 @@ def test_each_field_is_checked_by_name(model, fields, name):
 
 
 def test_dry_without_a_tokenizer_asks_for_one_unless_there_are_no_breakers(model):
-    with pytest.raises(ValueError, match="pass tokenizer="):
+    # The tiny model's folder holds no tokenizer: the call must pass one (the error names the field that asked).
+    with pytest.raises(ValueError, match="dry_multiplier=0.8: .* pass tokenizer="):
         model.generate(PROMPT, max_new_tokens=2, dry_multiplier=0.8)
     model.generate(PROMPT, max_new_tokens=2, dry_multiplier=0.8, dry_sequence_breakers=[])
+
+
+def test_dry_reads_the_models_own_tokenizer_where_its_files_hold_one(default_model):
+    # As llama.cpp uses the model's own vocabulary: no tokenizer= needed for a model loaded from files that hold one.
+    model, tok = default_model
+    ids = tok("one two three, one two three, one two", return_tensors="pt")["input_ids"]
+    fields = dict(max_new_tokens=12, dry_multiplier=2.0, dry_allowed_length=1, dry_sequence_breakers=[","])
+    without = model.generate(ids, **fields)
+    assert torch.equal(without, model.generate(ids, tokenizer=tok, **fields))
+    assert not torch.equal(without, model.generate(ids, max_new_tokens=12))  # DRY did act
 
 
 def test_dry_on_llama_cpps_worked_example():

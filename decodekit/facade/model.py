@@ -46,7 +46,7 @@ class Model(GenerationMixin):
     nn.Module with the forward contract and a `.config`) or "transformers"."""
 
     # The facade's own attributes; every other attribute set on it is set on the module.
-    _OWN = frozenset({"module", "backend", "generation_config", "name_or_path", "generate"})
+    _OWN = frozenset({"module", "backend", "generation_config", "name_or_path", "generate", "tokenizer_source"})
 
     def __init__(self, module, generation_config: GenerationConfig | None = None, name_or_path: str | None = None):
         if hf.is_transformers_model(module):
@@ -140,6 +140,16 @@ class Model(GenerationMixin):
         if not self.makes_caches:
             raise TypeError("decodekit lays out the caches of a native model: use decodekit.core.cache.new_cache.")
         return hf.make_cache(self.module, kind, max_length)
+
+    def own_tokenizer(self):
+        """The tokenizer stored with the model's files (tokenizer.json, a GGUF vocabulary), loaded at first use and
+        kept, or None where the model came from none (`tokenizer_source`, set by from_pretrained, says where). What a
+        plugin uses when a call passed no tokenizer= (DRY's sequence breakers, as llama.cpp reads the model's own)."""
+        own = self.__dict__
+        if "_own_tokenizer" not in own:
+            source = own.get("tokenizer_source")
+            own["_own_tokenizer"] = source() if source is not None else None
+        return own["_own_tokenizer"]
 
     # --- generation ----------------------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ generation config the files carry and the repository's custom_generate/ method w
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 import os
@@ -275,10 +277,22 @@ class AutoModelForCausalLM:
 
             quantize_model(module, quantize)
         model = Model(module, generation_config, str(name_or_path))
+        model.tokenizer_source = functools.partial(_stored_tokenizer, model_dir, gguf_file)
         if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
             _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
         logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
         return model
+
+
+def _stored_tokenizer(model_dir: Path, gguf_file: str | None):
+    """The tokenizer in a model's files (model.own_tokenizer), or None where they hold none it can read."""
+    from .tokenizer import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir / gguf_file if gguf_file else model_dir, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - no tokenizer there: the caller says what it needed one for
+        logger.info("no tokenizer read from %s: %s", model_dir, error)
+        return None
 
 
 def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fields: dict | None, label: str, quantize,
@@ -295,6 +309,7 @@ def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fie
                         local_files_only=local_files_only, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
                         **transformers_kwargs)
     model = Model(module, name_or_path=str(name_or_path))
+    model.tokenizer_source = functools.partial(_stored_tokenizer, model_dir, gguf_file)
     snapshot = None
     if gguf_file is None:
         snapshot = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=["custom_generate/**"])

@@ -126,11 +126,17 @@ def decodekit_logits_processors(generation_config, context):
     out = []
     for name in order(gc):
         if name == "dry" and gc.dry_multiplier > 0 and gc.dry_base >= 1 and gc.dry_penalty_last_n != 0:
-            if gc.dry_sequence_breakers and context.tokenizer is None:
-                raise ValueError("DRY's sequence breakers are text, tokenized as llama.cpp does: pass tokenizer= "
-                                 "(decodekit serve, the CLI and the vLLM adapter do), or dry_sequence_breakers=[].")
+            # The call's tokenizer, else the one stored with the model's files (llama.cpp reads the model's own).
+            tokenizer = context.tokenizer
+            if tokenizer is None and gc.dry_sequence_breakers and callable(getattr(context.model, "own_tokenizer", None)):
+                tokenizer = context.model.own_tokenizer()
+            if gc.dry_sequence_breakers and tokenizer is None:
+                raise ValueError(f"dry_multiplier={gc.dry_multiplier}: DRY's sequence breakers are text, tokenized as "
+                                 "llama.cpp does, and this model was not loaded from files holding a tokenizer: pass "
+                                 "tokenizer= (decodekit serve, the CLI and the vLLM adapter do), or "
+                                 "dry_sequence_breakers=[].")
             context_size = getattr(getattr(context.model, "config", None), "max_position_embeddings", None) or 2**31
-            breakers = (dry_breaker_sequences(context.tokenizer, tuple(gc.dry_sequence_breakers))
+            breakers = (dry_breaker_sequences(tokenizer, tuple(gc.dry_sequence_breakers))
                         if gc.dry_sequence_breakers else {})
             out.append(DRYLogitsProcessor(gc.dry_multiplier, gc.dry_base, gc.dry_allowed_length, gc.dry_penalty_last_n,
                                           context_size, breakers))

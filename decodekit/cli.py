@@ -628,12 +628,12 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    from .models.default import DefaultModelMissing
-
+    # Ctrl-C anywhere, while torch or the model loads too, is one line and exit code 130: nothing heavy is imported
+    # before this point (decodekit's names load on first use).
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
         return args.func(args)
     except KeyboardInterrupt:
         print("\ndecodekit: stopped (Ctrl-C)", file=sys.stderr)
@@ -641,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader (head, less) went away: nothing more to say
         sys.stdout = open(os.devnull, "w")
         return 0
-    except (ValueError, OSError, ImportError, TypeError, AttributeError, DefaultModelMissing) as e:
+    except (ValueError, OSError, ImportError, TypeError, AttributeError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and type(e).__name__ != "DefaultModelMissing":
+            raise
         print(f"decodekit: error: {e if isinstance(e, CLIError) else cli_names(str(e))}", file=sys.stderr)
         return 2
 

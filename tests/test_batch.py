@@ -210,6 +210,41 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
     assert all("generated_token_ids" in row for row in read_output(out))  # every line whole
 
 
+@pytest.mark.parametrize("delay", [0.5, 4.0, 7.0], ids=["while-loading", "early", "later"])
+def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_output(tmp_path, delay):
+    import signal
+    import subprocess
+    import sys
+
+    write_input(tmp_path / "in.jsonl", [f"Fact number {i}:" for i in range(24)])
+    command = [sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), None, "--no-progress",
+               "--max-new-tokens", "6", "--arg", "num_beams=2"]  # one prompt at a time: many rows land as it runs
+
+    def run(out, interrupt_after=None):
+        argv = [str(out) if part is None else part for part in command]
+        process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        if interrupt_after is not None:
+            try:
+                process.wait(timeout=interrupt_after)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGINT)
+        err = process.communicate(timeout=300)[1]
+        return process.returncode, err
+
+    whole = tmp_path / "whole.jsonl"
+    assert run(whole)[0] == 0
+    out = tmp_path / "out.jsonl"
+    code, err = run(out, interrupt_after=delay)
+    if code != 0:  # stopped: one message, no traceback, every line on disk whole
+        assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        if out.exists():
+            assert all("generated_token_ids" in row for row in read_output(out))
+    assert run(out)[0] == 0
+    by_id = lambda rows: sorted(rows, key=lambda row: json.dumps(row["id"]))  # noqa: E731
+    assert by_id(read_output(out)) == by_id(read_output(whole))
+
+
 @pytest.mark.parametrize("content, words", [
     (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "in.jsonl:2: not UTF-8 (byte 16 of the line is 0xe9)"),
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "in.jsonl:1: not JSON (nested too deeply to read)"),

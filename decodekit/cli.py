@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
     gen.add_argument("--penalty-alpha", type=float, metavar="A",
                      help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
-    llama = gen.add_argument_group("llama.cpp's samplers (docs/strategies.md#llamacpp-samplers; with --do-sample, but DRY)")
+    llama = gen.add_argument_group("llama.cpp's samplers (docs/llamacpp.md#llamacpps-samplers; with --do-sample, but DRY)")
     for flag, kind, metavar, what in LLAMACPP_FLAGS:
         breaker = flag == "--dry-sequence-breaker"
         llama.add_argument(flag, type=kind, metavar=metavar, help=what, action="append" if breaker else "store",

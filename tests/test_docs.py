@@ -57,3 +57,72 @@ def test_the_readme_quick_start_commands_run_as_written(tmp_path, monkeypatch, c
         argv = shlex.split(line, comments=True)
         assert argv[0] == "decodekit", line
         assert main([*argv[1:], *(["--max-new-tokens", "4"] if argv[1] == "generate" else [])]) == 0, line
+
+
+CONTINUES = "continues "  # in a block's leading comments: "continues the block above (model, tok)", or another place
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names a block reads at any depth that it never binds (assigns, imports, defines, takes as arguments) and that
+    are not builtins: what a reader running the block on its own would get a NameError for."""
+    import builtins
+
+    tree = ast.parse(code)
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return read - bound - set(dir(builtins))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_block_runs_on_its_own_or_says_it_continues_the_one_above(page):
+    # A reader copies one block: it must not stop at a NameError for what an earlier block made (tok, model).
+    for i, (marker, code) in enumerate(blocks(page)):
+        leading = " ".join(line for line in code.splitlines()[:3] if line.startswith("#"))
+        if CONTINUES in leading:
+            assert i > 0 or "block above" not in leading, f"{page.name} block {i + 1} continues no block above"
+            continue
+        missing = undefined_names(code)
+        assert not missing, (f"{page.name} block {i + 1} reads {sorted(missing)} without defining them: define them, "
+                             "or say in its leading comment what it continues ('# continues the block above (model, tok)')")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    found = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#") and line.lstrip("#").startswith(" "):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+    return found
+
+
+def local_links() -> list[tuple[str, Path, str]]:
+    """(where, target page, anchor) of every link to a file of the repository: in the pages' markdown links and in
+    the command line's help texts (docs/x.md#anchor)."""
+    links = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            links.append((f"{page.name}: {target}", (page.parent / path).resolve() if path else page, anchor))
+    for source in (ROOT / "decodekit").rglob("*.py"):
+        for path, anchor in re.findall(r"(docs/[\w-]+\.md)#([\w-]+)", source.read_text(encoding="utf-8")):
+            links.append((f"{source.name}: {path}#{anchor}", ROOT / path, anchor))
+    return links
+
+
+def test_every_link_to_a_page_and_its_anchor_exists():
+    broken = [where for where, target, anchor in local_links()
+              if not target.exists() or (anchor and target.suffix == ".md" and anchor not in anchors(target))]
+    assert len(local_links()) > 40 and not broken, broken

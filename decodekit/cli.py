@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 
 from . import __version__
 from .templates import TEMPLATES
@@ -269,7 +272,7 @@ def cmd_batch(args) -> int:
     except KeyboardInterrupt:
         print(f"\ndecodekit batch: stopped; the rows written so far are in {args.output}, and the same command goes on "
               "from there.", file=sys.stderr)
-        return 130
+        return stopped()
     failed = ""
     if counts.failed:
         shown = ", ".join(json.dumps(i) for i in counts.failed[:5]) + (", ..." if len(counts.failed) > 5 else "")
@@ -627,17 +630,44 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def stopped() -> int:
+    """The exit code of a run stopped by Ctrl-C, 130; a second Ctrl-C while the process winds down is ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return 130
+
+
+@contextlib.contextmanager
+def interrupt_deferred():
+    """Ctrl-C inside the block is held until it ends, then raised: a KeyboardInterrupt that lands inside an extension
+    module's initialisation (torch's import) was swallowed by a destructor, or killed the process at exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     # Ctrl-C anywhere, while torch or the model loads too, is one line and exit code 130: nothing heavy is imported
-    # before this point (decodekit's names load on first use).
+    # before this point (decodekit's names load on first use), and torch's import holds it until it is done.
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+        if args.func is not cmd_new:  # every other command loads models or lists plugins: torch, tokenizers, ...
+            with interrupt_deferred():
+                from . import models  # noqa: F401
         return args.func(args)
     except KeyboardInterrupt:
         print("\ndecodekit: stopped (Ctrl-C)", file=sys.stderr)
-        return 130
+        return stopped()
     except BrokenPipeError:  # the reader (head, less) went away: nothing more to say
         sys.stdout = open(os.devnull, "w")
         return 0

@@ -254,6 +254,8 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     ({"prompt": "Hi", "stream": "false"}, "stream='false' is invalid"),
     ({"prompt": "Hi", "best_of": 3}, "best_of=3 is not supported"),
     ({"prompt": "Hi", "frobnicate": True}, "Unrecognized request argument supplied: frobnicate"),
+    ({"prompt": "Hi", "max_token": 5}, "Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)"),
+    ({"prompt": "Hi", "decodekit": {"method": "fuzed"}}, "decodekit method 'fuzed' is neither"),
     ({"prompt": "Hi", "echo": True}, "echo=True is not supported"),
     ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, "role in"),
@@ -282,8 +284,8 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     ({"prompt": "Hi", "dry_multiplier": 0.8, "dry_sequence_breakers": [f"b{i}" for i in range(100)]},
      "dry_sequence_breakers"),
 ], ids=["surrogate-prompt", "surrogate-message", "deep-json", "python-object-field", "string-bool", "best-of",
-        "unknown-field", "unserved-field", "stream-options", "bad-role", "bias-dashes", "bias-superscript",
-        "bias-digits", "tool-choice-string", "history-call-no-arguments", "deep-schema", "response-format-bogus",
+        "unknown-field", "typo-field", "unknown-method", "unserved-field", "stream-options", "bad-role", "bias-dashes",
+        "bias-superscript", "bias-digits", "tool-choice-string", "history-call-no-arguments", "deep-schema", "response-format-bogus",
         "strict-string", "min-over-max", "stop-ids", "huge-schema", "dry-breakers"])
 def test_malformed_requests_are_400s_naming_what_is_wrong(server, body, words):
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"

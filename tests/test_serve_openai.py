@@ -228,3 +228,15 @@ def test_llama_cpps_sampler_fields_at_the_top_level(client, default_model):
     assert reply.choices[0].text == tok.decode(expected, skip_special_tokens=True)
     with pytest.raises(openai.BadRequestError, match="mirostat"):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0.8, extra_body={"mirostat": 4})
+
+
+def test_an_unknown_method_lists_methods_not_machinery_and_suggests_the_closest():
+    from decodekit.serve.protocol import BadRequest, ServerSettings, method_fields
+
+    settings = ServerSettings(model_name="m", methods={"ban-method": object()})
+    with pytest.raises(BadRequest) as caught:
+        method_fields({"decodekit": {"method": "ban-metod"}}, settings, {"processors", "caches", "fused", "stopping",
+                                                                         "beam_search"})
+    message = str(caught.value)
+    assert "(did you mean 'ban-method'?)" in message
+    assert "available: ['ban-method', 'beam_search', 'processors']" in message  # not caches, fused or stopping

@@ -9,6 +9,7 @@ by add_request before anything is allocated.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ UNSERVED = {
     "functions": [], "function_call": "none", "echo": False, "suffix": "", "store": False, "metadata": {},
     "service_tier": "auto", "modalities": ["text"],
 }
+# Built-in plugins that are machinery, not decoding methods a request would name: left out of the choices shown.
+INFRASTRUCTURE_PLUGINS = frozenset({"caches", "fused", "stopping"})
 MAX_LOGIT_BIAS = 300  # entries of a logit_bias, as OpenAI's limit
 MAX_STOP_TOKEN_IDS = 1024  # each is compared with every row's newest token at every step
 # A response_format schema (or the tools' parameters together) as JSON text: OpenAI's limit on a structured-output
@@ -142,7 +145,9 @@ def check_fields(body: dict, served: set[str]) -> None:
                 continue
             raise BadRequest(f"{name}={value!r} is not supported by this server (decodekit serve); see docs/serve.md "
                              "for the fields it serves.", name)
-        raise BadRequest(f"Unrecognized request argument supplied: {name}", name)
+        close = difflib.get_close_matches(name, sorted(served | set(UNSERVED)), n=1)
+        raise BadRequest(f"Unrecognized request argument supplied: {name}"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""), name)
 
 
 def number(body: dict, name: str, low: float, high: float, default, integer: bool = False):
@@ -315,8 +320,11 @@ def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> di
     if name in settings.methods:
         fields["custom_generate"] = settings.methods[name]
     elif name not in plugins:
+        offered = sorted((plugins - INFRASTRUCTURE_PLUGINS) | set(settings.methods))
+        close = difflib.get_close_matches(name, offered, n=1)
         raise BadRequest(f"decodekit method {name!r} is neither a registered decodekit plugin nor a method allowed when "
-                         f"the server started; available: {sorted(plugins | set(settings.methods))}.", "decodekit.method")
+                         f"the server started" + (f" (did you mean {close[0]!r}?)" if close else "")
+                         + f"; available: {offered}.", "decodekit.method")
     return fields
 
 

@@ -154,3 +154,19 @@ def test_mask_is_inferred_from_left_padding_only(model):
     explicit = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     out = model.generate(padded, max_new_tokens=4, eos_token_id=None)
     assert torch.equal(out, model.generate(padded, attention_mask=explicit, max_new_tokens=4, eos_token_id=None))
+
+
+def test_sampling_fields_of_a_call_that_does_not_sample_are_said_once(model, caplog, monkeypatch):
+    # As transformers warns (and as the command line refuses them): temperature=0.7 without do_sample changed nothing,
+    # silently. Said once per field and process; not for the neutral value, nor for contrastive search's top_k.
+    from decodekit.core import generate
+
+    monkeypatch.setattr(generate, "_warned_unused", set())
+    with caplog.at_level("WARNING", logger="decodekit"):
+        model.generate(PROMPT, max_new_tokens=2, temperature=0.7, top_p=1.0)
+        model.generate(PROMPT, max_new_tokens=2, temperature=0.5)
+        model.generate(PROMPT, max_new_tokens=2, temperature=0.7, do_sample=True, seed=0)
+        model.generate(PROMPT, max_new_tokens=2, penalty_alpha=0.5, top_k=4)
+    said = [r.getMessage() for r in caplog.records if "only change(s) sampling" in r.getMessage()]
+    assert said == ["do_sample is False: temperature=0.7 only change(s) sampling and will be ignored; pass "
+                    "do_sample=True to sample (said once)."]

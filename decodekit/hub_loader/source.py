@@ -80,8 +80,10 @@ def resolve(
         )
     from huggingface_hub import snapshot_download
 
-    snapshot = Path(
-        snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS, token=token, local_files_only=local_files_only)
-    )
+    from .reach import hub_download
+
+    with hub_download(text, "method"):
+        snapshot = Path(snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS, token=token,
+                                          local_files_only=local_files_only))
     # The Hub cache stores each revision under snapshots/<commit sha>/.
     return from_directory(snapshot, text, "hub", revision=snapshot.name)

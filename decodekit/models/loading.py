@@ -77,15 +77,11 @@ def resolve_model_dir(
         raise FileNotFoundError(f"{name!r} is not a model directory, and not a Hub repo id of the form 'org/name'.")
     from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(
-            repo_id=name,
-            revision=revision,
-            allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
-            local_files_only=local_files_only,
-            token=token,
-        )
-    )
+    from ..hub_loader.reach import hub_download
+
+    with hub_download(name):
+        return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
+                                      local_files_only=local_files_only, token=token))
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

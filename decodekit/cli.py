@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from . import __version__
 from .templates import TEMPLATES
@@ -184,21 +185,32 @@ def cmd_serve(args) -> int:
         print(f"decodekit serve: {error}", file=sys.stderr)
         return 2
     methods = allowed_methods(args.method)  # likewise a bad --method
+    started = time.monotonic()
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    status(f"decodekit serve: loading {args.model or DEFAULT_MODEL_NAME} ...")
     model, tokenizer = load_model_of(args)
+    status(f"decodekit serve: loaded in {time.monotonic() - started:.1f} s; preparing the cache"
+           + (" and compiling the decode step (about a minute the first time; --no-compile skips it)" if args.compile
+              else "") + " ...")
     manager = model.init_continuous_batching(
         max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
         max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, compile=args.compile)
-    if args.compile:
-        print("decodekit serve: compiling the decode step (about a minute the first time; --no-compile skips it) ...",
-              file=sys.stderr, flush=True)
-    manager.warm_up()
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    warming = time.monotonic()
+    sizes = manager.warm_up()
+    status(f"decodekit serve: warmed up in {time.monotonic() - warming:.1f} s"
+           + (f" (decode steps compiled for {', '.join(map(str, sizes))} rows)" if sizes else ""))
     settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                               max_request_bytes=args.max_request_bytes, methods=methods)
     server = Server(manager, tokenizer, settings, host=args.host, port=args.port, sock=sock).start()
-    print(f"decodekit serve: {name} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    status(f"decodekit serve: {name} at {server.url}/v1, ready {time.monotonic() - started:.1f} s after start (Ctrl-C "
+           "stops)")
     server.run_steps()
     return 0
+
+
+def status(line: str) -> None:
+    """A line on stderr saying what a long step is doing (or took), shown at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _model_flags(parser, generation: bool = True) -> None:

@@ -384,6 +384,17 @@ def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(
     assert server.rss() - rss < RSS_BOUND and server.healthy()
 
 
+def test_embeddings_are_a_404_that_says_they_are_not_offered(server):
+    response = server.post("/v1/embeddings", {"input": "Hello", "model": "x"})
+    assert response.status_code == 404 and "/v1/embeddings is not offered" in response.json()["error"]["message"]
+
+
+def test_the_server_says_what_it_does_while_it_starts(server):
+    said = "".join(server.lines)
+    assert "loading" in said and re.search(r"warmed up in [0-9.]+ s", said) and re.search(r"ready [0-9.]+ s after start",
+                                                                                       said)
+
+
 def test_a_huge_smoothing_factor_is_served(server):
     # Before: 0 * inf in the cubic term made the top token NaN, a 500.
     response = completion(server, smoothing_factor=1e308, temperature=1, seed=1)

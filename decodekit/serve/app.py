@@ -232,6 +232,14 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         except BadRequest as error:
             return error_response(error)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """Not offered: a 404 that says so, where a client would otherwise get a bare "Not Found"."""
+        return error_response(BadRequest(
+            "/v1/embeddings is not offered by decodekit serve: it serves generation (/v1/completions, "
+            "/v1/chat/completions) for causal language models, whose hidden states are no trained embedding; use an "
+            "embedding model's own server.", None, 404, "not_found_error"))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await endpoint(request, chat=False)

@@ -49,6 +49,7 @@ serve: install
 # lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.
 test: install-dev
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check decodekit tests bench
 	$(PY) -m pytest -q tests
 
 # A first check in a few minutes on 2 cores: the loop, the plugins and their isolation, the trust gate, errors.

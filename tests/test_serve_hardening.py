@@ -60,7 +60,7 @@ class ServeProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("decodekit serve did not start:\n" + "".join(self.lines[-30:]))
-        self.url = re.search(r"at (http://\S+)/v1", next(l for l in self.lines if " at http://" in l)).group(1)
+        self.url = re.search(r"at (http://\S+)/v1", next(line for line in self.lines if " at http://" in line)).group(1)
         self.port = int(self.url.rsplit(":", 1)[1])
 
     def stop(self) -> None:

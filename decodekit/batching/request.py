@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.config import GenerationConfig, is_int
-from ..core.generate import call_limits, merge_config, settle_config
+from ..core.generate import call_limits, merge_config, settle_config, warn_unused_sampling_fields
 from ..core.processors import check_scores, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
 from ..plugins.fused import FusedTokens
@@ -250,6 +250,7 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
         if model_kwargs:
             raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
         settle_config(model, gc)
+        warn_unused_sampling_fields(gc, options)
         max_length, generator = call_limits(model, gc, len(prompt), extras.get("seed"), None)
         check_context(model, len(prompt), max_length)
         if fits is not None:

@@ -50,7 +50,6 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
             "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
         )
     gc.update(**kwargs)
-    warn_unused_sampling_fields(gc, kwargs)
     if gc.max_new_tokens is not None and gc.max_length is not None and "max_length" in kwargs:
         logger.warning("Both max_new_tokens (=%s) and max_length (=%s) are set; max_new_tokens takes precedence, as in "
                        "transformers.", gc.max_new_tokens, gc.max_length)
@@ -66,10 +65,11 @@ _warned_unused: set[str] = set()
 
 
 def warn_unused_sampling_fields(gc: GenerationConfig, given: dict[str, Any]) -> None:
-    if gc.do_sample:
+    """Says which of SAMPLING_ONLY the call `given` set without sampling; for a validated config (settle_config)."""
+    if gc.do_sample is not False:
         return
     unused = [name for name, neutral in SAMPLING_ONLY.items()
-              if name in given and given[name] is not None and given[name] != neutral and name not in _warned_unused
+              if type(given.get(name)) in (int, float) and given[name] != neutral and name not in _warned_unused
               and not (name == "top_k" and getattr(gc, "penalty_alpha", None))]
     if unused:
         _warned_unused.update(unused)
@@ -267,6 +267,7 @@ class GenerationMixin:
             kwargs["input_ids"] = inputs
         gc, model_kwargs = merge_config(self, generation_config, kwargs)
         settle_config(self, gc)
+        warn_unused_sampling_fields(gc, kwargs)
         input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
         prompt_length = input_ids.shape[1]
         max_length, generator = call_limits(self, gc, prompt_length, seed, generator)

@@ -256,9 +256,9 @@ _grammars: OrderedDict = OrderedDict()  # (id(LLTokenizer), grammar) -> (LLToken
 KEEP_TOKENIZERS, KEEP_GRAMMARS, KEEP_GRAMMAR_CHARS = 4, 64, 16 << 20
 
 
-def _kept(store: OrderedDict, key, limit: int, make, chars: int = 0):
-    """store[key], made by make() where missing; the least recently used go past `limit` entries (grammars: also
-    past KEEP_GRAMMAR_CHARS characters of grammar text together)."""
+def _kept(store: OrderedDict, key, make, over, dropped=None):
+    """store[key], made by make() where missing; the least recently used go while `over()` says the store is past its
+    bounds (one stays however large), each handed to `dropped`."""
     with _lock:
         if key in store:
             store.move_to_end(key)
@@ -266,12 +266,17 @@ def _kept(store: OrderedDict, key, limit: int, make, chars: int = 0):
     value = make()  # outside the lock: building a tokenizer takes about a second
     with _lock:
         store[key] = value
-        while len(store) > limit or (store is _grammars and len(store) > 1 and _grammar_chars() > chars):
+        while len(store) > 1 and over():
             _, gone = store.popitem(last=False)
-            if store is _tokenizers:  # gone: (tokenizer, its LLTokenizer), which grammar keys name
-                for stale in [k for k in _grammars if k[0] == id(gone[1])]:
-                    del _grammars[stale]
+            if dropped is not None:
+                dropped(gone)
     return value[1]
+
+
+def _drop_grammars_of(gone) -> None:
+    """A tokenizer view that goes takes the grammars compiled against it (their keys name the view)."""
+    for stale in [k for k in _grammars if k[0] == id(gone[1])]:
+        del _grammars[stale]
 
 
 def _grammar_chars() -> int:
@@ -291,7 +296,8 @@ def llg_tokenizer(tokenizer, vocab: int, eos: tuple[int, ...] = ()):
         ends = list(eos) or getattr(tokenizer, "eos_token_id", None)
         return tokenizer, engine.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=ends)
 
-    return _kept(_tokenizers, (id(tokenizer), vocab, eos), KEEP_TOKENIZERS, make)
+    return _kept(_tokenizers, (id(tokenizer), vocab, eos), make, lambda: len(_tokenizers) > KEEP_TOKENIZERS,
+                 _drop_grammars_of)
 
 
 class GrammarError(ValueError):
@@ -309,7 +315,8 @@ def compiled(llg_tok, grammar: str):
             raise GrammarError(matcher.get_error())
         return llg_tok, matcher
 
-    return _kept(_grammars, (id(llg_tok), grammar), KEEP_GRAMMARS, make, KEEP_GRAMMAR_CHARS)
+    return _kept(_grammars, (id(llg_tok), grammar), make,
+                 lambda: len(_grammars) > KEEP_GRAMMARS or _grammar_chars() > KEEP_GRAMMAR_CHARS)
 
 
 # ---- the processor ---------------------------------------------------------------------------------------

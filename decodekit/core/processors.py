@@ -16,7 +16,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, failed_at_run_time, isolated, plugin_failure
+from ..registry.manager import PluginError, described, isolated, plugin_failure
 
 NEG_INF = -math.inf
 
@@ -54,10 +54,7 @@ class LogitsProcessorList(list):
         return getattr(self, "owners", {}).get(id(processor))
 
     def describe(self, processor) -> str:
-        name = getattr(processor, "__name__", None) or type(processor).__name__
-        owner = self.owner_of(processor)
-        return f"the logits processor {name}" + (f" of {owner}" if owner and "(" in owner else
-                                                  f" of plugin {owner!r}" if owner else "")
+        return described("logits processor", processor, self.owner_of(processor))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         check = not torch.compiler.is_compiling()
@@ -122,8 +119,7 @@ def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinish
         error = PluginError(f"{processors.describe(culprit)} left the scores {what} in row {row} at position "
                             f"{position}; no token can be chosen from them. A processor that bans tokens must leave "
                             "at least one allowed.")
-        failed_at_run_time(processors.owner_of(culprit), "a logits processor", error)
-        raise error
+        raise plugin_failure(error, processors.owner_of(culprit), "a logits processor", processors.describe(culprit))
     raise PluginError(f"the scores are {what} in row {row} at position {position} after the logits processors "
                       f"{[processors.describe(p) for p in processors]}; no token can be chosen from them. A processor "
                       "that bans tokens must leave at least one allowed.")

@@ -36,10 +36,9 @@ class StoppingCriteriaList(list):
         self.__dict__.setdefault("owners", {}).update((id(c), owner) for c in criteria)
 
     def describe(self, criterion) -> str:
-        owner = self.__dict__.get("owners", {}).get(id(criterion))
-        name = getattr(criterion, "__name__", None) or type(criterion).__name__
-        return f"the stopping criterion {name}" + (f" of {owner}" if owner and "(" in owner else
-                                                   f" of plugin {owner!r}" if owner else "")
+        from ..registry.manager import described
+
+        return described("stopping criterion", criterion, self.__dict__.get("owners", {}).get(id(criterion)))
 
     def __call__(self, input_ids, scores):
         from ..registry.manager import PluginError, plugin_failure

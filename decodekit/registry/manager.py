@@ -266,6 +266,13 @@ def failed_at_run_time(name: str | None, what: str, error: BaseException) -> boo
     return True
 
 
+def described(kind: str, code, owner: str | None) -> str:
+    """How an error names plugin code: "the logits processor NAME of plugin 'x'" (or "of stopping_criteria (passed
+    to generate)" for an owner that says where it came from)."""
+    name = getattr(code, "__name__", None) or type(code).__name__
+    return f"the {kind} {name}" + (f" of {owner}" if owner and "(" in owner else f" of plugin {owner!r}" if owner else "")
+
+
 def plugin_failure(error: BaseException, owner: str | None, what: str, where: str) -> BaseException:
     """What to raise for `error`, raised by plugin code at run time (`what`: "a logits processor", ...; `where`
     names the code and position for a note): an isolated plugin is disabled (failed_at_run_time); the error gets a

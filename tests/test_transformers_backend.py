@@ -453,17 +453,6 @@ def test_a_method_using_transformers_internals_runs_on_a_wrapped_model_as_on_tra
     assert torch.equal(wrap(hf).generate(PROMPT, custom_generate=repo, trust_remote_code=True, **options), theirs)
 
 
-def test_a_method_using_transformers_internals_names_what_a_native_model_lacks(tmp_path):
-    from methods import TRANSFORMERS_INTERNALS, write_method
-
-    from helpers import write_tiny_model
-
-    native = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "native"))
-    repo = str(write_method(tmp_path / "internals", TRANSFORMERS_INTERNALS))
-    with pytest.raises(AttributeError, match=r"_prepare_generation_config is an internal of transformers' generate\(\)"):
-        native.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=3)
-
-
 def test_methods_get_the_calls_prepared_config_on_both_backends(tmp_path):
     from methods import LENGTHS_FROM_CONFIG, write_method
 

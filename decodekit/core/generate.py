@@ -391,13 +391,13 @@ def method_arguments(model, fn, arguments: dict) -> dict:
 
 def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     """custom_generate given as a Hub repo id or a local directory."""
-    from ..hub_loader.method import forwarded_arguments, load_method, registered_for_call
+    from ..hub_loader.method import forwarded_arguments, handed_model, load_method, registered_for_call
 
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        return method.generate(model, **method_arguments(model, method.generate, forwarded_arguments(
-            method.generate, {**arguments, **kwargs})))
+        return method.generate(handed_model(model), **method_arguments(model, method.generate, forwarded_arguments(
+            method.generate, arguments, kwargs)))
     with registered_for_call(method):
         return model.generate(**arguments, **kwargs)
 

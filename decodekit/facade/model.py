@@ -25,14 +25,24 @@ from . import transformers as hf
 
 BACKENDS = ("native", "transformers")
 
-# transformers' generation internals that Hub methods call (model._get_logits_processor(...)): on a native model the
-# facade names what is missing and what to do instead of a bare AttributeError.
+# transformers' generation internals that Hub methods call on the model they are handed (model._get_logits_processor,
+# ...): GenerationMixin's own in transformers 5 and 4.5x, and what 4.5x's models added. On a native model they come
+# from as_transformers() (transformers' code over the native module); a name the installed transformers lacks is
+# named as such there.
 TRANSFORMERS_INTERNALS = frozenset({
-    "_get_logits_processor", "_get_stopping_criteria", "_prepare_special_tokens", "_prepare_generation_config",
-    "prepare_inputs_for_generation", "_prepare_cache_for_generation", "_update_model_kwargs_for_generation",
-    "_prepare_attention_mask_for_generation", "_expand_inputs_for_generation", "_has_unfinished_sequences",
-    "_supports_default_dynamic_cache", "_get_candidate_generator", "_validate_model_kwargs", "_sample",
-    "_beam_search", "_assisted_decoding", "heal_tokens", "create_masks_for_generate",
+    "_assisted_decoding", "_beam_search", "_beam_search_has_unfinished_sequences", "_cache_dependant_input_preparation",
+    "_check_early_stop_heuristic", "_constrained_beam_search", "_expand_inputs_for_generation",
+    "_extract_generation_mode_kwargs", "_flatten_beam_dim", "_gather_beams", "_get_cache", "_get_candidate_generator",
+    "_get_initial_cache_position", "_get_logits_processor", "_get_running_beams_for_next_iteration",
+    "_get_stopping_criteria", "_get_top_k_continuations", "_group_beam_search", "_has_unfinished_sequences",
+    "_maybe_initialize_input_ids_for_generation", "_merge_criteria_processor_list", "_prefill", "_prefill_chunking",
+    "_prepare_attention_mask_for_generation", "_prepare_cache_for_generation", "_prepare_generated_length",
+    "_prepare_generation_config", "_prepare_model_inputs", "_prepare_position_ids_for_generation",
+    "_prepare_special_tokens", "_prepare_static_cache", "_reorder_cache", "_sample", "_supports_default_dynamic_cache",
+    "_supports_logits_to_keep", "_unflatten_beam_dim", "_update_finished_beams", "_update_model_kwargs_for_generation",
+    "_valid_auto_compile_criteria", "_validate_generated_length", "_validate_generation_mode", "_validate_model_kwargs",
+    "create_masks_for_generate", "heal_tokens", "load_custom_generate", "prepare_inputs_for_generation",
+    "can_generate", "main_input_name", "is_remote_code",
 })
 
 # Module methods that return the module: on the facade they return the facade, so
@@ -86,11 +96,12 @@ class Model(GenerationMixin):
         if module is None:
             raise AttributeError(name)
         if name in TRANSFORMERS_INTERNALS and not hasattr(module, name):
+            if self.backend == "native" and hf.installed():
+                return getattr(self.as_transformers(), name)
             raise AttributeError(
                 f"{name} is an internal of transformers' generate(), which a Hub method written for transformers may "
-                f"call; {type(module).__name__} is a decodekit model and has no such method. Run the method on a "
-                "transformers model (AutoModelForCausalLM.from_pretrained(..., backend='transformers') or "
-                "decodekit.wrap(a transformers model)), or have it use decodekit's hooks (docs/custom-generate.md).")
+                f"call; on decodekit's own models it comes from transformers, which is not installed: install it with "
+                f"{hf.TRANSFORMERS_EXTRA!r} (docs/custom-generate.md).")
         return getattr(module, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -124,8 +135,11 @@ class Model(GenerationMixin):
     def method_generation_config(self, gc: GenerationConfig):
         """The generation config a custom_generate method written for the model's library receives: a transformers
         GenerationConfig for a transformers model (its generation internals, `_get_logits_processor` and the rest,
-        read transformers' fields), decodekit's own for a native model."""
-        return hf.to_transformers_config(gc) if self.backend == "transformers" else gc
+        read transformers' fields); for a native model too where transformers is installed (the method sees
+        as_transformers(), and decodekit's own fields ride along), else decodekit's own."""
+        if self.backend == "transformers":
+            return hf.to_transformers_config(gc)
+        return hf.to_transformers_config(gc, keep_own=True) if hf.installed() else gc
 
     @property
     def holds_recurrent_state(self) -> bool:
@@ -140,6 +154,23 @@ class Model(GenerationMixin):
         if not self.makes_caches:
             raise TypeError("decodekit lays out the caches of a native model: use decodekit.core.cache.new_cache.")
         return hf.make_cache(self.module, kind, max_length)
+
+    def as_transformers(self):
+        """The model as transformers' generation code sees a model: for a transformers model, the module itself; for a
+        native model, a TransformersView (facade/as_transformers.py): transformers' GenerationMixin and config over
+        the native module and its kernels. What a Hub method's generate() receives where transformers is installed."""
+        if self.backend == "transformers":
+            return self.module
+        hf.require_transformers()
+        from .as_transformers import TransformersView
+
+        return TransformersView(self)
+
+    def for_method(self):
+        """What a custom_generate method's own generate() is handed: the surface a method written for transformers
+        calls (as_transformers()) on a native model where transformers is installed; this Model otherwise (a wrapped
+        transformers model already has that surface, through the module)."""
+        return self.as_transformers() if self.backend == "native" and hf.installed() else self
 
     def own_tokenizer(self):
         """The tokenizer stored with the model's files (tokenizer.json, a GGUF vocabulary), loaded at first use and

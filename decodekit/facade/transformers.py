@@ -27,6 +27,16 @@ def require_transformers():
     return transformers
 
 
+def installed() -> bool:
+    """Whether transformers can be imported (found, not imported: importing it takes seconds)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("transformers") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, a broken install
+        return False
+
+
 def is_transformers_model(obj: Any) -> bool:
     """Whether `obj` is a transformers PreTrainedModel (without importing transformers when it is not loaded)."""
     if "transformers" not in sys.modules:
@@ -70,18 +80,26 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     return GenerationConfig(**fields)
 
 
-def to_transformers_config(gc: GenerationConfig):
+def to_transformers_config(gc: GenerationConfig, keep_own: bool = False):
     """transformers' GenerationConfig with every field of `gc` transformers has (a config object such as a
-    watermark's as its dict; models and tensors, which no config file holds, are left out)."""
+    watermark's as its dict; models and tensors, which no config file holds, are left out). `keep_own`: decodekit's
+    other fields (a plugin's) ride along as plain attributes, so a method that reads them, or hands the config back
+    to decodekit's generate(), still finds them."""
     from transformers import GenerationConfig as TransformersConfig
 
     theirs = set(TransformersConfig().to_dict())
-    fields = {}
+    fields, own = {}, {}
     for name, value in gc.to_dict().items():
-        if name not in theirs or isinstance(value, (torch.Tensor, torch.nn.Module)):
+        if isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
-        fields[name] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value
-    return TransformersConfig(**fields)
+        if name in theirs:
+            fields[name] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value
+        elif keep_own and value is not None:
+            own[name] = value
+    converted = TransformersConfig(**fields)
+    for name, value in own.items():
+        setattr(converted, name, value)
+    return converted
 
 
 def holds_recurrent_state(model) -> bool:

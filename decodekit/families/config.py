@@ -40,6 +40,9 @@ _DEFAULTS: dict[str, Any] = {
     "bos_token_id": None,
     "eos_token_id": None,
     "pad_token_id": None,
+    # What code written for transformers asks of any config: decodekit's families are decoder-only and cache.
+    "is_encoder_decoder": False,
+    "use_cache": True,
 }
 
 
@@ -65,6 +68,10 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> "ModelConfig":
+        """The config of the text model: this one (transformers' configs of multimodal models return a part)."""
+        return self
 
     def __repr__(self) -> str:
         return f"ModelConfig({self.model_type}, layers={self.num_hidden_layers}, hidden={self.hidden_size})"

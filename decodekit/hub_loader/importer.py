@@ -143,8 +143,14 @@ def _import_package(pkg: str, name: str, method_dir) -> ModuleType:
         if spec.loader is not None:
             spec.loader.exec_module(package)
         return importlib.import_module(name)
-    except BaseException:
+    except BaseException as error:
         # Leave nothing half-imported behind: a fixed file must import fresh next time.
         for mod in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
             del sys.modules[mod]
+        if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "transformers":
+            # A method written for transformers, where it is not installed: decodekit's extra installs it, and
+            # decodekit's own models then present transformers' generation surface to the method.
+            raise ImportError(f"{method_dir / 'generate.py'} imports transformers, which is not installed; install it "
+                              "with:\n    pip install 'decodekit[transformers]'\n(methods written against decodekit's "
+                              "hooks need no transformers).", name="transformers") from error
         raise

@@ -96,13 +96,21 @@ def registered_module(module: ModuleType, name: str):
     return plugins_for_call(module, name)
 
 
-def forwarded_arguments(fn: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
-    """generate()'s arguments for a method's generate(): those the caller gave, with `inputs` passed as
-    `input_ids` unless the method names `inputs` itself."""
-    args = {k: v for k, v in arguments.items() if v is not None}
+def forwarded_arguments(fn: Callable, arguments: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """generate()'s arguments for a method's generate(): its named `arguments` the caller gave (not None), every
+    keyword of `kwargs` as given (eos_token_id=None says "no end token"), and `inputs` passed as `input_ids` unless the
+    method names `inputs` itself."""
+    args = {**{k: v for k, v in arguments.items() if v is not None}, **kwargs}
     if "inputs" in args and "inputs" not in inspect.signature(fn).parameters:
         args["input_ids"] = args.pop("inputs")
     return args
+
+
+def handed_model(model):
+    """The model as a method's own generate() receives it: the facade's for_method() (a native model as transformers
+    presents a model, where transformers is installed), else the model itself."""
+    for_method = getattr(type(model), "for_method", None)
+    return for_method(model) if callable(for_method) else model
 
 
 _inside = threading.local()
@@ -140,7 +148,7 @@ def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict
                     kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
                     args = ()
                 kwargs = prepare(fn, kwargs)
-            return fn(model, *args, **kwargs)
+            return fn(handed_model(model), *args, **kwargs)
         finally:
             _inside.active = False
 

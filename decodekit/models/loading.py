@@ -17,6 +17,7 @@ import torch
 
 from ..facade import BACKENDS, Model
 from ..facade.transformers import TRANSFORMERS_EXTRA
+from ..facade.transformers import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 logger = logging.getLogger("decodekit")
@@ -149,13 +150,6 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     return model.to(dtype=dtype, device=device).eval()
 
 
-
-
-def transformers_installed() -> bool:
-    """Whether the transformers backend can run, found without importing transformers."""
-    from importlib.util import find_spec
-
-    return find_spec("transformers") is not None
 
 
 def check_backend(backend) -> None:

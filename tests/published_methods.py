@@ -1,0 +1,138 @@
+"""custom_generate methods written the way methods published for transformers are written: they call transformers'
+generation internals on the model they are handed, build transformers' caches, and import transformers. Run on
+transformers' own model and on decodekit's native model from the same checkpoint, they must give the same tokens."""
+
+# A decoding loop handed to transformers' generate(), as the strategies transformers moved to the Hub in 5.x are
+# written (transformers-community's group-beam-search, dola, contrastive-search): generate() prepares the call
+# (config, special tokens, cache, stopping criteria, processors) and calls the loop, which drives _prefill,
+# prepare_inputs_for_generation, _update_model_kwargs_for_generation and _has_unfinished_sequences. The loop is
+# top-nσ sampling (keep the tokens within n standard deviations of the best logit), a method people publish.
+TOP_N_SIGMA = '''
+import torch
+from transformers import GenerationMixin
+
+
+def _top_n_sigma(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, n_sigma=1.0, **model_kwargs):
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    prefilled = True
+    while model._has_unfinished_sequences(False, synced_gpus, device=input_ids.device):
+        if not prefilled:
+            inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+            outputs = model(**inputs, return_dict=True)
+        prefilled = False
+        model_kwargs = model._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=model.config.is_encoder_decoder)
+        logits = outputs.logits[:, -1].to(dtype=torch.float32)
+        scores = logits_processor(input_ids, logits)
+        threshold = logits.max(dim=-1, keepdim=True).values - n_sigma * logits.std(dim=-1, keepdim=True)
+        scores = scores.masked_fill(logits < threshold, -float("inf"))
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        if has_eos:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0:
+            break
+    if streamer is not None:
+        streamer.end()
+    return input_ids
+
+
+def generate(model, *args, **kwargs):
+    return GenerationMixin.generate(model, *args, custom_generate=_top_n_sigma, **kwargs)
+'''
+
+# A beam-family loop by hand, as methods written against transformers 4.5x drive its internals: the config from
+# _prepare_generation_config, rows from _expand_inputs_for_generation, inputs from prepare_inputs_for_generation, the
+# cache reordered through _reorder_cache where the model has it (4.5x's models did) or the Cache itself.
+BEAM_LOOP = '''
+import torch
+from transformers import DynamicCache
+
+
+def generate(model, input_ids, generation_config=None, attention_mask=None, **kwargs):
+    generation_config, _ = model._prepare_generation_config(
+        generation_config, **{k: v for k, v in kwargs.items() if v is not None})
+    beams, batch = generation_config.num_beams, input_ids.shape[0]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    input_ids, model_kwargs = model._expand_inputs_for_generation(
+        expand_size=beams, is_encoder_decoder=model.config.is_encoder_decoder, input_ids=input_ids,
+        attention_mask=attention_mask)
+    model_kwargs.update(cache=DynamicCache(config=model.config), use_cache=True)
+    scores = torch.zeros(batch, beams)
+    scores[:, 1:] = -1e9
+    scores = scores.view(-1)
+    first = True
+    for _ in range(generation_config.max_new_tokens):
+        inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=None if first else 1,
+                                                     is_first_iteration=first, **model_kwargs)
+        outputs = model(**inputs, return_dict=True)
+        first = False
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+        logprobs = outputs.logits[:, -1].float().log_softmax(dim=-1)
+        vocab = logprobs.shape[-1]
+        best, index = (scores[:, None] + logprobs).view(batch, beams * vocab).topk(beams, dim=-1)
+        rows = (index // vocab + torch.arange(batch)[:, None] * beams).view(-1)
+        input_ids = torch.cat([input_ids[rows], (index % vocab).view(-1, 1)], dim=-1)
+        scores = best.view(-1)
+        model_kwargs["attention_mask"] = model_kwargs["attention_mask"][rows]
+        if hasattr(model, "_reorder_cache"):
+            model_kwargs["cache"] = model._reorder_cache(model_kwargs["cache"], rows)
+        else:
+            model_kwargs["cache"].reorder_cache(rows)
+    winners = scores.view(batch, beams).argmax(dim=-1) + torch.arange(batch) * beams
+    return input_ids[winners]
+'''
+
+# Greedy decoding that rolls back when it gets stuck (a token repeating the one before it): the previous token is
+# taken back, the cache cropped, and that token banned at its position. It calls model(...) itself over a transformers
+# cache it builds (dynamic or static) and crops.
+ROLLBACK = '''
+import torch
+from transformers import DynamicCache, StaticCache
+
+
+def generate(model, input_ids, generation_config=None, cache_kind="dynamic", max_rollbacks=8, **kwargs):
+    generation_config = generation_config or model.generation_config
+    prompt = input_ids.shape[1]
+    end = prompt + (kwargs.get("max_new_tokens") or generation_config.max_new_tokens or 20)
+    if cache_kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=end)
+    else:
+        cache = DynamicCache(config=model.config)
+    predictions = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1].float()]
+    banned, rollbacks = {}, 0
+    while input_ids.shape[1] < end:
+        position = input_ids.shape[1]
+        scores = predictions[-1].clone()
+        for token in banned.get(position, ()):
+            scores[:, token] = -float("inf")
+        token = scores.argmax(dim=-1, keepdim=True)
+        if position > prompt and token.item() == input_ids[0, -1].item() and rollbacks < max_rollbacks:
+            rollbacks += 1
+            banned.setdefault(position - 1, set()).add(input_ids[0, -1].item())
+            input_ids = input_ids[:, :-1]
+            predictions.pop()
+            cache.crop(-1)
+            continue
+        input_ids = torch.cat([input_ids, token], dim=-1)
+        predictions.append(model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].float())
+    return input_ids
+'''
+
+# Asks for what only an encoder-decoder model has.
+ENCODER_DECODER = '''
+def generate(model, input_ids, **kwargs):
+    encoder = model.get_encoder()
+    return model(input_ids=input_ids, encoder_outputs=encoder(input_ids)).logits
+'''

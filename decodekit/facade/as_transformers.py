@@ -19,7 +19,6 @@ from transformers import AutoConfig, Cache, DynamicCache
 from transformers import GenerationMixin as TransformersGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import transformers as hf
 
 # Inputs only other kinds of model take: a method that passes one asks for a model decodekit does not have.
 OTHER_MODELS_INPUTS = {

@@ -136,3 +136,86 @@ def generate(model, input_ids, **kwargs):
     encoder = model.get_encoder()
     return model(input_ids=input_ids, encoder_outputs=encoder(input_ids)).logits
 '''
+
+# Contrastive search (Su et al., 2022) as transformers-community's contrastive-search repository writes it for 5.x:
+# a loop handed to GenerationMixin.generate that reads hidden states, grows the cache to top_k rows a prompt with
+# batch_repeat_interleave and keeps the chosen row with batch_select_indices.
+CONTRASTIVE = '''
+import torch
+from transformers import GenerationMixin
+
+
+def _contrastive(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, **model_kwargs):
+    top_k, alpha = generation_config.top_k, generation_config.penalty_alpha
+    batch = input_ids.shape[0]
+    model_kwargs["output_hidden_states"] = True
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+    context = outputs.hidden_states[-1]
+    logits = outputs.logits[:, -1].float()
+    while True:
+        scores = logits_processor(input_ids, logits)
+        probs, candidates = scores.softmax(dim=-1).topk(top_k, dim=-1)
+        cache = model_kwargs["cache"]
+        cache.batch_repeat_interleave(top_k)
+        mask = model_kwargs.get("attention_mask")  # covers the candidate too (_update_model_kwargs_for_generation)
+        if mask is None:
+            mask = torch.ones(batch, input_ids.shape[1] + 1, dtype=torch.long, device=input_ids.device)
+        mask = mask.repeat_interleave(top_k, dim=0)
+        step = model(input_ids=candidates.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True,
+                     output_hidden_states=True)
+        hidden = step.hidden_states[-1]
+        similarity = torch.cosine_similarity(hidden, context.repeat_interleave(top_k, dim=0), dim=-1)
+        similarity = similarity.masked_fill(mask[:, :-1] == 0, -1.0)  # padding is no context
+        degeneration = similarity.max(dim=-1).values.view(batch, top_k)
+        best = ((1 - alpha) * probs - alpha * degeneration).argmax(dim=-1)
+        rows = best + torch.arange(batch, device=best.device) * top_k
+        cache.batch_select_indices(rows)
+        next_tokens = candidates[torch.arange(batch), best]
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        context = torch.cat([context, hidden[rows]], dim=1)
+        logits = step.logits[rows, -1].float()
+        model_kwargs["attention_mask"] = torch.cat([mask[rows], mask.new_ones(batch, 1)], dim=-1)
+        if stopping_criteria(input_ids, scores).all():
+            return input_ids
+
+
+def generate(model, *args, **kwargs):
+    return GenerationMixin.generate(model, *args, custom_generate=_contrastive, **kwargs)
+'''
+
+# Attention sinks (StreamingLLM): a cache of its own that keeps the first `sink` positions and the most recent ones,
+# dropping the middle once it holds `window`, as sink-cache methods do; the method calls model(...) with it.
+SINK_CACHE = '''
+import torch
+from transformers import DynamicCache
+
+
+class SinkCache(DynamicCache):
+    def __init__(self, sink, window, **kwargs):
+        super().__init__(**kwargs)
+        self.sink, self.window = sink, window
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if layer.keys.shape[-2] > self.window:
+            recent = self.window - self.sink
+            layer.keys = torch.cat([layer.keys[:, :, :self.sink], layer.keys[:, :, -recent:]], dim=-2)
+            layer.values = torch.cat([layer.values[:, :, :self.sink], layer.values[:, :, -recent:]], dim=-2)
+        return keys, values
+
+
+def generate(model, input_ids, generation_config=None, sink=2, window=8, **kwargs):
+    generation_config = generation_config or model.generation_config
+    end = input_ids.shape[1] + (kwargs.get("max_new_tokens") or generation_config.max_new_tokens or 20)
+    cache = SinkCache(sink, window)
+    logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1]
+    while input_ids.shape[1] < end:
+        token = logits.argmax(dim=-1, keepdim=True)
+        input_ids = torch.cat([input_ids, token], dim=-1)
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+    assert cache.get_seq_length() <= window
+    return input_ids
+'''

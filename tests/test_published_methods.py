@@ -13,7 +13,7 @@ import torch
 from decodekit import AutoModelForCausalLM
 from helpers import write_tiny_model
 from methods import HOOK_METHOD, TRANSFORMERS_INTERNALS, TRANSFORMERS_STYLE_GREEDY, write_method
-from published_methods import BEAM_LOOP, ENCODER_DECODER, ROLLBACK, TOP_N_SIGMA
+from published_methods import BEAM_LOOP, CONTRASTIVE, ENCODER_DECODER, ROLLBACK, SINK_CACHE, TOP_N_SIGMA
 from tiny_transformers import PAD, transformers
 
 PROMPT = torch.tensor([[5, 9, 13, 2, 7]])
@@ -38,6 +38,7 @@ def models(checkpoint):
 def repos(tmp_path_factory):
     root = tmp_path_factory.mktemp("methods")
     sources = dict(top_n_sigma=TOP_N_SIGMA, beams=BEAM_LOOP, rollback=ROLLBACK, internals=TRANSFORMERS_INTERNALS,
+                   contrastive=CONTRASTIVE, sink=SINK_CACHE,
                    encoder_decoder=ENCODER_DECODER, hooks=HOOK_METHOD, greedy=TRANSFORMERS_STYLE_GREEDY)
     return {name: str(write_method(root / name, source)) for name, source in sources.items()}
 
@@ -62,6 +63,11 @@ CASES = {
     "beam loop padded": ("beams", dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=5, num_beams=2)),
     "rollback, dynamic cache": ("rollback", dict(input_ids=STUCK, max_new_tokens=12)),
     "rollback, static cache": ("rollback", dict(input_ids=STUCK, max_new_tokens=12, cache_kind="static")),
+    "contrastive search": ("contrastive", dict(input_ids=PROMPT, max_new_tokens=8, penalty_alpha=0.6, top_k=4,
+                                               eos_token_id=None)),
+    "contrastive search padded": ("contrastive", dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=5,
+                                                      penalty_alpha=0.6, top_k=3, pad_token_id=PAD, eos_token_id=None)),
+    "sink cache": ("sink", dict(input_ids=PROMPT, max_new_tokens=12, sink=2, window=8)),
     "internals loop": ("internals", dict(input_ids=PROMPT, max_new_tokens=6, repetition_penalty=1.3, eos_token_id=None,
                                          pad_token_id=PAD)),
 }
@@ -129,7 +135,8 @@ def test_the_view_answers_as_a_transformers_model_does(models):
     assert out.cache is cache and cache.get_seq_length() == ids.shape[1]
     torch.testing.assert_close(out.logits, reference.logits, rtol=1e-4, atol=1e-4)
     assert len(out.hidden_states) == len(reference.hidden_states)
-    torch.testing.assert_close(out.hidden_states[-1], reference.hidden_states[-1], rtol=1e-4, atol=1e-4)
+    for mine, theirs_layer in zip(out.hidden_states, reference.hidden_states):
+        torch.testing.assert_close(mine, theirs_layer, rtol=1e-4, atol=1e-4)
     # A method's beam loop reorders the cache through the model, as 4.5x's models let it.
     cache.crop(-1)
     assert view._reorder_cache(cache, torch.tensor([0])) is cache and cache.get_seq_length() == ids.shape[1] - 1

@@ -155,8 +155,12 @@ def test_bf16_and_int8_native_models_run_published_methods(checkpoint, repos):
 
 def test_a_method_asking_for_another_kind_of_model_is_told_what_it_asked_for(models, repos):
     native = models[0]
-    with pytest.raises(AttributeError, match=r"asked the model for 'get_encoder'.*backend='transformers'"):
+    with pytest.raises(ValueError, match=r"asks the model for get_encoder \(line 3\), which an encoder-decoder model "
+                                         r"has; encoder_outputs= \(line 4\), an input of an encoder-decoder model\. "
+                                         r".*backend='transformers'"):
         native.generate(input_ids=PROMPT, custom_generate=repos["encoder_decoder"], trust_remote_code=True)
+    with pytest.raises(AttributeError, match=r"asked the model for 'get_encoder'.*backend='transformers'"):
+        native.as_transformers().get_encoder()
     with pytest.raises(TypeError, match=r"encoder_outputs=, an input of an encoder-decoder model"):
         native.as_transformers()(PROMPT, encoder_outputs=(torch.zeros(1, 5, 8),))
     with pytest.raises(ValueError, match=r"output_attentions=True: decodekit's native models"):

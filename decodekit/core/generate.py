@@ -396,7 +396,7 @@ def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        return method.generate(handed_model(model), **method_arguments(model, method.generate, forwarded_arguments(
+        return method.generate(handed_model(model, method), **method_arguments(model, method.generate, forwarded_arguments(
             method.generate, arguments, kwargs)))
     with registered_for_call(method):
         return model.generate(**arguments, **kwargs)

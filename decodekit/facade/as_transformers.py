@@ -12,7 +12,9 @@ native family speaking transformers' Cache API: docs/architecture.md.
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, Cache, DynamicCache
@@ -49,6 +51,41 @@ def asked_for_missing(name: str, module) -> AttributeError:
         f"{type(module).__name__} (a decoder-only text model) does not. Run the method on a transformers model "
         "(AutoModelForCausalLM.from_pretrained(..., backend='transformers') or decodekit.wrap(a transformers model)); "
         "docs/custom-generate.md lists what a method may call on each backend.")
+
+
+# Keywords other calls take too (a tokenizer's token_type_ids, a plot's labels): refused by the forward, not by reading.
+AMBIGUOUS = {"labels", "token_type_ids"}
+# What a method may ask the model (the parameter `model`, as methods name it) for that only other kinds of model have.
+OTHER_MODELS_ATTRIBUTES = {"get_encoder": "an encoder-decoder model", "encoder": "an encoder-decoder model"}
+
+
+def asks_for_another_model(source: str, filename: str) -> list[str]:
+    """What the method's code asks of the model that a decoder-only text model cannot give, found by reading it
+    before it runs: `model.get_encoder()`, `encoder_outputs=`, `pixel_values=`, `output_attentions=True`, ... (each
+    with its line), so such a method fails before it starts."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Attribute) and node.attr in OTHER_MODELS_ATTRIBUTES and \
+                isinstance(node.value, ast.Name) and node.value.id == "model":
+            found.append(f"{node.attr} (line {node.lineno}), which {OTHER_MODELS_ATTRIBUTES[node.attr]} has")
+        elif isinstance(node, ast.keyword) and node.arg in OTHER_MODELS_INPUTS and node.arg not in AMBIGUOUS:
+            found.append(f"{node.arg}= (line {node.value.lineno}), an input of {OTHER_MODELS_INPUTS[node.arg]}")
+        elif isinstance(node, ast.keyword) and node.arg == "output_attentions" and \
+                isinstance(node.value, ast.Constant) and node.value.value is True:
+            found.append(f"output_attentions=True (line {node.value.lineno}), attention weights")
+    return found
+
+
+def check_method_file(path: Path, module) -> None:
+    """ValueError before a method runs on a native model where its code asks for what only another kind of model
+    has (asks_for_another_model)."""
+    asked = asks_for_another_model(path.read_text(encoding="utf-8"), str(path))
+    if asked:
+        raise ValueError(
+            f"{path.parent.name}/{path.name} asks the model for {'; '.join(asked)}. decodekit's "
+            f"{type(module).__name__} is a decoder-only text model that runs attention fused: run the method on a "
+            "transformers model (AutoModelForCausalLM.from_pretrained(..., backend='transformers', "
+            "attn_implementation='eager') or decodekit.wrap(a transformers model)).")
 
 
 class _ViewedCache:

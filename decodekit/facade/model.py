@@ -166,11 +166,19 @@ class Model(GenerationMixin):
 
         return TransformersView(self)
 
-    def for_method(self):
+    def for_method(self, method_file=None):
         """What a custom_generate method's own generate() is handed: the surface a method written for transformers
         calls (as_transformers()) on a native model where transformers is installed; this Model otherwise (a wrapped
-        transformers model already has that surface, through the module)."""
-        return self.as_transformers() if self.backend == "native" and hf.installed() else self
+        transformers model already has that surface, through the module). `method_file`: the method's generate.py,
+        read first on a native model: a method asking for what only another kind of model has (an encoder,
+        attention weights, images) is refused before it starts."""
+        if self.backend != "native" or not hf.installed():
+            return self
+        from .as_transformers import check_method_file
+
+        if method_file is not None:
+            check_method_file(method_file, self.module)
+        return self.as_transformers()
 
     def own_tokenizer(self):
         """The tokenizer stored with the model's files (tokenizer.json, a GGUF vocabulary), loaded at first use and

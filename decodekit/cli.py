@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decodekit", description="Custom decoding methods for causal language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what decodekit does (loading, compiling)")
     parser.add_argument("--version", action="version", version=f"decodekit {__version__}")
+    parser.add_argument("--trace", action="store_true",
+                        help="write every plugin hook call to stderr: who implements it, in call order, and who answered "
+                             "(the same as DECODEKIT_TRACE=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     # -v is taken after the subcommand as well (decodekit generate -v ...); SUPPRESS keeps the top-level value.
     verbose = argparse.ArgumentParser(add_help=False)
@@ -709,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        if args.trace:
+            os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
         if args.func is not cmd_new:  # every other command loads models or lists plugins: torch, tokenizers, ...
             with interrupt_deferred():

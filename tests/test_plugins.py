@@ -148,12 +148,36 @@ def test_unregister_unknown_name():
         decodekit.unregister("nope")
 
 
-def test_no_selector_is_a_clear_error(registered):
-    pm = get_plugin_manager()
-    greedy = pm.unregister(name="greedy")
+def test_no_selector_is_a_clear_error():
+    from decodekit.registry.manager import reset
+
+    decodekit.unregister("greedy")
     try:
         with pytest.raises(ValueError, match="No registered plugin selects tokens"):
             model().generate(torch.tensor([[1]]), max_new_tokens=1)
     finally:
-        pm.register(greedy, name="greedy")
+        reset()  # the built-ins as they were
+    assert get_plugin_manager().get_plugin("greedy") is not None
     assert isinstance(GreedySelector()(None, torch.tensor([[0.0, 1.0]])), torch.Tensor)
+
+
+def test_trace_shows_each_hook_call_and_who_answered(tmp_path):
+    """DECODEKIT_TRACE=1 and --trace write every hook call, through pluggy's monitoring (so calls go through pluggy)."""
+    import subprocess
+    import sys
+
+    from decodekit.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m")
+    script = ("import torch, decodekit\n"
+              f"m = decodekit.AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
+              "m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True, top_k=5, seed=0)\n")
+    env = {**__import__("os").environ, "DECODEKIT_TRACE": "1"}
+    err = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300).stderr
+    lines = [line for line in err.splitlines() if line.startswith("decodekit trace:")]
+    assert any(line.startswith("decodekit trace: decodekit_token_selector -> ") and "sampling" in line for line in lines)
+    assert "decodekit trace: decodekit_token_selector answered by ['sampling']" in lines
+    assert any("decodekit_logits_processors answered by" in line and "'processors'" in line for line in lines), lines
+    cli = subprocess.run([sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 0 and "decodekit trace: decodekit_config_fields answered by [" in cli.stderr

@@ -1,21 +1,25 @@
 """The plugin manager: one per process, holding the built-in strategies, the installed plugin packages
 (entry-point group `decodekit`) and anything registered at run time. Discovery happens here only.
 
-Hooks are called through `call_hooks` / `call_first`, one implementation at a time, so that one plugin's
-failure is that plugin's alone: an installed or run-time plugin whose hook raises anything but ValueError
-(which says the user's config is invalid) or KeyboardInterrupt is disabled for the process, recorded with its
-traceback summary (`decodekit list` shows it), and the call goes on without it. Built-in plugins and the
-method a call asked for (custom_generate) are not skipped: their failures propagate, naming the plugin.
-A plugin whose hook names match no hookspec (a misspelling) or that uses pluggy wrappers is refused at
-registration.
+Hooks are called through pluggy (`call_hooks` / `call_first` are `pm.hook.<name>(...)`), in pluggy's order
+(tryfirst, then the newest registration first). When a plugin registers, each of its hook functions is wrapped
+(`_guarded`) so that one plugin's failure is that plugin's alone: an installed or run-time plugin whose hook raises
+anything but ValueError (which says the user's config is invalid) or KeyboardInterrupt is disabled for the process,
+recorded with its traceback summary (`decodekit list` shows it), and the call goes on without it. Built-in plugins
+and the method a call asked for (custom_generate) are not skipped: their failures propagate, naming the plugin. The
+wrapper also tags each result with its plugin's name, which callers need (a processor's owner, a loop's). A plugin
+whose hook names match no hookspec (a misspelling) or that uses pluggy wrappers is refused at registration.
 
-A method's hooks (custom_generate) are not registered here at all: `plugins_for_call` puts them in a per-call
-plugin set, a context variable, which hook calls made in that context (this thread, this asyncio task) alone see,
-so one thread's method never reaches another thread's generate().
+A method's hooks (custom_generate) are not registered here at all: `plugins_for_call` makes a per-call plugin
+manager (the process's plugins, then the method's, registered last) that hook calls made in that context (this
+thread, this asyncio task) alone use, so one thread's method never reaches another thread's generate(). Such
+managers are kept per method set until the process's plugins change.
 
 Environment:
   DECODEKIT_LOAD_PLUGINS   unset: load every installed plugin; empty: none; "a,b": only those entry points
   DECODEKIT_STRICT_PLUGINS "1": a plugin that fails raises instead of being disabled and recorded (for plugin authors)
+  DECODEKIT_TRACE          "1": every hook call is written to stderr, through pluggy's hook-call monitoring: the
+                           implementations in call order, then the plugins that returned something (`--trace`)
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import functools
 import importlib
 import inspect
 import logging
 import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -113,8 +119,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
     if _manager is None:
         with _lock:
             if _manager is None:
-                pm = pluggy.PluginManager(hookspecs.PROJECT)
-                pm.add_hookspecs(hookspecs)
+                pm = _new_manager()
                 for name, module in BUILTIN_PLUGINS:
                     plugin = importlib.import_module(module)
                     checked_register(pm, plugin, name)
@@ -123,6 +128,29 @@ def get_plugin_manager() -> pluggy.PluginManager:
                 load_entry_points(pm)
                 _manager = pm
     return _manager
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if os.environ.get("DECODEKIT_TRACE", "") not in ("", "0"):
+        pm.add_hookcall_monitoring(_trace_before, _trace_after)
+    return pm
+
+
+def _trace_before(hook_name: str, impls, kwargs) -> None:
+    order = [impl.plugin_name for impl in reversed(impls)]
+    sys.stderr.write(f"decodekit trace: {hook_name} -> {', '.join(order) or 'no implementation'}\n")
+
+
+def _trace_after(outcome, hook_name: str, impls, kwargs) -> None:
+    try:
+        result = outcome.get_result()
+    except BaseException as error:  # noqa: BLE001 (reported, then raised by pluggy to the caller)
+        sys.stderr.write(f"decodekit trace: {hook_name} raised {type(error).__name__}: {error}\n")
+        return
+    tagged = [result] if isinstance(result, tuple) else result or []
+    sys.stderr.write(f"decodekit trace: {hook_name} answered by {[name for name, _ in tagged] or 'none'}\n")
 
 
 def _problems(hooks: dict[str, Any]) -> list[str]:
@@ -138,19 +166,54 @@ def _problems(hooks: dict[str, Any]) -> list[str]:
     return problems
 
 
-def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None) -> str:
+def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None, for_call: bool = False) -> str:
     """pm.register, then the checks pluggy leaves to the host: every hook implementation names a hookspec
-    (else PluginError with the closest name), and none is a wrapper (decodekit calls hooks one at a time)."""
+    (else PluginError with the closest name), and none is a wrapper (a plugin's failure must stay its own, which a
+    wrapper around the others' calls would break). Each hook function is then wrapped by _guarded; `for_call`: the
+    plugin is a call's method, whose failures always propagate."""
     registered = pm.register(plugin, name=name)
     if registered is None:  # pluggy returns None for a plugin blocked by name
         raise PluginError(f"plugin {name!r} is blocked from registering.")
-    problems = _problems({caller.name: [i for i in caller.get_hookimpls() if i.plugin is plugin]
-                          for caller in pm.get_hookcallers(plugin) or ()})
+    impls = {caller.name: [i for i in caller.get_hookimpls() if i.plugin is plugin]
+             for caller in pm.get_hookcallers(plugin) or ()}
+    problems = _problems(impls)
     if problems:
         pm.unregister(plugin)
         raise PluginError(f"plugin {registered!r} was not registered: " + "; ".join(problems) +
                           f". decodekit's hooks are {_spec_names()}.")
+    for hook_name, own in impls.items():
+        for impl in own:
+            # pluggy calls impl.function with the arguments its original signature named (impl.argnames).
+            impl.function = _guarded(registered, hook_name, impl.function, for_call)
     return registered
+
+
+def _guarded(name: str, hook_name: str, function, for_call: bool):
+    """`function` (plugin `name`'s implementation of `hook_name`) returning (name, result), or None where it
+    returned None; a failure disables an isolated plugin (the call goes on without it) or propagates with a note
+    naming the plugin."""
+
+    @functools.wraps(function)
+    def guarded(*args):
+        if not for_call and get_plugin_manager().get_plugin(name) is None:
+            return None  # disabled during this call, in a call's manager that still holds it
+        try:
+            result = function(*args)
+        except (KeyboardInterrupt, ValueError):
+            raise
+        except BaseException as error:  # SystemExit from a plugin is a plugin failure too
+            if for_call or name in _propagating or _strict():
+                if hasattr(error, "add_note"):
+                    error.add_note(f"(raised by plugin {name!r} in {hook_name})")
+                raise
+            with _lock:
+                pm = get_plugin_manager()
+                if pm.get_plugin(name) is not None:
+                    _disable(pm, name, hook_name, error)
+            return None
+        return None if result is None else (name, result)
+
+    return guarded
 
 
 def _spec_names() -> list[str]:
@@ -168,62 +231,61 @@ def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseExceptio
     plugin = pm.get_plugin(name)
     if plugin is not None:
         pm.unregister(name=name)
+        _changed()
     record = _records.get(name) or PluginRecord(name, "runtime")
     record.error = f"disabled after {hook} raised {summary}{location}"
     _records[name] = record
     logger.warning("plugin %r is disabled for this process: %s", name, record.error)
 
 
-# The per-call plugin set: ((name, {hook name: HookImpl}), ...) of the methods active in this context.
-_call_plugins: contextvars.ContextVar[tuple[tuple[str, dict[str, Any]], ...]] = contextvars.ContextVar(
+# The methods active in this context: ((name, module), ...), and the plugin manager their hook calls use.
+_call_plugins: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
     "decodekit_call_plugins", default=())
+_call_manager: contextvars.ContextVar[pluggy.PluginManager | None] = contextvars.ContextVar(
+    "decodekit_call_manager", default=None)
+# Per-call managers by method set, valid while the process's plugins stay as they were (_changed clears them).
+_call_managers: dict[tuple, pluggy.PluginManager] = {}
+CALL_MANAGERS_KEPT = 32
 
 
-def call_scoped(plugin: Any, name: str) -> dict[str, Any]:
-    """{hook name: HookImpl} of `plugin`'s hook implementations, checked as register() checks them (PluginError)."""
-    pm = get_plugin_manager()
-    impls = {}
-    for attr in dir(plugin):
-        opts = pm.parse_hookimpl_opts(plugin, attr)
-        if opts is not None:
-            impls[attr] = pluggy.HookImpl(plugin, name, getattr(plugin, attr), opts)
-    problems = _problems({hook: [impl] for hook, impl in impls.items()})
-    if problems:
-        raise PluginError(f"plugin {name!r} was not registered: " + "; ".join(problems) +
-                          f". decodekit's hooks are {_spec_names()}.")
-    return impls
+def _changed() -> None:
+    _call_managers.clear()
+
+
+def _manager_with(methods: tuple[tuple[str, Any], ...]) -> pluggy.PluginManager:
+    """A plugin manager holding the process's plugins, in their order, then `methods` (registered last, so called
+    as the newest): pluggy's own ordering then places a method's tryfirst and trylast hooks."""
+    key = tuple((name, id(module)) for name, module in methods)
+    with _lock:
+        pm = _call_managers.get(key)
+        if pm is not None:
+            return pm
+        pm = _new_manager()
+        for name, plugin in get_plugin_manager().list_name_plugin():
+            checked_register(pm, plugin, name)
+        for name, module in methods:
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)  # the method shadows a registered plugin of its name
+            checked_register(pm, module, name, for_call=True)
+        if len(_call_managers) >= CALL_MANAGERS_KEPT:
+            _call_managers.pop(next(iter(_call_managers)))
+        _call_managers[key] = pm
+        return pm
 
 
 @contextlib.contextmanager
 def plugins_for_call(plugin: Any, name: str):
     """`plugin`'s hooks (a method's module), under `name`, for the hook calls made in this context inside the block
-    alone: other threads and tasks never see them, and their failures propagate, naming the plugin."""
-    impls = call_scoped(plugin, name)
-    token = _call_plugins.set(_call_plugins.get() + ((name, impls),))
+    alone: other threads and tasks never see them, and their failures propagate, naming the plugin. PluginError
+    (before the block runs) for a hook that names no hookspec."""
+    methods = _call_plugins.get() + ((name, plugin),)
+    pm = _manager_with(methods)
+    tokens = _call_plugins.set(methods), _call_manager.set(pm)
     try:
         yield
     finally:
-        _call_plugins.reset(token)
-
-
-def _in_call_order(caller, hook_name: str) -> list[Any]:
-    """The implementations of a hook in pluggy's call order (tryfirst, then newest first), the per-call plugin
-    set's placed as the newest, as if registered last."""
-    impls = caller.get_hookimpls()
-    for _, hooks in _call_plugins.get():
-        impl = hooks.get(hook_name)
-        if impl is None:
-            continue
-        if impl.trylast:
-            impls.insert(0, impl)
-        elif impl.tryfirst:
-            impls.append(impl)
-        else:  # before the tryfirst ones, as pluggy inserts it
-            at = len(impls)
-            while at > 0 and impls[at - 1].tryfirst:
-                at -= 1
-            impls.insert(at, impl)
-    return impls[::-1]
+        _call_plugins.reset(tokens[0])
+        _call_manager.reset(tokens[1])
 
 
 # Set while a served request's own step runs (continuous batching): a plugin's processor, selector or criterion that
@@ -288,44 +350,23 @@ def plugin_failure(error: BaseException, owner: str | None, what: str, where: st
     return error
 
 
-def _call_each(hook_name: str, firstresult: bool, kwargs: dict[str, Any], only: set[str] | None = None) -> list[tuple[str, Any]]:
-    pm = get_plugin_manager()
-    caller = getattr(pm.hook, hook_name)
-    call_names = {name for name, _ in _call_plugins.get()}
-    results = []
-    for impl in _in_call_order(caller, hook_name):
-        name = impl.plugin_name if impl.plugin_name in call_names else _owner(pm, impl)
-        if only is not None and name not in only:
-            continue
-        try:
-            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
-        except (KeyboardInterrupt, ValueError):
-            raise
-        except BaseException as error:  # SystemExit from a plugin is a plugin failure too
-            if name in _propagating or name in call_names or _strict():
-                if hasattr(error, "add_note"):
-                    error.add_note(f"(raised by plugin {name!r} in {hook_name})")
-                raise
-            _disable(pm, name, hook_name, error)
-            continue
-        if result is not None:
-            results.append((name, result))
-            if firstresult:
-                break
-    return results
+def _caller(hook_name: str, only: set[str] | None):
+    pm = _call_manager.get() or get_plugin_manager()
+    if only is None:
+        return getattr(pm.hook, hook_name)
+    return pm.subset_hook_caller(hook_name, [p for n, p in pm.list_name_plugin() if n not in only])
 
 
 def call_hooks(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> list[tuple[str, Any]]:
     """(plugin name, result) of every implementation of `hook_name` that returned something, in pluggy's order;
     with `only`, of the plugins named there alone."""
-    return _call_each(hook_name, False, kwargs, only)
+    return _caller(hook_name, only)(**kwargs)
 
 
 def call_first(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> tuple[str | None, Any]:
-    """(plugin name, result) of the first implementation that returns something other than None, else (None, None);
-    with `only`, among the plugins named there alone."""
-    found = _call_each(hook_name, True, kwargs, only)
-    return found[0] if found else (None, None)
+    """(plugin name, result) of the first implementation that returns something other than None (the hook is a
+    firstresult one), else (None, None); with `only`, among the plugins named there alone."""
+    return _caller(hook_name, only)(**kwargs) or (None, None)
 
 
 def _selected(name: str) -> bool:
@@ -366,6 +407,7 @@ def register(plugin: Any, name: str | None = None, *, scope: str = "process") ->
     pm = get_plugin_manager()
     with _lock:
         registered = checked_register(pm, plugin, name)
+        _changed()
         if scope == "call":
             _propagating.add(registered)
         else:
@@ -388,6 +430,7 @@ def unregister(name: str) -> None:
                              f"{sorted(n for n, _ in pm.list_name_plugin())}"
                              + (f", disabled after failing: {disabled}." if disabled else "."))
         pm.unregister(name=name)
+        _changed()
         _records.pop(name, None)
         _propagating.discard(name)
 
@@ -448,5 +491,6 @@ def reset() -> None:
     global _manager
     with _lock:
         _manager = None
+        _changed()
         _records.clear()
         _propagating.clear()

@@ -21,7 +21,6 @@ from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_limits, merge_config, settle_config, warn_unused_sampling_fields
 from ..core.processors import check_scores, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
-from ..plugins.fused import FusedTokens
 from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
 
 
@@ -114,7 +113,7 @@ class Request:
     @property
     def selects_plainly(self) -> bool:
         """Whether this request's next token needs nothing of its own: one row, no logits processors, the built-in
-        greedy or sampling selector (select_together then chooses it with other such requests')."""
+        greedy or sampling selector, whose choice select_together computes for many requests at once."""
         p = self.pipeline
         return self.rows == 1 and not len(p.processors) and type(p.selector) in (GreedySelector, SamplingSelector)
 
@@ -268,7 +267,7 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
                                     device=model.device, tokenizer=extras.get("tokenizer"), generator=generator)
         call_hooks("decodekit_validate_config", generation_config=gc, context=context)
         owner, loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)
-        if loop is not None and not isinstance(loop, FusedTokens):  # compile=True: the batch's own step serves it
+        if loop is not None and getattr(loop, "one_token_per_row", False) is not True:  # declared (hookspecs)
             raise ValueError(
                 f"Continuous batching runs one token per row and step; the decoding loop of plugin {owner!r} "
                 "(beam search, contrastive search, assisted or self-speculative decoding, prompt lookup, DoLa or a "

@@ -15,7 +15,7 @@ from .config import GenerationConfig, accepted_fields, add_plugin_fields, closes
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
-from .processors import check_scores
+from .processors import check_scores, declares
 from .stack import stack_room
 
 logger = logging.getLogger("decodekit")
@@ -339,12 +339,11 @@ class GenerationMixin:
 
 
 def finished(pipeline: Pipeline, result):
-    """generate()'s result, after each processor with a `finish(result)` method has seen it (structured output
-    reports rows cut off before their constraint allowed an end)."""
+    """generate()'s result, after each processor that declares `finishes` has seen it (structured output reports
+    rows cut off before their constraint allowed an end)."""
     for processor in pipeline.processors:
-        finish = getattr(processor, "finish", None)
-        if callable(finish):
-            finish(result)
+        if declares(processor, "finishes"):
+            processor.finish(result)
     return result
 
 

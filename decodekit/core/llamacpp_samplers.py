@@ -16,6 +16,7 @@ import math
 import torch
 
 from .selectors import draw_key, mix32, race
+from .processors import Processor
 
 NEG_INF = -float("inf")
 
@@ -27,7 +28,7 @@ def _uniform(key: torch.Tensor, position: int, rows: int, salt: int) -> torch.Te
     return (((bits >> 9) & 0x7FFFFF) * 2 + 1).float() * 2.0**-24
 
 
-class TopNSigmaLogitsWarper:
+class TopNSigmaLogitsWarper(Processor):
     """Keeps the tokens whose score is at least max - n * std (both over the finite scores of the row); the rest
     become -inf. `n` > 0 (<= 0: off, as llama.cpp's -1). The kept set is the same before or after a temperature."""
 
@@ -48,7 +49,7 @@ class TopNSigmaLogitsWarper:
         return scores.masked_fill(scores < top - self.n * variance.sqrt(), NEG_INF)
 
 
-class XTCLogitsWarper:
+class XTCLogitsWarper(Processor):
     """Exclude top choices: with `probability` (in [0, 1]), every token whose probability is at least `threshold`
     (in [0, 0.5]; above 0.5: off, as llama.cpp) is removed except the least likely of them, when two or more are;
     so a likely but unsurprising token gives way to its runner-up. The coin is a hashed uniform of (key, position,
@@ -75,7 +76,7 @@ class XTCLogitsWarper:
         return scores.masked_fill(drop, NEG_INF)
 
 
-class DynamicTemperatureLogitsWarper:
+class DynamicTemperatureLogitsWarper(Processor):
     """llama.cpp's extended temperature: with `range` > 0, the temperature is min + (max - min) * H^exponent, where
     min = max(0, temperature - range), max = temperature + range and H the row's entropy over its finite scores
     divided by the log of their count; otherwise plain `temperature`. A temperature <= 0 keeps the best token
@@ -110,7 +111,7 @@ def _temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return torch.where(greedy, only_best, scores / torch.where(greedy, torch.ones_like(temperature), temperature))
 
 
-class QuadraticSmoothingLogitsWarper:
+class QuadraticSmoothingLogitsWarper(Processor):
     """Quadratic sampling (text-generation-webui's smoothing): each finite score s becomes
     max - k * f * (s - max)^2 + c * f * (s - max)^3 with f = `smoothing_factor` (> 0), k = (3 - curve) / 2 and
     c = (curve - 1) / 2 for `smoothing_curve` (1: purely quadratic). The row's maximum is taken per row."""
@@ -342,3 +343,11 @@ class MirostatLogitsProcessor:
                                                                 renormalized[row, :count].tolist())))
         self.states = states  # the last step's sequences are the only parents the next step can have
         return scores.masked_fill(~keep, NEG_INF)
+
+
+def chain_active(gc) -> bool:
+    """Whether a call runs llama.cpp's sampler chain (any of its samplers on, or an order given) instead of
+    transformers' warpers: plugins/llamacpp_samplers.py builds the chain, plugins/processors.py steps aside."""
+    return bool(gc.number("top_n_sigma", -1) > 0 or gc.number("xtc_probability", 0) > 0 or gc.number("dry_multiplier", 0) > 0
+                or gc.number("dynatemp_range", 0) > 0 or gc.number("smoothing_factor", 0) > 0
+                or gc.mirostat in (1, 2) or gc.samplers is not None)

@@ -5,8 +5,10 @@ new scores and leaves the ones it was given as they were (as transformers' proce
 Removed tokens get -inf, or the `filter_value` a warper was made with. Each class below does one thing and takes
 transformers' constructor arguments under transformers' names.
 
-A processor that reads only the scores, never input_ids, may say so with `score_only = True`; the
-compiled decode step (compile=True) then runs it inside the step instead of falling back to eager.
+What a processor can do beyond that is declared on it, as transformers' processors declare theirs for continuous
+batching: the class attributes of `Processor` (below), which the compiled step, beam search and generate() read
+through `declares`. A processor that declares nothing (transformers' own, a plain function) runs eagerly, on the
+host, every step, which is always correct.
 """
 
 from __future__ import annotations
@@ -24,6 +26,38 @@ NEG_INF = -math.inf
 @runtime_checkable
 class LogitsProcessor(Protocol):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor: ...
+
+
+class Processor:
+    """The capabilities a logits processor may declare (class attributes; every one False unless declared):
+
+    score_only  it reads the scores only, never input_ids: a compiled step (compile=True) runs it inside the step.
+    host_mask   its effect is `step_mask(input_ids) -> bool [B, V]` (what may come next), computed on the host from
+                the sequence so far: a compiled step and beam search's take that mask as an input (structured output).
+    finishes    `finish(result)` is called with generate()'s result (structured output reports rows cut off before
+                their grammar allowed an end).
+    """
+
+    score_only: bool = False
+    host_mask: bool = False
+    finishes: bool = False
+
+    def step_mask(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} declares host_mask and must define step_mask(input_ids)")
+
+    def finish(self, result) -> None:
+        pass
+
+
+CAPABILITIES = ("score_only", "host_mask", "finishes")
+
+
+def declares(processor, capability: str) -> bool:
+    """Whether `processor` declares `capability` (one of CAPABILITIES, see Processor); a processor that is not a
+    Processor declares one by the same class attribute."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"capability={capability!r} is invalid; it is one of {CAPABILITIES}.")
+    return getattr(processor, capability, False) is True
 
 
 class LogitsProcessorList(list):
@@ -143,7 +177,7 @@ def _token_list(token_ids) -> list[int]:
     return [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
 
 
-class TemperatureLogitsWarper:
+class TemperatureLogitsWarper(Processor):
     """Divides scores by `temperature` (> 0). Below 1 sharpens the distribution, above 1 flattens it."""
 
     score_only = True
@@ -176,7 +210,7 @@ def top_values(scores: torch.Tensor, m: int, chunk: int = 32) -> torch.Tensor:
     return torch.topk(picked.reshape(B, -1), m, dim=-1).values
 
 
-class TopKLogitsWarper:
+class TopKLogitsWarper(Processor):
     """Keeps the `top_k` (>= 1) highest scores, at least `min_tokens_to_keep`; ties at the boundary are all kept.
     The others get `filter_value` (-inf)."""
 
@@ -202,7 +236,7 @@ def _nucleus_threshold(ascending: torch.Tensor, top_p: float, min_tokens_to_keep
     return torch.where(keep, ascending, float("inf")).amin(dim=-1, keepdim=True)
 
 
-class TopPLogitsWarper:
+class TopPLogitsWarper(Processor):
     """Nucleus sampling: keeps the smallest set of top tokens whose probability sums to at least `top_p` (0, 1].
 
     Tokens tied with the smallest score of that set are all kept (a sort would pick among them
@@ -224,7 +258,7 @@ class TopPLogitsWarper:
         return scores.masked_fill(scores < threshold, self.filter_value)
 
 
-class TopKTopPLogitsWarper:
+class TopKTopPLogitsWarper(Processor):
     """Top-k, then nucleus sampling over what is left: TopKLogitsWarper(`top_k`) followed by
     TopPLogitsWarper(`top_p`), with one partial sort of the top 2 * top_k scores instead of a partial sort
     and a sort of the whole vocabulary.
@@ -249,7 +283,7 @@ class TopKTopPLogitsWarper:
         return scores.masked_fill(scores < threshold, self.filter_value)
 
 
-class MinPLogitsWarper:
+class MinPLogitsWarper(Processor):
     """Keeps tokens whose probability is at least `min_p` [0, 1] times the most likely token's, at least
     `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
@@ -271,7 +305,7 @@ class MinPLogitsWarper:
         return scores.masked_fill(remove, self.filter_value)
 
 
-class TypicalLogitsWarper:
+class TypicalLogitsWarper(Processor):
     """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy, up to probability
     `mass` (typical_p, in (0, 1]), at least `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
@@ -295,7 +329,7 @@ class TypicalLogitsWarper:
         return scores.masked_fill(remove.scatter(-1, order, remove), self.filter_value)
 
 
-class TopHLogitsWarper:
+class TopHLogitsWarper(Processor):
     """Top-H sampling (arXiv 2509.02510): among the 100 most likely tokens, keeps the most likely ones while their
     summed entropy terms -p log p stay within `top_h` (0, 1] times the entropy of those 100 (the most likely token
     always stays); the others get `filter_value` (-inf)."""
@@ -327,7 +361,7 @@ def _keep_top(remove: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tenso
     return remove.scatter(-1, top, False)
 
 
-class EpsilonLogitsWarper:
+class EpsilonLogitsWarper(Processor):
     """Epsilon sampling: gives `filter_value` (-inf) to tokens whose probability is below `epsilon` in (0, 1),
     keeping at least `min_tokens_to_keep` (the most likely ones)."""
 
@@ -343,7 +377,7 @@ class EpsilonLogitsWarper:
         return scores.masked_fill(_keep_top(remove, scores, self.min_tokens_to_keep), self.filter_value)
 
 
-class EtaLogitsWarper:
+class EtaLogitsWarper(Processor):
     """Eta sampling: epsilon sampling whose cutoff adapts to the entropy H of each row,
     min(eta, sqrt(eta) * exp(-H)) with eta = `epsilon` (eta_cutoff) in (0, 1); keeps at least `min_tokens_to_keep`
     tokens, the others get `filter_value` (-inf). `device` is accepted for transformers' signature."""
@@ -363,7 +397,7 @@ class EtaLogitsWarper:
         return scores.masked_fill(_keep_top(probs < cutoff, scores, self.min_tokens_to_keep), self.filter_value)
 
 
-class InfNanRemoveLogitsProcessor:
+class InfNanRemoveLogitsProcessor(Processor):
     """Replaces nan scores with 0 and +-inf with the dtype's largest and smallest finite values
     (remove_invalid_values=True), so a model that emits them cannot stop generation."""
 
@@ -374,7 +408,7 @@ class InfNanRemoveLogitsProcessor:
         return torch.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
 
 
-class LogitNormalization:
+class LogitNormalization(Processor):
     """Log-softmax of the scores (renormalize_logits=True): after the other processors, scores are
     log-probabilities again."""
 
@@ -616,7 +650,7 @@ class NoBadWordsLogitsProcessor:
         return scores
 
 
-class SuppressTokensLogitsProcessor:
+class SuppressTokensLogitsProcessor(Processor):
     """Sets the scores of `suppress_tokens` to -inf at every step."""
 
     score_only = True

@@ -17,8 +17,29 @@ class TokenSelector(Protocol):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.LongTensor: ...
 
 
-class GreedySelector:
+class Selector:
+    """The capability a token selector may declare:
+
+    traceable  its choice is a tensor function of the scores and its own fixed state (no host reads, nothing that
+               changes per step): a compiled step (compile=True) runs it inside the step, continuous batching chooses
+               its rows together with other requests', and its output is not checked every step. Declared by the
+               class itself (`selector_declares` reads the class's own attribute), so a subclass that changes
+               __call__ is not taken for traceable unless it says so again.
+    """
+
+    traceable: bool = False
+
+
+def selector_declares(selector, capability: str) -> bool:
+    if capability != "traceable":
+        raise ValueError(f"capability={capability!r} is invalid; a selector declares 'traceable'.")
+    return vars(type(selector)).get(capability) is True
+
+
+class GreedySelector(Selector):
     """The highest-scoring token."""
+
+    traceable = True
 
     def __call__(self, input_ids, scores):
         return scores.argmax(dim=-1)
@@ -70,7 +91,7 @@ def draw_key(generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31, (), generator=generator, device=device, dtype=torch.int32)
 
 
-class SamplingSelector:
+class SamplingSelector(Selector):
     """A token drawn from softmax(scores).
 
     Uses the exponential race: argmax(p / E) with E ~ Exponential(1) picks token i with probability
@@ -78,6 +99,8 @@ class SamplingSelector:
     a compiled step. E comes from race_noise with a key drawn from `generator` when the selector is made,
     so generate(seed=...) reproduces a text, and the compiled step draws the same tokens.
     """
+
+    traceable = True
 
     def __init__(self, generator: torch.Generator | None = None):
         self.key = draw_key(generator)
@@ -140,7 +163,8 @@ class CheckedSelector:
 
 
 def checked_selector(selector, owner: str | None):
-    """The built-in selectors as they are (the fused step recognises them); any other wrapped in CheckedSelector."""
-    if type(selector) in (GreedySelector, SamplingSelector):
+    """A traceable selector as it is (the fused step and batching read its declaration); any other wrapped in
+    CheckedSelector."""
+    if selector_declares(selector, "traceable"):
         return selector
     return CheckedSelector(selector, owner or "?")

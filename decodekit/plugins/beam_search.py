@@ -26,6 +26,7 @@ from ..core.cache import reorder_rows
 from ..core.config import is_int
 from ..core.generate import _forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput
+from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
 from ..registry import hookimpl
 from . import fused as F
@@ -326,7 +327,7 @@ class FusedBeams(F.FusedLoop):
         G = gc.num_beam_groups
         name = f"{'beam sampling' if gc.do_sample else 'beam search'}, {gc.num_beams} beams" + (f" in {G} groups" if G > 1 else "")
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
-        masked = any(F.host_mask(p) for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
+        masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
         return (name, settings, F.processors_key(F.step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
@@ -382,7 +383,7 @@ class FusedBeams(F.FusedLoop):
         no_block, block = F.eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
         min_length = F.min_length_of(pipeline)
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
-        host = [p for p in pipeline.processors if F.host_mask(p)]
+        host = [p for p in pipeline.processors if declares(p, "host_mask")]
         cur = T0 + 1
         while cur < max_length:
             if (cur - T0) % F.SYNC_EVERY == 0 and not bool(go):

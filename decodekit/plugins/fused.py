@@ -31,7 +31,8 @@ from ..core import processors as P
 from ..core import stopping as S
 from ..core.cache import StaticCache
 from ..core.outputs import loop_result
-from ..core.selectors import GreedySelector, SamplingSelector, race
+from ..core.selectors import SamplingSelector, race, selector_declares
+from ..core.processors import declares
 from .. import kernels
 from ..families.llama import LlamaForCausalLM
 from ..registry import hookimpl
@@ -42,10 +43,6 @@ BUCKET = 256
 SYNC_EVERY = 8
 MAX_STEPS = 8  # compiled steps kept per model
 
-
-def score_only(processor) -> bool:
-    """Reads only the scores (the processor says so with `score_only = True`): safe inside a fixed-shape step."""
-    return bool(getattr(processor, "score_only", False))
 
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
@@ -117,13 +114,6 @@ def bucket(length: int) -> int:
     return -(-length // BUCKET) * BUCKET
 
 
-def host_mask(processor) -> bool:
-    """Gives its effect as a mask computed on the host from the sequence so far (`host_mask = True` and
-    `step_mask(input_ids) -> bool [B, V]`, what may come next): a fused loop that takes such masks feeds it
-    to the step as an input, so the step stays compiled (structured output's grammar masks)."""
-    return bool(getattr(processor, "host_mask", False))
-
-
 def host_block(processors, sequences: torch.LongTensor, width: int) -> torch.Tensor:
     """The scores' additive mask [B, V] of the host-mask `processors` for the next token of `sequences`."""
     block = torch.zeros(sequences.shape[0], width, device=sequences.device)
@@ -138,15 +128,15 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
     for p in pipeline.processors:
-        if host_mask(p) and not takes_host_masks:
+        if declares(p, "host_mask") and not takes_host_masks:
             name = getattr(p, "__qualname__", type(p).__name__)
             return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
-        if not (score_only(p) or host_mask(p) or isinstance(p, P.MinLengthLogitsProcessor)):
+        if not (declares(p, "score_only") or declares(p, "host_mask") or isinstance(p, P.MinLengthLogitsProcessor)):
             name = getattr(p, "__qualname__", type(p).__name__)
             return (f"the logits processor {name} may read the whole sequence "
-                    "(one that reads only the scores can declare score_only = True)")
-    if type(pipeline.selector) not in (GreedySelector, SamplingSelector):
-        return f"the token selector {type(pipeline.selector).__name__} is not a built-in one"
+                    "(one that reads only the scores can declare score_only = True: decodekit.core.processors.Processor)")
+    if not selector_declares(pipeline.selector, "traceable"):
+        return f"the token selector {type(pipeline.selector).__name__} does not declare itself traceable"
     for c in pipeline.stopping:
         if not isinstance(c, (S.MaxLengthCriteria, S.EosTokenCriteria)):
             return f"the stopping criterion {type(c).__name__} needs the host every step"
@@ -159,7 +149,7 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
 
 def step_processors(pipeline) -> list:
     """The processors a fused step runs: those that read only the scores (min length is its EOS mask)."""
-    return [p for p in pipeline.processors if score_only(p)]
+    return [p for p in pipeline.processors if declares(p, "score_only")]
 
 
 def processors_key(processors) -> tuple:
@@ -407,6 +397,8 @@ def min_length_of(pipeline) -> int:
 class FusedTokens(FusedLoop):
     """Greedy decoding and sampling: one token per row and step."""
 
+    one_token_per_row = True  # the core loop's step, compiled: continuous batching's own step serves it (hookspecs)
+
     def rows_per_prompt(self, gc) -> int:
         return gc.num_return_sequences
 
@@ -419,7 +411,7 @@ class FusedTokens(FusedLoop):
 
     def kind(self, pipeline, gc) -> tuple:
         sampling = isinstance(pipeline.selector, SamplingSelector)
-        masked = any(host_mask(p) for p in pipeline.processors)  # eos_block is then [B, V], not [V]
+        masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [B, V], not [V]
         return ("sampling" if sampling else "greedy", processors_key(step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
@@ -461,7 +453,7 @@ class FusedTokens(FusedLoop):
             scores_out.append(first)
         min_length = min_length_of(pipeline)
         no_block, block = eos_blocks(first.shape[-1], eos, dev)
-        host = [p for p in pipeline.processors if host_mask(p)]
+        host = [p for p in pipeline.processors if declares(p, "host_mask")]
         generated = [nxt]
         alive = [unfinished]
         if streamer is not None:

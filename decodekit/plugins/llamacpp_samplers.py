@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..core import processors as P
 from ..core.config import is_int, is_number
-from ..core.llamacpp_samplers import (DRYLogitsProcessor, DynamicTemperatureLogitsWarper, MirostatLogitsProcessor,
+from ..core.llamacpp_samplers import (DRYLogitsProcessor, chain_active, DynamicTemperatureLogitsWarper, MirostatLogitsProcessor,
                                       MirostatSelector, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper,
                                       XTCLogitsWarper, dry_breaker_sequences)
 from ..core.selectors import draw_key
@@ -49,13 +49,6 @@ MAX_DRY_BREAKERS = 64
 @hookimpl
 def decodekit_config_fields():
     return dict(FIELDS)
-
-
-def active(gc) -> bool:
-    """Whether the call runs llama.cpp's chain (any of its samplers on, or an order given)."""
-    return bool(gc.number("top_n_sigma", -1) > 0 or gc.number("xtc_probability", 0) > 0 or gc.number("dry_multiplier", 0) > 0
-                or gc.number("dynatemp_range", 0) > 0 or gc.number("smoothing_factor", 0) > 0
-                or gc.mirostat in (1, 2) or gc.samplers is not None)
 
 
 def order(gc) -> list[str]:
@@ -104,7 +97,7 @@ def decodekit_validate_config(generation_config, context):
                          f"{len(set(breakers))}")
     if isinstance(gc.mirostat, bool) or not is_int(gc.mirostat) or gc.mirostat not in (0, 1, 2):
         raise gc.invalid("mirostat", "expected 0 (off), 1 (mirostat) or 2 (mirostat 2.0)")
-    if not active(gc):
+    if not chain_active(gc):
         return
     order(gc)
     if gc.mirostat:
@@ -115,7 +108,7 @@ def decodekit_validate_config(generation_config, context):
 @hookimpl
 def decodekit_logits_processors(generation_config, context):
     gc = generation_config
-    if not active(gc):
+    if not chain_active(gc):
         return []
     if gc.mirostat:  # llama.cpp: temp, then mirostat (the selector below; with beams, its truncation here)
         temperature = DynamicTemperatureLogitsWarper(gc.temperature if gc.temperature is not None else 1.0)

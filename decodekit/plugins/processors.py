@@ -1,15 +1,39 @@
 """Built-in logits processors (penalties, constraints, sampling warpers), chosen from the generation config.
 
-They run in transformers' order: penalties and constraints first, then the sampling warpers
-(temperature, top-k, top-p, min-p, typical-p, epsilon, eta), the watermark (plugins/watermark.py owns its
-field), and renormalize_logits last.
+They run in transformers' order: penalties and constraints first, then the sampling warpers in WARPER_ORDER (llama.cpp's
+chain replaces them where the call asks for it: plugins/llamacpp_samplers.py, its own order), then the other plugins'
+processors (the watermark's, after the warpers as in transformers), and renormalize_logits last of all (a trylast
+hook of this plugin).
 """
 
 from ..core import processors as P
 from ..core.config import DEFAULTS, is_number
+from ..core.llamacpp_samplers import chain_active
 from ..registry import hookimpl
-from .llamacpp_samplers import active as llamacpp_chain
-from .watermark import processor_for
+
+
+def _top_k_top_p(gc, keep):
+    top_p = gc.top_p not in (None, 1.0)
+    if gc.top_k and top_p:
+        return P.TopKTopPLogitsWarper(gc.top_k, gc.top_p, min_tokens_to_keep=keep)
+    if gc.top_k:
+        return P.TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep)
+    return P.TopPLogitsWarper(gc.top_p, min_tokens_to_keep=keep) if top_p else None
+
+
+# transformers' order of the sampling warpers, as data: (name, the warper a config asks for or None). `keep` is the
+# tokens a warper always keeps (min_tokens_to_keep).
+WARPER_ORDER = (
+    ("temperature", lambda gc, keep: P.TemperatureLogitsWarper(gc.temperature) if gc.temperature not in (None, 1.0) else None),
+    ("top_h", lambda gc, keep: P.TopHLogitsWarper(gc.top_h) if gc.top_h is not None else None),
+    ("top_k, top_p", _top_k_top_p),
+    ("min_p", lambda gc, keep: P.MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep) if gc.min_p else None),
+    ("typical_p", lambda gc, keep: P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep)
+     if gc.typical_p not in (None, 1.0) else None),
+    ("epsilon_cutoff", lambda gc, keep: P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep)
+     if gc.epsilon_cutoff else None),
+    ("eta_cutoff", lambda gc, keep: P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep) if gc.eta_cutoff else None),
+)
 
 FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
           "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "remove_invalid_values",
@@ -78,33 +102,14 @@ def decodekit_logits_processors(generation_config, context):
         # As transformers: a one-token prompt followed by a forced BOS starts one position later.
         begin = context.prompt_length + (1 if context.prompt_length == 1 and gc.forced_bos_token_id is not None else 0)
         out.append(P.SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
-    if gc.do_sample and not llamacpp_chain(gc):
-        # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax. With a
-        # llama.cpp sampler on, plugins/llamacpp_samplers.py runs them in llama.cpp's order instead. Beam sampling
+    if gc.do_sample and not chain_active(gc):
+        # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax. Beam sampling
         # keeps one token more than there are EOS ids, so a beam can always go on (transformers' rule).
         keep = (len(eos) + 1 if eos else 2) if gc.number("num_beams", 1) > 1 else 1
-        if gc.temperature not in (None, 1.0):
-            out.append(P.TemperatureLogitsWarper(gc.temperature))
-        if gc.top_h is not None:
-            out.append(P.TopHLogitsWarper(gc.top_h))
-        top_p = gc.top_p not in (None, 1.0)
-        if gc.top_k and top_p:
-            out.append(P.TopKTopPLogitsWarper(gc.top_k, gc.top_p, min_tokens_to_keep=keep))
-        elif gc.top_k:
-            out.append(P.TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep))
-        elif top_p:
-            out.append(P.TopPLogitsWarper(gc.top_p, min_tokens_to_keep=keep))
-        if gc.min_p:
-            out.append(P.MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep))
-        if gc.typical_p not in (None, 1.0):
-            out.append(P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep))
-        if gc.epsilon_cutoff:
-            out.append(P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep))
-        if gc.eta_cutoff:
-            out.append(P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep))
-    watermark = processor_for(gc, context)  # the watermark plugin's, after the warpers as in transformers
-    if watermark is not None:
-        out.append(watermark)
-    if gc.renormalize_logits:
-        out.append(P.LogitNormalization())
+        out.extend(w for w in (make(gc, keep) for _, make in WARPER_ORDER) if w is not None)
     return out
+
+
+@hookimpl(trylast=True, specname="decodekit_logits_processors")
+def renormalize_last(generation_config):
+    return [P.LogitNormalization()] if generation_config.renormalize_logits else []

@@ -33,6 +33,7 @@ import torch
 
 from ..core.tokens import common_prefix
 from ..registry import hookimpl
+from ..core.processors import Processor
 
 logger = logging.getLogger("decodekit")
 
@@ -321,7 +322,7 @@ def compiled(llg_tok, grammar: str):
 
 # ---- the processor ---------------------------------------------------------------------------------------
 
-class GrammarLogitsProcessor:
+class GrammarLogitsProcessor(Processor):
     """Tokens the constraint does not allow next get -inf, row by row.
 
     `template`: an llguidance matcher in its start state; `prompt_length`: where generated tokens begin in
@@ -330,7 +331,8 @@ class GrammarLogitsProcessor:
     grammar (a token forced past the mask by something else) is not masked further.
     """
 
-    host_mask = True  # a compiled step (compile=True) takes step_mask's result as an input (fused.host_mask)
+    host_mask = True  # a compiled step (compile=True) takes step_mask's result as an input
+    finishes = True  # finish() reports rows cut off before the constraint allowed an end
 
     def __init__(self, template, prompt_length: int, vocab_size: int, eos=(), field: str = "constraint"):
         self.template, self.prompt_length, self.vocab_size, self.field = template, prompt_length, vocab_size, field

@@ -166,8 +166,16 @@ def decodekit_validate_config(generation_config):
                              f"not {'beam search' if not others else others[0]}.")
 
 
+@hookimpl
+def decodekit_logits_processors(generation_config, context):
+    """The watermark processor of this call, after the built-in warpers (whose plugin's hook runs first) and before
+    renormalize_logits (a trylast hook), as transformers places it."""
+    processor = processor_for(generation_config, context)
+    return [processor] if processor is not None else []
+
+
 def processor_for(generation_config, context):
-    """The watermark processor of this call, or None (plugins/processors.py puts it in transformers' place)."""
+    """The watermark processor of this call, or None."""
     config = generation_config.watermarking_config
     if config is None:
         return None

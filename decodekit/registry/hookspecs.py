@@ -66,7 +66,9 @@ def decodekit_decoding_loop(generation_config, context):
     Returns an object with `rows_per_prompt(generation_config) -> int` (how many rows each prompt is
     expanded to) and `__call__(model, input_ids, attention_mask, pipeline, generation_config, streamer,
     context)`, which runs the loop with the pipeline's processors, stopping criteria and cache (the
-    other hook points) and returns generate()'s result.
+    other hook points) and returns generate()'s result. A loop may declare `one_token_per_row = True`: it makes one
+    token per row and step from the selector, as the core loop does, only faster (compile=True's fused step), so
+    continuous batching, whose own step does that, serves a request that chose it.
     """
 
 

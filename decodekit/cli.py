@@ -284,7 +284,15 @@ def _method_flags(parser) -> None:
 def cmd_batch(args) -> int:
     from .batch import BatchSettings, run_batch
 
-    generation = {"max_new_tokens": args.max_new_tokens, **parse_method_args(args.arg)}
+    extra = parse_method_args(args.arg)
+    generation = {"max_new_tokens": args.max_new_tokens, **extra}
+    if args.custom_generate:  # the method and its --arg fields, checked before the model loads
+        from .hub_loader import trusted_revision
+
+        check_method_args(args.custom_generate, True if args.trust_remote_code else trusted_revision(args.custom_generate),
+                          extra, generation)
+    else:
+        check_fields(generation)
     settings = BatchSettings(model=args.model, gguf_file=args.gguf_file, revision=args.revision, backend=args.backend,
                              dtype=args.dtype, quantize=args.quantize, device=args.device, method=args.custom_generate,
                              trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
@@ -399,9 +407,11 @@ class CLIError(ValueError):
     """A problem with the command line itself, found before any model loads."""
 
 
-def check_method_args(spec: str, trust, extra: dict) -> None:
-    """Loads the method (trust gate, requirements) and checks the --arg keys against what it takes: a hook-only
-    method's fields with the generation config's, or its generate()'s own parameters unless it takes **kwargs."""
+def check_method_args(spec: str, trust, extra: dict, fields: dict) -> None:
+    """Loads the method (trust gate, requirements) and checks the --arg keys (`extra`) against what it takes: a
+    hook-only method's fields with the generation config's, or its generate()'s own parameters unless it takes
+    **kwargs; then every value of `fields` (the call's keywords) as generate() will check it, the method's own
+    validation included."""
     import inspect
 
     from .core.config import GenerationConfig, add_plugin_fields, closest
@@ -412,22 +422,27 @@ def check_method_args(spec: str, trust, extra: dict) -> None:
     if method.generate is not None:
         params = inspect.signature(method.generate).parameters
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            check_fields(fields, also_known=set(fields))  # it takes any keyword: the fields' values are still checked
             return
         known = set(params) | set(MODEL_INPUTS)
+        checking = contextlib.nullcontext()
     else:
-        with registered_for_call(method):
+        checking = registered_for_call(method)
+    with checking:
+        if method.generate is None:
             known = add_plugin_fields(GenerationConfig())
-    for key in extra:
-        if key not in known:
-            close = closest(key, known)
-            raise CLIError(f"--arg {key}=... is taken neither by the method {spec!r} nor as a generation config field"
-                           + (f"; did you mean --arg {close}=...?" if close else "") + ".")
+        for key in extra:
+            if key not in known:
+                close = closest(key, known)
+                raise CLIError(f"--arg {key}=... is taken neither by the method {spec!r} nor as a generation config "
+                               "field" + (f"; did you mean --arg {close}=...?" if close else "") + ".")
+        check_fields(fields, also_known=known)
 
 
 def generation_kwargs(args) -> dict:
     """The generate() keywords the flags and --arg ask for, checked before any model loads: a bad value is reported
     in well under a second, naming the flag."""
-    from .core.config import DEFAULTS, GenerationConfig, accepted_fields, closest
+    from .core.config import accepted_fields, closest
 
     if not args.prompt.strip():
         raise CLIError("the prompt is empty; give the text to continue, e.g. decodekit generate \"Once upon a time\".")
@@ -460,11 +475,20 @@ def generation_kwargs(args) -> dict:
                 raise CLIError(f"--arg {key}=... is not a generation config field or a keyword of an installed plugin"
                                f"{hint} (`decodekit list` shows the keywords each plugin takes).")
     kwargs.update(extra)
+    if not args.custom_generate:  # with a method, check_method_args checks them once the method is loaded
+        check_fields(kwargs)
+    return kwargs
+
+
+def check_fields(fields: dict, also_known=frozenset()) -> None:
+    """Every value of `fields` checked as generate() will check it, before a model loads (core.generate.preflight):
+    the built-in checks and each plugin's (samplers, mirostat, a method's own fields)."""
+    from .core.generate import preflight
+
     try:
-        GenerationConfig(**{k: v for k, v in kwargs.items() if k in DEFAULTS}).validate()
+        preflight(fields, also_known)
     except ValueError as error:
         raise CLIError(cli_names(str(error))) from None
-    return kwargs
 
 
 def _read_flag_file(flag: str, path: str, as_json: bool):
@@ -620,7 +644,7 @@ def cmd_generate(args) -> int:
         from .hub_loader import trusted_revision
 
         trust = True if args.trust_remote_code else trusted_revision(args.custom_generate)
-        check_method_args(args.custom_generate, trust, parse_method_args(args.arg))
+        check_method_args(args.custom_generate, trust, parse_method_args(args.arg), kwargs)
     model, tokenizer = load_model_of(args)
     if args.assistant:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,

@@ -31,7 +31,11 @@ def test_version(capsys):
     (["Hi", "--arg", "repetition_penalty=-1"], "repetition_penalty=-1 is invalid"),
     (["   "], "the prompt is empty; give the text to continue"),
     (["Hi", "--arg", "nokey"], "--arg 'nokey' is invalid; expected KEY=VALUE"),
-], ids=["bad-top-p", "sampling-flag", "misspelt-flag-field", "misspelt-field", "bad-arg-value", "empty", "no-equals"])
+    (["Hi", "--do-sample", "--samplers", "foo"], "--samplers 'foo' is invalid; 'f' is not a sampler"),
+    (["Hi", "--do-sample", "--mirostat", "3"], "--mirostat 3 is invalid; expected 0 (off), 1 (mirostat) or 2"),
+    (["Hi", "--arg", "xtc_probability=2"], "--xtc-probability 2 is invalid"),
+], ids=["bad-top-p", "sampling-flag", "misspelt-flag-field", "misspelt-field", "bad-arg-value", "empty", "no-equals",
+        "sampler-name", "mirostat-version", "plugin-field-value"])
 def test_bad_arguments_are_reported_before_any_model_loads(no_model_loads, capsys, argv, message):
     assert main(["generate", *argv]) == 2
     captured = capsys.readouterr()
@@ -41,10 +45,16 @@ def test_bad_arguments_are_reported_before_any_model_loads(no_model_loads, capsy
 
 
 def test_an_error_during_generation_goes_on_its_own_line(default_model, capsys):
-    # penalty_alpha is checked by its plugin when generate() runs, after the prompt was echoed.
-    assert main(["generate", "Hi", "--penalty-alpha", "0.5", "--top-k", "1"]) == 2
+    # What only the model can tell (its layer count) is checked when generate() runs, after the prompt was echoed.
+    assert main(["generate", "Hi", "--arg", "assistant_early_exit=500"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "Hi\n" and captured.err.startswith("decodekit: error: generation config: --penalty-alpha 0.5 needs")
+    assert captured.out == "Hi\n"
+    assert captured.err.startswith("decodekit: error: generation config: assistant_early_exit=500 is invalid")
+
+
+def test_a_value_its_plugin_refuses_is_reported_before_the_model_loads(no_model_loads, capsys):
+    assert main(["generate", "Hi", "--penalty-alpha", "0.5", "--top-k", "1"]) == 2
+    assert capsys.readouterr().err.startswith("decodekit: error: generation config: --penalty-alpha 0.5 needs")
 
 
 def test_strategy_flags_and_stats(default_model, capsys):
@@ -114,6 +124,36 @@ def test_a_methods_own_arg_fields_are_checked_before_the_model_loads(no_model_lo
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--arg banned_tokn=... is taken neither by the method" in err and "did you mean --arg banned_token=...?" in err
+
+
+CHECKED_METHOD = '''
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"my_method_penalty": 1.0}
+
+
+@hookimpl
+def decodekit_validate_config(generation_config, context):
+    if generation_config.my_method_penalty < 0:
+        raise generation_config.invalid("my_method_penalty", "expected a number >= 0")
+    if context.model.config.vocab_size < 10:  # a check that needs the model waits for the call
+        raise ValueError("too small a model")
+'''
+
+
+def test_a_methods_own_validation_runs_before_the_model_loads(no_model_loads, tmp_path, capsys):
+    from methods import write_method
+
+    method = write_method(tmp_path / "checked", CHECKED_METHOD)
+    argv = ["generate", "Hi", "--custom-generate", str(method), "--trust-remote-code", "--arg", "my_method_penalty=-1"]
+    assert main(argv) == 2
+    assert "my_method_penalty=-1 is invalid; expected a number >= 0" in capsys.readouterr().err
+    # A valid value passes the check (the model-dependent check waits): the load is what comes next.
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        main([*argv[:-1], "my_method_penalty=0.5"])
 
 
 def test_verbose_is_taken_after_the_subcommand_too():

@@ -56,6 +56,30 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     return gc, model_kwargs
 
 
+def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> GenerationConfig:
+    """The generation config `fields` ask for, checked before any model is loaded (the command line checks its flags
+    so; a bad value must not wait for a long load): every name a field (with a did-you-mean) or in `also_known` (a
+    method's own parameters), the built-in checks, then each plugin's decodekit_validate_config with a context that
+    has no model. A check that needs the model (a layer count, the tokenizer) is left to the call."""
+    from ..registry.manager import before_loading, call_hooks
+
+    gc = GenerationConfig()
+    known = add_plugin_fields(gc)
+    unknown = sorted(set(fields) - known - set(also_known) - set(MODEL_INPUTS))
+    if unknown:
+        close = closest(unknown[0], known)
+        raise ValueError(f"{unknown[0]!r} is not a generation config field or a keyword of an installed plugin"
+                         + (f" (did you mean {close!r}?)" if close else "") + ".")
+    gc.update(**{k: v for k, v in fields.items() if k in known})
+    gc.validate(None)
+    prompt = 1
+    context = GenerationContext(model=None, batch_size=1, prompt_length=prompt, max_length=gc.max_length_for(prompt),
+                                device=torch.device("cpu"))
+    with before_loading():
+        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+    return gc
+
+
 # Fields that change only sampling, at the value that leaves sampling as it is (top_k also picks contrastive
 # search's candidates). Set by a call that does not sample, they change nothing: said once per field and process, as
 # transformers says it (the command line refuses them).

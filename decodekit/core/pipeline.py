@@ -14,7 +14,8 @@ from .stopping import StoppingCriteriaList
 
 @dataclass
 class GenerationContext:
-    """What hooks may need to know about the call beyond the config."""
+    """What hooks may need to know about the call beyond the config. `model` is None while values are checked before
+    any model is loaded (core.generate.preflight): a validator then checks what it can without one."""
 
     model: Any
     batch_size: int

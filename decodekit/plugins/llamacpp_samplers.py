@@ -56,7 +56,7 @@ def order(gc) -> list[str]:
     given = gc.samplers
     if given is None:
         return list(ORDER)
-    names = [LETTERS.get(c, "?") for c in given] if isinstance(given, str) else given
+    names = [LETTERS.get(c, c) for c in given] if isinstance(given, str) else given
     if not isinstance(names, (list, tuple)) or not names or any(not isinstance(n, str) for n in names):
         raise gc.invalid("samplers", f"expected a list of sampler names {list(ORDER)} or llama.cpp's letters, e.g. "
                                      "'dkypmxt'")

@@ -52,8 +52,8 @@ def decodekit_validate_config(generation_config, context):
         raise bad("is_assistant", "expected True or False")
     early = gc.assistant_early_exit
     if early is not None:
-        layers = getattr(context.model.config, "num_hidden_layers", None)
-        if not is_int(early) or layers is None or not 1 <= early < layers:
+        layers = getattr(getattr(context.model, "config", None), "num_hidden_layers", None)
+        if not is_int(early) or early < 1 or (context.model is not None and (layers is None or early >= layers)):
             raise bad("assistant_early_exit", f"expected an integer in [1, {layers}) for this {layers}-layer model "
                       "(the number of layers that draft)")
         if assistant is not None or lookup is not None:

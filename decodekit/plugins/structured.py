@@ -60,6 +60,8 @@ def decodekit_validate_config(generation_config, context):
     if grammar is None:  # response_format={"type": "text"}
         return
     if context.tokenizer is None:
+        if context.model is None:
+            return  # checked before loading: the grammar is compiled with the tokenizer at the call
         raise ValueError(f"{field}= needs the model's tokenizer to compile the constraint: pass tokenizer= to generate().")
     try:  # compiled now, into the cache the processor then takes it from
         compiled(llg_tokenizer(context.tokenizer, vocab_size(context), eos_ids(gc)), grammar)

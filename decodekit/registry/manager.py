@@ -202,6 +202,8 @@ def _guarded(name: str, hook_name: str, function, for_call: bool):
         except (KeyboardInterrupt, ValueError):
             raise
         except BaseException as error:  # SystemExit from a plugin is a plugin failure too
+            if _before_loading.get():
+                return None  # a check that needs the model (preflight): the call itself makes it
             if for_call or name in _propagating or _strict():
                 if hasattr(error, "add_note"):
                     error.add_note(f"(raised by plugin {name!r} in {hook_name})")
@@ -236,6 +238,22 @@ def _disable(pm: pluggy.PluginManager, name: str, hook: str, error: BaseExceptio
     record.error = f"disabled after {hook} raised {summary}{location}"
     _records[name] = record
     logger.warning("plugin %r is disabled for this process: %s", name, record.error)
+
+
+# Set while values are checked before any model is loaded (preflight): a hook that fails for anything but a ValueError
+# there (it needed the model) is passed over, neither disabled nor raised.
+_before_loading: contextvars.ContextVar[bool] = contextvars.ContextVar("decodekit_before_loading", default=False)
+
+
+@contextlib.contextmanager
+def before_loading():
+    """Hook calls inside the block check values with no model loaded (the context's model is None): a ValueError
+    says a value is invalid; any other failure is a check that needs the model, passed over until the call."""
+    token = _before_loading.set(True)
+    try:
+        yield
+    finally:
+        _before_loading.reset(token)
 
 
 # The methods active in this context: ((name, module), ...), and the plugin manager their hook calls use.

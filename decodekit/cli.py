@@ -52,31 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     _model_flags(gen)
-    gen.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
-    gen.add_argument("--temperature", type=float, metavar="T", help="sampling temperature > 0 (needs --do-sample)")
-    gen.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)")
-    gen.add_argument("--top-p", type=float, metavar="P",
-                     help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)")
-    gen.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
-    gen.add_argument("--num-beams", type=_positive_int, metavar="N",
-                     help="beam search with N beams (prints the text at the end: beams change until the last step)")
-    gen.add_argument("--prompt-lookup", dest="prompt_lookup_num_tokens", type=_positive_int, metavar="N",
-                     help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
-    gen.add_argument("--penalty-alpha", type=float, metavar="A",
-                     help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
-    llama = gen.add_argument_group("llama.cpp's samplers (docs/llamacpp.md#llamacpps-samplers; with --do-sample, but DRY)")
-    for flag, kind, metavar, what in LLAMACPP_FLAGS:
-        breaker = flag == "--dry-sequence-breaker"
-        llama.add_argument(flag, type=kind, metavar=metavar, help=what, action="append" if breaker else "store",
-                           dest="dry_sequence_breakers" if breaker else flag[2:].replace("-", "_"))
-    gen.add_argument("--assistant", metavar="NAME_OR_PATH",
-                     help="assisted (speculative) decoding with this smaller model of the same tokenizer")
-    gen.add_argument("--json-schema", metavar="FILE",
-                     help="output JSON that matches the JSON schema in FILE (needs decodekit[structured])")
-    gen.add_argument("--regex", metavar="PATTERN", help="output text that matches PATTERN as a whole")
-    gen.add_argument("--grammar", metavar="FILE", help="output text that follows the Lark or GBNF grammar in FILE")
-    gen.add_argument("--choice", action="append", metavar="TEXT",
-                     help="output exactly one of the choices (repeat the flag for each choice)")
+    _decoding_flags(gen)
     gen.add_argument("--stats", action="store_true",
                      help="print load time, time to first token, tokens/s and the tokens generated, on stderr")
     gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
@@ -84,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the decode step compiled with torch.compile (the first call compiles; later ones reuse it)")
     _method_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat", parents=[verbose], help="chat with a model in the terminal",
+        description="A multi-turn chat through the model's chat template, each reply streamed as it is generated. "
+                    "Type a message and Enter; /help lists the commands (/reset, /system, /method, /set, /exit); "
+                    "Ctrl-C stops a reply, Ctrl-D ends the chat.")
+    _model_flags(chat, generation=False)
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N",
+                      help="how many tokens a reply has at most (default: 256)")
+    chat.add_argument("--system", metavar="TEXT", help="the system message the chat starts with")
+    _decoding_flags(chat)
+    _method_flags(chat)
+    chat.set_defaults(func=cmd_chat, prompt=None, compile=False)
 
     lst = sub.add_parser("list", help="show the installed decoders",
                          description="Show every decoder decodekit can use: built-in strategies, installed plugin "
@@ -267,8 +256,38 @@ def load_model_of(args):
                       gguf_file=args.gguf_file, backend=args.backend, device=args.device)
 
 
+def _decoding_flags(parser) -> None:
+    """The flags of `generate` and `chat` that choose how tokens are chosen (sampling, strategies, llama.cpp's
+    samplers, structured output), each the generate() keyword FLAGS names."""
+    parser.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature > 0 (needs --do-sample)")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)")
+    parser.add_argument("--top-p", type=float, metavar="P",
+                        help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)")
+    parser.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
+    parser.add_argument("--num-beams", type=_positive_int, metavar="N",
+                        help="beam search with N beams (prints the text at the end: beams change until the last step)")
+    parser.add_argument("--prompt-lookup", dest="prompt_lookup_num_tokens", type=_positive_int, metavar="N",
+                        help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
+    parser.add_argument("--penalty-alpha", type=float, metavar="A",
+                        help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
+    llama = parser.add_argument_group("llama.cpp's samplers (docs/llamacpp.md#llamacpps-samplers; with --do-sample, but DRY)")
+    for flag, kind, metavar, what in LLAMACPP_FLAGS:
+        breaker = flag == "--dry-sequence-breaker"
+        llama.add_argument(flag, type=kind, metavar=metavar, help=what, action="append" if breaker else "store",
+                           dest="dry_sequence_breakers" if breaker else flag[2:].replace("-", "_"))
+    parser.add_argument("--assistant", metavar="NAME_OR_PATH",
+                        help="assisted (speculative) decoding with this smaller model of the same tokenizer")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="output JSON that matches the JSON schema in FILE (needs decodekit[structured])")
+    parser.add_argument("--regex", metavar="PATTERN", help="output text that matches PATTERN as a whole")
+    parser.add_argument("--grammar", metavar="FILE", help="output text that follows the Lark or GBNF grammar in FILE")
+    parser.add_argument("--choice", action="append", metavar="TEXT",
+                        help="output exactly one of the choices (repeat the flag for each choice)")
+
+
 def _method_flags(parser) -> None:
-    """The flags of `generate` and `batch` that choose a custom_generate method, trust it and pass it keywords."""
+    """The flags of `generate`, `chat` and `batch` that choose a custom_generate method, trust it and pass it keywords."""
     parser.add_argument("--custom-generate", "--method", dest="custom_generate", metavar="DIR_OR_REPO",
                         help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -444,7 +463,7 @@ def generation_kwargs(args) -> dict:
     in well under a second, naming the flag."""
     from .core.config import accepted_fields, closest
 
-    if not args.prompt.strip():
+    if args.prompt is not None and not args.prompt.strip():  # chat reads its messages later
         raise CLIError("the prompt is empty; give the text to continue, e.g. decodekit generate \"Once upon a time\".")
     sampling_flags = {"--temperature": args.temperature, "--top-p": args.top_p}
     if args.penalty_alpha is None:
@@ -621,6 +640,38 @@ class Spinner:
         self.thread.join()
         self.stream.write("\r" + " " * (len(self.message) + 2) + "\r")
         self.stream.flush()
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession
+    from .hub_loader import trusted_revision
+
+    fields = generation_kwargs(args)
+
+    def trust_for(method: str):
+        return True if args.trust_remote_code else trusted_revision(method)
+
+    def check(fields: dict, method: str | None) -> None:
+        """The fields and method of the next replies, checked as the flags are (CLIError is a ValueError)."""
+        if method is None:
+            check_fields(fields)
+        else:
+            check_method_args(method, trust_for(method), {}, fields)
+
+    if args.custom_generate:  # the method and its --arg fields, checked before the model loads
+        check_method_args(args.custom_generate, trust_for(args.custom_generate), parse_method_args(args.arg), fields)
+    model, tokenizer = load_model_of(args)
+    if args.assistant:
+        from .models import AutoModelForCausalLM
+
+        fields["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,
+                                                                         device=args.device)
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+    return ChatSession(model, tokenizer, fields, system=args.system, method=args.custom_generate, trust_for=trust_for,
+                       check=check).run()
 
 
 def cmd_generate(args) -> int:

@@ -4,6 +4,7 @@ namespace that starts empty, in an empty working directory, nothing injected), u
 a running server, Ray or vLLM). The README's quick-start commands run as written too."""
 
 import ast
+import io
 import re
 import shlex
 from pathlib import Path
@@ -56,7 +57,9 @@ def test_the_readme_quick_start_commands_run_as_written(tmp_path, monkeypatch, c
     for line in commands.splitlines():
         argv = shlex.split(line, comments=True)
         assert argv[0] == "decodekit", line
-        assert main([*argv[1:], *(["--max-new-tokens", "4"] if argv[1] == "generate" else [])]) == 0, line
+        if argv[1] == "chat":  # one message typed, then the end of input
+            monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
+        assert main([*argv[1:], *(["--max-new-tokens", "4"] if argv[1] in ("generate", "chat") else [])]) == 0, line
 
 
 CONTINUES = "continues "  # in a block's leading comments: "continues the block above (model, tok)", or another place

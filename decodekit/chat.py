@@ -1,0 +1,169 @@
+"""`decodekit chat`: a multi-turn chat in the terminal, through the model's chat template.
+
+A ChatSession holds the conversation (system message, turns) and the call's generate() keywords; `run` reads lines
+and answers each message with a streamed reply. Lines that start with "/" are commands (COMMANDS). What a command
+changes is checked before it takes effect, as the command line's flags are: a bad /set or /method leaves the session
+as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from .core.streamers import TextStreamer
+
+COMMANDS = {
+    "/help": "this list",
+    "/reset": "forget the conversation (the system message stays)",
+    "/system TEXT": "set the system message and start over (/system alone removes it)",
+    "/method DIR_OR_REPO": "answer with a custom_generate method (/method off: the built-in generate)",
+    "/set KEY=VALUE": "set a generation config field for the next replies (VALUE read as JSON when it parses)",
+    "/settings": "show the fields set and the method in use",
+    "/exit": "end the chat (also /quit, or Ctrl-D)",
+}
+
+
+class ChatSession:
+    """The conversation with `model` through `tokenizer`'s chat template. `fields`: generate() keywords of every
+    reply; `method`: a custom_generate method for the replies, run with trust_remote_code=`trust_for(method)`;
+    `check(fields, method)` raises ValueError for what the command line would refuse; `out`: where replies go."""
+
+    def __init__(self, model, tokenizer, fields: dict, system: str | None = None, method: str | None = None,
+                 trust_for: Callable[[str], object] = lambda method: None,
+                 check: Callable[[dict, str | None], None] = lambda fields, method: None, out=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.fields, self.system, self.method = dict(fields), system, method
+        self.trust_for, self.check = trust_for, check
+        self.out = out or sys.stdout
+        self.turns: list[dict[str, str]] = []
+
+    # --- the conversation -------------------------------------------------------------------------------------
+
+    def messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+    def reply(self, text: str) -> str:
+        """The assistant's answer to the user's `text`, streamed to `out` as it is generated and kept in the
+        conversation. Ctrl-C stops it: the message and the partial answer are then dropped, and KeyboardInterrupt
+        is raised for the caller to say so."""
+        import torch
+
+        from .models.tokenizer import chat_ids
+
+        self.turns.append({"role": "user", "content": text})
+        try:
+            ids = torch.tensor([chat_ids(self.tokenizer, self.messages())], device=self.model.device)
+            streamer = _Printer(self.tokenizer, self.out)
+            method = ({"custom_generate": self.method, "trust_remote_code": self.trust_for(self.method)}
+                      if self.method else {})
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer,
+                                      tokenizer=self.tokenizer, **method, **self.fields)
+        except BaseException:
+            self.turns.pop()
+            raise
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        answer = self.tokenizer.decode(sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        if not streamer.wrote:  # a method that does not stream: the whole answer at the end
+            self.out.write(answer)
+        self.out.write("\n")
+        self.out.flush()
+        self.turns.append({"role": "assistant", "content": answer.strip()})
+        return answer
+
+    # --- commands -------------------------------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Runs the command on `line`; False when the chat should end. ValueError for an invalid one, whose effect
+        is then none."""
+        name, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            self.say("\n".join(f"  {usage:<22} {what}" for usage, what in COMMANDS.items()))
+        elif name == "/reset":
+            self.turns.clear()
+            self.say("(the conversation is cleared)")
+        elif name == "/system":
+            self.system = rest or None
+            self.turns.clear()
+            self.say("(system message set; the conversation starts over)" if rest else "(no system message)")
+        elif name == "/method":
+            method = None if rest in ("", "off") else rest
+            self.check(self.fields, method)
+            self.method = method
+            self.say(f"(replies come from {method})" if method else "(replies come from the built-in generate)")
+        elif name == "/set":
+            key, value = parse_setting(rest)
+            fields = {**self.fields, key: value}
+            self.check(fields, self.method)
+            self.fields = fields
+            self.say(f"({key} = {value!r})")
+        elif name == "/settings":
+            shown = ", ".join(f"{k}={v!r}" for k, v in sorted(self.fields.items())) or "none"
+            self.say(f"(fields: {shown}; method: {self.method or 'built-in'}; system: {self.system!r})")
+        else:
+            raise ValueError(f"{name} is not a command; the commands are {', '.join(c.split()[0] for c in COMMANDS)} "
+                             "(/help says what each does).")
+        return True
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    def run(self, read: Callable[[str], str] = input) -> int:
+        """Reads lines with `read(prompt)` until /exit or end of input; returns the exit code (0)."""
+        self.say("Chatting with the model: type a message and press Enter; /help lists the commands, Ctrl-D ends.")
+        while True:
+            try:
+                line = read("> ")
+            except EOFError:
+                self.say("")
+                return 0
+            except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell gives
+                self.say("")
+                continue
+            if not line.strip():
+                continue
+            try:
+                if line.lstrip().startswith("/"):
+                    if not self.command(line):
+                        return 0
+                else:
+                    self.reply(line)
+            except KeyboardInterrupt:
+                self.say("\n(stopped; that message is forgotten)")
+            except (ValueError, TypeError, ImportError, OSError) as error:
+                self.say(f"error: {error}")
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE of /set, VALUE read as JSON where it parses (5, 0.5, true, [1, 2]), else as text."""
+    import json
+
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise ValueError(f"/set {text!r} is invalid; expected /set KEY=VALUE with KEY a field name, e.g. /set "
+                         "temperature=0.7.")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value.strip()
+
+
+class _Printer(TextStreamer):
+    """Writes the reply's text to `out` as it comes (the prompt skipped); `wrote`: whether any came."""
+
+    def __init__(self, tokenizer, out):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.out, self.wrote = out, False
+
+    def on_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.wrote = True
+            self.out.write(text)
+            self.out.flush()

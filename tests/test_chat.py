@@ -1,0 +1,120 @@
+"""decodekit chat, driven through a pseudo-terminal as a person types into it, and ChatSession in process."""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from decodekit.chat import ChatSession, parse_setting
+
+
+PROMPT = "\n> "  # at the start of a line: "> " alone is in messages too ("a number > 0")
+
+
+class Terminal:
+    """A process on a pseudo-terminal: what it prints is read as a terminal shows it."""
+
+    def __init__(self, argv: list[str]):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                                        env={**os.environ, "TERM": "dumb"})
+        os.close(slave)
+        self.screen = ""
+
+    def wait_for(self, text: str, timeout: float = 240) -> str:
+        """Everything printed until `text` appears (and `text`), consumed."""
+        end = time.monotonic() + timeout
+        while text not in self.screen:
+            left = end - time.monotonic()
+            assert left > 0 and self.process.poll() is None, f"never printed {text!r}; printed:\n{self.screen[-3000:]}"
+            if select.select([self.master], [], [], min(left, 1.0))[0]:
+                try:
+                    self.screen += os.read(self.master, 4096).decode("utf-8", "replace").replace("\r\n", "\n")
+                except OSError:  # the process closed the terminal
+                    pass
+        shown, _, self.screen = self.screen.partition(text)
+        return shown + text
+
+    def type(self, line: str) -> None:
+        os.write(self.master, line.encode() + b"\n")
+
+    def close(self) -> int:
+        os.write(self.master, b"\x04")  # Ctrl-D at an empty prompt
+        code = self.process.wait(timeout=60)
+        os.close(self.master)
+        return code
+
+
+def test_a_chat_in_a_terminal_keeps_the_conversation_and_takes_commands(default_model, tmp_path):
+    from methods import HOOK_METHOD, write_method
+
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    term = Terminal([sys.executable, "-m", "decodekit.cli", "chat", "--max-new-tokens", "12", "--system",
+                     "Answer in one short sentence.", "--trust-remote-code"])
+    try:
+        term.wait_for("Ctrl-D ends." + PROMPT)
+        term.type("What is the capital of France?")
+        first = term.wait_for(PROMPT)
+        assert "Paris" in first, first
+        term.type("/set temperature=hot")
+        assert "error: generation config: --temperature 'hot' is invalid" in term.wait_for(PROMPT)
+        term.type("/set repetition_penalty=1.1")
+        assert "(repetition_penalty = 1.1)" in term.wait_for(PROMPT)
+        term.type("/method " + str(method))
+        assert f"(replies come from {method})" in term.wait_for(PROMPT)
+        term.type("/set banned_token=5")  # the method's own field, known once it is chosen
+        assert "(banned_token = 5)" in term.wait_for(PROMPT)
+        term.type("/settings")
+        settings = term.wait_for(PROMPT)
+        assert "banned_token=5" in settings and "repetition_penalty=1.1" in settings and str(method) in settings
+        term.type("/frobnicate")
+        assert "/frobnicate is not a command" in term.wait_for(PROMPT)
+        term.type("/reset")
+        assert "(the conversation is cleared)" in term.wait_for(PROMPT)
+        assert term.close() == 0
+    finally:
+        if term.process.poll() is None:
+            term.process.kill()
+
+
+def test_the_conversation_goes_through_the_chat_template_turn_by_turn(default_model):
+    model, tokenizer = default_model
+    out = io.StringIO()
+    session = ChatSession(model, tokenizer, {"max_new_tokens": 10}, system="Be brief.", out=out)
+    first = session.reply("What is the capital of France?")
+    session.reply("And of Italy?")
+    assert [m["role"] for m in session.messages()] == ["system", "user", "assistant", "user", "assistant"]
+    assert session.messages()[2]["content"] == first.strip() and "Paris" in first
+    # The second reply is what generate() gives for the whole conversation through the template.
+    from decodekit.models.tokenizer import chat_ids
+
+    ids = torch.tensor([chat_ids(tokenizer, session.messages()[:4])])
+    expected = model.generate(ids, max_new_tokens=10)[0, ids.shape[1]:].tolist()
+    assert session.messages()[4]["content"] == tokenizer.decode(expected, skip_special_tokens=True).strip()
+    assert out.getvalue().count("\n") == 2  # each reply streamed, then its line ends
+    session.command("/reset")
+    assert session.messages() == [{"role": "system", "content": "Be brief."}]
+
+
+def test_a_refused_setting_leaves_the_session_as_it_was():
+    def check(fields, method):
+        if fields.get("top_p", 1) > 1:
+            raise ValueError("top_p=2 is invalid")
+
+    session = ChatSession(None, None, {"top_p": 0.9}, check=check, out=io.StringIO())
+    with pytest.raises(ValueError, match="top_p=2 is invalid"):
+        session.command("/set top_p=2")
+    assert session.fields == {"top_p": 0.9}
+    with pytest.raises(ValueError, match="expected /set KEY=VALUE"):
+        parse_setting("no equals sign")
+    assert parse_setting("stop_strings=[\"\\n\"]") == ("stop_strings", ["\n"])
+    assert session.command("/exit") is False

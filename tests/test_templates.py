@@ -15,7 +15,7 @@ from decodekit.templates import render, template_choices
 from decodekit.testing import tiny_model
 
 HUB_FILES = {"README.md", "custom_generate/generate.py", "custom_generate/requirements.txt", "tests/test_generate.py",
-             ".github/workflows/test.yml"}
+             "tests/test_with_transformers.py", ".github/workflows/test.yml"}
 
 
 def files_of(root: Path) -> set[str]:
@@ -71,6 +71,24 @@ def venv_without_decodekit(root: Path) -> Path:
     target = next((root / "lib").glob("python3*/site-packages"))
     (target / "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return root / "bin" / "python"
+
+
+def test_a_hub_repos_first_ci_run_passes_where_decodekit_is_not_installed(tmp_path):
+    """What the workflow runs on a first push before decodekit can be installed there: every hook point's repository,
+    its tests in an environment with torch and transformers but no decodekit. The transformers tests run and pass;
+    the decodekit ones are skipped, saying why."""
+    projects = [render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "First Push", "hook_point": hook},
+                       no_input=True) for hook in template_choices("hub-repo")["hook_point"]]
+    workflow = (projects[0] / ".github/workflows/test.yml").read_text()
+    assert "DECODEKIT_REQUIREMENT: ${{ vars.DECODEKIT_REQUIREMENT }}" in workflow and "|| echo" in workflow
+    python = venv_without_decodekit(tmp_path / "venv")
+    result = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--import-mode=importlib",
+                             *(str(p / "tests") for p in projects)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert f"{2 * len(projects)} passed" in summary and f"{len(projects)} skipped" in summary, result.stdout
+    assert "decodekit is not installed here" in result.stdout
 
 
 HOOK_OPTIONS = {"logits processor": ("_penalty", 1e9), "selector": ("_no_immediate_repeat", True),

@@ -377,8 +377,12 @@ def _caller(hook_name: str, only: set[str] | None):
 
 def call_hooks(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> list[tuple[str, Any]]:
     """(plugin name, result) of every implementation of `hook_name` that returned something, in pluggy's order;
-    with `only`, of the plugins named there alone."""
-    return _caller(hook_name, only)(**kwargs)
+    with `only`, of the plugins named there alone. For a firstresult hook, the first one's alone."""
+    caller = _caller(hook_name, only)
+    results = caller(**kwargs)
+    if caller.spec is not None and caller.spec.opts.get("firstresult"):
+        return [results] if results is not None else []
+    return results
 
 
 def call_first(hook_name: str, only: set[str] | None = None, **kwargs: Any) -> tuple[str | None, Any]:

@@ -164,7 +164,86 @@ def build_parser() -> argparse.ArgumentParser:
                           "before the server listens: about a minute on 2 cores the first time, seconds once "
                           "inductor's cache holds it (default: on; --no-compile runs them eagerly)")
     srv.set_defaults(func=cmd_serve)
+    for command in (gen, chat, bat, srv):
+        command.add_argument("--config", metavar="FILE",
+                             help="read flags from FILE (YAML, TOML or JSON): a mapping of flag names, spelt as on the "
+                                  "command line or with underscores, to values (true for a switch, a list for a "
+                                  "repeatable flag, a mapping for --arg); flags given on the command line win")
+    parser.commands = {"generate": gen, "chat": chat, "batch": bat, "serve": srv}  # for --config (with_config)
     return parser
+
+
+def read_config(path: str) -> dict:
+    """The mapping in `path`: YAML (.yaml, .yml), TOML (.toml) or JSON (.json)."""
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as error:
+        raise CLIError(f"--config {path}: cannot read the file ({error.strerror or error}).") from None
+    suffix = file.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml  # PyYAML, which huggingface_hub depends on
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise CLIError(f"--config {path}: expected a .yaml, .yml, .toml or .json file.")
+    except CLIError:
+        raise
+    except ImportError:
+        raise CLIError(f"--config {path}: TOML needs Python 3.11 or the tomli package.") from None
+    except Exception as error:  # the parsers' own errors (yaml.YAMLError, TOMLDecodeError, JSONDecodeError)
+        raise CLIError(f"--config {path}: not valid {suffix[1:].upper()} ({error}).") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}.")
+    return data
+
+
+def with_config(parser: argparse.ArgumentParser, argv: list[str], command: str, path: str) -> list[str]:
+    """`argv` with the flags of the --config file inserted right after the subcommand, so that the command line's own
+    flags, which come later, win; every name and value is then checked by argparse as if typed."""
+    import json
+
+    from .core.config import closest
+
+    sub = parser.commands[command]
+    options = {o: a for a in sub._actions for o in a.option_strings if o.startswith("--")}
+    tokens = []
+    for name, value in read_config(path).items():
+        flag = "--" + str(name).replace("_", "-")
+        action = options.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            close = closest(flag, set(options) - {"--config", "--help"})
+            raise CLIError(f"--config {path}: {name!r} is not a flag of decodekit {command}"
+                           + (f" (did you mean {close[2:]!r}?)" if close else "") + ".")
+        if action.nargs == 0:  # a switch: store_true, or --x/--no-x
+            if not isinstance(value, bool):
+                raise CLIError(f"--config {path}: {name} is a switch; expected true or false, got {value!r}.")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                tokens.append(flag if value else "--no-" + flag[2:])
+            elif value:
+                tokens.append(flag)
+        elif flag == "--arg" and isinstance(value, dict):
+            tokens += [t for key, v in value.items() for t in (flag, f"{key}={json.dumps(v)}")]
+        elif isinstance(value, list):
+            if not isinstance(action, argparse._AppendAction):
+                raise CLIError(f"--config {path}: {name} takes one value, got a list.")
+            tokens += [t for item in value for t in (flag, item if isinstance(item, str) else json.dumps(item))]
+        else:
+            tokens += [flag, value if isinstance(value, str) else json.dumps(value)]
+    at = argv.index(command) + 1
+    return [*argv[:at], *tokens, *argv[at:]]
 
 
 def cmd_serve(args) -> int:
@@ -787,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        if getattr(args, "config", None):
+            args = parser.parse_args(with_config(parser, list(sys.argv[1:] if argv is None else argv), args.command,
+                                                 args.config))
         if args.trace:
             os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -221,3 +221,40 @@ def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsy
     good = write_method(tmp_path / "good", HOOK_METHOD)
     assert main(["check", str(good)]) == 0
     assert f"pin: {good}@{resolve(str(good)).revision}" in capsys.readouterr().out
+
+
+def test_config_files_give_flags_and_the_command_line_wins(tmp_path):
+    from decodekit.cli import build_parser, with_config
+
+    (tmp_path / "chat.yaml").write_text("max_new_tokens: 5\ndo_sample: true\ntemperature: 0.7\n"
+                                        "arg: {repetition_penalty: 1.2}\nsystem: Be brief.\n")
+    (tmp_path / "serve.toml").write_text('port = 9001\ncompile = false\nmethod = ["./a@1", "./b@2"]\n'
+                                         'max_running = 8\n')
+    parser = build_parser()
+    argv = ["chat", "--config", str(tmp_path / "chat.yaml"), "--temperature", "0.9"]
+    args = parser.parse_args(with_config(parser, argv, "chat", str(tmp_path / "chat.yaml")))
+    assert (args.max_new_tokens, args.do_sample, args.temperature, args.system) == (5, True, 0.9, "Be brief.")
+    assert args.arg == ["repetition_penalty=1.2"]
+    argv = ["serve", "--config", str(tmp_path / "serve.toml"), "--max-running", "16"]
+    args = parser.parse_args(with_config(parser, argv, "serve", str(tmp_path / "serve.toml")))
+    assert (args.port, args.compile, args.method, args.max_running) == (9001, False, ["./a@1", "./b@2"], 16)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_new_token: 5\n", "'max_new_token' is not a flag of decodekit batch (did you mean 'max-new-tokens'?)"),
+    ("chat: 3\n", "chat is a switch; expected true or false, got 3"),
+    ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
+    ("max_new_tokens: [1, 2]\n", "max_new_tokens takes one value, got a list"),
+    ("a: b: c\n", "not valid YAML"),
+])
+def test_a_bad_config_file_is_named_before_any_model_loads(no_model_loads, tmp_path, capsys, text, message):
+    (tmp_path / "cfg.yaml").write_text(text)
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.yaml")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_config_value_of_the_wrong_type_is_refused_by_its_flag(no_model_loads, tmp_path, capsys):
+    (tmp_path / "cfg.json").write_text('{"max_new_tokens": "many"}')
+    with pytest.raises(SystemExit) as exit_:
+        main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.json")])
+    assert exit_.value.code == 2 and "argument --max-new-tokens: expected an integer >= 1, got 'many'" in capsys.readouterr().err

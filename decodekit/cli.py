@@ -170,7 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
                                   "command line or with underscores, to values (true for a switch, a list for a "
                                   "repeatable flag, a mapping for --arg); flags given on the command line win")
     parser.commands = {"generate": gen, "chat": chat, "batch": bat, "serve": srv}  # for --config (with_config)
+    done = sub.add_parser("completion", help="print the shell code that completes decodekit's commands and flags",
+                          description="Print the code that makes your shell complete decodekit's commands, flags and "
+                                      "choices (argcomplete). Bash: eval \"$(decodekit completion bash)\" in ~/.bashrc; "
+                                      "zsh: the same in ~/.zshrc; fish: decodekit completion fish | source.")
+    done.add_argument("shell", nargs="?", default="bash", choices=["bash", "zsh", "fish", "tcsh", "powershell"])
+    done.set_defaults(func=cmd_completion)
     return parser
+
+
+def cmd_completion(args) -> int:
+    import argcomplete
+
+    print(argcomplete.shellcode(["decodekit"], shell=args.shell))
+    return 0
 
 
 def read_config(path: str) -> dict:
@@ -865,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
     # before this point (decodekit's names load on first use), and torch's import holds it until it is done.
     try:
         parser = build_parser()
+        if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (decodekit completion): answer, exit
+            import argcomplete
+
+            argcomplete.autocomplete(parser)
         args = parser.parse_args(argv)
         if getattr(args, "config", None):
             args = parser.parse_args(with_config(parser, list(sys.argv[1:] if argv is None else argv), args.command,
@@ -872,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace:
             os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-        if args.func is not cmd_new:  # every other command loads models or lists plugins: torch, tokenizers, ...
+        if args.func not in (cmd_new, cmd_completion):  # the others load models or list plugins: torch, tokenizers...
             with interrupt_deferred():
                 from . import models  # noqa: F401
         return args.func(args)

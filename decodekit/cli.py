@@ -340,12 +340,20 @@ def _device(value: str) -> str:
     return value
 
 
-def load_model_of(args):
-    """(model, tokenizer) that the _model_flags in `args` choose."""
-    from .models.default import load_model
+def load_model_of(args, say: bool = False):
+    """(model, tokenizer) that the _model_flags in `args` choose. `say`: on a terminal, a turning mark says that the
+    model is loading (a download, a GGUF conversion and int8 packing can take a while), cleared when it is done."""
+    from .models.default import DEFAULT_MODEL_NAME, load_model
 
-    return load_model(args.model, dtype=args.dtype, quantize=args.quantize, revision=args.revision,
-                      gguf_file=args.gguf_file, backend=args.backend, device=args.device)
+    spinner = None
+    if say and sys.stderr.isatty():
+        spinner = Spinner(f"decodekit: loading {args.model or DEFAULT_MODEL_NAME}").start()
+    try:
+        return load_model(args.model, dtype=args.dtype, quantize=args.quantize, revision=args.revision,
+                          gguf_file=args.gguf_file, backend=args.backend, device=args.device)
+    finally:
+        if spinner is not None:
+            spinner.stop()
 
 
 def _decoding_flags(parser) -> None:
@@ -752,7 +760,7 @@ def cmd_chat(args) -> int:
 
     if args.custom_generate:  # the method and its --arg fields, checked before the model loads
         check_method_args(args.custom_generate, trust_for(args.custom_generate), parse_method_args(args.arg), fields)
-    model, tokenizer = load_model_of(args)
+    model, tokenizer = load_model_of(args, say=True)
     if args.assistant:
         from .models import AutoModelForCausalLM
 
@@ -788,7 +796,7 @@ def cmd_generate(args) -> int:
 
         trust = True if args.trust_remote_code else trusted_revision(args.custom_generate)
         check_method_args(args.custom_generate, trust, parse_method_args(args.arg), kwargs)
-    model, tokenizer = load_model_of(args)
+    model, tokenizer = load_model_of(args, say=True)
     if args.assistant:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,
                                                                          device=args.device)

@@ -13,8 +13,10 @@ host, every step, which is always correct.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -60,6 +62,24 @@ def declares(processor, capability: str) -> bool:
     return getattr(processor, capability, False) is True
 
 
+# Set by observe_processors: called as observer(description, scores before, scores after) for each processor an eager
+# call applies in this context (the serve playground's view of what each processor changed); None otherwise.
+_observer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("decodekit_processor_observer",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def observe_processors(observer: Callable[[str, torch.Tensor, torch.Tensor], None]):
+    """Inside the block, every eager LogitsProcessorList call in this context (thread, task) calls `observer` after
+    each processor with its description ("the logits processor X of plugin 'y'") and copies of the scores it was
+    given and returned."""
+    token = _observer.set(observer)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
 class LogitsProcessorList(list):
     """Applies its processors in order.
 
@@ -92,17 +112,21 @@ class LogitsProcessorList(list):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         check = not torch.compiler.is_compiling()
+        observer = _observer.get() if check else None
         processor = None
         if check:
             self.left_unusable = []
         try:
             for processor in self:
                 given = scores
+                before = scores.clone() if observer is not None else None  # a processor may write in place
                 scores = processor(input_ids, scores)
                 if check:
                     self._check_output(processor, given, scores, input_ids.shape[-1])
                     if isolated(self.owner_of(processor)):
                         self.left_unusable.append((processor, unusable_rows(scores)))
+                if observer is not None:
+                    observer(self.describe(processor), before, scores.clone())
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as error:  # SystemExit from a processor is its failure too, never the process's

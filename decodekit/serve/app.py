@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over a ContinuousBatchingManager: /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics. Bodies are checked by serve/protocol.py (fields, types, limits), then by decodekit
+/v1/models, /health, /metrics, and the playground page at / (serve/playground.py). Bodies are checked by serve/protocol.py (fields, types, limits), then by decodekit
 itself when the request is added (config fields, the method's own validation): either failure is a 400.
 
 A request chooses its decoding method with `"decodekit": {"method": NAME, ...fields}` in the body (the openai
@@ -22,18 +22,21 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
 from ..core.config import is_int
 from ..models.tokenizer import chat_ids
-from .protocol import (CHAT, COMPLETIONS, BadRequest, ServerSettings, boolean, chat_messages, check_fields, check_text,
-                       completion_prompt, logprob_fields, merged_request, stream_options)
+from . import playground
+from .protocol import (CHAT, COMPLETIONS, INFRASTRUCTURE_PLUGINS, BadRequest, ServerSettings, boolean, chat_messages,
+                       check_fields, check_text, completion_prompt, logprob_fields, merged_request, stream_options)
 from .tools import ToolPlan, messages_with_tools, plan_tools
 
-OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (a load balancer's and a scraper's)
+# Answered without the API key: a load balancer's and a scraper's, and the playground page (static; the page sends
+# the key it is given with each request it makes).
+OPEN_PATHS = ("/health", "/metrics", "/")
 
 
 def error_response(error: BadRequest) -> JSONResponse:
@@ -239,6 +242,36 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
             "/v1/embeddings is not offered by decodekit serve: it serves generation (/v1/completions, "
             "/v1/chat/completions) for causal language models, whose hidden states are no trained embedding; use an "
             "embedding model's own server.", None, 404, "not_found_error"))
+
+    @app.get("/")
+    async def playground_page():
+        return HTMLResponse(playground.PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/playground/methods")
+    async def playground_methods():
+        offered = await run_in_threadpool(playground.offered_methods, settings, plugins(), INFRASTRUCTURE_PLUGINS)
+        return {"model": settings.model_name, "methods": offered}
+
+    @app.post("/playground/step")
+    async def playground_step(request: Request):
+        """A chat completions body -> the next token explained (serve/playground.py)."""
+        try:
+            body = await body_of(request, CHAT)
+            messages = chat_messages(body)
+            fields = merged_request(body, settings, 1, plugins(), vocab, eos)  # one step: one token
+
+            def explain():
+                tokens_within(tokenizer, [m["content"] for m in messages], context)
+                ids = chat_ids(tokenizer, messages, content_as_text=True)
+                try:
+                    return playground.explain_step(manager.model, tokenizer, ids, fields)
+                except (ValueError, TypeError) as error:  # the call's own values, as add_request would say
+                    raise BadRequest(str(error)) from None
+
+            return await run_in_threadpool(explain)
+        except BadRequest as error:
+            metrics.reject(error.status)
+            return error_response(error)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -1,0 +1,98 @@
+"""The playground's endpoints (serve/playground.py) over HTTP; tests/test_playground_browser.py drives the page."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve] (make test installs it)")
+pytest.importorskip("uvicorn", reason="decodekit serve needs decodekit[serve] (make test installs it)")
+
+from decodekit.hub_loader.source import resolve  # noqa: E402
+from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
+
+from methods import HOOK_METHOD, write_method  # noqa: E402
+
+KEY = "playground-key"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(default_model, tmp_path_factory):
+    model, tok = default_model
+    method = write_method(tmp_path_factory.mktemp("methods") / "ban", HOOK_METHOD)
+    manager = model.init_continuous_batching(max_queue_size=16, max_cache_bytes=64 * 2**20)
+    settings = ServerSettings(model_name="smol", api_key=KEY, max_tokens_limit=64,
+                              methods=allowed_methods([f"{method}@{resolve(str(method)).revision}"]))
+    server = Server(manager, tok, settings, port=0).start()
+    manager.start()
+    yield server, str(method)
+    server.stop()
+    manager.join(timeout=30)
+
+
+def call(server, path: str, body: dict | None = None, key: str | None = KEY):
+    request = urllib.request.Request(server.url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_the_page_is_served_at_the_root_without_the_key(served):
+    status, page = call(served[0], "/", key=None)
+    assert status == 200 and 'id="transcript"' in page and "/playground/step" in page
+
+
+def test_methods_lists_what_a_request_may_choose_with_its_fields(served):
+    server, method = served
+    assert call(server, "/playground/methods", key=None)[0] == 401
+    status, text = call(server, "/playground/methods")
+    offered = {m["name"]: m for m in json.loads(text)["methods"]}
+    assert status == 200 and "caches" not in offered and "fused" not in offered  # machinery, not methods
+    assert offered["llamacpp_samplers"]["fields"]["mirostat"] == 0
+    allowed = next(m for name, m in offered.items() if m["kind"] == "method")
+    assert allowed["fields"] == {"banned_token": None}
+
+
+def test_step_shows_each_processor_in_order_and_the_token_generate_chooses(served, default_model):
+    server, _ = served
+    body = {"messages": MESSAGES, "temperature": 0, "decodekit": {"repetition_penalty": 1.5}}
+    status, text = call(server, "/playground/step", body)
+    assert status == 200, text
+    step = json.loads(text)
+    names = [p["processor"] for p in step["processors"]]
+    assert len(names) == 1 and "RepetitionPenaltyLogitsProcessor" in names[0]
+    # The penalty lowers the score of a token of the prompt that was among the top ones, and nothing else changes.
+    before = {t["id"]: t["score"] for t in step["processors"][0]["before"]}
+    after = {t["id"]: t["score"] for t in step["processors"][0]["after"]}
+    assert step["processors"][0]["before"] == step["logits"] and step["processors"][-1]["after"] == step["scores"]
+    assert all(after.get(i, float("-inf")) <= s for i, s in before.items())
+    model, tok = default_model
+    from decodekit.models.tokenizer import chat_ids
+
+    ids = torch.tensor([chat_ids(tok, MESSAGES)])
+    first = model.generate(ids, max_new_tokens=1, repetition_penalty=1.5)[0, -1].item()
+    assert step["chosen"]["id"] == first == step["scores"][0]["id"]
+
+
+def test_step_with_a_method_names_its_processor_and_obeys_it(served):
+    server, _ = served
+    status, text = call(server, "/playground/step", {"messages": MESSAGES, "temperature": 0})
+    best = json.loads(text)["chosen"]["id"]
+    status, text = call(server, "/playground/methods")
+    name = next(m["name"] for m in json.loads(text)["methods"] if m["kind"] == "method")
+    status, text = call(server, "/playground/step", {"messages": MESSAGES, "temperature": 0,
+                                                     "decodekit": {"method": name, "banned_token": best}})
+    step = json.loads(text)
+    assert status == 200 and step["chosen"]["id"] != best
+    assert any("local:" in p["processor"] for p in step["processors"])
+    status, text = call(server, "/playground/step", {"messages": MESSAGES, "decodekit": {"method": "nope"}})
+    assert status == 400 and "decodekit method 'nope'" in text

@@ -290,7 +290,8 @@ def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, set
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(pending), desc="decodekit batch", unit="row")
+            # Until the first row is done (the model loads, the first step compiles), the bar says so.
+            bar = tqdm(total=len(pending), desc="decodekit batch (loading the model)", unit="row")
 
         def write(row: dict) -> None:
             text = json.dumps(row, ensure_ascii=False)
@@ -305,6 +306,8 @@ def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, set
             else:
                 counts.written += 1
             if bar is not None:
+                if bar.n == 0:
+                    bar.set_description("decodekit batch", refresh=False)
                 bar.update(1)
 
         try:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from ..core.config import GenerationConfig, is_int
-from ..core.generate import call_limits, merge_config, settle_config, warn_unused_sampling_fields
+from ..core.generate import configured, prepare_call
 from ..core.processors import check_scores, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
-from ..core.pipeline import GenerationContext, Pipeline, build_pipeline, last_position_logits
+from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 
 
 class RequestStatus(str, enum.Enum):
@@ -244,29 +244,26 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
     extras = {k: options.pop(k) for k in REQUEST_ARGUMENTS if k in options}
     prompt = prompt_list(model, input_ids)
     method = methods.get(extras.get("custom_generate"), extras.get("trust_remote_code"))
+    logprobs, top = extras.get("logprobs", False), extras.get("top_logprobs", 0)
     with method.registered() if method is not None else contextlib.nullcontext():
-        gc, model_kwargs = merge_config(model, generation_config, options)
+        gc, model_kwargs = configured(model, generation_config, options)
         if model_kwargs:
             raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
-        settle_config(model, gc)
-        warn_unused_sampling_fields(gc, options)
-        max_length, generator = call_limits(model, gc, len(prompt), extras.get("seed"), None)
-        check_context(model, len(prompt), max_length)
-        if fits is not None:
-            fits(gc.num_return_sequences, len(prompt), max_length)
-        logprobs, top = extras.get("logprobs", False), extras.get("top_logprobs", 0)
-        if not isinstance(logprobs, bool):
-            raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
-        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
-            raise ValueError(f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], with "
-                             "logprobs=True.")
-        from ..registry.manager import call_first, call_hooks
-
         rows = gc.num_return_sequences
-        context = GenerationContext(model=model, batch_size=rows, prompt_length=len(prompt), max_length=max_length,
-                                    device=model.device, tokenizer=extras.get("tokenizer"), generator=generator)
-        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
-        owner, loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context)
+
+        def admissible(max_length: int) -> None:  # before any plugin runs, nothing allocated for the request's size
+            check_context(model, len(prompt), max_length)
+            if fits is not None:
+                fits(rows, len(prompt), max_length)
+            if not isinstance(logprobs, bool):
+                raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
+            if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
+                raise ValueError(f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 "with logprobs=True.")
+
+        call = prepare_call(model, gc, prompt_length=len(prompt), batch_size=rows, device=model.device,
+                            seed=extras.get("seed"), tokenizer=extras.get("tokenizer"), before_hooks=admissible)
+        context, max_length, owner, loop = call.context, call.max_length, call.loop_owner, call.loop
         if loop is not None and getattr(loop, "one_token_per_row", False) is not True:  # declared (hookspecs)
             raise ValueError(
                 f"Continuous batching runs one token per row and step; the decoding loop of plugin {owner!r} "

@@ -61,7 +61,7 @@ def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> Gen
     so; a bad value must not wait for a long load): every name a field (with a did-you-mean) or in `also_known` (a
     method's own parameters), the built-in checks, then each plugin's decodekit_validate_config with a context that
     has no model. A check that needs the model (a layer count, the tokenizer) is left to the call."""
-    from ..registry.manager import before_loading, call_hooks
+    from ..registry.manager import before_loading
 
     gc = GenerationConfig()
     known = add_plugin_fields(gc)
@@ -72,11 +72,8 @@ def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> Gen
                          + (f" (did you mean {close!r}?)" if close else "") + ".")
     gc.update(**{k: v for k, v in fields.items() if k in known})
     gc.validate(None)
-    prompt = 1
-    context = GenerationContext(model=None, batch_size=1, prompt_length=prompt, max_length=gc.max_length_for(prompt),
-                                device=torch.device("cpu"))
     with before_loading():
-        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+        prepare_call(None, gc, prompt_length=1, batch_size=1, device=torch.device("cpu"), choose_loop=False)
     return gc
 
 
@@ -140,6 +137,52 @@ def call_limits(model, gc: GenerationConfig, prompt_length: int, seed, generator
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
     return max_length, generator
+
+
+@dataclasses.dataclass
+class PreparedCall:
+    """A call, prepared once the same way wherever it comes from (generate(), a continuous-batching request, an
+    engine's adapter): its config (merged, validated for the model, every plugin's validation passed), the context
+    the hooks see, the call's length and random generator, and the decoding loop a plugin claimed (None: the core
+    loop, or a loop of the caller's own)."""
+
+    config: GenerationConfig
+    context: GenerationContext
+    max_length: int
+    generator: torch.Generator | None
+    loop_owner: str | None = None
+    loop: Any = None
+
+
+def configured(model, generation_config: GenerationConfig | None, fields: dict[str, Any]):
+    """(config, model inputs) of a call: the model's config (or the one given) with `fields` applied (merge_config:
+    an unknown name is an error), validated for the model (settle_config), and a word for sampling fields that a
+    greedy call would ignore."""
+    given = dict(fields)
+    gc, model_kwargs = merge_config(model, generation_config, fields)
+    settle_config(model, gc)
+    warn_unused_sampling_fields(gc, given)
+    return gc, model_kwargs
+
+
+def prepare_call(model, gc: GenerationConfig, *, prompt_length: int, batch_size: int, device, seed=None,
+                 generator=None, tokenizer=None, before_hooks=None, choose_loop: bool = True) -> PreparedCall:
+    """The one preparation every entry point shares, after configured(): the call's limits (nothing to generate, an
+    invalid seed: ValueError), `before_hooks(max_length)` (the caller's own checks that must come before any plugin
+    runs: a request's admission), the hooks' context, every plugin's decodekit_validate_config, and the decoding
+    loop a plugin claims (where `choose_loop`)."""
+    from ..registry.manager import call_first, call_hooks
+
+    max_length, generator = call_limits(model, gc, prompt_length, seed, generator)
+    if before_hooks is not None:
+        before_hooks(max_length)
+    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length, max_length=max_length,
+                                device=device, tokenizer=tokenizer, generator=generator)
+    # Plugins validate their fields before any of them is used to pick a loop.
+    call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+    owner, loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context) if choose_loop else (
+        None, None)
+    return PreparedCall(gc, context, max_length, generator, owner, loop)
 
 
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
@@ -289,23 +332,13 @@ class GenerationMixin:
             if "input_ids" in kwargs:
                 raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
             kwargs["input_ids"] = inputs
-        gc, model_kwargs = merge_config(self, generation_config, kwargs)
-        settle_config(self, gc)
-        warn_unused_sampling_fields(gc, kwargs)
+        gc, model_kwargs = configured(self, generation_config, kwargs)
         input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
         prompt_length = input_ids.shape[1]
-        max_length, generator = call_limits(self, gc, prompt_length, seed, generator)
-        from ..registry.manager import call_first, call_hooks
-
-        context = GenerationContext(
-            model=self, batch_size=input_ids.shape[0], prompt_length=prompt_length, max_length=max_length,
-            device=input_ids.device, tokenizer=tokenizer, generator=generator,
-        )
-        # Plugins validate their fields before any of them is used to pick a loop.
-        call_hooks("decodekit_validate_config", generation_config=gc, context=context)
-        loop_owner, loop = (call_first("decodekit_decoding_loop", generation_config=gc, context=context)
-                            if custom_generate is None else (None, None))
-        loop = checked_loop(loop_owner, loop)
+        call = prepare_call(self, gc, prompt_length=prompt_length, batch_size=input_ids.shape[0], device=input_ids.device,
+                            seed=seed, generator=generator, tokenizer=tokenizer, choose_loop=custom_generate is None)
+        context, max_length, loop_owner = call.context, call.max_length, call.loop_owner
+        loop = checked_loop(loop_owner, call.loop)
         inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
         if inner and loop is not None:
             raise ValueError(f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "

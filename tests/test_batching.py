@@ -12,6 +12,7 @@ import torch
 
 from decodekit.batching import QueueFull, RequestStatus
 from decodekit.batching.paged import PagedBatch, PagedCache, Segment
+from decodekit.core.compile import compiled_steps
 from decodekit.models import cpu
 from decodekit.testing import tiny_model
 
@@ -259,10 +260,10 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
         manager = model.init_continuous_batching(compile=True, max_running=18, block_size=4)
         blocks = manager.free_blocks
         assert manager.warm_up() == [1, 18]
-        steps, graphs = dict(model._paged_decode_steps), counters["stats"]["unique_graphs"]
+        steps, graphs = dict(compiled_steps(model, "paged decode")), counters["stats"]["unique_graphs"]
         ids = [manager.add_request([7, i + 1], max_new_tokens=3 + i) for i in range(18)]
         manager.run(until_idle=True)  # decode steps of 18, 17, ..., 1 rows
-        assert model._paged_decode_steps == steps and manager.runner.compiled.steps > 2 + 16
+        assert dict(compiled_steps(model, "paged decode")) == steps and manager.runner.compiled.steps > 2 + 16
         assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up, for any row count
         for i, rid in enumerate(ids):
             assert manager.get_result(rid, timeout=0).generated_tokens == alone(model, [7, i + 1], max_new_tokens=3 + i)[0]
@@ -276,7 +277,7 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
     from decodekit.batching.manager import MethodCache
     from decodekit.batching.request import prepare_request, select_together
     from decodekit.core.selectors import race_rows
-    from decodekit.plugins.fused import compile_own
+    from decodekit.core.compile import compile_own
 
     fields = [dict(do_sample=True, top_k=0, seed=s) for s in range(6)] + [{}, {}] + [dict(do_sample=True, seed=9)]
     requests = [prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from decodekit.models import native
+from decodekit.core.compile import argument_guards_only, compiled_steps
 from decodekit.plugins.fused import bucket
 from decodekit.testing import tiny_model
 
@@ -179,12 +180,12 @@ def test_a_fresh_model_compiles_its_step_once(tmp_path, caplog):
     fresh = tiny_model(tmp_path, "llama")  # never run eagerly: its weights get packed during the first call
     with caplog.at_level(logging.INFO, logger="decodekit"):
         outputs = [fresh.generate(PROMPT, max_new_tokens=6, compile=True) for _ in range(3)]
-    assert caplog.text.count("compiling the decode step") == 1 and len(fresh._fused_steps) == 1
+    assert caplog.text.count("compiling the decode step") == 1 and len(compiled_steps(fresh, "fused")) == 1
     assert all(torch.equal(out, fresh.generate(PROMPT, max_new_tokens=6)) for out in outputs)
 
 
 def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
-    # The compiled step does not guard the model's weights (fused.argument_guards_only): a changed model
+    # The compiled step does not guard the model's weights (argument_guards_only): a changed model
     # must get a new step, and a repacked one must be read afresh.
     from decodekit.models.packed import unpack_linears
     from decodekit.models.quantize import quantize
@@ -205,7 +206,7 @@ def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
     assert torch.equal(m.generate(**kwargs, compile=True), changed)
     quantize(m, "int8")
     assert torch.equal(m.generate(**kwargs, compile=True), m.generate(**kwargs))
-    assert len({key[-1] for key in m._fused_steps}) == 3  # fp32, bf16, int8
+    assert len({key[-1] for key in compiled_steps(m, "fused")}) == 3  # fp32, bf16, int8
 
 
 def test_bad_compile_config(model):
@@ -219,7 +220,7 @@ def test_bad_compile_config(model):
 
 def test_a_compile_mode_keeps_the_step_options_and_guard_filter(model):
     # torch.compile refuses `mode` together with `options`: for inductor the mode becomes options.
-    from decodekit.plugins.fused import STEP_INDUCTOR_OPTIONS, argument_guards_only, compile_arguments
+    from decodekit.core.compile import STEP_INDUCTOR_OPTIONS, compile_arguments
 
     args = compile_arguments({"fullgraph": True, "dynamic": False, "mode": "max-autotune-no-cudagraphs"})
     assert "mode" not in args and args["fullgraph"] is True
@@ -231,7 +232,7 @@ def test_a_compile_mode_keeps_the_step_options_and_guard_filter(model):
 
 
 def test_compile_config_options_reach_inductor_over_the_step_options_and_bad_ones_are_refused(model):
-    from decodekit.plugins.fused import argument_guards_only, compile_arguments
+    from decodekit.core.compile import compile_arguments
 
     args = compile_arguments({"mode": "default", "options": {"realize_opcount_threshold": 50, "size_asserts": False}})
     assert args["options"]["realize_opcount_threshold"] == 50 and args["options"]["size_asserts"] is False
@@ -343,13 +344,13 @@ def test_a_step_that_does_not_compile_falls_back(model, caplog):
 def test_which_compile_configs_replay_cuda_graphs(config, graphs):
     """Those steps mark their cache as a fixed address and copy their outputs out of the graph's memory on CUDA
     (tests/test_cuda.py checks the replay itself on a GPU)."""
-    from decodekit.plugins.fused import replays_graphs
+    from decodekit.core.compile import replays_graphs
 
     assert replays_graphs({"fullgraph": True, "dynamic": False, **config}) is graphs
 
 
 def test_a_step_on_cuda_replays_graphs_unless_compile_config_chooses_otherwise():
-    from decodekit.plugins.fused import replays_graphs, step_options
+    from decodekit.core.compile import replays_graphs, step_options
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert step_options(None, cpu) == {"fullgraph": True, "dynamic": False}

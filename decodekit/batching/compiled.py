@@ -23,6 +23,7 @@ import logging
 import torch
 
 from .. import kernels
+from ..core.compile import compile_own, compiled_steps
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 
 logger = logging.getLogger("decodekit")
@@ -99,14 +100,12 @@ class CompiledDecode:
     def _step(self):
         # Kept on the model, like generate()'s fused steps: a later manager with a cache of the same shape
         # (another generate_batch call, say) reuses what an earlier one compiled. The step's guards check its
-        # arguments only (fused.argument_guards_only), so the pools' shape is part of the key.
-        steps = self.model.__dict__.setdefault("_paged_decode_steps", {})
+        # arguments only (core.compile.argument_guards_only), so the pools' shape is part of the key.
+        steps = compiled_steps(self.model, "paged decode", limit=None)
         pool = self.cache.keys[0]
         key = (self.cache.block_size, tuple(pool.shape), pool.dtype, repr(sorted(self.options.items())))
         step = steps.get(key)
         if step is None:
-            from ..plugins.fused import compile_own
-
             model, bs = self.model, self.cache.block_size
 
             def decode(ids, positions, slots, tables, keys, values):

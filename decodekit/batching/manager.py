@@ -30,7 +30,7 @@ import torch
 from ..core.config import is_int
 from ..core.limits import available_bytes, bytes_per_position
 from ..core.selectors import race_rows
-from ..plugins.fused import compile_own
+from ..core.compile import compile_own
 from ..registry.manager import failures_fail_the_request_alone
 from ..sizes import human_size
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request, select_together
@@ -105,9 +105,9 @@ def step_compile_options(model, generation_config) -> dict | None:
     gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     if not getattr(gc, "compile", False):
         return None
-    from ..plugins.fused import decodekit_validate_config as check_compile_fields
+    from ..core.compile import check_compile_config
 
-    check_compile_fields(generation_config=gc)  # now, not at each request: every request would fail on it
+    check_compile_config(gc)  # now, not at each request: every request would fail on it
     return dict(gc.compile_config or {})
 
 

@@ -1,0 +1,212 @@
+"""Compiling decode steps: torch.compile's settings for a step, the guards it keeps, CUDA-graph replays, and the
+per-model cache of compiled steps. The fused decode loops (plugins/fused.py, beam search's) and continuous batching's
+step (batching/compiled.py) compile through here.
+
+Compiled steps are kept on the model, in `compiled_steps(model, name)`: one StepCache per kind of step ("fused" for
+generate(compile=True)'s, "paged decode" for continuous batching's), keyed by everything that decides the compiled
+code (batch, cache bucket, processors, options, weight layout). A later call with the same key reuses the step;
+the least recently used goes when a cache is full (each step holds a static cache of its own).
+"""
+
+from __future__ import annotations
+
+import types
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from .cache import StaticCache
+
+MAX_STEPS = 8  # compiled steps kept per model and kind (each fused step holds a static cache)
+
+COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
+
+
+def check_compile_config(gc) -> None:
+    """The compile, disable_compile and compile_config fields of `gc`, checked (ValueError naming the field);
+    disable_compile=True turns compiling off whatever else the call says, as transformers' switch does."""
+    if not isinstance(gc.compile, bool):
+        raise gc.invalid("compile", "expected True or False")
+    if not isinstance(gc.disable_compile, bool):
+        raise gc.invalid("disable_compile", "expected True or False")
+    if gc.disable_compile:  # transformers' switch: nothing is compiled, whatever else the call says
+        gc.compile, gc.compile_config = False, None
+    cc = gc.compile_config
+    if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
+        raise gc.invalid("compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)")
+    if cc is not None and cc.get("mode") is not None and uses_inductor(cc):
+        from torch._inductor import list_mode_options
+
+        if cc["mode"] not in list_mode_options():
+            raise gc.invalid("compile_config", f"mode={cc['mode']!r} is not one of {sorted(list_mode_options())}")
+    if cc is not None and cc.get("options") is not None:
+        validate_backend_options(gc, cc)
+
+
+def validate_backend_options(gc, cc: dict) -> None:
+    options = cc["options"]
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise gc.invalid("compile_config", "options must be a dict of option names to values (torch.compile's options)")
+    if not uses_inductor(cc):
+        if cc.get("mode") is not None:
+            raise gc.invalid("compile_config", "torch.compile takes mode or options, not both, for a backend other than inductor")
+        return
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known or k == "guard_filter_fn")
+    if unknown:
+        raise gc.invalid("compile_config", f"options {unknown} are not inductor options (see torch._inductor.config; "
+                         "the step sets guard_filter_fn itself)")
+
+
+STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "noise_key", "unfinished", "pad", "eos_ids",
+                  "state", "go", "cur", "max_length", "prompt_length")
+
+
+def argument_guards_only(entries) -> list[bool]:
+    """Keeps dynamo's guards on the step's arguments and the rotary table, drops those on the model's
+    weights and the step's own cache: thousands for a 30-layer model, about 0.8 ms of each step to check.
+
+    A step is keyed by everything the dropped guards would catch (batch, cache bucket, processors, dtype,
+    device, packed or quantized weights), so they could fail only where a new step is made anyway. The
+    rotary table is kept guarded because a longer generation may rebuild it, and so are the guards on
+    dynamic sizes (SHAPE_ENV): a step compiled for a range of row counts (continuous batching's) holds only
+    where the code it traced branches the same way, e.g. up to 16 rows for decodekit's row kernel. Not applied
+    with a `mode` for a backend other than inductor (see compile_arguments).
+    """
+    roots = tuple(f"L['{name}']" for name in STEP_ARGUMENTS)
+    return [entry.guard_type == "SHAPE_ENV"
+            or (not entry.is_global and (entry.name.startswith(roots) or ".rotary" in entry.name)) for entry in entries]
+
+
+# Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A
+# one-row matmul written as a broadcast multiply and a sum (linear.one_row, llama.one_query_attention)
+# would then recompute its input once per output row: the int8 default model took 15.7 ms a token with
+# inductor's default (12 reads on CPU) against 6.1 ms with 1. At 1, though, every product of two tensors is
+# stored, the attention's too: q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read
+# back, twice a layer. 3 keeps the norms stored and the attention products fused; against 1, paired runs
+# measured 0.88 (int8), 0.95 (fp32) and 0.95 (bf16) of the time a token, and 5 was 1.45x slower than 3.
+# A norm has three reads, so it was still recomputed in the inner loop of the product after it: for bf16
+# three conversions to float32 per weight vector instead of one. realize_opcount_threshold 8 (CPU default
+# 50) stores any elementwise result of more than 8 operations, the norms among them.
+STEP_INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 3, "realize_opcount_threshold": 8}
+
+
+def uses_inductor(compile_config: dict) -> bool:
+    """Whether torch.compile runs inductor for this compile_config (its default backend)."""
+    return compile_config.get("backend", "inductor") == "inductor"
+
+
+def compile_arguments(options: dict, guard_filter=argument_guards_only) -> dict:
+    """torch.compile's keyword arguments for a step from compile_config (plus fullgraph/dynamic defaults).
+
+    torch.compile takes `mode` or `options`, not both; for inductor a mode is only a set of options, so it
+    is merged with the step's own options, then compile_config's `options` (which win), and `guard_filter`
+    (None: dynamo keeps every guard). Another backend with a mode gets the mode alone.
+    """
+    args = dict(options)
+    mode = args.pop("mode", None)
+    own = args.pop("options", None) or {}
+    if uses_inductor(args):
+        from torch._inductor import list_mode_options
+
+        own = {**(list_mode_options(mode, args.get("dynamic")) if mode else {}), **STEP_INDUCTOR_OPTIONS, **own}
+    elif mode is not None:
+        return {**args, "mode": mode}
+    filtered = {} if guard_filter is None else {"guard_filter_fn": guard_filter}
+    return {**args, "options": {**own, **filtered}}
+
+
+class FusedStep:
+    """One compiled step with its own static cache: `make(model, cache)` returns the function to compile; call
+    the FusedStep to run it."""
+
+    def __init__(self, model, batch: int, length: int, options: dict, make):
+        self.compiled_once = False
+        self.cache = StaticCache.for_model(model, batch, length)
+        model.rotary.ensure(length, model.device, model.dtype)
+        self.graphs = model.device.type == "cuda" and replays_graphs(options)
+        if self.graphs:
+            # A CUDA graph replays fixed addresses; the step writes its cache, an input of the graph, which
+            # inductor then replays only if the input is marked as never moving (else it skips the graphs).
+            for tensor in (*self.cache.keys, *self.cache.values):
+                torch._dynamo.mark_static_address(tensor)
+        self.step = compile_own(make(model, self.cache), options)
+
+    def __call__(self, *args):
+        """One step. Replayed as a CUDA graph, its outputs live in the graph's memory, which the next replay
+        overwrites: the loop keeps them (tokens, flags) or passes them back in, so they are copied out."""
+        if not self.graphs:
+            return self.step(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return _copied(self.step(*args))
+
+
+def _copied(outputs):
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_copied(o) for o in outputs)
+    return outputs.clone() if isinstance(outputs, torch.Tensor) else outputs
+
+
+def step_options(compile_config: dict | None, device: torch.device) -> dict:
+    """torch.compile's settings for a step on `device`: compile_config over fullgraph, static shapes and, on CUDA,
+    mode="reduce-overhead". A batch-1 step of a small model is bound there by its kernel launches, which a CUDA graph
+    replay removes: on an H200 the default model's shape decoded 3.8x faster with it (docs/performance.md). A
+    compile_config with its own mode, backend or options keeps them (mode="default": no graphs)."""
+    options = {"fullgraph": True, "dynamic": False}
+    config = compile_config or {}
+    if device.type == "cuda" and not {"mode", "backend", "options"} & {k for k, v in config.items() if v is not None}:
+        options["mode"] = "reduce-overhead"
+    return {**options, **config}
+
+
+def replays_graphs(options: dict) -> bool:
+    """Whether a step compiled with compile_config `options` runs as CUDA graph replays on a CUDA device
+    (mode="reduce-overhead" or "max-autotune", inductor's triton.cudagraphs option, the cudagraphs backend)."""
+    args = compile_arguments(options)
+    return bool(args.get("options", {}).get("triton.cudagraphs") or args.get("backend") == "cudagraphs"
+                or args.get("mode") in ("reduce-overhead", "max-autotune"))
+
+
+def compile_own(step, options: dict, guard_filter=argument_guards_only):
+    """torch.compile(step) (options: compile_config, see compile_arguments) on a code object of its own: dynamo
+    counts recompilations per code object, and a long-lived process with many steps would otherwise hit its
+    limit. `guard_filter` as in compile_arguments: a function whose arguments are not the steps' (STEP_ARGUMENTS)
+    and that holds no weights passes None, so its graphs stay guarded on the shapes they were specialised to."""
+    compile_own.made += 1
+    code = step.__code__.replace(co_name=f"decodekit_step_{compile_own.made}")
+    own = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+    return torch.compile(own, **compile_arguments(options, guard_filter))
+
+
+compile_own.made = 0
+
+
+
+
+class StepCache(OrderedDict):
+    """Compiled steps by key, the most recently used last; at most `limit` (None: no limit)."""
+
+    def __init__(self, limit: int | None = MAX_STEPS):
+        super().__init__()
+        self.limit = limit
+
+    def get_or_make(self, key, make: Callable[[], object]):
+        """The step for `key`, made by make() and kept where there is none, and marked most recently used."""
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        while self.limit is not None and len(self) >= self.limit:
+            self.popitem(last=False)
+        self[key] = step = make()
+        return step
+
+
+def compiled_steps(model, name: str, limit: int | None = MAX_STEPS) -> StepCache:
+    """The model's StepCache of kind `name` (module docstring), made at first use."""
+    caches = model.__dict__.setdefault("_compiled_steps", {})
+    if name not in caches:
+        caches[name] = StepCache(limit)
+    return caches[name]

@@ -18,7 +18,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
     from decodekit.batch import BatchSettings, RowGenerator
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
     from decodekit.models.default import load_default
 
     model, tokenizer = load_default()

@@ -206,7 +206,7 @@ def main() -> int:
         json.dump(run_vllm(Path(args.model_dir), runs, "bfloat16" if args.weights == "bfloat16" else "float32",
                            args.vllm_compiled), sys.stdout)
         return 0
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
     from decodekit.testing import default_model_as_transformers
 
     directory = default_model_as_transformers(Path(tempfile.mkdtemp()) / "model")

@@ -39,7 +39,7 @@ GROUNDED_MESSAGE = "Rename the variable `averages` to `result` in this Python fu
 
 
 def median_time(fn, runs: int) -> float:
-    from decodekit.models.choices import median_seconds
+    from decodekit.kernels.choices import median_seconds
 
     return median_seconds(fn, runs)
 
@@ -90,7 +90,7 @@ def memory_bandwidth_gbs(runs: int = 5) -> float:
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads: every linear layer's weights as stored (packed, int8 and
     scales, or plain), norms, and the embedding table only where a plain lm_head reads it (a lookup reads one row)."""
-    from decodekit.models.packed import PackedLinear
+    from decodekit.kernels.packed import PackedLinear
 
     embed = model.get_input_embeddings().weight
     seen, total = {id(embed)}, 0

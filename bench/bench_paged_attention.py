@@ -23,7 +23,7 @@ import torch
 
 def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64, block_size=16) -> dict:
     from decodekit.batching.paged import PagedBatch, PagedCache, Segment
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
 
     model = SimpleNamespace(  # what PagedCache reads of a model
         config=SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim),
@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 600, 2000])
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
-    from decodekit.models import cpu, native
+    from decodekit.kernels import cpu, native
 
     if not native.load():
         print("decodekit's C++ kernels are not available on this machine", file=sys.stderr)

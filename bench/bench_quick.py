@@ -41,8 +41,8 @@ def decode_job(model, ids, new_tokens, **kwargs):
 
 
 def chosen_paths(ours_fp32, ours_bf16, ours_int8, long_ids) -> dict:
-    from decodekit.models import choices, cpu, native
-    from decodekit.models.packed import PackedLinear
+    from decodekit.kernels import choices, cpu, native
+    from decodekit.kernels.packed import PackedLinear
 
     with torch.inference_mode():
         for model in (ours_fp32, ours_bf16, ours_int8):

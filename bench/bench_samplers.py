@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     from decodekit import AutoModelForCausalLM, AutoTokenizer
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
     from decodekit.models.default import default_model_path
 
     torch.set_num_threads(2)

@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
     from decodekit.testing import default_model_as_transformers
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))

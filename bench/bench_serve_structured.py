@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     import openai
 
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

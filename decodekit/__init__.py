@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DynamicCache": ".core.cache", "StaticCache": ".core.cache", "GenerationConfig": ".core.config",
+    "DynamicCache": ".families.cache", "StaticCache": ".families.cache", "GenerationConfig": ".core.config",
     "GenerateOutput": ".core.outputs", "LogitsProcessorList": ".core.processors",
     "StoppingCriteriaList": ".core.stopping", "TextIteratorStreamer": ".core.streamers",
     "TextStreamer": ".core.streamers", "Model": ".facade", "wrap": ".facade",

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from decodekit.models.llama import one_query_attention
+from decodekit.families.llama import one_query_attention
 from decodekit.testing import tiny_model
 
 

@@ -13,7 +13,7 @@ import torch
 from decodekit.batching import QueueFull, RequestStatus
 from decodekit.batching.paged import PagedBatch, PagedCache, Segment
 from decodekit.core.compile import compiled_steps
-from decodekit.models import cpu
+from decodekit.kernels import cpu
 from decodekit.testing import tiny_model
 
 from methods import HOOK_METHOD, write_method
@@ -91,7 +91,7 @@ def test_paged_attention_kernel_equals_attention_over_each_rows_positions(dtype,
     # at the end, and a head_dim (20) whose last columns are summed one at a time.
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine")
-    from decodekit.models import native
+    from decodekit.kernels import native
 
     native.load()
     assert_paged_kernel_is_attention(paged_case(dtype, tokens, head_dim), window)
@@ -104,14 +104,14 @@ def test_paged_attention_takes_any_number_of_query_heads_a_kv_head(heads, kv_hea
     # groups of 4 and 5 taken in parts (3 + 1, 3 + 2).
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine")
-    from decodekit.models import native
+    from decodekit.kernels import native
 
     native.load()
     assert_paged_kernel_is_attention(paged_case(torch.float32, tokens, 20, H=heads, KV=kv_heads), 5)
 
 
 def assert_paged_kernel_is_attention(case, window):
-    from decodekit.models.llama import visible
+    from decodekit.families.llama import visible
 
     q, k, v, keys, values, slots, tables, owner, positions, bs = case
     tokens, head_dim, dtype = q.shape[0], q.shape[2], q.dtype
@@ -136,7 +136,7 @@ def test_paged_attention_gives_the_same_bits_on_any_thread_count(tokens):
     # A task's sums are its own, whichever thread runs it: a step's tokens come out the same with 1, 2 or 3 threads.
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine")
-    from decodekit.models import native
+    from decodekit.kernels import native
 
     native.load()
     case = paged_case(torch.float32, tokens, 64, seed=3)
@@ -251,7 +251,7 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
     # kernel up to 16 rows and the library's product beyond: the step compiles once on each side, both in warm-up.
     from torch._dynamo.utils import counters
 
-    from decodekit.models import choices
+    from decodekit.kernels import choices
 
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
@@ -300,7 +300,7 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
     # chosen tiles (0.3-0.7x their speed). The choice is read before the step is traced now.
     from torch.profiler import profile
 
-    from decodekit.models import choices
+    from decodekit.kernels import choices
 
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
@@ -465,7 +465,7 @@ def test_a_base_exception_from_a_requests_own_code_fails_that_request_alone(mode
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_a_token_outside_the_vocabulary_fails_its_request_before_it_reaches_the_step(model, compile):
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
 
     if compile and not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")

@@ -1,4 +1,4 @@
-"""The speed paths other CPUs take, forced on this one (decodekit.models.cpu): each path is taken exactly
+"""The speed paths other CPUs take, forced on this one (decodekit.kernels.cpu): each path is taken exactly
 where its probes say, and gives what the reference computes. Settings this machine cannot run are skipped
 with the missing CPU feature as the reason."""
 
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from decodekit.models import choices, cpu, native
-from decodekit.models.linear import Linear
-from decodekit.models.packed import PackedLinear
-from decodekit.models.quantize import quantize
+from decodekit.kernels import choices, cpu, native
+from decodekit.kernels.linear import Linear
+from decodekit.kernels.packed import PackedLinear
+from decodekit.kernels.quantize import quantize
 from decodekit.testing import cpu_path_settings, tiny_model
 from helpers import needs_exact_int_mm
 

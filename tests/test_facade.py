@@ -1,7 +1,6 @@
 """decodekit.Model, the facade from_pretrained and wrap return: one class over decodekit's model families (and, in
 test_transformers_backend.py, transformers models), the module behind it, and the old import paths of what moved."""
 
-import importlib
 
 import pytest
 import torch
@@ -65,22 +64,3 @@ def test_wrap_refuses_what_has_no_forward_contract():
         decodekit.wrap("org/repo")
 
 
-@pytest.mark.parametrize("old, new", [
-    ("decodekit.models.llama", "decodekit.families.llama"), ("decodekit.models.config", "decodekit.families.config"),
-    ("decodekit.models.rope", "decodekit.families.rope"), ("decodekit.models.cpu", "decodekit.kernels.cpu"),
-    ("decodekit.models.native", "decodekit.kernels.native"), ("decodekit.models.packed", "decodekit.kernels.packed"),
-    ("decodekit.models.linear", "decodekit.kernels.linear"), ("decodekit.models.quantize", "decodekit.kernels.quantize"),
-    ("decodekit.models.choices", "decodekit.kernels.choices"),
-])
-def test_old_import_paths_are_the_same_module_objects(old, new):
-    # The same object, not a copy: a test or user forcing a probe through the old name forces it for the kernels.
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
-def test_the_templates_old_entry_point_import_still_resolves():
-    from decodekit.hub_loader import hooks_entry_point
-    from decodekit.integrations.entry import hooks_entry_point as moved
-
-    assert hooks_entry_point is moved
-    with pytest.raises(AttributeError, match="no attribute 'not_there'"):
-        decodekit.hub_loader.not_there

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from decodekit.models import native
+from decodekit.kernels import native
 from decodekit.core.compile import argument_guards_only, compiled_steps
 from decodekit.plugins.fused import bucket
 from decodekit.testing import tiny_model
@@ -124,7 +124,7 @@ def test_compiled_beam_search_equals_eager(model, kwargs, caplog):
 
 
 def test_compiled_beam_search_on_the_python_layers_reorders_by_copying(tmp_path, monkeypatch):
-    from decodekit.models import llama
+    from decodekit.families import llama
 
     monkeypatch.setattr(llama, "NATIVE_LAYERS", False)
     fresh = tiny_model(tmp_path, "llama")  # a model of its own: steps are not keyed by NATIVE_LAYERS
@@ -187,8 +187,8 @@ def test_a_fresh_model_compiles_its_step_once(tmp_path, caplog):
 def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
     # The compiled step does not guard the model's weights (argument_guards_only): a changed model
     # must get a new step, and a repacked one must be read afresh.
-    from decodekit.models.packed import unpack_linears
-    from decodekit.models.quantize import quantize
+    from decodekit.kernels.packed import unpack_linears
+    from decodekit.kernels.quantize import quantize
 
     m = tiny_model(tmp_path, "llama", tie_word_embeddings=True)
     kwargs = dict(input_ids=BATCH, attention_mask=MASK, max_new_tokens=12, eos_token_id=[3, 40])

@@ -122,7 +122,7 @@ def test_a_seed_reproduces_and_continuous_batching_rows_equal_generate_alone(mod
 @pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"dynatemp_range": 0.5, "temperature": 0.9},
                                     {"smoothing_factor": 0.5}, {"xtc_probability": 0.7, "xtc_threshold": 0.05}])
 def test_compile_gives_the_same_tokens(model, fields):
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
 
     if not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the fused step needs them")

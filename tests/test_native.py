@@ -7,11 +7,12 @@ import shutil
 import pytest
 import torch
 
-from decodekit.core.cache import StaticCache
-from decodekit.models import choices, llama, native
-from decodekit.models.linear import Linear
-from decodekit.models.packed import plain_weights
-from decodekit.models.quantize import Int8Linear, quantize
+from decodekit.families.cache import StaticCache
+from decodekit.families import llama
+from decodekit.kernels import choices, native
+from decodekit.kernels.linear import Linear
+from decodekit.kernels.packed import plain_weights
+from decodekit.kernels.quantize import Int8Linear, quantize
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from decodekit.models import choices, cpu
-from decodekit.models import packed as packed_module
-from decodekit.models.packed import PackedLinear, pack_linears, unpack_linears
+from decodekit.kernels import choices, cpu
+from decodekit.kernels import packed as packed_module
+from decodekit.kernels.packed import PackedLinear, pack_linears, unpack_linears
 from decodekit.core.compile import compiled_steps
 from decodekit.testing import tiny_model
 
@@ -97,7 +97,7 @@ def test_moving_to_bfloat16_unpacks_then_packs_again(tied):
 
 
 def test_quantizing_a_packed_model_works_and_skips_packing(tmp_path):
-    from decodekit.models.quantize import Int8Linear, quantize
+    from decodekit.kernels.quantize import Int8Linear, quantize
 
     model = tiny_model(tmp_path, "llama")
     reference = logits(model)
@@ -128,7 +128,7 @@ def test_a_compiled_call_of_few_rows_runs_on_plain_weights_and_the_next_eager_ca
 
 
 def test_one_row_in_a_compiled_step_goes_through_one_row_and_nothing_else_does(monkeypatch):
-    import decodekit.models.linear as linear_module
+    import decodekit.kernels.linear as linear_module
 
     calls = []
     original = linear_module.one_row
@@ -147,7 +147,7 @@ def test_one_row_in_a_compiled_step_goes_through_one_row_and_nothing_else_does(m
 def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_matmul_for_them(dtype, monkeypatch):
     import torch.nn.functional as F
 
-    import decodekit.models.linear as linear_module
+    import decodekit.kernels.linear as linear_module
 
     torch.manual_seed(1)
     layer = linear_module.Linear(64, 48, bias=True).to(dtype)
@@ -162,7 +162,7 @@ def test_many_low_precision_rows_are_multiplied_in_float32_where_the_cpu_has_no_
         assert torch.equal(y, expected[id(x)])  # both round a float32 sum once; at this width, bit for bit
         return seen
 
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
 
     probe = linear_module.MATMUL_PROBE[dtype]
     # Only the decision is checked here, so the probe is set directly (cpu.forced refuses to force on a probe

@@ -79,7 +79,7 @@ def test_prefill_in_chunks_gives_the_same_tokens(native, hf):
 
 
 def test_max_cache_len_and_cache_config_size_a_static_cache(native):
-    from decodekit.core.cache import new_cache
+    from decodekit.families.cache import new_cache
     from decodekit.plugins import caches
 
     prompt = torch.tensor([[5, 6, 7, 8]])

@@ -6,7 +6,7 @@ from torch import nn
 
 from decodekit import AutoModelForCausalLM
 from decodekit.kernels import choices, cpu
-from decodekit.models.quantize import Int8Linear, int_mm_exact, many_rows_route
+from decodekit.kernels.quantize import Int8Linear, int_mm_exact, many_rows_route
 from decodekit.testing import write_tiny_model
 from helpers import needs_exact_int_mm
 
@@ -28,7 +28,7 @@ def test_few_row_products_are_float32_and_more_rows_use_the_library_kernel():
     # eager or compiled; without it, one row in a compiled step by quantize.one_row_int8. More rows (a
     # longer prompt) take the route measured for this CPU (quantize.many_rows_route); one of them,
     # torch._weight_int8pack_mm, takes the rows in bfloat16, as do the eager rows when the kernel is not built.
-    from decodekit.models import native
+    from decodekit.kernels import native
 
     torch.manual_seed(0)
     q = Int8Linear(nn.Linear(576, 96, bias=False))
@@ -47,7 +47,7 @@ def test_few_row_products_are_float32_and_more_rows_use_the_library_kernel():
         assert torch.equal(eager, fused) and error(q(x3), x3) < 1e-6
     else:
         assert 1e-4 < error(eager, x) < 1e-2
-    from decodekit.models import choices
+    from decodekit.kernels import choices
 
     with choices.forced(int8_many_rows="int8pack"):
         assert 1e-4 < error(q(many), many) < 1e-2  # bfloat16 rows and product
@@ -141,8 +141,8 @@ def test_split_int8_rows_keep_fourteen_bits_where_bfloat16_rows_keep_eight(width
     # The int8_split prefill route: its error against the exact product of the int8 weight is about 40x
     # smaller than that of rows rounded to bfloat16, as PyTorch's int8-weight kernel takes them; zero rows stay
     # zero; decodekit's kernels and the library operations give the same values.
-    from decodekit.models import cpu
-    from decodekit.models.quantize import split_int8_product
+    from decodekit.kernels import cpu
+    from decodekit.kernels.quantize import split_int8_product
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(40, width, generator=generator) * torch.logspace(-3, 3, 40)[:, None]  # rows of any scale
@@ -173,8 +173,8 @@ def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scal
     # (9,000), the threads share each step of blocks of up to 256. Either gives the library operations' values (the kernel's float32 arithmetic is
     # ordered differently, which moves a low part's rounding now and then), the weight's channel scales applied as
     # it joins.
-    from decodekit.models import cpu
-    from decodekit.models.quantize import split_int8_product
+    from decodekit.kernels import cpu
+    from decodekit.kernels.quantize import split_int8_product
 
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(count, 64, generator=generator)
@@ -193,7 +193,7 @@ def test_split_product_runs_long_prompts_a_block_at_a_time_with_the_channel_scal
 def test_split_product_runs_in_and_out_of_inference_mode_in_one_thread():
     # Its buffers outlive a call: made under inference mode (a prefill's) they were inference tensors, and the next
     # call outside it (autograd off by no_grad only, as a test or a user's loop) failed writing to them.
-    from decodekit.models.quantize import split_int8_product
+    from decodekit.kernels.quantize import split_int8_product
 
     rows = torch.randn(300, 64)
     q = Int8Linear(nn.Linear(64, 5000, bias=False))  # wider than earlier tests': the buffers grow in inference mode

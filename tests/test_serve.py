@@ -248,7 +248,7 @@ def test_serve_compiles_the_step_before_listening_unless_told_not_to(default_mod
                                                                       warm_up_steps):
     import decodekit.cli as cli
     import decodekit.serve as serve
-    from decodekit.models import cpu
+    from decodekit.kernels import cpu
     from decodekit.testing import tiny_model
 
     if not cpu.has("native_kernels"):

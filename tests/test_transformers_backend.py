@@ -12,7 +12,7 @@ from decodekit import AutoModelForCausalLM
 from tiny_transformers import ARCHITECTURES, EOS, PAD, oracle_arguments, tiny_transformers_model, transformers
 
 from decodekit.facade.transformers import masks_prompt_only  # noqa: E402
-from decodekit.integrations.transformers import TransformersModel, wrap  # noqa: E402  (after the importorskip)
+from decodekit.integrations.transformers import wrap  # noqa: E402  (after the importorskip)
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 BATCH = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
@@ -302,7 +302,7 @@ def test_auto_model_loads_other_architectures_through_transformers(tmp_path, cap
     hf.save_pretrained(tmp_path / "neox")
     with caplog.at_level(logging.INFO, logger="decodekit"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "neox")
-    assert isinstance(model, TransformersModel)
+    assert isinstance(model, decodekit.Model)
     assert "transformers backend: model_type 'gpt_neox' has no native implementation" in caplog.text
     assert torch.equal(ours(model, PROMPT), reference(hf, PROMPT))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.cache import new_cache
+from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
 

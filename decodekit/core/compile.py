@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .cache import StaticCache
+from ..families.cache import StaticCache
 
 MAX_STEPS = 8  # compiled steps kept per model and kind (each fused step holds a static cache)
 

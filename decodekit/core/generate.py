@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .cache import cached_length, recurrent
+from ..families.cache import cached_length, recurrent
 from .config import GenerationConfig, accepted_fields, add_plugin_fields, closest, is_int
 from .limits import check_call_size
 from .outputs import loop_result

@@ -152,7 +152,7 @@ class Model(GenerationMixin):
         """The cache the hook point gives a transformers model (see makes_caches): a transformers Cache laid
         out as its config asks, or None for a model that keeps a cache of its own kind."""
         if not self.makes_caches:
-            raise TypeError("decodekit lays out the caches of a native model: use decodekit.core.cache.new_cache.")
+            raise TypeError("decodekit lays out the caches of a native model: use decodekit.families.cache.new_cache.")
         return hf.make_cache(self.module, kind, max_length)
 
     def as_transformers(self):

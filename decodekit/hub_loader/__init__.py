@@ -11,13 +11,3 @@ __all__ = [
     "load", "load_method", "parse_requirements", "resolve", "trusted_revision", "unmet_requirements",
 ]
 
-
-def __getattr__(name: str):
-    # Hub repositories rendered from decodekit's template before 0.2 end with
-    # `from decodekit.hub_loader import hooks_entry_point`; it now lives with the integrations it reaches
-    # (decodekit.integrations.entry). Imported by name, on that old path only, so hub_loader stays below them.
-    if name == "hooks_entry_point":
-        import importlib
-
-        return importlib.import_module("decodekit.integrations.entry").hooks_entry_point
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import reorder_rows
+from ..families.cache import reorder_rows
 from ..core.config import is_int
 from ..core.generate import _forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput

@@ -1,11 +1,11 @@
-"""Built-in KV caches: static (preallocated) and dynamic, made by core.cache.new_cache.
+"""Built-in KV caches: static (preallocated) and dynamic, made by families.cache.new_cache.
 
 Static is the default for decodekit's own models: its size is known up front (prompt + max_new_tokens), and
 writing in place avoids a reallocation per token. A model that makes its own caches (a wrapped transformers
 model: transformers Cache objects) gets dynamic by default, as transformers' generate() does.
 """
 
-from ..core.cache import new_cache
+from ..families.cache import new_cache
 from ..core.config import is_int
 from ..registry import hookimpl
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import grows, new_cache, reorder_rows
+from ..families.cache import grows, new_cache, reorder_rows
 from ..core.config import is_number
 from ..core.generate import mask_positions
 from ..core.outputs import loop_result

@@ -29,7 +29,7 @@ import torch
 
 from ..core import processors as P
 from ..core import stopping as S
-from ..core.cache import StaticCache
+from ..families.cache import StaticCache
 from ..core.compile import (COMPILE_OPTIONS, FusedStep, check_compile_config, compiled_steps, step_options,  # noqa: F401
                             uses_inductor)
 from ..core.outputs import loop_result

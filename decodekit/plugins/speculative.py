@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cache import cached_length, crop_to, record_past, recurrent, rolls_back
+from ..families.cache import cached_length, crop_to, record_past, recurrent, rolls_back
 from ..core.config import is_int, is_number
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result

@@ -8,14 +8,11 @@
 Needs the `transformers` extra: pip install 'decodekit[transformers]'.
 """
 
-from ...facade import Model, wrap
+from ...facade import wrap
 from ...facade.transformers import is_transformers_model, require_transformers
 
 require_transformers()  # an ImportError here names the extra to install
 
 from .bridge import TransformersHooks, to_transformers  # noqa: E402
 
-# wrap() returns decodekit's one model class, for transformers models and native ones alike; the old name stays.
-TransformersModel = Model
-
-__all__ = ["TransformersHooks", "TransformersModel", "is_transformers_model", "to_transformers", "wrap"]
+__all__ = ["TransformersHooks", "is_transformers_model", "to_transformers", "wrap"]

@@ -53,6 +53,7 @@ serve: install
 test: install-dev
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check decodekit tests bench
+	$(VENV)/bin/ruff format --check decodekit tests bench
 	$(PY) -m pytest -q tests
 
 # A first check in a few minutes on 2 cores: the loop, the plugins and their isolation, the trust gate, errors.

@@ -23,8 +23,9 @@ def main() -> int:
 
     model, tokenizer = load_default()
     prompts = [f"Write a story about the number {i}." for i in range(args.rows)]
-    generator = RowGenerator.around(BatchSettings(generation={"max_new_tokens": args.new_tokens, "eos_token_id": None}),
-                                    model, tokenizer)
+    generator = RowGenerator.around(
+        BatchSettings(generation={"max_new_tokens": args.new_tokens, "eos_token_id": None}), model, tokenizer
+    )
     generator(prompts[0])
     generator.many(prompts[:2])  # warm-up of both paths
     start = time.perf_counter()
@@ -33,9 +34,19 @@ def main() -> int:
     start = time.perf_counter()
     batched = generator.many(prompts)
     many = time.perf_counter() - start
-    json.dump({"machine": cpu.describe(), "rows": args.rows, "new_tokens": args.new_tokens,
-               "one_at_a_time_s": round(one_at_a_time, 2), "batched_s": round(many, 2),
-               "speedup": round(one_at_a_time / many, 2), "same_tokens": alone == batched}, sys.stdout, indent=2)
+    json.dump(
+        {
+            "machine": cpu.describe(),
+            "rows": args.rows,
+            "new_tokens": args.new_tokens,
+            "one_at_a_time_s": round(one_at_a_time, 2),
+            "batched_s": round(many, 2),
+            "speedup": round(one_at_a_time / many, 2),
+            "same_tokens": alone == batched,
+        },
+        sys.stdout,
+        indent=2,
+    )
     print()
     return 0
 

@@ -34,8 +34,10 @@ import threading
 import time
 from pathlib import Path
 
-TEXT = ("The history of the city begins with a small settlement on the river, where traders stopped on their way "
-        "between the coast and the mountains. Over the centuries it grew into a market town, then a capital. ")
+TEXT = (
+    "The history of the city begins with a small settlement on the river, where traders stopped on their way "
+    "between the coast and the mountains. Over the centuries it grew into a market town, then a capital. "
+)
 
 
 def loads(tokenizer, run: int = 0) -> dict[str, list[dict]]:
@@ -45,18 +47,21 @@ def loads(tokenizer, run: int = 0) -> dict[str, list[dict]]:
     marker = tokenizer.encode(f"Draft {run}.") if run else []
 
     def marked(ids: list[int]) -> list[int]:
-        return (marker + ids[len(marker):])[:len(ids)]
+        return (marker + ids[len(marker) :])[: len(ids)]
 
     base = tokenizer.encode(TEXT * 80)
-    uniform = [{"ids": marked(tokenizer.encode(f"Write a story about the number {i}.")), "new_tokens": 128,
-                "arrival": 0.0} for i in range(32)]
+    uniform = [
+        {"ids": marked(tokenizer.encode(f"Write a story about the number {i}.")), "new_tokens": 128, "arrival": 0.0}
+        for i in range(32)
+    ]
     rng = random.Random(0)
     mixed, at = [], 0.0
     for i in range(32):
         length = int(16 * (64 ** rng.random()))  # 16 to 1,024, log-uniform
         start = rng.randrange(0, len(base) - length)
-        mixed.append({"ids": marked(base[start:start + length]), "new_tokens": rng.randint(16, 256),
-                      "arrival": round(at, 3)})
+        mixed.append(
+            {"ids": marked(base[start : start + length]), "new_tokens": rng.randint(16, 256), "arrival": round(at, 3)}
+        )
         at += rng.expovariate(1 / 0.25)
     return {"uniform": uniform, "few": uniform[:4], "mixed": mixed}
 
@@ -64,8 +69,12 @@ def loads(tokenizer, run: int = 0) -> dict[str, list[dict]]:
 def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
     ttfts = sorted(ttfts)
     p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]
-    return {"tokens_per_s": round(generated / seconds, 1), "ttft_p50_s": round(statistics.median(ttfts), 3),
-            "ttft_p95_s": round(p95, 3), "seconds": round(seconds, 2)}
+    return {
+        "tokens_per_s": round(generated / seconds, 1),
+        "ttft_p50_s": round(statistics.median(ttfts), 3),
+        "ttft_p95_s": round(p95, 3),
+        "seconds": round(seconds, 2),
+    }
 
 
 def run_decodekit(model, requests: list[dict], compile: bool = False, **options) -> dict:
@@ -117,8 +126,9 @@ def run_transformers(directory: Path, requests: list[dict]) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    gc = GenerationConfig(max_new_tokens=max(r["new_tokens"] for r in requests), do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
+    gc = GenerationConfig(
+        max_new_tokens=max(r["new_tokens"] for r in requests), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     start = time.monotonic()  # not under inference_mode: its background thread writes tensors made here
     results = model.generate_batch([r["ids"] for r in requests], generation_config=gc, progress_bar=False)
     seconds = time.monotonic() - start
@@ -126,8 +136,11 @@ def run_transformers(directory: Path, requests: list[dict]) -> dict:
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     generated = sum(len(o.generated_tokens) for o in results.values())
-    return {"tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 2),
-            "note": "all requests at once, each to the load's largest new-token count"}
+    return {
+        "tokens_per_s": round(generated / seconds, 1),
+        "seconds": round(seconds, 2),
+        "note": "all requests at once, each to the load's largest new-token count",
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -147,8 +160,15 @@ def run_vllm(directory: Path, runs: list[dict], dtype: str = "float32", compiled
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(directory), enforce_eager=not compiled, dtype=dtype,
-                                                       max_model_len=2048, gpu_memory_utilization=0.3))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(directory),
+            enforce_eager=not compiled,
+            dtype=dtype,
+            max_model_len=2048,
+            gpu_memory_utilization=0.3,
+        )
+    )
 
     async def one(n, r, start, firsts, counts):
         await asyncio.sleep(max(0.0, start + r["arrival"] - time.monotonic()))
@@ -185,12 +205,18 @@ def main() -> int:
     parser.add_argument("--vllm-python", help="vLLM's environment's python (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also decodekit with compile=True")
-    parser.add_argument("--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)")
+    parser.add_argument(
+        "--max-batch-tokens", type=int, help="decodekit's token budget per step (default: the manager's)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of every load per engine; the median is reported")
     parser.add_argument("--vllm-compiled", action="store_true", help="vLLM with its compiled model, not enforce_eager")
-    parser.add_argument("--weights", choices=["float32", "bfloat16", "int8"], default="float32",
-                        help="decodekit's weight format; vLLM runs bfloat16 too for bfloat16, float32 otherwise "
-                             "(it has no int8 of these weights); transformers runs float32")
+    parser.add_argument(
+        "--weights",
+        choices=["float32", "bfloat16", "int8"],
+        default="float32",
+        help="decodekit's weight format; vLLM runs bfloat16 too for bfloat16, float32 otherwise "
+        "(it has no int8 of these weights); transformers runs float32",
+    )
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat must be 1 or more, not {args.repeat}")
@@ -198,13 +224,19 @@ def main() -> int:
 
     from decodekit.models.default import load_model
 
-    model, tokenizer = load_model(dtype=torch.bfloat16 if args.weights == "bfloat16" else None,
-                                  quantize="int8" if args.weights == "int8" else None)
+    model, tokenizer = load_model(
+        dtype=torch.bfloat16 if args.weights == "bfloat16" else None,
+        quantize="int8" if args.weights == "int8" else None,
+    )
     runs = [loads(tokenizer, run) for run in range(args.repeat)]
     all_loads = runs[0]
     if args.engine == "vllm":
-        json.dump(run_vllm(Path(args.model_dir), runs, "bfloat16" if args.weights == "bfloat16" else "float32",
-                           args.vllm_compiled), sys.stdout)
+        json.dump(
+            run_vllm(
+                Path(args.model_dir), runs, "bfloat16" if args.weights == "bfloat16" else "float32", args.vllm_compiled
+            ),
+            sys.stdout,
+        )
         return 0
     from decodekit.kernels import cpu
     from decodekit.testing import default_model_as_transformers
@@ -212,8 +244,12 @@ def main() -> int:
     directory = default_model_as_transformers(Path(tempfile.mkdtemp()) / "model")
     with torch.inference_mode():
         model.generate_batch([r["ids"] for r in all_loads["uniform"][:4]], max_new_tokens=4, progress_bar=False)
-    result: dict = {"machine": cpu.describe(), "threads": torch.get_num_threads(), "decodekit weights": args.weights,
-                    "decodekit": {}}
+    result: dict = {
+        "machine": cpu.describe(),
+        "threads": torch.get_num_threads(),
+        "decodekit weights": args.weights,
+        "decodekit": {},
+    }
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
     for name in all_loads:
         result["decodekit"][name] = median_run([run_decodekit(model, run[name], **options) for run in runs])
@@ -221,7 +257,8 @@ def main() -> int:
         result["decodekit compiled"] = {}
         for name in all_loads:
             result["decodekit compiled"][name] = median_run(
-                [run_decodekit(model, run[name], compile=True, **options) for run in runs])
+                [run_decodekit(model, run[name], compile=True, **options) for run in runs]
+            )
     with torch.inference_mode():
         result["decodekit static batch"] = {"uniform": run_static(model, all_loads["uniform"])}
     if not args.skip_transformers:
@@ -230,24 +267,40 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - reported, the other rows stand
             result["transformers generate_batch"] = {"error": f"{type(error).__name__}: {error}"[:300]}
     if args.vllm_python:
-        done = subprocess.run([args.vllm_python, __file__, "--engine", "vllm", "--model-dir", str(directory),
-                               "--weights", "bfloat16" if args.weights == "bfloat16" else "float32",
-                               "--repeat", str(args.repeat)] + (["--vllm-compiled"] if args.vllm_compiled else []),
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                args.vllm_python,
+                __file__,
+                "--engine",
+                "vllm",
+                "--model-dir",
+                str(directory),
+                "--weights",
+                "bfloat16" if args.weights == "bfloat16" else "float32",
+                "--repeat",
+                str(args.repeat),
+            ]
+            + (["--vllm-compiled"] if args.vllm_compiled else []),
+            capture_output=True,
+            text=True,
+        )
         if done.returncode == 0:
             result["vllm cpu"] = json.loads(done.stdout.strip().splitlines()[-1])
         else:
             result["vllm cpu"] = {"error": done.stderr.strip()[-500:]}
     ours = result["decodekit"]
-    ratios = {"uniform over static batch": ours["uniform"]["tokens_per_s"]
-              / result["decodekit static batch"]["uniform"]["tokens_per_s"]}
+    ratios = {
+        "uniform over static batch": ours["uniform"]["tokens_per_s"]
+        / result["decodekit static batch"]["uniform"]["tokens_per_s"]
+    }
     for engine in ("vllm cpu", "transformers generate_batch"):
         for name, row in result.get(engine, {}).items():
             if isinstance(row, dict) and row.get("tokens_per_s"):
                 ratios[f"{name} over {engine}"] = ours[name]["tokens_per_s"] / row["tokens_per_s"]
                 if "decodekit compiled" in result:
-                    ratios[f"{name} compiled over {engine}"] = (result["decodekit compiled"][name]["tokens_per_s"]
-                                                               / row["tokens_per_s"])
+                    ratios[f"{name} compiled over {engine}"] = (
+                        result["decodekit compiled"][name]["tokens_per_s"] / row["tokens_per_s"]
+                    )
     for name, row in result.get("decodekit compiled", {}).items():
         ratios[f"{name} compiled over eager"] = row["tokens_per_s"] / ours[name]["tokens_per_s"]
     result["ratios"] = {k: round(v, 3) for k, v in ratios.items()}

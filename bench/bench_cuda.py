@@ -26,9 +26,17 @@ from bench_generate import DEFAULT_SHAPE, interleaved, random_checkpoint
 
 SHAPES = {
     "smollm2-135m": DEFAULT_SHAPE,
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True,
-                     max_position_embeddings=8192),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
 }
 
 
@@ -37,6 +45,7 @@ def synced(fn):
         with torch.inference_mode():
             fn()
         torch.cuda.synchronize()
+
     return run
 
 
@@ -63,7 +72,9 @@ def shape_rows(path: Path, args) -> dict:
 
         ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
         decode["transformers eager"] = lambda: ref.generate(prompt, pad_token_id=0, **fixed)
-        decode["transformers static cache"] = lambda: ref.generate(prompt, pad_token_id=0, cache_implementation="static", **fixed)
+        decode["transformers static cache"] = lambda: ref.generate(
+            prompt, pad_token_id=0, cache_implementation="static", **fixed
+        )
         first["transformers"] = lambda: ref(long, use_cache=True, logits_to_keep=1)
         many["transformers"] = lambda: ref.generate(batch, pad_token_id=0, **fixed)
     rows = {}

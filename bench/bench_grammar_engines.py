@@ -27,17 +27,23 @@ SCHEMA = {
         "score": {"type": "number", "minimum": 0, "maximum": 1},
         "active": {"type": "boolean"},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "nickname": {"type": "string"},
         "joined": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
     },
     "required": ["name", "age", "email", "role", "score", "active", "tags", "address", "joined"],
     "additionalProperties": False,
 }
-DOCUMENT = ('{"name": "Ada Lovelace", "age": 36, "email": "ada@engine.org", "role": "admin", "score": 0.97, '
-            '"active": true, "tags": ["math", "poetry"], "address": {"city": "London", "zip": "12345"}, '
-            '"joined": "1843-07-10"}')
+DOCUMENT = (
+    '{"name": "Ada Lovelace", "age": 36, "email": "ada@engine.org", "role": "admin", "score": 0.97, '
+    '"active": true, "tags": ["math", "poetry"], "address": {"city": "London", "zip": "12345"}, '
+    '"joined": "1843-07-10"}'
+)
 REGEX = r"[A-Z][a-z]{2,9} [0-9]{1,3}(\.[0-9]{1,2})? (km|mi)"
 REGEX_TEXT = "Paris 42.5 km"
 
@@ -51,9 +57,13 @@ def timed(fn):
 def summary(times, per_run):
     first = sum(times[:per_run])  # the first pass over the document pays what the engine builds lazily
     later = sorted(times[per_run:] or times)
-    return {"first_document_ms": round(1e3 * first, 2), "later_median_us": round(1e6 * statistics.median(later), 1),
-            "later_mean_us": round(1e6 * statistics.fmean(later), 1),
-            "later_p99_us": round(1e6 * later[int(0.99 * (len(later) - 1))], 1), "tokens": per_run}
+    return {
+        "first_document_ms": round(1e3 * first, 2),
+        "later_median_us": round(1e6 * statistics.median(later), 1),
+        "later_mean_us": round(1e6 * statistics.fmean(later), 1),
+        "later_p99_us": round(1e6 * later[int(0.99 * (len(later) - 1))], 1),
+        "tokens": per_run,
+    }
 
 
 def llguidance_rows(backend, eos, vocab, ids, regex_ids, runs):
@@ -62,8 +72,10 @@ def llguidance_rows(backend, eos, vocab, ids, regex_ids, runs):
 
     tok, build = timed(lambda: llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos))
     out = {"version": llguidance.__version__, "tokenizer_s": round(build, 3)}
-    for name, grammar, tokens in (("json_schema", llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), ids),
-                                  ("regex", llguidance.LLMatcher.grammar_from_regex(REGEX), regex_ids)):
+    for name, grammar, tokens in (
+        ("json_schema", llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), ids),
+        ("regex", llguidance.LLMatcher.grammar_from_regex(REGEX), regex_ids),
+    ):
         matcher, compile_s = timed(lambda: llguidance.LLMatcher(tok, grammar))
         assert not matcher.is_error(), matcher.get_error()
         mask = llguidance.torch.allocate_token_bitmask(1, vocab)
@@ -86,8 +98,10 @@ def xgrammar_rows(backend, eos, vocab, ids, regex_ids, runs):
     info, build = timed(lambda: xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[eos]))
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     out = {"version": xgr.__version__ if hasattr(xgr, "__version__") else "?", "tokenizer_s": round(build, 3)}
-    for name, make, tokens in (("json_schema", lambda: compiler.compile_json_schema(json.dumps(SCHEMA)), ids),
-                               ("regex", lambda: compiler.compile_regex(REGEX), regex_ids)):
+    for name, make, tokens in (
+        ("json_schema", lambda: compiler.compile_json_schema(json.dumps(SCHEMA)), ids),
+        ("regex", lambda: compiler.compile_regex(REGEX), regex_ids),
+    ):
         compiled, compile_s = timed(make)
         mask = xgr.allocate_token_bitmask(1, vocab)
         times = []

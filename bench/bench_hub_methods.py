@@ -27,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from methods import write_method  # noqa: E402
 from published_methods import BEAM_LOOP, ROLLBACK, TOP_N_SIGMA  # noqa: E402
 
-METHODS = {"plain loop (top-n-sigma)": (TOP_N_SIGMA, dict(n_sigma=1.0)),
-           "beam loop (3 beams)": (BEAM_LOOP, dict(num_beams=3)),
-           "cache-heavy (rollback, static cache)": (ROLLBACK, dict(cache_kind="static"))}
+METHODS = {
+    "plain loop (top-n-sigma)": (TOP_N_SIGMA, dict(n_sigma=1.0)),
+    "beam loop (3 beams)": (BEAM_LOOP, dict(num_beams=3)),
+    "cache-heavy (rollback, static cache)": (ROLLBACK, dict(cache_kind="static")),
+}
 
 
 def main() -> int:
@@ -44,8 +46,14 @@ def main() -> int:
     jobs = {}
     for label, (source, options) in METHODS.items():
         repo = str(write_method(root / str(len(jobs)), source))
-        call = dict(input_ids=ids, max_new_tokens=args.new_tokens, eos_token_id=None, custom_generate=repo,
-                    trust_remote_code=True, **options)
+        call = dict(
+            input_ids=ids,
+            max_new_tokens=args.new_tokens,
+            eos_token_id=None,
+            custom_generate=repo,
+            trust_remote_code=True,
+            **options,
+        )
         jobs[f"{label} decodekit"] = lambda call=call: native.generate(**call)
         jobs[f"{label} transformers"] = lambda call=call: theirs.generate(**call)
         same = torch.equal(native.generate(**call), theirs.generate(**call))
@@ -56,12 +64,28 @@ def main() -> int:
     for label in METHODS:
         seconds = {side: timings.median(f"{label} {side}") for side in ("decodekit", "transformers")}
         ratio = round(timings.ratio(f"{label} transformers", f"{label} decodekit"), 3)
-        rows[label] = {"s_decodekit": round(seconds["decodekit"], 3), "s_transformers": round(seconds["transformers"], 3),
-                       "speedup_vs_transformers": ratio}
-        print(f"{label}: decodekit {seconds['decodekit']:.3f} s, transformers {seconds['transformers']:.3f} s, "
-              f"{ratio:.3f}x", file=sys.stderr)
-    json.dump({"threads": args.threads, "torch": torch.__version__, "runs": args.runs, "new_tokens": args.new_tokens,
-               "seconds": round(time.perf_counter() - start, 1), "rows": rows}, sys.stdout, indent=2)
+        rows[label] = {
+            "s_decodekit": round(seconds["decodekit"], 3),
+            "s_transformers": round(seconds["transformers"], 3),
+            "speedup_vs_transformers": ratio,
+        }
+        print(
+            f"{label}: decodekit {seconds['decodekit']:.3f} s, transformers {seconds['transformers']:.3f} s, "
+            f"{ratio:.3f}x",
+            file=sys.stderr,
+        )
+    json.dump(
+        {
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "runs": args.runs,
+            "new_tokens": args.new_tokens,
+            "seconds": round(time.perf_counter() - start, 1),
+            "rows": rows,
+        },
+        sys.stdout,
+        indent=2,
+    )
     print()
     return 0
 

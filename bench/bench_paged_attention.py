@@ -27,13 +27,15 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
 
     model = SimpleNamespace(  # what PagedCache reads of a model
         config=SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim),
-        dtype=torch.float32, device=torch.device("cpu"))
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     per_row = -(-(context + 1) // block_size)
     cache = PagedCache(model, rows * per_row, block_size)
     for pool in (*cache.keys, *cache.values):
         pool.normal_()
     order = torch.randperm(rows * per_row).tolist()
-    tables = [order[i * per_row:(i + 1) * per_row] for i in range(rows)]
+    tables = [order[i * per_row : (i + 1) * per_row] for i in range(rows)]
     batch = PagedBatch(cache, tables, [Segment(i, i + 1, i, context) for i in range(rows)])
     q = torch.randn(1, heads, rows, head_dim)
     k, v = torch.randn(1, kv_heads, rows, head_dim), torch.randn(1, kv_heads, rows, head_dim)
@@ -43,6 +45,7 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
             with cpu.forced(native_kernels=native):
                 for layer in range(layers):
                     batch.attend(q, k, v, layer, None)
+
         return run
 
     variants = {"kernel": step(True), "gathered_sdpa": step(False)}
@@ -57,9 +60,15 @@ def case(rows: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64,
             best[name] = min(best[name], (time.perf_counter() - start) / 3)
     read = rows * (context + 1) * kv_heads * head_dim * 4 * 2 * layers
     kernel, gathered = best["kernel"], best["gathered_sdpa"]
-    return {"rows": rows, "context": context, "layers": layers, "kernel_ms": round(kernel * 1e3, 2),
-            "gathered_sdpa_ms": round(gathered * 1e3, 2), "kernel_GB_per_s": round(read / kernel / 1e9, 1),
-            "gathered_over_kernel": round(gathered / kernel, 2)}
+    return {
+        "rows": rows,
+        "context": context,
+        "layers": layers,
+        "kernel_ms": round(kernel * 1e3, 2),
+        "gathered_sdpa_ms": round(gathered * 1e3, 2),
+        "kernel_GB_per_s": round(read / kernel / 1e9, 1),
+        "gathered_over_kernel": round(gathered / kernel, 2),
+    }
 
 
 def main() -> int:

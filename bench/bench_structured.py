@@ -44,10 +44,14 @@ def main() -> int:
     vocab = eager.config.vocab_size
     eos = tuple(eager.generation_config.eos_token_ids or ())
     tokenizer_s = _seconds(lambda: structured.llg_tokenizer(tok, vocab, eos))
-    schema_s = _seconds(lambda: structured.compiled(structured.llg_tokenizer(tok, vocab, eos),
-                                                   structured.require_engine().LLMatcher.grammar_from_json_schema(SCHEMA)))
+    schema_s = _seconds(
+        lambda: structured.compiled(
+            structured.llg_tokenizer(tok, vocab, eos),
+            structured.require_engine().LLMatcher.grammar_from_json_schema(SCHEMA),
+        )
+    )
     n = first.shape[1] - prompt.shape[1]
-    text = tok.decode(first[0, prompt.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(first[0, prompt.shape[1] :], skip_special_tokens=True)
     valid = _valid(text)
 
     def job(model, constrain, **kw):
@@ -58,37 +62,62 @@ def main() -> int:
                 else:
                     out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
             assert out.shape[1] - prompt.shape[1] == n or constrain
+
         return run
 
-    jobs = {"eager unconstrained": job(eager, False), "eager constrained": job(eager, True),
-            "compiled unconstrained": job(compiled, False, compile=True),
-            "compiled constrained": job(compiled, True, compile=True)}
+    jobs = {
+        "eager unconstrained": job(eager, False),
+        "eager constrained": job(eager, True),
+        "compiled unconstrained": job(compiled, False, compile=True),
+        "compiled constrained": job(compiled, True, compile=True),
+    }
     if not args.skip_transformers:
         import transformers
 
-        ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                dtype=torch.float32).eval()
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         ref.generation_config.pad_token_id = tok.pad_token_id
 
         def reference():
             with torch.inference_mode():
-                ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
+                ref.generate(
+                    prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False
+                )
+
         jobs["transformers unconstrained"] = reference
     timings = interleaved(jobs, args.runs)
     rows = {name: round(1000 * timings.median(name) / n, 2) for name in jobs}
-    ratios = {"eager constrained / unconstrained": round(timings.ratio("eager constrained", "eager unconstrained"), 3),
-              "compiled constrained / unconstrained": round(timings.ratio("compiled constrained", "compiled unconstrained"), 3)}
+    ratios = {
+        "eager constrained / unconstrained": round(timings.ratio("eager constrained", "eager unconstrained"), 3),
+        "compiled constrained / unconstrained": round(
+            timings.ratio("compiled constrained", "compiled unconstrained"), 3
+        ),
+    }
     if not args.skip_transformers:
         ratios["transformers unconstrained / decodekit eager constrained"] = round(
-            timings.ratio("transformers unconstrained", "eager constrained"), 3)
+            timings.ratio("transformers unconstrained", "eager constrained"), 3
+        )
     for name, ms in rows.items():
         print(f"{name:30s} {ms:8.2f} ms/token", file=sys.stderr)
     for name, ratio in ratios.items():
         print(f"{name:58s} {ratio:.3f}", file=sys.stderr)
-    json.dump({"tokens": n, "output_valid": valid, "first_call_s": round(first_call_s, 3), "tokenizer_s": round(tokenizer_s, 3),
-               "schema_compile_s": round(schema_s, 4), "ms_per_token": rows, "ratios": ratios, "runs": args.runs,
-               "threads": args.threads, "torch": torch.__version__}, sys.stdout, indent=2)
+    json.dump(
+        {
+            "tokens": n,
+            "output_valid": valid,
+            "first_call_s": round(first_call_s, 3),
+            "tokenizer_s": round(tokenizer_s, 3),
+            "schema_compile_s": round(schema_s, 4),
+            "ms_per_token": rows,
+            "ratios": ratios,
+            "runs": args.runs,
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
+        sys.stdout,
+        indent=2,
+    )
     print()
     return 0
 

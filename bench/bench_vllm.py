@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -36,8 +37,13 @@ def main() -> int:
     os.environ["DECODEKIT_VLLM_METHODS"] = f"{method}@{resolve(str(method)).revision}"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(default_model_as_transformers(root / "model")), enforce_eager=True, dtype="float32",
-              max_model_len=512, gpu_memory_utilization=0.3)
+    llm = LLM(
+        model=str(default_model_as_transformers(root / "model")),
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+    )
     prompts = [f"Write a story about the number {i}." for i in range(args.requests)]
 
     def job(extra):
@@ -59,9 +65,14 @@ def main() -> int:
             round_tokens[name] = tokens
         same &= round_tokens["plain"] == round_tokens["decodekit score-only method"]
     ratio = statistics.median(a / b for a, b in zip(rates["decodekit score-only method"], rates["plain"]))
-    result = {"requests": args.requests, "new_tokens": args.new_tokens, "runs": args.runs,
-              "tokens_per_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
-              "with_decodekit_over_plain": round(ratio, 3), "same_tokens": same}
+    result = {
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "runs": args.runs,
+        "tokens_per_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
+        "with_decodekit_over_plain": round(ratio, 3),
+        "same_tokens": same,
+    }
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -18,8 +18,16 @@ import torch
 
 from bench_generate import PROMPT, bench_parser, interleaved, bench_setup
 
-BATCH_PROMPTS = [PROMPT, "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
-                 "The best way to learn a language is", "Water boils at", "import numpy as np\n", "Dear Sir or Madam,"]
+BATCH_PROMPTS = [
+    PROMPT,
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4,",
+    "The best way to learn a language is",
+    "Water boils at",
+    "import numpy as np\n",
+    "Dear Sir or Madam,",
+]
 
 
 def main() -> int:
@@ -48,12 +56,28 @@ def main() -> int:
     for label in ("batch 1", "batch 8"):
         ms = {side: round(1000 * timings.median(f"{label} {side}") / n, 2) for side in ("decodekit", "transformers")}
         ratio = round(timings.ratio(f"{label} transformers", f"{label} decodekit"), 3)
-        rows[label] = {"ms_per_step_decodekit": ms["decodekit"], "ms_per_step_transformers": ms["transformers"],
-                       "speedup_vs_transformers": ratio}
-        print(f"{label}: decodekit {ms['decodekit']:.2f} ms/step, transformers {ms['transformers']:.2f} ms/step, "
-              f"{ratio:.3f}x", file=sys.stderr)
-    json.dump({"threads": args.threads, "torch": torch.__version__, "runs": args.runs, "new_tokens": n,
-               "seconds": round(time.perf_counter() - start, 1), "rows": rows}, sys.stdout, indent=2)
+        rows[label] = {
+            "ms_per_step_decodekit": ms["decodekit"],
+            "ms_per_step_transformers": ms["transformers"],
+            "speedup_vs_transformers": ratio,
+        }
+        print(
+            f"{label}: decodekit {ms['decodekit']:.2f} ms/step, transformers {ms['transformers']:.2f} ms/step, "
+            f"{ratio:.3f}x",
+            file=sys.stderr,
+        )
+    json.dump(
+        {
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "runs": args.runs,
+            "new_tokens": n,
+            "seconds": round(time.perf_counter() - start, 1),
+            "rows": rows,
+        },
+        sys.stdout,
+        indent=2,
+    )
     print()
     return 0
 

@@ -11,14 +11,26 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DynamicCache": ".families.cache", "StaticCache": ".families.cache", "GenerationConfig": ".core.config",
-    "GenerateOutput": ".core.outputs", "LogitsProcessorList": ".core.processors",
-    "StoppingCriteriaList": ".core.stopping", "TextIteratorStreamer": ".core.streamers",
-    "TextStreamer": ".core.streamers", "Model": ".facade", "wrap": ".facade",
-    "AutoModelForCausalLM": ".models", "AutoTokenizer": ".models",
-    "SynthIDTextWatermarkDetector": ".plugins.watermark", "SynthIDTextWatermarkingConfig": ".plugins.watermark",
-    "WatermarkDetector": ".plugins.watermark", "WatermarkingConfig": ".plugins.watermark",
-    "get_plugin_manager": ".registry", "hookimpl": ".registry", "register": ".registry", "unregister": ".registry",
+    "DynamicCache": ".families.cache",
+    "StaticCache": ".families.cache",
+    "GenerationConfig": ".core.config",
+    "GenerateOutput": ".core.outputs",
+    "LogitsProcessorList": ".core.processors",
+    "StoppingCriteriaList": ".core.stopping",
+    "TextIteratorStreamer": ".core.streamers",
+    "TextStreamer": ".core.streamers",
+    "Model": ".facade",
+    "wrap": ".facade",
+    "AutoModelForCausalLM": ".models",
+    "AutoTokenizer": ".models",
+    "SynthIDTextWatermarkDetector": ".plugins.watermark",
+    "SynthIDTextWatermarkingConfig": ".plugins.watermark",
+    "WatermarkDetector": ".plugins.watermark",
+    "WatermarkingConfig": ".plugins.watermark",
+    "get_plugin_manager": ".registry",
+    "hookimpl": ".registry",
+    "register": ".registry",
+    "unregister": ".registry",
 }
 
 __all__ = sorted(_EXPORTS)

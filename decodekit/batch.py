@@ -60,9 +60,15 @@ class RowGenerator:
     def __init__(self, settings: BatchSettings):
         from .models.default import load_model
 
-        model, tokenizer = load_model(settings.model, dtype=settings.dtype, quantize=settings.quantize,
-                                      revision=settings.revision, gguf_file=settings.gguf_file, backend=settings.backend,
-                                      device=settings.device)
+        model, tokenizer = load_model(
+            settings.model,
+            dtype=settings.dtype,
+            quantize=settings.quantize,
+            revision=settings.revision,
+            gguf_file=settings.gguf_file,
+            backend=settings.backend,
+            device=settings.device,
+        )
         self._start(settings, model, tokenizer)
 
     @classmethod
@@ -100,10 +106,13 @@ class RowGenerator:
         ids = self._ids(prompt).to(self.model.device)
         out = self.model.generate(ids, **self._arguments())
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        return self._row(sequences[0, ids.shape[1]:].tolist())
+        return self._row(sequences[0, ids.shape[1] :].tolist())
 
     def _row(self, tokens: list[int]) -> dict[str, Any]:
-        return {"generated_text": self.tokenizer.decode(tokens, skip_special_tokens=True), "generated_token_ids": tokens}
+        return {
+            "generated_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
+            "generated_token_ids": tokens,
+        }
 
     def many(self, prompts: list[str], on_row=None) -> list[dict[str, Any]]:
         """The rows of `prompts`, in order: {"generated_text", "generated_token_ids"}, or {"error": why} for a prompt
@@ -138,7 +147,9 @@ class RowGenerator:
             self.batched = False
             if hasattr(self.model, "init_continuous_batching"):
                 self._manager = self.model.init_continuous_batching()
-                probe = next((t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
+                probe = next(
+                    (t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0
+                )
                 try:
                     request = self._manager.add_request([probe], **self._arguments())
                 except ValueError:  # what continuous batching refuses runs one prompt at a time
@@ -182,7 +193,9 @@ def _json_line(line: bytes, where: str):
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{where}: not UTF-8 (byte {error.start + 1} of the line is 0x{line[error.start]:02x}).") from None
+        raise ValueError(
+            f"{where}: not UTF-8 (byte {error.start + 1} of the line is 0x{line[error.start]:02x})."
+        ) from None
     try:
         return json.loads(text)
     except RecursionError:
@@ -207,12 +220,16 @@ def read_rows(path: Path, prompt_key: str) -> list[dict]:
             continue
         row = _json_line(line, f"{path}:{number}")
         if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-            raise ValueError(f"{path}:{number}: expected a JSON object with a string under {prompt_key!r} "
-                             f"(the prompt; --prompt-key names another key).")
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object with a string under {prompt_key!r} "
+                f"(the prompt; --prompt-key names another key)."
+            )
         written = sorted(k for k in (*OUTPUT_KEYS, ERROR_KEY) if k in row)
         if written:  # the output would overwrite them, and an "error" column would read as a failed row on resume
-            raise ValueError(f"{path}:{number}: the row has {written}, which the output writes to each row; rename "
-                             f"that column in the input.")
+            raise ValueError(
+                f"{path}:{number}: the row has {written}, which the output writes to each row; rename "
+                f"that column in the input."
+            )
         row.setdefault("id", number)
         if _key(row["id"]) in seen:
             raise ValueError(f"{path}:{number}: id {row['id']!r} appears twice; ids must be unique.")
@@ -267,17 +284,23 @@ class BatchCounts:
         return tuple(self) == tuple(other) if isinstance(other, tuple) else NotImplemented
 
 
-def run_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, settings: BatchSettings,
-              progress: bool = True, runner: Callable[[list[dict], BatchSettings], Iterable[dict]] | None = None
-              ) -> BatchCounts:
+def run_batch(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    settings: BatchSettings,
+    progress: bool = True,
+    runner: Callable[[list[dict], BatchSettings], Iterable[dict]] | None = None,
+) -> BatchCounts:
     """Generates for every row of `input_path` not yet in `output_path`, appending each the moment it is done;
     returns the counts (written, skipped, failed ids). `runner(rows, settings)` yields the rows with their results
     in any order (decodekit.integrations.ray.on_ray(address) runs them on Ray); None runs them here, in this
     process. OutputBusy if another run is writing `output_path`."""
     input_path, output_path = Path(input_path), Path(output_path)
     if output_path.exists() and input_path.exists() and os.path.samefile(input_path, output_path):
-        raise ValueError(f"the output {output_path} is the input file: rows are appended to the output as they are "
-                         "done, which would change the input; give another output path.")
+        raise ValueError(
+            f"the output {output_path} is the input file: rows are appended to the output as they are "
+            "done, which would change the input; give another output path."
+        )
     rows = read_rows(input_path, settings.prompt_key)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     counts = BatchCounts()
@@ -330,13 +353,14 @@ def _lock(out, path: Path) -> None:
     try:
         fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise OutputBusy(f"another decodekit batch is writing {path}; wait for it to end (or give this run another "
-                         "output file).") from None
+        raise OutputBusy(
+            f"another decodekit batch is writing {path}; wait for it to end (or give this run another output file)."
+        ) from None
 
 
 def _here(rows: list[dict], settings: BatchSettings, write) -> None:
     generator = RowGenerator(settings)
     key = settings.prompt_key
     for start in range(0, len(rows), CHUNK_ROWS):
-        chunk = rows[start:start + CHUNK_ROWS]
+        chunk = rows[start : start + CHUNK_ROWS]
         generator.many([row[key] for row in chunk], on_row=lambda index, result: write({**chunk[index], **result}))

@@ -29,9 +29,17 @@ class ChatSession:
     reply; `method`: a custom_generate method for the replies, run with trust_remote_code=`trust_for(method)`;
     `check(fields, method)` raises ValueError for what the command line would refuse; `out`: where replies go."""
 
-    def __init__(self, model, tokenizer, fields: dict, system: str | None = None, method: str | None = None,
-                 trust_for: Callable[[str], object] = lambda method: None,
-                 check: Callable[[dict, str | None], None] = lambda fields, method: None, out=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        fields: dict,
+        system: str | None = None,
+        method: str | None = None,
+        trust_for: Callable[[str], object] = lambda method: None,
+        check: Callable[[dict, str | None], None] = lambda fields, method: None,
+        out=None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.fields, self.system, self.method = dict(fields), system, method
         self.trust_for, self.check = trust_for, check
@@ -55,15 +63,24 @@ class ChatSession:
         try:
             ids = torch.tensor([chat_ids(self.tokenizer, self.messages())], device=self.model.device)
             streamer = _Printer(self.tokenizer, self.out)
-            method = ({"custom_generate": self.method, "trust_remote_code": self.trust_for(self.method)}
-                      if self.method else {})
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                                      tokenizer=self.tokenizer, **method, **self.fields)
+            method = (
+                {"custom_generate": self.method, "trust_remote_code": self.trust_for(self.method)}
+                if self.method
+                else {}
+            )
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                streamer=streamer,
+                tokenizer=self.tokenizer,
+                **method,
+                **self.fields,
+            )
         except BaseException:
             self.turns.pop()
             raise
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        answer = self.tokenizer.decode(sequences[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        answer = self.tokenizer.decode(sequences[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
         if not streamer.wrote:  # a method that does not stream: the whole answer at the end
             self.out.write(answer)
         self.out.write("\n")
@@ -104,8 +121,10 @@ class ChatSession:
             shown = ", ".join(f"{k}={v!r}" for k, v in sorted(self.fields.items())) or "none"
             self.say(f"(fields: {shown}; method: {self.method or 'built-in'}; system: {self.system!r})")
         else:
-            raise ValueError(f"{name} is not a command; the commands are {', '.join(c.split()[0] for c in COMMANDS)} "
-                             "(/help says what each does).")
+            raise ValueError(
+                f"{name} is not a command; the commands are {', '.join(c.split()[0] for c in COMMANDS)} "
+                "(/help says what each does)."
+            )
         return True
 
     def say(self, text: str) -> None:
@@ -147,8 +166,9 @@ def parse_setting(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key.isidentifier():
-        raise ValueError(f"/set {text!r} is invalid; expected /set KEY=VALUE with KEY a field name, e.g. /set "
-                         "temperature=0.7.")
+        raise ValueError(
+            f"/set {text!r} is invalid; expected /set KEY=VALUE with KEY a field name, e.g. /set temperature=0.7."
+        )
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:

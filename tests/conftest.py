@@ -32,7 +32,9 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     yield server
     server.stop()

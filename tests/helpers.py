@@ -18,8 +18,10 @@ from decodekit.testing import tiny_config, tiny_state_dict, write_tiny_model  # 
 # torch._int_mm sums pairs in 16 bits where oneDNN is held below VNNI on a VNNI CPU (ONEDNN_MAX_CPU_ISA=AVX2, as
 # docs/performance.md holds an AVX-512 machine to an AVX2-only one's paths): the int8_split route is then wrong, and
 # decodekit does not offer it (quantize.int_mm_exact); tests that force it are skipped there.
-needs_exact_int_mm = pytest.mark.skipif(not int_mm_exact(), reason="torch._int_mm's sums are not exact in this process "
-                                        "(oneDNN held below VNNI: ONEDNN_MAX_CPU_ISA)")
+needs_exact_int_mm = pytest.mark.skipif(
+    not int_mm_exact(),
+    reason="torch._int_mm's sums are not exact in this process (oneDNN held below VNNI: ONEDNN_MAX_CPU_ISA)",
+)
 
 
 class TableModel(GenerationMixin, nn.Module):

@@ -35,7 +35,9 @@ class HubRepos:
         return sha
 
     def push_dir(self, repo_id: str, directory: Path) -> str:
-        files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+        files = {
+            p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+        }
         return self.push(repo_id, files)
 
     def resolve(self, repo_id: str, revision: str):
@@ -98,17 +100,28 @@ def _handler(repos: HubRepos):
             commit = self._commit(repo_id, revision)
             if commit:
                 sha, files = commit
-                self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
-                            "siblings": [{"rfilename": n} for n in sorted(files)], "tags": []})
+                self._json(
+                    {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": sha,
+                        "private": False,
+                        "siblings": [{"rfilename": n} for n in sorted(files)],
+                        "tags": [],
+                    }
+                )
 
         def _tree(self, repo_id, revision, prefix):
             commit = self._commit(repo_id, revision)
             if commit:
                 _, files = commit
-                self._json([
-                    {"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                    for n, b in sorted(files.items()) if n.startswith(prefix)
-                ])
+                self._json(
+                    [
+                        {"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                        for n, b in sorted(files.items())
+                        if n.startswith(prefix)
+                    ]
+                )
 
         def _file(self, repo_id, revision, name):
             commit = self._commit(repo_id, revision)
@@ -118,12 +131,16 @@ def _handler(repos: HubRepos):
             if name not in files:
                 return self._send(404, b"entry not found", {"X-Repo-Commit": sha}, error="EntryNotFound")
             body = files[name]
-            self._send(200, body, {
-                "X-Repo-Commit": sha,
-                "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
-                "Content-Length": str(len(body)),
-                "Content-Type": "application/octet-stream",
-            })
+            self._send(
+                200,
+                body,
+                {
+                    "X-Repo-Commit": sha,
+                    "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
+                    "Content-Length": str(len(body)),
+                    "Content-Type": "application/octet-stream",
+                },
+            )
 
     return Handler
 

@@ -38,7 +38,7 @@ def generate(model, input_ids, generation_config=None, left_padding=None, **kwar
 
 # A sampler's loop as Hub methods written for transformers have it: it reads both lengths from the config it is
 # handed (so both must be set: the call's prepared config).
-LENGTHS_FROM_CONFIG = '''
+LENGTHS_FROM_CONFIG = """
 import torch
 
 
@@ -49,12 +49,12 @@ def generate(model, input_ids, generation_config=None, **kwargs):
         next_tokens = model(input_ids).logits[:, -1, :].argmax(dim=-1)
         input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
     return input_ids
-'''
+"""
 
 # Greedy decoding through transformers' own generation internals, as many Hub methods are written: the config
 # prepared by _prepare_generation_config, processors and criteria from the model's private builders, inputs from
 # prepare_inputs_for_generation over a DynamicCache with cache_position.
-TRANSFORMERS_INTERNALS = '''
+TRANSFORMERS_INTERNALS = """
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
@@ -82,7 +82,7 @@ def generate(model, inputs=None, generation_config=None, **kwargs):
         if criteria(ids, scores).all():
             return ids
         cache_position, first = cache_position[-1:] + 1, False
-'''
+"""
 
 # Contributes to the core loop through decodekit's hooks instead of replacing it.
 HOOK_METHOD = '''
@@ -189,8 +189,13 @@ def decodekit_logits_processors(generation_config):
 '''
 
 
-def write_method(root: Path, generate_py: str, requirements: str | None = None, extra: dict[str, str] | None = None,
-                 readme: str = "---\ntags:\n- custom_generate\n---\n# a method\n") -> Path:
+def write_method(
+    root: Path,
+    generate_py: str,
+    requirements: str | None = None,
+    extra: dict[str, str] | None = None,
+    readme: str = "---\ntags:\n- custom_generate\n---\n# a method\n",
+) -> Path:
     method = root / "custom_generate"
     method.mkdir(parents=True, exist_ok=True)
     (method / "generate.py").write_text(textwrap.dedent(generate_py))

@@ -7,7 +7,7 @@ transformers' own model and on decodekit's native model from the same checkpoint
 # (config, special tokens, cache, stopping criteria, processors) and calls the loop, which drives _prefill,
 # prepare_inputs_for_generation, _update_model_kwargs_for_generation and _has_unfinished_sequences. The loop is
 # top-nσ sampling (keep the tokens within n standard deviations of the best logit), a method people publish.
-TOP_N_SIGMA = '''
+TOP_N_SIGMA = """
 import torch
 from transformers import GenerationMixin
 
@@ -49,12 +49,12 @@ def _top_n_sigma(model, input_ids, logits_processor, stopping_criteria, generati
 
 def generate(model, *args, **kwargs):
     return GenerationMixin.generate(model, *args, custom_generate=_top_n_sigma, **kwargs)
-'''
+"""
 
 # A beam-family loop by hand, as methods written against transformers 4.5x drive its internals: the config from
 # _prepare_generation_config, rows from _expand_inputs_for_generation, inputs from prepare_inputs_for_generation, the
 # cache reordered through _reorder_cache where the model has it (4.5x's models did) or the Cache itself.
-BEAM_LOOP = '''
+BEAM_LOOP = """
 import torch
 from transformers import DynamicCache
 
@@ -92,12 +92,12 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
             model_kwargs["cache"].reorder_cache(rows)
     winners = scores.view(batch, beams).argmax(dim=-1) + torch.arange(batch) * beams
     return input_ids[winners]
-'''
+"""
 
 # Greedy decoding that rolls back when it gets stuck (a token repeating the one before it): the previous token is
 # taken back, the cache cropped, and that token banned at its position. It calls model(...) itself over a transformers
 # cache it builds (dynamic or static) and crops.
-ROLLBACK = '''
+ROLLBACK = """
 import torch
 from transformers import DynamicCache, StaticCache
 
@@ -128,19 +128,19 @@ def generate(model, input_ids, generation_config=None, cache_kind="dynamic", max
         input_ids = torch.cat([input_ids, token], dim=-1)
         predictions.append(model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].float())
     return input_ids
-'''
+"""
 
 # Asks for what only an encoder-decoder model has.
-ENCODER_DECODER = '''
+ENCODER_DECODER = """
 def generate(model, input_ids, **kwargs):
     encoder = model.get_encoder()
     return model(input_ids=input_ids, encoder_outputs=encoder(input_ids)).logits
-'''
+"""
 
 # Contrastive search (Su et al., 2022) as transformers-community's contrastive-search repository writes it for 5.x:
 # a loop handed to GenerationMixin.generate that reads hidden states, grows the cache to top_k rows a prompt with
 # batch_repeat_interleave and keeps the chosen row with batch_select_indices.
-CONTRASTIVE = '''
+CONTRASTIVE = """
 import torch
 from transformers import GenerationMixin
 
@@ -183,11 +183,11 @@ def _contrastive(model, input_ids, logits_processor, stopping_criteria, generati
 
 def generate(model, *args, **kwargs):
     return GenerationMixin.generate(model, *args, custom_generate=_contrastive, **kwargs)
-'''
+"""
 
 # Attention sinks (StreamingLLM): a cache of its own that keeps the first `sink` positions and the most recent ones,
 # dropping the middle once it holds `window`, as sink-cache methods do; the method calls model(...) with it.
-SINK_CACHE = '''
+SINK_CACHE = """
 import torch
 from transformers import DynamicCache
 
@@ -218,4 +218,4 @@ def generate(model, input_ids, generation_config=None, sink=2, window=8, **kwarg
         logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
     assert cache.get_seq_length() <= window
     return input_ids
-'''
+"""

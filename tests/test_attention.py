@@ -17,8 +17,9 @@ def test_one_query_attention_equals_sdpa_with_gqa_and_masks():
         torch.testing.assert_close(one_query_attention(q, k, v, m), expected, atol=1e-5, rtol=1e-5)
     low = one_query_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert low.dtype == torch.bfloat16
-    reference = F.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
-                                               attn_mask=mask, enable_gqa=True)
+    reference = F.scaled_dot_product_attention(
+        q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), attn_mask=mask, enable_gqa=True
+    )
     torch.testing.assert_close(low.float(), reference, atol=1e-2, rtol=1e-2)  # bf16 output rounding only
 
 

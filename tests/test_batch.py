@@ -22,7 +22,7 @@ def write_input(path, prompts=PROMPTS):
 
 def direct(model, tok, prompt, **kwargs):
     ids = tok(prompt, return_tensors="pt")["input_ids"]
-    return model.generate(ids, tokenizer=tok, **kwargs)[0, ids.shape[1]:].tolist()
+    return model.generate(ids, tokenizer=tok, **kwargs)[0, ids.shape[1] :].tolist()
 
 
 def read_output(path):
@@ -49,8 +49,11 @@ def test_every_row_equals_generate_alone_and_a_stopped_run_resumes(default_model
     assert out.read_text().startswith(kept) and read_output(out) == results
 
 
-@pytest.mark.parametrize("method, extra", [(HOOK_METHOD, {"banned_token": 7042}), (TRANSFORMERS_STYLE_GREEDY, {})],
-                         ids=["hook-only", "full-loop"])
+@pytest.mark.parametrize(
+    "method, extra",
+    [(HOOK_METHOD, {"banned_token": 7042}), (TRANSFORMERS_STYLE_GREEDY, {})],
+    ids=["hook-only", "full-loop"],
+)
 def test_a_method_runs_for_every_row(default_model, tmp_path, method, extra):
     model, tok = default_model
     repo = write_method(tmp_path / "method", method)
@@ -58,7 +61,9 @@ def test_a_method_runs_for_every_row(default_model, tmp_path, method, extra):
     settings = BatchSettings(method=str(repo), trust_remote_code=True, generation={"max_new_tokens": 5, **extra})
     assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, progress=False) == (2, 0)
     for prompt, result in zip(PROMPTS, read_output(tmp_path / "out.jsonl")):
-        expected = direct(model, tok, prompt, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=5, **extra)
+        expected = direct(
+            model, tok, prompt, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=5, **extra
+        )
         assert result["generated_token_ids"] == expected
     if extra:  # the hook-only method banned " Paris", which the first prompt continues with otherwise
         assert 7042 not in read_output(tmp_path / "out.jsonl")[0]["generated_token_ids"]
@@ -68,19 +73,24 @@ def test_a_row_generator_takes_the_chat_template(default_model):
     model, tok = default_model
     generator = RowGenerator.around(BatchSettings(chat=True, generation={"max_new_tokens": 4}), model, tok)
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt")
-    expected = model.generate(ids, max_new_tokens=4)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=4)[0, ids.shape[1] :].tolist()
     assert generator("Hi")["generated_token_ids"] == expected
     assert generator.many(["Hi", "Hi"]) == [generator("Hi")] * 2 and generator.batched
 
 
-@pytest.mark.parametrize("method, fields, batched", [
-    (None, {"do_sample": True, "seed": 5, "top_k": 20}, True),
-    (HOOK_METHOD, {"banned_token": 7042}, True),
-    (None, {"num_beams": 2}, False),  # beam search owns its rows: one prompt at a time
-    (TRANSFORMERS_STYLE_GREEDY, {}, False),
-], ids=["seeded-sampling", "hook-only", "beam-search", "full-loop"])
-def test_rows_share_steps_where_the_method_allows_and_equal_generate_alone(default_model, tmp_path, method, fields,
-                                                                           batched):
+@pytest.mark.parametrize(
+    "method, fields, batched",
+    [
+        (None, {"do_sample": True, "seed": 5, "top_k": 20}, True),
+        (HOOK_METHOD, {"banned_token": 7042}, True),
+        (None, {"num_beams": 2}, False),  # beam search owns its rows: one prompt at a time
+        (TRANSFORMERS_STYLE_GREEDY, {}, False),
+    ],
+    ids=["seeded-sampling", "hook-only", "beam-search", "full-loop"],
+)
+def test_rows_share_steps_where_the_method_allows_and_equal_generate_alone(
+    default_model, tmp_path, method, fields, batched
+):
     model, tok = default_model
     repo = write_method(tmp_path / "method", method) if method else None
     generation = {"max_new_tokens": 6, **fields}
@@ -93,14 +103,20 @@ def test_rows_share_steps_where_the_method_allows_and_equal_generate_alone(defau
         assert row["generated_token_ids"] == direct(model, tok, prompt, **method_args, **generation), prompt
 
 
-@pytest.mark.parametrize("lines, message", [
-    (['{"prompt": "a"}', "not json"], "in.jsonl:2: not JSON"),
-    (['{"text": "a"}'], "in.jsonl:1: expected a JSON object with a string under 'prompt'"),
-    (['{"prompt": "a", "id": 5}', '{"prompt": "b", "id": 5}'], "in.jsonl:2: id 5 appears twice"),
-    (['{"prompt": "a"}', '{"prompt": "b", "error": "none"}'], "in.jsonl:2: the row has ['error'], which the output "
-                                                                "writes to each row"),
-    (['{"prompt": "a", "generated_text": "x"}'], "in.jsonl:1: the row has ['generated_text']"),
-], ids=["not-json", "no-prompt", "duplicate-id", "error-column", "output-column"])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "a"}', "not json"], "in.jsonl:2: not JSON"),
+        (['{"text": "a"}'], "in.jsonl:1: expected a JSON object with a string under 'prompt'"),
+        (['{"prompt": "a", "id": 5}', '{"prompt": "b", "id": 5}'], "in.jsonl:2: id 5 appears twice"),
+        (
+            ['{"prompt": "a"}', '{"prompt": "b", "error": "none"}'],
+            "in.jsonl:2: the row has ['error'], which the output writes to each row",
+        ),
+        (['{"prompt": "a", "generated_text": "x"}'], "in.jsonl:1: the row has ['generated_text']"),
+    ],
+    ids=["not-json", "no-prompt", "duplicate-id", "error-column", "output-column"],
+)
 def test_bad_input_names_the_file_and_line(tmp_path, capsys, lines, message):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
@@ -121,8 +137,9 @@ def test_the_input_file_as_output_is_refused_and_left_as_it_was(tmp_path, capsys
 def test_duplicate_prompts_without_ids_are_each_a_row(default_model, tmp_path):
     model, tok = default_model
     (tmp_path / "in.jsonl").write_text('{"prompt": "Hello there"}\n' * 3)
-    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", BatchSettings(generation={"max_new_tokens": 4}),
-                     progress=False) == (3, 0)
+    assert run_batch(
+        tmp_path / "in.jsonl", tmp_path / "out.jsonl", BatchSettings(generation={"max_new_tokens": 4}), progress=False
+    ) == (3, 0)
     results = read_output(tmp_path / "out.jsonl")
     assert sorted(r["id"] for r in results) == [1, 2, 3]
     assert all(r["generated_token_ids"] == direct(model, tok, "Hello there", max_new_tokens=4) for r in results)
@@ -131,7 +148,10 @@ def test_duplicate_prompts_without_ids_are_each_a_row(default_model, tmp_path):
 def test_an_untrusted_method_is_refused_before_any_row(default_model, tmp_path, capsys):
     repo = write_method(tmp_path / "method", HOOK_METHOD)
     write_input(tmp_path / "in.jsonl", PROMPTS[:1])
-    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--method", str(repo), "--no-progress"]) == 2
+    assert (
+        main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--method", str(repo), "--no-progress"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "was not run: it is code from outside decodekit" in err and "pass --trust-remote-code" in err
     assert not (tmp_path / "out.jsonl").exists() or (tmp_path / "out.jsonl").read_text() == ""  # no row
@@ -140,12 +160,17 @@ def test_an_untrusted_method_is_refused_before_any_row(default_model, tmp_path, 
 # ---- the second hardening pass: rows fail alone, are written as they end, and a run is one at a time ----
 
 
-@pytest.mark.parametrize("generation", [{"max_new_tokens": 4}, {"max_new_tokens": 4, "num_beams": 2}],
-                         ids=["batched", "one-at-a-time"])
+@pytest.mark.parametrize(
+    "generation", [{"max_new_tokens": 4}, {"max_new_tokens": 4, "num_beams": 2}], ids=["batched", "one-at-a-time"]
+)
 def test_a_bad_row_fails_alone_names_itself_and_a_resume_goes_on(default_model, tmp_path, capsys, generation):
     model, tok = default_model
-    lines = [json.dumps({"prompt": PROMPTS[0]}), json.dumps({"prompt": "", "id": "empty"}),
-             '{"prompt": "\\ud800 broken", "id": "surrogate"}', json.dumps({"prompt": PROMPTS[1]})]
+    lines = [
+        json.dumps({"prompt": PROMPTS[0]}),
+        json.dumps({"prompt": "", "id": "empty"}),
+        '{"prompt": "\\ud800 broken", "id": "surrogate"}',
+        json.dumps({"prompt": PROMPTS[1]}),
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     argv = ["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress", "--max-new-tokens", "4"]
@@ -171,7 +196,9 @@ def test_rows_of_a_one_at_a_time_method_are_on_disk_as_each_ends(default_model, 
         return call(self, prompt)
 
     monkeypatch.setattr(RowGenerator, "__call__", watching)
-    run_batch(tmp_path / "in.jsonl", out, BatchSettings(generation={"max_new_tokens": 3, "num_beams": 2}), progress=False)
+    run_batch(
+        tmp_path / "in.jsonl", out, BatchSettings(generation={"max_new_tokens": 3, "num_beams": 2}), progress=False
+    )
     assert seen == [0, 1, 2]  # before: nothing until the 32-row group was done
 
 
@@ -192,14 +219,30 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
     import sys
     import time
 
-    write_input(tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(400)])  # chunks left when the first row lands
+    write_input(
+        tmp_path / "in.jsonl", [f"Story number {i}:" for i in range(400)]
+    )  # chunks left when the first row lands
     out = tmp_path / "out.jsonl"
     # SIGINT as a terminal delivers it: a suite started in the background (`cmd &`) passes SIGINT ignored to its
     # children, and Python then raises no KeyboardInterrupt at all.
-    run = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), str(out),
-                            "--no-progress", "--max-new-tokens", "8", "--arg", "num_beams=2"],
-                           stderr=subprocess.PIPE, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decodekit.cli",
+            "batch",
+            str(tmp_path / "in.jsonl"),
+            str(out),
+            "--no-progress",
+            "--max-new-tokens",
+            "8",
+            "--arg",
+            "num_beams=2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -217,13 +260,25 @@ def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_outpu
     import sys
 
     write_input(tmp_path / "in.jsonl", [f"Fact number {i}:" for i in range(24)])
-    command = [sys.executable, "-m", "decodekit.cli", "batch", str(tmp_path / "in.jsonl"), None, "--no-progress",
-               "--max-new-tokens", "6", "--arg", "num_beams=2"]  # one prompt at a time: many rows land as it runs
+    command = [
+        sys.executable,
+        "-m",
+        "decodekit.cli",
+        "batch",
+        str(tmp_path / "in.jsonl"),
+        None,
+        "--no-progress",
+        "--max-new-tokens",
+        "6",
+        "--arg",
+        "num_beams=2",
+    ]  # one prompt at a time: many rows land as it runs
 
     def run(out, interrupt_after=None):
         argv = [str(out) if part is None else part for part in command]
-        process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        process = subprocess.Popen(
+            argv, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+        )
         if interrupt_after is not None:
             try:
                 process.wait(timeout=interrupt_after)
@@ -245,10 +300,14 @@ def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_outpu
     assert by_id(read_output(out)) == by_id(read_output(whole))
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "in.jsonl:2: not UTF-8 (byte 16 of the line is 0xe9)"),
-    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "in.jsonl:1: not JSON (nested too deeply to read)"),
-], ids=["invalid-utf8", "deep-json"])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "in.jsonl:2: not UTF-8 (byte 16 of the line is 0xe9)"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "in.jsonl:1: not JSON (nested too deeply to read)"),
+    ],
+    ids=["invalid-utf8", "deep-json"],
+)
 def test_unreadable_input_lines_name_the_file_and_line(tmp_path, capsys, content, words):
     (tmp_path / "in.jsonl").write_bytes(content)
     assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
@@ -256,8 +315,9 @@ def test_unreadable_input_lines_name_the_file_and_line(tmp_path, capsys, content
 
 
 def test_a_byte_order_mark_is_read_and_a_bad_byte_in_the_output_does_not_stop_a_resume(default_model, tmp_path, capsys):
-    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"prompt": p}) + "\n"
-                                                                  for p in PROMPTS[:2]).encode())
+    (tmp_path / "in.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]).encode()
+    )
     out = tmp_path / "out.jsonl"
     out.write_bytes(b'{"id": 9, "note": "\xff"}\n')  # a line of someone else's, not UTF-8: kept, not counted
     assert main(["batch", str(tmp_path / "in.jsonl"), str(out), "--no-progress", "--max-new-tokens", "3"]) == 0

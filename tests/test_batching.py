@@ -26,7 +26,7 @@ def model(tmp_path_factory):
 
 def alone(model, prompt, **kwargs) -> list[list[int]]:
     """generate() on one prompt: its rows' generated tokens, the padding after an EOS dropped."""
-    out = model.generate(torch.tensor([prompt]), **kwargs)[:, len(prompt):].tolist()
+    out = model.generate(torch.tensor([prompt]), **kwargs)[:, len(prompt) :].tolist()
     eos = model.generation_config.eos_token_ids
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
 
@@ -124,8 +124,10 @@ def assert_paged_kernel_is_attention(case, window):
         p = int(positions[i])
         j = torch.arange(p + 1)
         at = tables[owner[i], j // bs] * bs + j % bs
-        kk, vv = (pool[at].transpose(0, 1).float().repeat_interleave(H // KV, 0) for pool in (expected_keys, expected_values))
-        scores = (q[i].float()[:, None] @ kk.transpose(1, 2))[:, 0] / head_dim ** 0.5  # [H, p + 1]
+        kk, vv = (
+            pool[at].transpose(0, 1).float().repeat_interleave(H // KV, 0) for pool in (expected_keys, expected_values)
+        )
+        scores = (q[i].float()[:, None] @ kk.transpose(1, 2))[:, 0] / head_dim**0.5  # [H, p + 1]
         scores[:, ~visible(torch.tensor(p), j, window or None)] = float("-inf")
         want = (scores.softmax(-1)[:, None] @ vv)[:, 0]
         torch.testing.assert_close(out[i].float(), want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
@@ -208,10 +210,13 @@ def test_compiled_decode_steps_equal_generate_alone(model, native, caplog):
     # requests end, the rows fall from 6 to 1. Without decodekit's C++ kernels every step runs eagerly.
     if native and not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
-    requests = [([5, 6, 7], {"max_new_tokens": 3}), ([9] * 13, {"max_new_tokens": 17}),
-                ([4, 2], {"max_new_tokens": 9, "do_sample": True, "seed": 3}),
-                ([8, 1, 8, 1, 3], {"max_new_tokens": 6, "num_return_sequences": 2, "do_sample": True, "seed": 4}),
-                ([3] * 21, {"max_new_tokens": 12, "repetition_penalty": 1.3})]
+    requests = [
+        ([5, 6, 7], {"max_new_tokens": 3}),
+        ([9] * 13, {"max_new_tokens": 17}),
+        ([4, 2], {"max_new_tokens": 9, "do_sample": True, "seed": 3}),
+        ([8, 1, 8, 1, 3], {"max_new_tokens": 6, "num_return_sequences": 2, "do_sample": True, "seed": 4}),
+        ([3] * 21, {"max_new_tokens": 12, "repetition_penalty": 1.3}),
+    ]
     with cpu.forced(native_kernels=native), caplog.at_level(logging.INFO, logger="decodekit"):
         manager = model.init_continuous_batching(compile=True, block_size=4)
         blocks = manager.free_blocks
@@ -266,7 +271,9 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
         assert dict(compiled_steps(model, "paged decode")) == steps and manager.runner.compiled.steps > 2 + 16
         assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up, for any row count
         for i, rid in enumerate(ids):
-            assert manager.get_result(rid, timeout=0).generated_tokens == alone(model, [7, i + 1], max_new_tokens=3 + i)[0]
+            assert (
+                manager.get_result(rid, timeout=0).generated_tokens == alone(model, [7, i + 1], max_new_tokens=3 + i)[0]
+            )
         assert manager.free_blocks == blocks
         assert model.init_continuous_batching().warm_up() == []  # eager steps: nothing to compile
 
@@ -280,8 +287,10 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
     from decodekit.core.compile import compile_own
 
     fields = [dict(do_sample=True, top_k=0, seed=s) for s in range(6)] + [{}, {}] + [dict(do_sample=True, seed=9)]
-    requests = [prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())
-                for i, f in enumerate(fields)]
+    requests = [
+        prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())
+        for i, f in enumerate(fields)
+    ]
     generator = torch.Generator().manual_seed(0)
     logits = {r.id: 3 * torch.randn(1, model.config.vocab_size, generator=generator) for r in requests}
     own = {r.id: r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id])) for r in requests}
@@ -311,8 +320,12 @@ def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_
     # close call on the AMD EPYC machine, which then ran no tiled_product here). The decode class's key names the
     # sample it was measured on: without it the file held nothing for this choice, the step measured it afresh, and
     # a CPU where the library's matmul measured fastest (the AMX Xeon) ran no tiled_product.
-    on_disk = {choices.signature(): {choices._key("float32_rows_32", many_rows_routes(), STEP_SAMPLE): "blocks",
-                                     choices._key("eager_weights_float32", ("packed", "plain"), LAYOUT_SAMPLE): "plain"}}
+    on_disk = {
+        choices.signature(): {
+            choices._key("float32_rows_32", many_rows_routes(), STEP_SAMPLE): "blocks",
+            choices._key("eager_weights_float32", ("packed", "plain"), LAYOUT_SAMPLE): "plain",
+        }
+    }
     monkeypatch.setattr(choices, "_made", {})  # a fresh process: the choice is in the cache file only
     monkeypatch.setattr(choices, "_read", lambda: on_disk)
     monkeypatch.setattr(choices, "_write", lambda key, choice: None)
@@ -365,7 +378,10 @@ def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so
     manager._race = broken
     if manager.runner.compiled is not None:
         manager.runner.compiled._step = lambda: broken
-    requests = [([4, 2], {"max_new_tokens": 4, "do_sample": True, "top_k": 0, "seed": 2}), ([9, 9, 9], {"max_new_tokens": 5})]
+    requests = [
+        ([4, 2], {"max_new_tokens": 4, "do_sample": True, "top_k": 0, "seed": 2}),
+        ([9, 9, 9], {"max_new_tokens": 5}),
+    ]
     with caplog.at_level(logging.WARNING, logger="decodekit"):
         ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
         manager.run(until_idle=True)
@@ -399,8 +415,12 @@ def test_compile_settings_are_checked_when_the_manager_is_made(model):
 def test_generate_batch_returns_results_in_input_order_and_fails_bad_prompts_alone(model):
     prompts = [[5, 6, 7], [], [8] * 30, [model.config.vocab_size + 3]]
     results = list(model.generate_batch(prompts, max_new_tokens=6, progress_bar=False).values())
-    assert [r.status for r in results] == [RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FINISHED,
-                                           RequestStatus.FAILED]
+    assert [r.status for r in results] == [
+        RequestStatus.FINISHED,
+        RequestStatus.FAILED,
+        RequestStatus.FINISHED,
+        RequestStatus.FAILED,
+    ]
     assert "empty" in results[1].error and "outside the vocabulary" in results[3].error
     assert results[0].generated_tokens == alone(model, [5, 6, 7], max_new_tokens=6)[0]
     assert results[2].generated_tokens == alone(model, [8] * 30, max_new_tokens=6)[0]
@@ -442,7 +462,10 @@ def test_a_request_failing_mid_generation_fails_alone(model):
         good = manager.add_request([3, 4], max_new_tokens=6)
         bad_out, good_out = manager.get_result(bad, timeout=60), manager.get_result(good, timeout=60)
     assert bad_out.status == RequestStatus.FAILED and "processor broke" in bad_out.error
-    assert good_out.status == RequestStatus.FINISHED and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    assert (
+        good_out.status == RequestStatus.FINISHED
+        and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    )
     assert manager.free_blocks == manager.total_blocks
 
 
@@ -459,7 +482,10 @@ def test_a_base_exception_from_a_requests_own_code_fails_that_request_alone(mode
     manager.run(until_idle=True)  # returns: the manager did not stop on the request's exception
     bad_out, good_out = manager.get_result(bad, timeout=0), manager.get_result(good, timeout=0)
     assert bad_out.status == RequestStatus.FAILED and raised.__name__ in bad_out.error
-    assert good_out.status == RequestStatus.FINISHED and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    assert (
+        good_out.status == RequestStatus.FINISHED
+        and good_out.generated_tokens == alone(model, [3, 4], max_new_tokens=6)[0]
+    )
     assert manager.free_blocks == manager.total_blocks
 
 
@@ -535,16 +561,19 @@ def test_prompt_and_new_tokens_up_to_the_context_are_taken_and_one_more_is_refus
     manager.run(until_idle=True)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"num_beams": 2}, "beam_search"),
-    ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive"),
-    ({"temperature": -1.0, "do_sample": True}, "temperature"),
-    ({"max_new_token": 3}, "did you mean 'max_new_tokens'"),
-    ({"output_hidden_states": True}, "output_hidden_states"),
-    ({"max_new_tokens": 10**6}, "past the model's context of 512 positions"),
-    ({"max_new_tokens": 500, "num_return_sequences": 8, "do_sample": True}, "cache blocks"),
-    ({"custom_generate": lambda model, input_ids, **kw: input_ids}, "callable owns the whole loop"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"num_beams": 2}, "beam_search"),
+        ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive"),
+        ({"temperature": -1.0, "do_sample": True}, "temperature"),
+        ({"max_new_token": 3}, "did you mean 'max_new_tokens'"),
+        ({"output_hidden_states": True}, "output_hidden_states"),
+        ({"max_new_tokens": 10**6}, "past the model's context of 512 positions"),
+        ({"max_new_tokens": 500, "num_return_sequences": 8, "do_sample": True}, "cache blocks"),
+        ({"custom_generate": lambda model, input_ids, **kw: input_ids}, "callable owns the whole loop"),
+    ],
+)
 def test_invalid_requests_are_refused_when_added(model, fields, message):
     manager = model.init_continuous_batching(max_cache_bytes=2**20)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -613,15 +642,22 @@ def test_a_structured_output_row_shares_the_step_and_equals_generate_alone(defau
     import json
 
     model, tok = default_model
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     ids = tok.apply_chat_template([{"role": "user", "content": "JSON for a person"}], add_generation_prompt=True)
-    alone = model.generate(torch.tensor([ids]), json_schema=schema, tokenizer=tok, max_new_tokens=40)[0, len(ids):]
+    alone = model.generate(torch.tensor([ids]), json_schema=schema, tokenizer=tok, max_new_tokens=40)[0, len(ids) :]
     with model.init_continuous_batching() as manager:
         constrained = manager.add_request(ids, json_schema=schema, tokenizer=tok, max_new_tokens=40)
         plain = manager.add_request(ids, max_new_tokens=40)
         out, free = manager.get_result(constrained, timeout=120), manager.get_result(plain, timeout=120)
     eos = model.generation_config.eos_token_ids
-    assert out.generated_tokens == [t for t in alone.tolist() if t not in eos] + [t for t in alone.tolist() if t in eos][:1]
+    assert (
+        out.generated_tokens
+        == [t for t in alone.tolist() if t not in eos] + [t for t in alone.tolist() if t in eos][:1]
+    )
     assert set(json.loads(tok.decode(out.generated_tokens, skip_special_tokens=True))) == {"name", "age"}
     assert free.status == RequestStatus.FINISHED and free.generated_tokens != out.generated_tokens

@@ -39,7 +39,7 @@ def exhaustive(model, prompt, length, length_penalty):
         for t in range(len(prompt), len(seq)):
             logits = model(torch.tensor([seq[:t]])).logits[0, -1]
             logp += torch.log_softmax(logits, -1)[seq[t]].item()
-        results.append((logp / length ** length_penalty, seq))
+        results.append((logp / length**length_penalty, seq))
     return sorted(results, reverse=True)
 
 
@@ -47,8 +47,15 @@ def exhaustive(model, prompt, length, length_penalty):
 def test_beam_search_equals_exhaustive_search(length_penalty):
     model, prompt, L = toy(), [1, 2], 3
     beams = V ** (L - 1)  # wide enough to keep every prefix: the search becomes exhaustive
-    out = model.generate(torch.tensor([prompt]), num_beams=beams, num_return_sequences=beams, max_new_tokens=L,
-                         length_penalty=length_penalty, return_dict_in_generate=True, output_scores=True)
+    out = model.generate(
+        torch.tensor([prompt]),
+        num_beams=beams,
+        num_return_sequences=beams,
+        max_new_tokens=L,
+        length_penalty=length_penalty,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     expected = exhaustive(model, prompt, L, length_penalty)[:beams]
     assert out.sequences.tolist() == [seq for _, seq in expected]
     torch.testing.assert_close(out.sequences_scores, torch.tensor([s for s, _ in expected]), atol=1e-5, rtol=1e-5)
@@ -65,11 +72,18 @@ def test_narrow_beam_finds_what_greedy_misses():
 
 def test_transition_scores_reconstruct_sequence_scores():
     model = toy()
-    out = model.generate(torch.tensor([[1, 2], [3, 0]]), num_beams=4, num_return_sequences=2, max_new_tokens=3,
-                         length_penalty=1.5, return_dict_in_generate=True, output_scores=True)
+    out = model.generate(
+        torch.tensor([[1, 2], [3, 0]]),
+        num_beams=4,
+        num_return_sequences=2,
+        max_new_tokens=3,
+        length_penalty=1.5,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     transition = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
     generated = (transition < 0).sum(dim=1)
-    torch.testing.assert_close(transition.sum(dim=1) / generated ** 1.5, out.sequences_scores)
+    torch.testing.assert_close(transition.sum(dim=1) / generated**1.5, out.sequences_scores)
     greedy = model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, return_dict_in_generate=True, output_logits=True)
     t = model.compute_transition_scores(greedy.sequences, greedy.logits, normalize_logits=True)
     by_hand = [torch.log_softmax(greedy.logits[i][0], -1)[greedy.sequences[0, 2 + i]].item() for i in range(3)]
@@ -80,24 +94,31 @@ def test_transition_scores_reconstruct_sequence_scores():
 def pair(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     path = write_tiny_model(tmp_path_factory.mktemp("beam"), "qwen2", pad_token_id=3)
-    return (AutoModelForCausalLM.from_pretrained(path),
-            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    return (
+        AutoModelForCausalLM.from_pretrained(path),
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+    )
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_beams=4),
-    dict(num_beams=4, num_return_sequences=3, length_penalty=0.5),
-    dict(num_beams=3, early_stopping=True, sequence_bias={(2,): 3.0}),  # EOS (2) made likely: beams finish early
-    dict(num_beams=4, early_stopping="never", length_penalty=2.0, sequence_bias={(2,): 4.0}),
-    dict(num_beams=5, early_stopping=False, sequence_bias={(2,): 2.0}, num_return_sequences=5),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_beams=4),
+        dict(num_beams=4, num_return_sequences=3, length_penalty=0.5),
+        dict(num_beams=3, early_stopping=True, sequence_bias={(2,): 3.0}),  # EOS (2) made likely: beams finish early
+        dict(num_beams=4, early_stopping="never", length_penalty=2.0, sequence_bias={(2,): 4.0}),
+        dict(num_beams=5, early_stopping=False, sequence_bias={(2,): 2.0}, num_return_sequences=5),
+    ],
+)
 def test_beam_search_matches_transformers(pair, kwargs):
     ours, ref = pair
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 96, (3, 6), generator=g)
     mask = torch.ones_like(ids)
     ids[1, :2], mask[1, :2] = 3, 0
-    common = dict(attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, pad_token_id=3)
+    common = dict(
+        attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, pad_token_id=3
+    )
     a = ours.generate(ids, **common, **kwargs)
     b = ref.generate(ids, **common, **kwargs)
     assert a.sequences.tolist() == b.sequences.tolist()
@@ -151,8 +172,9 @@ def test_diverse_beam_search_spreads_the_groups():
     model = toy()
     prompt = torch.tensor([[1, 2]])
     plain = model.generate(prompt, num_beams=4, num_return_sequences=4, max_new_tokens=3)
-    diverse = model.generate(prompt, num_beams=4, num_beam_groups=4, diversity_penalty=100.0,
-                             num_return_sequences=4, max_new_tokens=3)
+    diverse = model.generate(
+        prompt, num_beams=4, num_beam_groups=4, diversity_penalty=100.0, num_return_sequences=4, max_new_tokens=3
+    )
     # A huge penalty forces every group to start with a different token; plain beam search does not.
     assert len(set(diverse[:, 2].tolist())) == 4
     assert len(set(plain[:, 2].tolist())) < 4
@@ -160,14 +182,29 @@ def test_diverse_beam_search_spreads_the_groups():
     assert torch.equal(one_group, plain[:1])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences=3 is invalid; beam search returns at most num_beams=2"),
-    (dict(num_beams=4, num_beam_groups=3, diversity_penalty=1.0), r"num_beams=4 must be divisible by num_beam_groups"),
-    (dict(num_beams=0), r"num_beams=0 is invalid"),
-    (dict(num_beams=2, early_stopping="sometimes"), r"early_stopping='sometimes' is invalid; expected True, False or 'never'"),
-    (dict(num_beams=4, num_beam_groups=2), r"needs diversity_penalty > 0"),
-    (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0, do_sample=True), r"cannot be combined with do_sample"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(num_beams=2, num_return_sequences=3),
+            r"num_return_sequences=3 is invalid; beam search returns at most num_beams=2",
+        ),
+        (
+            dict(num_beams=4, num_beam_groups=3, diversity_penalty=1.0),
+            r"num_beams=4 must be divisible by num_beam_groups",
+        ),
+        (dict(num_beams=0), r"num_beams=0 is invalid"),
+        (
+            dict(num_beams=2, early_stopping="sometimes"),
+            r"early_stopping='sometimes' is invalid; expected True, False or 'never'",
+        ),
+        (dict(num_beams=4, num_beam_groups=2), r"needs diversity_penalty > 0"),
+        (
+            dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0, do_sample=True),
+            r"cannot be combined with do_sample",
+        ),
+    ],
+)
 def test_bad_beam_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         toy().generate(torch.tensor([[1, 2]]), max_new_tokens=2, **kwargs)

@@ -17,7 +17,9 @@ def test_static_and_dynamic_give_identical_greedy_output(model):
     ids = torch.tensor([[5, 9, 14, 3, 7], [0, 0, 11, 12, 13]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     outs = {
-        kind: model.generate(ids, attention_mask=mask, max_new_tokens=20, cache_implementation=kind, return_dict_in_generate=True)
+        kind: model.generate(
+            ids, attention_mask=mask, max_new_tokens=20, cache_implementation=kind, return_dict_in_generate=True
+        )
         for kind in ("static", "dynamic")
     }
     assert isinstance(outs["static"].past_key_values, StaticCache)

@@ -25,8 +25,9 @@ class Terminal:
         import pty
 
         self.master, slave = pty.openpty()
-        self.process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                                        env={**os.environ, "TERM": "dumb"})
+        self.process = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, close_fds=True, env={**os.environ, "TERM": "dumb"}
+        )
         os.close(slave)
         self.screen = ""
 
@@ -58,8 +59,19 @@ def test_a_chat_in_a_terminal_keeps_the_conversation_and_takes_commands(default_
     from methods import HOOK_METHOD, write_method
 
     method = write_method(tmp_path / "ban", HOOK_METHOD)
-    term = Terminal([sys.executable, "-m", "decodekit.cli", "chat", "--max-new-tokens", "12", "--system",
-                     "Answer in one short sentence.", "--trust-remote-code"])
+    term = Terminal(
+        [
+            sys.executable,
+            "-m",
+            "decodekit.cli",
+            "chat",
+            "--max-new-tokens",
+            "12",
+            "--system",
+            "Answer in one short sentence.",
+            "--trust-remote-code",
+        ]
+    )
     try:
         term.wait_for("Ctrl-D ends." + PROMPT)
         term.type("What is the capital of France?")
@@ -98,7 +110,7 @@ def test_the_conversation_goes_through_the_chat_template_turn_by_turn(default_mo
     from decodekit.models.tokenizer import chat_ids
 
     ids = torch.tensor([chat_ids(tokenizer, session.messages()[:4])])
-    expected = model.generate(ids, max_new_tokens=10)[0, ids.shape[1]:].tolist()
+    expected = model.generate(ids, max_new_tokens=10)[0, ids.shape[1] :].tolist()
     assert session.messages()[4]["content"] == tokenizer.decode(expected, skip_special_tokens=True).strip()
     assert out.getvalue().count("\n") == 2  # each reply streamed, then its line ends
     session.command("/reset")
@@ -116,5 +128,5 @@ def test_a_refused_setting_leaves_the_session_as_it_was():
     assert session.fields == {"top_p": 0.9}
     with pytest.raises(ValueError, match="expected /set KEY=VALUE"):
         parse_setting("no equals sign")
-    assert parse_setting("stop_strings=[\"\\n\"]") == ("stop_strings", ["\n"])
+    assert parse_setting('stop_strings=["\\n"]') == ("stop_strings", ["\n"])
     assert session.command("/exit") is False

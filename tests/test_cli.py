@@ -10,6 +10,7 @@ from decodekit.cli import main
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model or tokenizer load fails the test: the errors below must come before one."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the command line was checked")
 
@@ -23,19 +24,36 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"decodekit {decodekit.__version__}"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["Hi", "--do-sample", "--top-p", "2.0"], "generation config: --top-p 2.0 is invalid; expected a number in (0, 1]."),
-    (["Hi", "--top-k", "5"], "--top-k only apply when sampling; add --do-sample."),
-    (["Hi", "--arg", "num_beam=2"], "did you mean --num-beams?"),
-    (["Hi", "--arg", "repetiton_penalty=1.2"], "did you mean --arg repetition_penalty=...?"),
-    (["Hi", "--arg", "repetition_penalty=-1"], "repetition_penalty=-1 is invalid"),
-    (["   "], "the prompt is empty; give the text to continue"),
-    (["Hi", "--arg", "nokey"], "--arg 'nokey' is invalid; expected KEY=VALUE"),
-    (["Hi", "--do-sample", "--samplers", "foo"], "--samplers 'foo' is invalid; 'f' is not a sampler"),
-    (["Hi", "--do-sample", "--mirostat", "3"], "--mirostat 3 is invalid; expected 0 (off), 1 (mirostat) or 2"),
-    (["Hi", "--arg", "xtc_probability=2"], "--xtc-probability 2 is invalid"),
-], ids=["bad-top-p", "sampling-flag", "misspelt-flag-field", "misspelt-field", "bad-arg-value", "empty", "no-equals",
-        "sampler-name", "mirostat-version", "plugin-field-value"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["Hi", "--do-sample", "--top-p", "2.0"],
+            "generation config: --top-p 2.0 is invalid; expected a number in (0, 1].",
+        ),
+        (["Hi", "--top-k", "5"], "--top-k only apply when sampling; add --do-sample."),
+        (["Hi", "--arg", "num_beam=2"], "did you mean --num-beams?"),
+        (["Hi", "--arg", "repetiton_penalty=1.2"], "did you mean --arg repetition_penalty=...?"),
+        (["Hi", "--arg", "repetition_penalty=-1"], "repetition_penalty=-1 is invalid"),
+        (["   "], "the prompt is empty; give the text to continue"),
+        (["Hi", "--arg", "nokey"], "--arg 'nokey' is invalid; expected KEY=VALUE"),
+        (["Hi", "--do-sample", "--samplers", "foo"], "--samplers 'foo' is invalid; 'f' is not a sampler"),
+        (["Hi", "--do-sample", "--mirostat", "3"], "--mirostat 3 is invalid; expected 0 (off), 1 (mirostat) or 2"),
+        (["Hi", "--arg", "xtc_probability=2"], "--xtc-probability 2 is invalid"),
+    ],
+    ids=[
+        "bad-top-p",
+        "sampling-flag",
+        "misspelt-flag-field",
+        "misspelt-field",
+        "bad-arg-value",
+        "empty",
+        "no-equals",
+        "sampler-name",
+        "mirostat-version",
+        "plugin-field-value",
+    ],
+)
 def test_bad_arguments_are_reported_before_any_model_loads(no_model_loads, capsys, argv, message):
     assert main(["generate", *argv]) == 2
     captured = capsys.readouterr()
@@ -61,8 +79,12 @@ def test_strategy_flags_and_stats(default_model, capsys):
     assert main(["generate", "The capital of France is", "--num-beams", "2", "--max-new-tokens", "4", "--stats"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("The capital of France is Paris")
-    assert "beam search cannot stream" in captured.err and "stats: load" in captured.err and "4 tokens in" in captured.err
-    assert main(["generate", "The capital of France is", "--prompt-lookup", "2", "--max-new-tokens", "4", "--stats"]) == 0
+    assert (
+        "beam search cannot stream" in captured.err and "stats: load" in captured.err and "4 tokens in" in captured.err
+    )
+    assert (
+        main(["generate", "The capital of France is", "--prompt-lookup", "2", "--max-new-tokens", "4", "--stats"]) == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.startswith("The capital of France is Paris") and "first token after" in captured.err
 
@@ -123,10 +145,12 @@ def test_a_methods_own_arg_fields_are_checked_before_the_model_loads(no_model_lo
     argv = ["generate", "Hi", "--custom-generate", str(method), "--trust-remote-code", "--arg", "banned_tokn=5"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--arg banned_tokn=... is taken neither by the method" in err and "did you mean --arg banned_token=...?" in err
+    assert (
+        "--arg banned_tokn=... is taken neither by the method" in err and "did you mean --arg banned_token=...?" in err
+    )
 
 
-CHECKED_METHOD = '''
+CHECKED_METHOD = """
 from decodekit import hookimpl
 
 
@@ -141,7 +165,7 @@ def decodekit_validate_config(generation_config, context):
         raise generation_config.invalid("my_method_penalty", "expected a number >= 0")
     if context.model.config.vocab_size < 10:  # a check that needs the model waits for the call
         raise ValueError("too small a model")
-'''
+"""
 
 
 def test_a_methods_own_validation_runs_before_the_model_loads(no_model_loads, tmp_path, capsys):
@@ -180,7 +204,10 @@ def test_device_names_a_device_this_torch_has(no_model_loads, command, capsys):
 
     assert build_parser().parse_args([*command, "--device", "cpu"]).device == "cpu"
     assert build_parser().parse_args(command).device == "cpu"
-    for bad, says in (("cuda:99", "'cuda:99': this torch (" + torch.__version__ + ") has"), ("gpu", "'gpu' is not a torch device")):
+    for bad, says in (
+        ("cuda:99", "'cuda:99': this torch (" + torch.__version__ + ") has"),
+        ("gpu", "'gpu' is not a torch device"),
+    ):
         if bad == "cuda:99" or not torch.cuda.is_available():
             with pytest.raises(SystemExit):
                 main([*command, "--device", bad])
@@ -213,11 +240,14 @@ def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsy
 
     from methods import HOOK_METHOD, write_method
 
-    misspelt = write_method(tmp_path / "misspelt", HOOK_METHOD.replace("decodekit_logits_processors",
-                                                                       "decodekit_logit_processors"))
+    misspelt = write_method(
+        tmp_path / "misspelt", HOOK_METHOD.replace("decodekit_logits_processors", "decodekit_logit_processors")
+    )
     assert main(["check", str(misspelt)]) == 1
-    assert ("custom_generate/generate.py:12: decodekit_logit_processors is not a decodekit hook (did you mean "
-            "decodekit_logits_processors?)") in capsys.readouterr().out
+    assert (
+        "custom_generate/generate.py:12: decodekit_logit_processors is not a decodekit hook (did you mean "
+        "decodekit_logits_processors?)"
+    ) in capsys.readouterr().out
     good = write_method(tmp_path / "good", HOOK_METHOD)
     assert main(["check", str(good)]) == 0
     assert f"pin: {good}@{resolve(str(good)).revision}" in capsys.readouterr().out
@@ -226,10 +256,10 @@ def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsy
 def test_config_files_give_flags_and_the_command_line_wins(tmp_path):
     from decodekit.cli import build_parser, with_config
 
-    (tmp_path / "chat.yaml").write_text("max_new_tokens: 5\ndo_sample: true\ntemperature: 0.7\n"
-                                        "arg: {repetition_penalty: 1.2}\nsystem: Be brief.\n")
-    (tmp_path / "serve.toml").write_text('port = 9001\ncompile = false\nmethod = ["./a@1", "./b@2"]\n'
-                                         'max_running = 8\n')
+    (tmp_path / "chat.yaml").write_text(
+        "max_new_tokens: 5\ndo_sample: true\ntemperature: 0.7\narg: {repetition_penalty: 1.2}\nsystem: Be brief.\n"
+    )
+    (tmp_path / "serve.toml").write_text('port = 9001\ncompile = false\nmethod = ["./a@1", "./b@2"]\nmax_running = 8\n')
     parser = build_parser()
     argv = ["chat", "--config", str(tmp_path / "chat.yaml"), "--temperature", "0.9"]
     args = parser.parse_args(with_config(parser, argv, "chat", str(tmp_path / "chat.yaml")))
@@ -240,13 +270,16 @@ def test_config_files_give_flags_and_the_command_line_wins(tmp_path):
     assert (args.port, args.compile, args.method, args.max_running) == (9001, False, ["./a@1", "./b@2"], 16)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("max_new_token: 5\n", "'max_new_token' is not a flag of decodekit batch (did you mean 'max-new-tokens'?)"),
-    ("chat: 3\n", "chat is a switch; expected true or false, got 3"),
-    ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
-    ("max_new_tokens: [1, 2]\n", "max_new_tokens takes one value, got a list"),
-    ("a: b: c\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max_new_token: 5\n", "'max_new_token' is not a flag of decodekit batch (did you mean 'max-new-tokens'?)"),
+        ("chat: 3\n", "chat is a switch; expected true or false, got 3"),
+        ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
+        ("max_new_tokens: [1, 2]\n", "max_new_tokens takes one value, got a list"),
+        ("a: b: c\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_config_file_is_named_before_any_model_loads(no_model_loads, tmp_path, capsys, text, message):
     (tmp_path / "cfg.yaml").write_text(text)
     assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.yaml")]) == 2
@@ -257,7 +290,10 @@ def test_a_config_value_of_the_wrong_type_is_refused_by_its_flag(no_model_loads,
     (tmp_path / "cfg.json").write_text('{"max_new_tokens": "many"}')
     with pytest.raises(SystemExit) as exit_:
         main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.json")])
-    assert exit_.value.code == 2 and "argument --max-new-tokens: expected an integer >= 1, got 'many'" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and "argument --max-new-tokens: expected an integer >= 1, got 'many'" in capsys.readouterr().err
+    )
 
 
 def test_the_shell_completes_commands_flags_and_choices(tmp_path):
@@ -268,10 +304,17 @@ def test_the_shell_completes_commands_flags_and_choices(tmp_path):
 
     def complete(line: str) -> list[str]:
         out = tmp_path / "completions"
-        env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\013", "COMP_LINE": line,
-               "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out)}
-        done = subprocess.run([sys.executable, "-m", "decodekit.cli"], env=env, capture_output=True, text=True,
-                              timeout=60)
+        env = {
+            **os.environ,
+            "_ARGCOMPLETE": "1",
+            "_ARGCOMPLETE_IFS": "\013",
+            "COMP_LINE": line,
+            "COMP_POINT": str(len(line)),
+            "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "decodekit.cli"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         return [word.strip() for word in out.read_text().split("\013")]
 
@@ -279,6 +322,7 @@ def test_the_shell_completes_commands_flags_and_choices(tmp_path):
     assert complete("decodekit serve --comp") == ["--compile"]
     assert set(complete("decodekit generate Hi --dtype ")) == {"float32", "bfloat16", "float16"}
     assert "--system" in complete("decodekit chat --s")
-    shell = subprocess.run([sys.executable, "-m", "decodekit.cli", "completion", "bash"], capture_output=True,
-                           text=True, timeout=60)
+    shell = subprocess.run(
+        [sys.executable, "-m", "decodekit.cli", "completion", "bash"], capture_output=True, text=True, timeout=60
+    )
     assert shell.returncode == 0 and "complete " in shell.stdout and "decodekit" in shell.stdout

@@ -119,7 +119,6 @@ def test_each_int8_prefill_route_gives_the_reference_logits(tmp_path, route):
 def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypatch, caplog):
     import logging
 
-
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choices, "_made", {})
     monkeypatch.setattr(choices, "cpu_ticks", lambda: None)  # however busy the machine running the suite is
@@ -131,6 +130,7 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
             runs[label] += 1
             order.append(label)
             time.sleep(seconds)
+
         return run
 
     candidates = {"slow": candidate("slow", 0.004), "fast": candidate("fast", 0.0)}
@@ -138,11 +138,13 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
         assert choices.choose("demo", candidates) == "fast"
     assert "demo: chose fast on this CPU" in caplog.text and runs["slow"] == per
     # Timed round-robin after the warm-up calls: a slow spell of the machine falls on both alike.
-    assert order[-2 * choices.ROUNDS:] == ["slow", "fast"] * choices.ROUNDS
+    assert order[-2 * choices.ROUNDS :] == ["slow", "fast"] * choices.ROUNDS
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == per  # remembered in this process
     stored = json.loads((tmp_path / "choices.json").read_text())
     assert stored == {choices.signature(): {"demo(fast,slow)": "fast"}}
-    assert choices.signature().startswith(cpu.signature())  # and the kernels' source: a changed kernel is measured again
+    assert choices.signature().startswith(
+        cpu.signature()
+    )  # and the kernels' source: a changed kernel is measured again
     monkeypatch.setattr(choices, "_made", {})  # a new process on the same machine reads the file
     assert choices.choose("demo", candidates) == "fast" and runs["slow"] == per
     monkeypatch.setattr(choices, "_made", {})  # a later version offers one more route: measured, not skipped
@@ -166,8 +168,10 @@ def test_a_choice_is_measured_once_cached_by_cpu_and_cleared(tmp_path, monkeypat
     monkeypatch.setattr(choices, "_made", {})
     choices.choose("demo", candidates, sample="bigger")
     assert runs["slow"] == 5 * per
-    assert set(json.loads((tmp_path / "choices.json").read_text())[choices.signature()]) == \
-        {"demo(fast,slow)", "demo@bigger(fast,slow)"}
+    assert set(json.loads((tmp_path / "choices.json").read_text())[choices.signature()]) == {
+        "demo(fast,slow)",
+        "demo@bigger(fast,slow)",
+    }
 
 
 def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
@@ -197,7 +201,9 @@ def test_the_packing_sample_reads_its_steps_weights_from_memory(monkeypatch):
     assert offered["name"] == "eager_weights_float32" and offered["sample"]  # not the one-layer sample's cache entry
     read = []
     for kind in (Linear, PackedLinear):
-        monkeypatch.setattr(kind, "forward", lambda self, x, forward=kind.forward: read.append(self) or forward(self, x))
+        monkeypatch.setattr(
+            kind, "forward", lambda self, x, forward=kind.forward: read.append(self) or forward(self, x)
+        )
     with torch.inference_mode():
         for label in ("plain", "packed"):
             read.clear()
@@ -270,8 +276,10 @@ def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
     # eager_layout times plain Linear layers, whose prompt products ask many_rows_route: a choice made inside
     # another's measurement. With a plain lock that waited forever on a machine with no cached choices (a fresh
     # CI runner, a Ray actor); run in a child so a regression fails by timeout instead of hanging the suite.
-    script = ("import torch\nfrom decodekit.kernels import packed, choices\n"
-              "packed.eager_layout(torch.float32)\nprint(sorted(choices._made))\n")
+    script = (
+        "import torch\nfrom decodekit.kernels import packed, choices\n"
+        "packed.eager_layout(torch.float32)\nprint(sorted(choices._made))\n"
+    )
     env = {**os.environ, "DECODEKIT_CACHE_DIR": str(tmp_path), "DECODEKIT_CHOICES": "measure"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -25,8 +25,9 @@ def _available(device: str) -> bool:
     return device == "cpu" or bool(backend is not None and backend.is_available())
 
 
-pytestmark = pytest.mark.skipif(not _available(DEVICE), reason=f"needs a {DEVICE} device: run `make test-cuda` on a "
-                                "machine with one")
+pytestmark = pytest.mark.skipif(
+    not _available(DEVICE), reason=f"needs a {DEVICE} device: run `make test-cuda` on a machine with one"
+)
 
 PROMPT = torch.tensor([[5, 9, 14, 3, 7, 21, 8]])
 BATCH = torch.tensor([[5, 9, 14, 3, 7, 8], [0, 0, 0, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
@@ -74,21 +75,29 @@ def test_greedy_on_the_device_equals_the_cpu(pair):
     cpu, dev = pair
     for ids, mask in ((PROMPT, None), (BATCH, MASK)):
         want = cpu.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)
-        got = dev.generate(*on(DEVICE, ids), attention_mask=None if mask is None else mask.to(DEVICE),
-                           max_new_tokens=24, eos_token_id=None)
+        got = dev.generate(
+            *on(DEVICE, ids),
+            attention_mask=None if mask is None else mask.to(DEVICE),
+            max_new_tokens=24,
+            eos_token_id=None,
+        )
         assert got.device.type == DEVICE
         assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_beams=3),
-    dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
-    dict(penalty_alpha=0.6, top_k=4),
-    dict(dola_layers="high", repetition_penalty=1.2),
-    dict(prompt_lookup_num_tokens=2),
-    dict(guidance_scale=1.5),
-    dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=5),
-], ids=lambda kw: ",".join(kw))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_beams=3),
+        dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+        dict(penalty_alpha=0.6, top_k=4),
+        dict(dola_layers="high", repetition_penalty=1.2),
+        dict(prompt_lookup_num_tokens=2),
+        dict(guidance_scale=1.5),
+        dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=5),
+    ],
+    ids=lambda kw: ",".join(kw),
+)
 def test_deterministic_strategies_on_the_device_equal_the_cpu(pair, kwargs):
     cpu, dev = pair
     want = cpu.generate(PROMPT, max_new_tokens=12, eos_token_id=None, **kwargs)
@@ -137,7 +146,9 @@ def test_the_compiled_step_on_the_device_equals_eager(llama, mode):
     for ids, mask in ((PROMPT, None), (BATCH, MASK), (PROMPT[:, 2:], None)):
         ids, mask = ids.to(DEVICE), None if mask is None else mask.to(DEVICE)
         eager = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
-        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, **config), eager)
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None, **config), eager
+        )
     sampled = dict(do_sample=True, top_p=0.9, seed=3, max_new_tokens=20, eos_token_id=None)
     ids = PROMPT.to(DEVICE)
     assert torch.equal(model.generate(ids, **sampled, **config), model.generate(ids, **sampled))
@@ -175,24 +186,29 @@ def test_a_model_moved_to_the_device_after_loading_generates_there(llama):
     model.generate(PROMPT, max_new_tokens=12, eos_token_id=None, compile=True)  # a step built for the CPU first
     moved = model.to(DEVICE)
     assert torch.equal(moved.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None).cpu(), want)
-    assert torch.equal(moved.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None, compile=True).cpu(), want)
+    assert torch.equal(
+        moved.generate(PROMPT.to(DEVICE), max_new_tokens=12, eos_token_id=None, compile=True).cpu(), want
+    )
 
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_continuous_batching_on_the_device_equals_generate(llama, compile):
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
     prompts = [[5, 9, 14, 3, 7], [4, 5, 6], list(range(10, 40)), [11, 12, 13, 14, 15, 16, 17]]
-    results = model.generate_batch(prompts, max_new_tokens=14, eos_token_id=None, compile=compile, block_size=4,
-                                   progress_bar=False)
+    results = model.generate_batch(
+        prompts, max_new_tokens=14, eos_token_id=None, compile=compile, block_size=4, progress_bar=False
+    )
     for prompt, out in zip(prompts, results.values()):
         alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=14, eos_token_id=None)
-        assert out.generated_tokens == alone[0, len(prompt):].tolist()
-    sampled = model.generate_batch(prompts[:2], max_new_tokens=10, do_sample=True, seed=4, eos_token_id=None,
-                                   progress_bar=False)
+        assert out.generated_tokens == alone[0, len(prompt) :].tolist()
+    sampled = model.generate_batch(
+        prompts[:2], max_new_tokens=10, do_sample=True, seed=4, eos_token_id=None, progress_bar=False
+    )
     for prompt, out in zip(prompts, sampled.values()):
-        alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=10, do_sample=True, seed=4,
-                               eos_token_id=None)
-        assert out.generated_tokens == alone[0, len(prompt):].tolist()
+        alone = model.generate(
+            torch.tensor([prompt], device=DEVICE), max_new_tokens=10, do_sample=True, seed=4, eos_token_id=None
+        )
+        assert out.generated_tokens == alone[0, len(prompt) :].tolist()
 
 
 def test_methods_run_on_the_device(tmp_path, llama):
@@ -201,12 +217,21 @@ def test_methods_run_on_the_device(tmp_path, llama):
     ids = PROMPT.to(DEVICE)
     greedy = model.generate(ids, max_new_tokens=8, eos_token_id=None)
     banned = int(greedy[0, PROMPT.shape[1]])
-    hooked = model.generate(ids, max_new_tokens=8, eos_token_id=None, banned_token=banned,
-                            custom_generate=str(write_method(tmp_path / "ban", HOOK_METHOD)), trust_remote_code=True)
-    assert hooked.device.type == DEVICE and banned not in hooked[0, PROMPT.shape[1]:].tolist()
-    looped = model.generate(ids, max_new_tokens=8,
-                            custom_generate=str(write_method(tmp_path / "loop", TRANSFORMERS_STYLE_GREEDY)),
-                            trust_remote_code=True)
+    hooked = model.generate(
+        ids,
+        max_new_tokens=8,
+        eos_token_id=None,
+        banned_token=banned,
+        custom_generate=str(write_method(tmp_path / "ban", HOOK_METHOD)),
+        trust_remote_code=True,
+    )
+    assert hooked.device.type == DEVICE and banned not in hooked[0, PROMPT.shape[1] :].tolist()
+    looped = model.generate(
+        ids,
+        max_new_tokens=8,
+        custom_generate=str(write_method(tmp_path / "loop", TRANSFORMERS_STYLE_GREEDY)),
+        trust_remote_code=True,
+    )
     assert torch.equal(looped, greedy)
 
 
@@ -219,6 +244,7 @@ def test_a_wrapped_transformers_model_on_the_device_equals_its_own_generate(llam
     mask = MASK.to(DEVICE)
     for kwargs in (dict(), dict(num_beams=3), dict(do_sample=False, repetition_penalty=1.3)):
         want = hf.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None, **kwargs)
-        got = decodekit.wrap(hf).generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0,
-                                          eos_token_id=None, **kwargs)
+        got = decodekit.wrap(hf).generate(
+            ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None, **kwargs
+        )
         assert torch.equal(got, want)

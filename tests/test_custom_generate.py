@@ -85,7 +85,11 @@ def test_two_directories_with_the_same_name_never_collide(model, tmp_path):
     "code, error, message",
     [
         ("x = 1\n", AttributeError, "defines neither a generate"),
-        ("def generate(input_ids, model):\n    pass\n", TypeError, r"must take `model` as its first parameter, got \(input_ids, model\)"),
+        (
+            "def generate(input_ids, model):\n    pass\n",
+            TypeError,
+            r"must take `model` as its first parameter, got \(input_ids, model\)",
+        ),
     ],
 )
 def test_bad_method_modules(model, tmp_path, code, error, message):
@@ -106,8 +110,12 @@ def test_layout_errors(model, tmp_path):
 
 
 def test_unmet_requirements_stop_before_the_code_runs(model, tmp_path):
-    repo = write_method(tmp_path / "needs", "raise RuntimeError('must not be imported')\n", requirements="foo\ntorch>=99.0\n")
-    with pytest.raises(ImportError, match="Missing requirements in your local environment for `.*needs`:\nfoo \\(installed: None\\)"):
+    repo = write_method(
+        tmp_path / "needs", "raise RuntimeError('must not be imported')\n", requirements="foo\ntorch>=99.0\n"
+    )
+    with pytest.raises(
+        ImportError, match="Missing requirements in your local environment for `.*needs`:\nfoo \\(installed: None\\)"
+    ):
         model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True)
 
 
@@ -115,8 +123,14 @@ def test_hook_method_runs_inside_the_core_loop_for_that_call_only(model, tmp_pat
     repo = write_method(tmp_path / "hooks", HOOK_METHOD)
     plain = model.generate(PROMPT, max_new_tokens=5, eos_token_id=None)
     banned = int(plain[0, 4])
-    out = model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=5,
-                         banned_token=banned, eos_token_id=None)
+    out = model.generate(
+        PROMPT,
+        custom_generate=str(repo),
+        trust_remote_code=True,
+        max_new_tokens=5,
+        banned_token=banned,
+        eos_token_id=None,
+    )
     assert banned not in out[0, 4:].tolist()
     assert out[0, 4] != plain[0, 4]
     names = {name for name, _ in get_plugin_manager().list_name_plugin()}
@@ -128,17 +142,39 @@ def test_hook_method_runs_inside_the_core_loop_for_that_call_only(model, tmp_pat
 def test_callable_receives_prepared_inputs(model):
     seen = {}
 
-    def method(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-               boost=None, **model_kwargs):
-        seen.update(max_length=stopping_criteria.max_length, boost=boost, streamer=streamer,
-                    n_processors=len(logits_processor), mask=model_kwargs["attention_mask"],
-                    cache=model_kwargs["past_key_values"], temperature=generation_config.temperature)
+    def method(
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer=None,
+        boost=None,
+        **model_kwargs,
+    ):
+        seen.update(
+            max_length=stopping_criteria.max_length,
+            boost=boost,
+            streamer=streamer,
+            n_processors=len(logits_processor),
+            mask=model_kwargs["attention_mask"],
+            cache=model_kwargs["past_key_values"],
+            temperature=generation_config.temperature,
+        )
         return "done"
 
     ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    result = model.generate(ids, attention_mask=mask, custom_generate=method, max_new_tokens=7, boost=3,
-                            do_sample=True, temperature=0.5, top_k=10)
+    result = model.generate(
+        ids,
+        attention_mask=mask,
+        custom_generate=method,
+        max_new_tokens=7,
+        boost=3,
+        do_sample=True,
+        temperature=0.5,
+        top_k=10,
+    )
     assert result == "done"
     assert seen["max_length"] == 3 + 7  # prompt length + max_new_tokens
     assert seen["boost"] == 3 and seen["temperature"] == 0.5
@@ -168,14 +204,18 @@ def test_hub_method_trust_pinning_and_offline_reuse(model, hub, tmp_path, monkey
     second = hub.repos.push_dir("acme/greedy", repo)
     with pytest.raises(UntrustedCodeError, match=f"you trusted revision {first}, but the repo is now at {second}"):
         model.generate(PROMPT, custom_generate="acme/greedy", trust_remote_code=first, max_new_tokens=3)
-    pinned = model.generate(PROMPT, custom_generate="acme/greedy", revision=first, trust_remote_code=first, max_new_tokens=3)
+    pinned = model.generate(
+        PROMPT, custom_generate="acme/greedy", revision=first, trust_remote_code=first, max_new_tokens=3
+    )
     assert torch.equal(pinned, out)
     changed = model.generate(PROMPT, custom_generate="acme/greedy", trust_remote_code=True, max_new_tokens=3)
     assert not torch.equal(changed, out)
 
     hub.stop()
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    again = model.generate(PROMPT, custom_generate="acme/greedy", revision=first, trust_remote_code=True, max_new_tokens=3)
+    again = model.generate(
+        PROMPT, custom_generate="acme/greedy", revision=first, trust_remote_code=True, max_new_tokens=3
+    )
     assert torch.equal(again, out)
 
 
@@ -201,7 +241,9 @@ def test_a_method_bound_from_a_model_repo_gets_the_calls_prepared_config(tmp_pat
     write_method(repo, LENGTHS_FROM_CONFIG)
     model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
     plain = AutoModelForCausalLM.from_pretrained(repo)
-    assert torch.equal(model.generate(PROMPT, max_new_tokens=3), plain.generate(PROMPT, max_new_tokens=3, eos_token_id=None))
+    assert torch.equal(
+        model.generate(PROMPT, max_new_tokens=3), plain.generate(PROMPT, max_new_tokens=3, eos_token_id=None)
+    )
     assert model.generate(input_ids=PROMPT, max_length=7).shape == (1, 7)  # by name too
 
 
@@ -219,7 +261,15 @@ def test_cli_runs_a_method_with_trust_flag_or_trusted_revisions_file(default_mod
     from decodekit.cli import main
 
     repo = write_method(tmp_path / "cli-method", TRANSFORMERS_STYLE_GREEDY)
-    base = ["generate", "The capital of France is", "--custom-generate", str(repo), "--max-new-tokens", "3", "--no-stream"]
+    base = [
+        "generate",
+        "The capital of France is",
+        "--custom-generate",
+        str(repo),
+        "--max-new-tokens",
+        "3",
+        "--no-stream",
+    ]
     monkeypatch.setenv("DECODEKIT_CONFIG_DIR", str(tmp_path / "config"))
     assert main(base) == 2
     err = capsys.readouterr().err

@@ -12,7 +12,7 @@ def test_greedy_says_paris(default_model):
     model, tok = default_model
     enc = tok("The capital of France is", return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=8)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:])
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :])
     assert text.startswith(" Paris"), text
 
 
@@ -33,7 +33,7 @@ def test_streamers_see_the_same_text(default_model, capsys):
     model, tok = default_model
     enc = tok("The capital of France is", return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=12, streamer=TextStreamer(tok, skip_prompt=True))
-    expected = tok.decode(out[0, enc["input_ids"].shape[1]:])
+    expected = tok.decode(out[0, enc["input_ids"].shape[1] :])
     assert capsys.readouterr().out == expected + "\n"
     it = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)
     model.generate(**enc, max_new_tokens=12, streamer=it)
@@ -44,7 +44,7 @@ def test_stop_strings_on_real_tokens(default_model):
     model, tok = default_model
     enc = tok("The capital of France is", return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=30, stop_strings=["aris."], tokenizer=tok)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:])
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :])
     assert text.endswith("aris."), text  # " Paris" and "." are separate tokens: the string spans both
 
 
@@ -84,8 +84,20 @@ def test_cli_generate_prints_paris(default_model, capsys):
 
 
 def test_cli_sampling_is_reproducible(default_model, capsys):
-    args = ["generate", "Once upon a time", "--do-sample", "--top-k", "20", "--top-p", "0.9", "--seed", "5",
-            "--max-new-tokens", "8", "--no-stream"]
+    args = [
+        "generate",
+        "Once upon a time",
+        "--do-sample",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+        "--max-new-tokens",
+        "8",
+        "--no-stream",
+    ]
     main(args)
     first = capsys.readouterr().out
     main(args)

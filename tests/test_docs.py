@@ -27,7 +27,9 @@ def test_every_python_block_parses_and_is_runnable_or_says_why_not(page):
         ast.parse(code, filename=f"{page.name} block {i + 1}")
         assert marker in ("", "illustrative"), f"{page.name} block {i + 1}: unknown marker {marker!r}"
         if marker == "illustrative":
-            assert code.startswith("# "), f"{page.name} block {i + 1} is illustrative: its first line says what it needs"
+            assert code.startswith("# "), (
+                f"{page.name} block {i + 1} is illustrative: its first line says what it needs"
+            )
 
 
 RUNNABLE = [page for page in PAGES if any(marker == "" for marker, _ in blocks(page))]
@@ -51,7 +53,7 @@ def test_the_readme_quick_start_commands_run_as_written(tmp_path, monkeypatch, c
     from decodekit.cli import main
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    quick_start = text[text.index("## Quick start"):text.index("\n## ", text.index("## Quick start") + 1)]
+    quick_start = text[text.index("## Quick start") : text.index("\n## ", text.index("## Quick start") + 1)]
     commands = re.search(r"^```bash\n(.*?)^```", quick_start, re.S | re.M).group(1)
     monkeypatch.chdir(tmp_path)
     for line in commands.splitlines():
@@ -95,8 +97,10 @@ def test_every_block_runs_on_its_own_or_says_it_continues_the_one_above(page):
             assert i > 0 or "block above" not in leading, f"{page.name} block {i + 1} continues no block above"
             continue
         missing = undefined_names(code)
-        assert not missing, (f"{page.name} block {i + 1} reads {sorted(missing)} without defining them: define them, "
-                             "or say in its leading comment what it continues ('# continues the block above (model, tok)')")
+        assert not missing, (
+            f"{page.name} block {i + 1} reads {sorted(missing)} without defining them: define them, "
+            "or say in its leading comment what it continues ('# continues the block above (model, tok)')"
+        )
 
 
 def anchors(page: Path) -> set[str]:
@@ -126,6 +130,9 @@ def local_links() -> list[tuple[str, Path, str]]:
 
 
 def test_every_link_to_a_page_and_its_anchor_exists():
-    broken = [where for where, target, anchor in local_links()
-              if not target.exists() or (anchor and target.suffix == ".md" and anchor not in anchors(target))]
+    broken = [
+        where
+        for where, target, anchor in local_links()
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in anchors(target))
+    ]
     assert len(local_links()) > 40 and not broken, broken

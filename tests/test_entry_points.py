@@ -16,7 +16,8 @@ from methods import TRANSFORMERS_STYLE_GREEDY, write_method
 
 PLUGINS = {
     # name: (module source, version)
-    "dk_shout": ('''
+    "dk_shout": (
+        '''
         """Always picks token 3, when shout=True."""
         from decodekit import hookimpl
 
@@ -30,15 +31,20 @@ PLUGINS = {
                 return lambda input_ids, scores: torch.full((scores.shape[0],), 3, dtype=torch.long)
 
         import torch
-    ''', "1.2.0"),
+    ''',
+        "1.2.0",
+    ),
     "dk_broken": ("raise ImportError('dk_broken needs a library that is not installed')\n", "0.1.0"),
-    "dk_badsig": ('''
+    "dk_badsig": (
+        """
         from decodekit import hookimpl
 
         @hookimpl
         def decodekit_logits_processors(generation_config, not_a_hook_argument):
             return []
-    ''', "0.2.0"),
+    """,
+        "0.2.0",
+    ),
 }
 
 

@@ -23,9 +23,21 @@ from decodekit.facade.transformers import OWN_GENERATION_INPUTS  # noqa: E402  (
 from decodekit.integrations.transformers import wrap  # noqa: E402
 
 # A generic tiny config: each field set where the architecture's config has it (by name or through its attribute_map).
-SMALL = dict(COMMON, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=64, max_position_embeddings=64, head_dim=8, num_experts=4, num_local_experts=4,
-             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+SMALL = dict(
+    COMMON,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    head_dim=8,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
 MAX_PARAMETERS = 4_000_000  # counted on the meta device before anything is allocated
 # Where a model type's name in the mapping differs from ARCHITECTURES' key (the hand-set configs)
 HAND_SET = {"openai-gpt": "openai-gpt"}
@@ -33,8 +45,28 @@ HAND_SET = {"openai-gpt": "openai-gpt"}
 # make test's slice: the kinds the loops treat differently (absolute positions, ALiBi, multi-query, sliding windows,
 # soft-capping, mixtures of experts, multi-head latent attention, state-space and hybrid layers, no cache at all),
 # then every seventh of the rest in name order.
-KINDS = {"gpt2", "bloom", "falcon", "mistral", "gemma2", "mixtral", "deepseek_v2", "mamba", "jamba", "bamba",
-         "openai-gpt", "minimax", "lfm2_moe", "llama", "qwen3_moe", "olmoe", "phimoe", "granite", "nemotron", "ernie4_5"}
+KINDS = {
+    "gpt2",
+    "bloom",
+    "falcon",
+    "mistral",
+    "gemma2",
+    "mixtral",
+    "deepseek_v2",
+    "mamba",
+    "jamba",
+    "bamba",
+    "openai-gpt",
+    "minimax",
+    "lfm2_moe",
+    "llama",
+    "qwen3_moe",
+    "olmoe",
+    "phimoe",
+    "granite",
+    "nemotron",
+    "ernie4_5",
+}
 ALL = os.environ.get("DECODEKIT_ALL_ARCHITECTURES", "") not in ("", "0")
 
 
@@ -65,8 +97,10 @@ def build(model_type: str):
         names = set(defaults.to_dict()) | set(getattr(defaults, "attribute_map", {}))
         config = config_class(**{k: v for k, v in SMALL.items() if k in names})
     except Exception as error:  # noqa: BLE001 - the reason is the skip's
-        pytest.skip(f"{model_type}: its config needs sizes set by hand ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:160]}); add it to tiny_transformers.ARCHITECTURES")
+        pytest.skip(
+            f"{model_type}: its config needs sizes set by hand ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:160]}); add it to tiny_transformers.ARCHITECTURES"
+        )
     if getattr(config, "is_encoder_decoder", False):
         pytest.skip(f"{model_type} is an encoder-decoder model; decodekit runs decoder-only ones")
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
@@ -75,11 +109,15 @@ def build(model_type: str):
         try:
             parameters = sum(p.numel() for p in model_class(config).parameters())
         except Exception as error:  # noqa: BLE001
-            pytest.skip(f"{model_type}: not built from a generic tiny config ({type(error).__name__}: "
-                        f"{str(error).splitlines()[0][:160]}); add it to tiny_transformers.ARCHITECTURES")
+            pytest.skip(
+                f"{model_type}: not built from a generic tiny config ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:160]}); add it to tiny_transformers.ARCHITECTURES"
+            )
     if parameters > MAX_PARAMETERS:
-        pytest.skip(f"{model_type}: {parameters:,} parameters from the generic tiny config (a vision or audio tower, "
-                    "or sizes it does not take by these names); add it to tiny_transformers.ARCHITECTURES")
+        pytest.skip(
+            f"{model_type}: {parameters:,} parameters from the generic tiny config (a vision or audio tower, "
+            "or sizes it does not take by these names); add it to tiny_transformers.ARCHITECTURES"
+        )
     torch.manual_seed(0)
     model = model_class(config).eval()
     with torch.no_grad():
@@ -90,8 +128,13 @@ def build(model_type: str):
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 BATCH = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
-PROCESSORS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, bad_words_ids=[[20], [21, 22]],
-                  suppress_tokens=[30, 31], sequence_bias={(40,): 3.0})
+PROCESSORS = dict(
+    repetition_penalty=1.3,
+    no_repeat_ngram_size=3,
+    bad_words_ids=[[20], [21, 22]],
+    suppress_tokens=[30, 31],
+    sequence_bias={(40,): 3.0},
+)
 NEW = 8
 
 
@@ -99,8 +142,14 @@ def theirs(hf, ids, **kwargs):
     """transformers' own generate(); where it fails on the architecture, None (decodekit then needs only to run)."""
     try:
         with torch.no_grad():
-            return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW,
-                               **oracle_arguments(hf, kwargs))
+            return hf.generate(
+                ids,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD,
+                max_new_tokens=NEW,
+                **oracle_arguments(hf, kwargs),
+            )
     except Exception:  # noqa: BLE001 - transformers' own failure on this architecture
         return None
 
@@ -117,7 +166,9 @@ def pair(request):
 
 def agree(hf, model, ids, **kwargs):
     if hf.config.model_type in OWN_GENERATION_INPUTS:  # refused, saying why and what runs it
-        with pytest.raises(ValueError, match="cannot run under decodekit's decoding loops: .* Run it with transformers"):
+        with pytest.raises(
+            ValueError, match="cannot run under decodekit's decoding loops: .* Run it with transformers"
+        ):
             ours(model, ids, **kwargs)
         return
     reference = theirs(hf, ids, **kwargs)

@@ -1,7 +1,6 @@
 """decodekit.Model, the facade from_pretrained and wrap return: one class over decodekit's model families (and, in
 test_transformers_backend.py, transformers models), the module behind it, and the old import paths of what moved."""
 
-
 import pytest
 import torch
 
@@ -54,7 +53,7 @@ def test_a_family_module_built_by_hand_generates_through_wrap_as_a_loaded_one(lo
     expected = loaded.generate(PROMPT, max_new_tokens=6, eos_token_id=None)
     assert torch.equal(wrapped.generate(PROMPT, max_new_tokens=6, eos_token_id=None), expected)
     batch = wrapped.generate_batch([PROMPT[0].tolist()], max_new_tokens=6, eos_token_id=None, progress_bar=False)
-    assert next(iter(batch.values())).generated_tokens == expected[0, PROMPT.shape[1]:].tolist()
+    assert next(iter(batch.values())).generated_tokens == expected[0, PROMPT.shape[1] :].tolist()
 
 
 def test_wrap_refuses_what_has_no_forward_contract():
@@ -62,5 +61,3 @@ def test_wrap_refuses_what_has_no_forward_contract():
         decodekit.wrap(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="got str"):
         decodekit.wrap("org/repo")
-
-

@@ -64,7 +64,10 @@ def test_unfusable_strategies_run_eagerly_and_say_why(model, caplog):
         eager = model.generate(PROMPT, max_new_tokens=8, no_repeat_ngram_size=2)
         out = model.generate(PROMPT, max_new_tokens=8, no_repeat_ngram_size=2, compile=True)
     assert torch.equal(out, eager)
-    assert "falls back to the eager loop: the logits processor NoRepeatNGramLogitsProcessor may read the whole sequence" in caplog.text
+    assert (
+        "falls back to the eager loop: the logits processor NoRepeatNGramLogitsProcessor may read the whole sequence"
+        in caplog.text
+    )
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="decodekit"):
         lookup = model.generate(PROMPT, max_new_tokens=6, prompt_lookup_num_tokens=2, compile=True)
@@ -103,8 +106,15 @@ def test_compiled_beam_search_equals_eager(model, kwargs, caplog):
         favour = FavourEos(kwargs.pop("favour_eos"))
         favour.eos = eos
         kwargs["logits_processor"] = [favour]
-    common = dict(attention_mask=MASK, max_new_tokens=30, eos_token_id=eos, pad_token_id=0,
-                  return_dict_in_generate=True, output_scores=True, **kwargs)
+    common = dict(
+        attention_mask=MASK,
+        max_new_tokens=30,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
     eager = model.generate(BATCH, **common)
     with caplog.at_level(logging.INFO, logger="decodekit"):
         compiled = model.generate(BATCH, compile=True, **common)
@@ -118,7 +128,7 @@ def test_compiled_beam_search_equals_eager(model, kwargs, caplog):
     assert compiled.past_key_values.get_seq_length() == BATCH.shape[1] + len(eager.scores) - 1
     assert (compiled.past_key_values.rows is not None) == native.loaded()  # the C++ stack's shared rows
     if "logits_processor" in kwargs:
-        assert (eager.sequences[:, BATCH.shape[1]:] == eos).any()  # finished hypotheses are returned
+        assert (eager.sequences[:, BATCH.shape[1] :] == eos).any()  # finished hypotheses are returned
     if kwargs.get("early_stopping") is True:
         assert len(eager.scores) < 30  # the search ended before max_length: later compiled steps changed nothing
 
@@ -158,8 +168,9 @@ def test_int8_weights_are_compiled_and_equal_eager(tmp_path, caplog, intermediat
     assert (int8.layers[0].native_operands() is not None) == (intermediate == 128)
     with caplog.at_level(logging.INFO, logger="decodekit"):
         for kwargs in (dict(input_ids=PROMPT), dict(input_ids=BATCH, attention_mask=MASK)):
-            assert torch.equal(int8.generate(**kwargs, max_new_tokens=16),
-                               int8.generate(**kwargs, max_new_tokens=16, compile=True))
+            assert torch.equal(
+                int8.generate(**kwargs, max_new_tokens=16), int8.generate(**kwargs, max_new_tokens=16, compile=True)
+            )
         sample = dict(max_new_tokens=16, do_sample=True, top_k=20, seed=3, eos_token_id=None)
         assert torch.equal(int8.generate(PROMPT, **sample), int8.generate(PROMPT, compile=True, **sample))
     assert "compiling the decode step" in caplog.text and "falls back" not in caplog.text
@@ -212,7 +223,9 @@ def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
 def test_bad_compile_config(model):
     with pytest.raises(ValueError, match=r"compile_config=\{'fast': True\} is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile_config={"fast": True})
-    with pytest.raises(ValueError, match=r"compile_config=\{'mode': 'fastest'\} is invalid; mode='fastest' is not one of \['default', "):
+    with pytest.raises(
+        ValueError, match=r"compile_config=\{'mode': 'fastest'\} is invalid; mode='fastest' is not one of \['default', "
+    ):
         model.generate(PROMPT, max_new_tokens=2, compile_config={"mode": "fastest"})
     with pytest.raises(ValueError, match=r"compile='yes' is invalid"):
         model.generate(PROMPT, max_new_tokens=2, compile="yes")
@@ -236,7 +249,10 @@ def test_compile_config_options_reach_inductor_over_the_step_options_and_bad_one
 
     args = compile_arguments({"mode": "default", "options": {"realize_opcount_threshold": 50, "size_asserts": False}})
     assert args["options"]["realize_opcount_threshold"] == 50 and args["options"]["size_asserts"] is False
-    assert args["options"]["realize_acc_reads_threshold"] == 3 and args["options"]["guard_filter_fn"] is argument_guards_only
+    assert (
+        args["options"]["realize_acc_reads_threshold"] == 3
+        and args["options"]["guard_filter_fn"] is argument_guards_only
+    )
     out = model.generate(PROMPT, max_new_tokens=8, compile_config={"options": {"size_asserts": False}})
     assert torch.equal(out, model.generate(PROMPT, max_new_tokens=8))
     with pytest.raises(ValueError, match=r"options \['not_an_option'\] are not inductor options"):
@@ -336,11 +352,19 @@ def test_a_step_that_does_not_compile_falls_back(model, caplog):
     assert "falls back to the eager loop: the step did not compile" in caplog.text
 
 
-@pytest.mark.parametrize("config, graphs", [
-    ({}, False), ({"mode": "default"}, False), ({"mode": "reduce-overhead"}, True), ({"mode": "max-autotune"}, True),
-    ({"mode": "max-autotune-no-cudagraphs"}, False), ({"options": {"triton.cudagraphs": True}}, True),
-    ({"backend": "cudagraphs"}, True), ({"backend": "eager"}, False),
-])
+@pytest.mark.parametrize(
+    "config, graphs",
+    [
+        ({}, False),
+        ({"mode": "default"}, False),
+        ({"mode": "reduce-overhead"}, True),
+        ({"mode": "max-autotune"}, True),
+        ({"mode": "max-autotune-no-cudagraphs"}, False),
+        ({"options": {"triton.cudagraphs": True}}, True),
+        ({"backend": "cudagraphs"}, True),
+        ({"backend": "eager"}, False),
+    ],
+)
 def test_which_compile_configs_replay_cuda_graphs(config, graphs):
     """Those steps mark their cache as a fixed address and copy their outputs out of the graph's memory on CUDA
     (tests/test_cuda.py checks the replay itself on a GPU)."""
@@ -356,7 +380,11 @@ def test_a_step_on_cuda_replays_graphs_unless_compile_config_chooses_otherwise()
     assert step_options(None, cpu) == {"fullgraph": True, "dynamic": False}
     assert step_options(None, cuda) == {"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}
     assert replays_graphs(step_options({"fullgraph": False}, cuda))
-    for own in ({"mode": "default"}, {"mode": "max-autotune-no-cudagraphs"}, {"backend": "eager"},
-                {"options": {"size_asserts": False}}):
+    for own in (
+        {"mode": "default"},
+        {"mode": "max-autotune-no-cudagraphs"},
+        {"backend": "eager"},
+        {"options": {"size_asserts": False}},
+    ):
         options = step_options(own, cuda)
         assert "reduce-overhead" not in options.values() and not replays_graphs(options)

@@ -42,15 +42,24 @@ PROMPT = torch.tensor([[5, 6, 7]])
         ({"sequence_bias": {"a": 1}}, r"sequence_bias="),
         ({"stop_strings": ""}, r"stop_strings=''"),
         ({"max_time": 0}, r"max_time=0"),
-        ({"cache_implementation": "paged"}, r"cache_implementation='paged' is invalid; expected one of \['static', 'dynamic'\]"),
+        (
+            {"cache_implementation": "paged"},
+            r"cache_implementation='paged' is invalid; expected one of \['static', 'dynamic'\]",
+        ),
         ({"output_scores": 1}, r"output_scores=1"),
         ({"max_new_tokenz": 5}, r"unknown arguments \['max_new_tokenz'\] \(did you mean 'max_new_tokens'\?\)"),
         # Found by fuzzing: each was a bare TypeError, an ambiguous tensor, an overflow or NaN scores.
         ({"penalty_alpha": []}, r"penalty_alpha=\[\] is invalid; expected a number in \[0, 1\]"),
-        ({"low_memory": torch.tensor([1, 0])}, r"low_memory=tensor\(\[1, 0\]\) is invalid; expected True, False or None"),
+        (
+            {"low_memory": torch.tensor([1, 0])},
+            r"low_memory=tensor\(\[1, 0\]\) is invalid; expected True, False or None",
+        ),
         ({"mirostat": torch.tensor([1, 2])}, r"mirostat=tensor\(\[1, 2\]\) is invalid; expected 0 \(off\)"),
-        ({"max_cache_len": 2**63, "cache_implementation": "static"}, r"max_cache_len=9223372036854775808 is invalid; "
-                                                                     r"expected an integer from this call's max_length"),
+        (
+            {"max_cache_len": 2**63, "cache_implementation": "static"},
+            r"max_cache_len=9223372036854775808 is invalid; "
+            r"expected an integer from this call's max_length",
+        ),
         ({"assistant_model": True}, r"assistant_model=True is invalid: wrap\(\) takes"),
         ({"mirostat": 2, "mirostat_tau": 1e300, "do_sample": True}, r"mirostat_tau=1e\+300 is invalid"),
         ({"dynatemp_range": 1e300, "do_sample": True}, r"dynatemp_range=1e\+300 is invalid; expected a number \[0, "),
@@ -66,7 +75,9 @@ def test_invalid_inputs(model):
         model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"input_ids must be 2-D \[batch, seq\], got shape \(3,\)"):
         model.generate(torch.tensor([5, 6, 7]), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the same shape as input_ids \(1, 3\), got \(1, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"attention_mask must be a tensor of the same shape as input_ids \(1, 3\), got \(1, 2\)"
+    ):
         model.generate(PROMPT, attention_mask=torch.ones(1, 2, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"only 0 \(padding\) and 1"):
         model.generate(PROMPT, attention_mask=torch.full((1, 3), 2), max_new_tokens=2)
@@ -101,7 +112,9 @@ def test_model_loading_errors(tmp_path):
     bad = write_tiny_model(tmp_path / "gpt2like", model_type="llama")
     cfg = (bad / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (bad / "config.json").write_text(cfg)
-    with pytest.raises(ValueError, match=r"model_type 'gpt_neox' has no native .*\['llama', 'mistral', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(
+        ValueError, match=r"model_type 'gpt_neox' has no native .*\['llama', 'mistral', 'qwen2', 'qwen3'\]"
+    ):
         AutoModelForCausalLM.from_pretrained(bad, backend="native")
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "nope" / "deeper" / "path")
@@ -168,5 +181,7 @@ def test_sampling_fields_of_a_call_that_does_not_sample_are_said_once(model, cap
         model.generate(PROMPT, max_new_tokens=2, temperature=0.7, do_sample=True, seed=0)
         model.generate(PROMPT, max_new_tokens=2, penalty_alpha=0.5, top_k=4)
     said = [r.getMessage() for r in caplog.records if "only change(s) sampling" in r.getMessage()]
-    assert said == ["do_sample is False: temperature=0.7 only change(s) sampling and will be ignored; pass "
-                    "do_sample=True to sample (said once)."]
+    assert said == [
+        "do_sample is False: temperature=0.7 only change(s) sampling and will be ignored; pass "
+        "do_sample=True to sample (said once)."
+    ]

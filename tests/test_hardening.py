@@ -22,10 +22,10 @@ from helpers import TableModel
 from methods import write_method
 
 # A method whose generate() says which version of it ran.
-VERSIONED = '''
+VERSIONED = """
 def generate(model, input_ids, **kwargs):
     return "{marker}"
-'''
+"""
 EVIL = 'def generate(model, input_ids, **kwargs):\n    return "evil"\n'
 
 
@@ -56,8 +56,11 @@ def test_bytecode_in_pycache_never_runs(model, tmp_path):
     cache.mkdir()
     tag = sys.implementation.cache_tag
     # Unchecked-hash bytecode is what Python would load for generate.py without looking at the source.
-    py_compile.compile(str(evil), cfile=str(cache / f"generate.{tag}.pyc"),
-                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    py_compile.compile(
+        str(evil),
+        cfile=str(cache / f"generate.{tag}.pyc"),
+        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+    )
     assert run(model, repo) == "source"
     assert all("__pycache__" not in name for name, _ in load_method(str(repo), True).source.files)
 
@@ -73,7 +76,9 @@ def test_sourceless_bytecode_and_native_extensions_are_refused(model, tmp_path, 
 
 
 def test_a_symlinked_folder_inside_the_method_is_read_hashed_and_listed_so_a_pin_holds(model, tmp_path):
-    repo = write_method(tmp_path / "m", "from .shared.value import MARK\n\ndef generate(model, input_ids, **kw):\n    return MARK\n")
+    repo = write_method(
+        tmp_path / "m", "from .shared.value import MARK\n\ndef generate(model, input_ids, **kw):\n    return MARK\n"
+    )
     inside = repo / "custom_generate" / "real"
     inside.mkdir()
     (inside / "__init__.py").write_text("")
@@ -101,8 +106,10 @@ def test_a_link_that_leads_out_of_the_method_folder_is_refused_before_it_is_read
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
     for trust in (None, True):
-        with pytest.raises(MethodFilesError, match=re.escape(f"custom_generate/{link.name} is a symlink to ")
-                           + r".*leads out of the method's folder"):
+        with pytest.raises(
+            MethodFilesError,
+            match=re.escape(f"custom_generate/{link.name} is a symlink to ") + r".*leads out of the method's folder",
+        ):
             run(model, repo, trust=trust)
     assert not [path for path in opened if "outside" in path]
 
@@ -126,30 +133,48 @@ def test_a_symlink_loop_is_refused(model, tmp_path):
         run(model, repo)
 
 
-@pytest.mark.parametrize("statement", ["from custom_generate import helper", "import custom_generate.helper as helper",
-                                       "from custom_generate.helper import MARK"])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from custom_generate import helper",
+        "import custom_generate.helper as helper",
+        "from custom_generate.helper import MARK",
+    ],
+)
 def test_an_absolute_import_of_custom_generate_is_refused_and_flagged_by_check(model, tmp_path, monkeypatch, statement):
     # With the method's root on sys.path (python -m, notebooks, pytest), that name is the original folder, whose
     # __pycache__ was never hashed: a forged helper.pyc there used to run under a valid pin.
     from decodekit.hub_loader.check import check_repo
 
-    repo = write_method(tmp_path / "m", f"{statement}\n\ndef generate(model, input_ids, **kw):\n    return 'ran'\n",
-                        extra={"helper.py": "MARK = 'helper'\n"})
+    repo = write_method(
+        tmp_path / "m",
+        f"{statement}\n\ndef generate(model, input_ids, **kw):\n    return 'ran'\n",
+        extra={"helper.py": "MARK = 'helper'\n"},
+    )
     (repo / "custom_generate" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(repo))
-    with pytest.raises(MethodFilesError, match=r"custom_generate/generate.py:1 imports custom_generate absolutely.*"
-                                               r"`from \. import helper`"):
+    with pytest.raises(
+        MethodFilesError,
+        match=r"custom_generate/generate.py:1 imports custom_generate absolutely.*"
+        r"`from \. import helper`",
+    ):
         run(model, repo)
     assert [str(p) for p in check_repo(repo)] == [
         "custom_generate/generate.py:1: imports custom_generate absolutely, which Python finds on sys.path rather than "
-        "in the checked copy (decodekit refuses it); import siblings relatively: `from . import helper`"]
+        "in the checked copy (decodekit refuses it); import siblings relatively: `from . import helper`"
+    ]
 
 
-@pytest.mark.parametrize("statement", [
-    "helper = importlib.import_module('custom_generate.helper')",
-    "helper = __import__('custom_generate.helper', fromlist=['MARK'])",
-    "space = {}\n    exec('import custom_generate.helper as helper', space)\n    helper = space['helper']",
-    "import helper"], ids=["import_module", "__import__", "exec", "bare"])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "helper = importlib.import_module('custom_generate.helper')",
+        "helper = __import__('custom_generate.helper', fromlist=['MARK'])",
+        "space = {}\n    exec('import custom_generate.helper as helper', space)\n    helper = space['helper']",
+        "import helper",
+    ],
+    ids=["import_module", "__import__", "exec", "bare"],
+)
 def test_an_import_at_run_time_never_loads_the_original_folder_or_its_bytecode(model, tmp_path, monkeypatch, statement):
     # The static check sees only import statements of custom_generate. Under a valid pin, a forged helper.pyc in
     # the original folder's __pycache__ ran when the method reached its sibling by any of these at run time.
@@ -160,14 +185,20 @@ def test_an_import_at_run_time_never_loads_the_original_folder_or_its_bytecode(m
     forged.write_text("MARK = 'forged bytecode'\n")
     cache = repo / "custom_generate" / "__pycache__"
     cache.mkdir()
-    py_compile.compile(str(forged), cfile=str(cache / f"helper.{sys.implementation.cache_tag}.pyc"),
-                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    py_compile.compile(
+        str(forged),
+        cfile=str(cache / f"helper.{sys.implementation.cache_tag}.pyc"),
+        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+    )
     monkeypatch.syspath_prepend(str(repo / "custom_generate" if statement == "import helper" else repo))
     for name in ("custom_generate", "custom_generate.helper", "helper"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     pin = load_method(str(repo), True).source.revision
-    with pytest.raises(ImportError, match=r"imports '(custom_generate(\.helper)?|helper)' at run time.*original folder"
-                                          r".*`from \. import helper`"):
+    with pytest.raises(
+        ImportError,
+        match=r"imports '(custom_generate(\.helper)?|helper)' at run time.*original folder"
+        r".*`from \. import helper`",
+    ):
         run(model, repo, trust=pin)
     assert not {"custom_generate.helper", "helper"} & set(sys.modules)  # nothing of the original folder was loaded
     # Code that is not a method's imports the folder as before: the guard speaks for methods only.
@@ -178,8 +209,9 @@ def test_an_import_at_run_time_never_loads_the_original_folder_or_its_bytecode(m
 
 def test_threads_loading_the_same_new_method_at_once_all_get_the_whole_module(model, tmp_path):
     # Seven of eight threads used to get the module while the first still executed it (AttributeError: generate).
-    repo = write_method(tmp_path / "m", "import time\ntime.sleep(0.3)\n\ndef generate(model, input_ids, **kw):\n"
-                                         "    return 'whole'\n")
+    repo = write_method(
+        tmp_path / "m", "import time\ntime.sleep(0.3)\n\ndef generate(model, input_ids, **kw):\n    return 'whole'\n"
+    )
     results, start = [], threading.Barrier(8)
 
     def load():
@@ -228,10 +260,15 @@ def test_too_many_files_are_refused_before_any_is_copied(model, tmp_path):
         run(model, repo)
 
 
-@pytest.mark.parametrize("target, words", [("/sys/kernel", "is a symlink to /sys/kernel, which leads out of"),
-                                           ("/dev/zero", "is a symlink to /dev/zero, which leads out of"),
-                                           ("/no/such/file", "is a symlink to /no/such/file, which does not exist")],
-                         ids=["sys-folder", "device", "missing"])
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("/sys/kernel", "is a symlink to /sys/kernel, which leads out of"),
+        ("/dev/zero", "is a symlink to /dev/zero, which leads out of"),
+        ("/no/such/file", "is a symlink to /no/such/file, which does not exist"),
+    ],
+    ids=["sys-folder", "device", "missing"],
+)
 def test_links_out_to_system_folders_and_devices_get_their_own_message(model, tmp_path, target, words):
     repo = versioned(tmp_path / "m", "source")
     (repo / "custom_generate" / "link").symlink_to(target)
@@ -302,7 +339,9 @@ def test_many_files_over_the_total_are_refused(model, tmp_path, monkeypatch):
     for i in range(3):
         (repo / "custom_generate" / f"data{i}.txt").write_bytes(b"x" * 4096)
     monkeypatch.setenv("DECODEKIT_MAX_METHOD_BYTES", "8000")
-    with pytest.raises(MethodFilesError, match=r"holds 12.1 KiB; a method may hold at most 7.8 KiB \(DECODEKIT_MAX_METHOD_BYTES"):
+    with pytest.raises(
+        MethodFilesError, match=r"holds 12.1 KiB; a method may hold at most 7.8 KiB \(DECODEKIT_MAX_METHOD_BYTES"
+    ):
         run(model, repo)
 
 
@@ -310,8 +349,11 @@ def test_trust_values_that_are_no_revision_get_their_own_message(model, tmp_path
     repo = versioned(tmp_path / "m", "source")
     revision = load_method(str(repo), True).source.revision
     for value in ("yes", "True", "main"):
-        with pytest.raises(ValueError, match=rf"trust_remote_code={value!r} is invalid .*expected True, False, or a "
-                                             r"revision to pin, which for a local directory is its content hash"):
+        with pytest.raises(
+            ValueError,
+            match=rf"trust_remote_code={value!r} is invalid .*expected True, False, or a "
+            r"revision to pin, which for a local directory is its content hash",
+        ):
             run(model, repo, trust=value)
     with pytest.raises(UntrustedCodeError, match=rf"is a prefix of its content hash.*trust_remote_code='{revision}'"):
         run(model, repo, trust=revision[:12])
@@ -365,12 +407,23 @@ def clean_manager():
     manager.reset()
 
 
-HOOKS = ["decodekit_config_fields", "decodekit_validate_config", "decodekit_logits_processors", "decodekit_token_selector",
-         "decodekit_stopping_criteria", "decodekit_cache", "decodekit_decoding_loop", "decodekit_next_token_logits"]
+HOOKS = [
+    "decodekit_config_fields",
+    "decodekit_validate_config",
+    "decodekit_logits_processors",
+    "decodekit_token_selector",
+    "decodekit_stopping_criteria",
+    "decodekit_cache",
+    "decodekit_decoding_loop",
+    "decodekit_next_token_logits",
+]
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom"), SystemExit(3), AttributeError("no attribute x")],
-                         ids=["RuntimeError", "SystemExit", "AttributeError"])
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("boom"), SystemExit(3), AttributeError("no attribute x")],
+    ids=["RuntimeError", "SystemExit", "AttributeError"],
+)
 @pytest.mark.parametrize("hook", HOOKS)
 def test_a_plugin_that_raises_in_any_hook_is_disabled_and_the_rest_keep_working(model, clean_manager, hook, error):
     baseline = model.generate(PROMPT, max_new_tokens=4)
@@ -397,7 +450,8 @@ def test_keyboard_interrupt_is_never_swallowed(model, clean_manager):
 
 
 def test_a_plugin_failing_at_import_with_system_exit_is_recorded_and_the_manager_is_built_once(
-        model, tmp_path, monkeypatch, clean_manager):
+    model, tmp_path, monkeypatch, clean_manager
+):
     site = tmp_path / "site"
     site.mkdir()
     (site / "dk_exits.py").write_text("import sys\nsys.exit('no thanks')\n")
@@ -415,8 +469,11 @@ def test_a_plugin_failing_at_import_with_system_exit_is_recorded_and_the_manager
 
 def test_a_misspelt_hook_is_an_error_of_that_plugin(clean_manager):
     misspelt = type("Misspelt", (), {"decodekit_logit_processors": staticmethod(decodekit.hookimpl(lambda: []))})
-    with pytest.raises(PluginError, match="decodekit_logit_processors is not a decodekit hook "
-                                          r"\(did you mean decodekit_logits_processors\?\)"):
+    with pytest.raises(
+        PluginError,
+        match="decodekit_logit_processors is not a decodekit hook "
+        r"\(did you mean decodekit_logits_processors\?\)",
+    ):
         decodekit.register(misspelt, name="misspelt")
     assert manager.get_plugin_manager().get_plugin("misspelt") is None
 
@@ -460,8 +517,11 @@ def test_a_processor_returning_the_wrong_shape_or_dtype_names_its_plugin(model, 
     batch = torch.tensor([[1, 2], [3, 4]])
     baseline = model.generate(batch, max_new_tokens=3)
     decodekit.register(processor_plugin(processor=processor), name="shapes")
-    with pytest.raises(PluginError, match=rf"the logits processor {processor.__name__} of plugin 'shapes' returned .*"
-                                          r"a torch.float32 tensor \[batch, vocab\] = \[2, 8\]"):
+    with pytest.raises(
+        PluginError,
+        match=rf"the logits processor {processor.__name__} of plugin 'shapes' returned .*"
+        r"a torch.float32 tensor \[batch, vocab\] = \[2, 8\]",
+    ):
         model.generate(batch, max_new_tokens=3)
     # Disabled for the process, as a plugin whose hook raises is: the next call runs without it, unregistered by nobody.
     record = next(r for r in manager.plugin_records() if r.name == "shapes")
@@ -471,8 +531,11 @@ def test_a_processor_returning_the_wrong_shape_or_dtype_names_its_plugin(model, 
 
 def test_a_selector_returning_one_token_for_two_rows_names_its_plugin(model, clean_manager):
     decodekit.register(processor_plugin(selector=lambda input_ids, scores: torch.tensor([3])), name="one_token")
-    with pytest.raises(PluginError, match=r"the token selector function of plugin 'one_token' returned Tensor of shape "
-                                          r"\(1,\).*one integer token id per row, a tensor \[2\]"):
+    with pytest.raises(
+        PluginError,
+        match=r"the token selector function of plugin 'one_token' returned Tensor of shape "
+        r"\(1,\).*one integer token id per row, a tensor \[2\]",
+    ):
         model.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=3)
 
 
@@ -490,16 +553,20 @@ def test_an_exception_inside_a_processor_carries_the_plugin_name(model, clean_ma
     assert model.generate(PROMPT, max_new_tokens=5).shape == (1, PROMPT.shape[1] + 5)
 
 
-@pytest.mark.parametrize("fill, words", [(float("nan"), "NaN"), (-float("inf"), "-inf for every token")],
-                         ids=["nan", "all-banned"])
+@pytest.mark.parametrize(
+    "fill, words", [(float("nan"), "NaN"), (-float("inf"), "-inf for every token")], ids=["nan", "all-banned"]
+)
 def test_scores_no_token_can_come_from_are_an_error_naming_the_processors(model, clean_manager, fill, words):
     def spoils_at_the_third_step(input_ids, scores):
         return torch.full_like(scores, fill) if input_ids.shape[1] >= PROMPT.shape[1] + 2 else scores
 
     baseline = model.generate(PROMPT, max_new_tokens=5)
     decodekit.register(processor_plugin(processor=spoils_at_the_third_step), name="spoils")
-    with pytest.raises(PluginError, match=r"the logits processor spoils_at_the_third_step of plugin 'spoils' left the "
-                                          rf"scores {re.escape(words)} in row 0 at position 4"):
+    with pytest.raises(
+        PluginError,
+        match=r"the logits processor spoils_at_the_third_step of plugin 'spoils' left the "
+        rf"scores {re.escape(words)} in row 0 at position 4",
+    ):
         model.generate(PROMPT, max_new_tokens=5)  # before: token 0, silently
     # Disabled as a processor that raises is (before: named at every call, never disabled).
     assert manager.get_plugin_manager().get_plugin("spoils") is None
@@ -508,8 +575,11 @@ def test_scores_no_token_can_come_from_are_an_error_naming_the_processors(model,
 
 def test_scores_a_builtin_left_unusable_still_name_every_processor(model, clean_manager):
     # Built-in processors are not disabled: the user's own values did it (every token banned here).
-    with pytest.raises(PluginError, match=r"the scores are -inf for every token in row 0 at position 2 after the logits "
-                                          r"processors \[.the logits processor NoBadWordsLogitsProcessor"):
+    with pytest.raises(
+        PluginError,
+        match=r"the scores are -inf for every token in row 0 at position 2 after the logits "
+        r"processors \[.the logits processor NoBadWordsLogitsProcessor",
+    ):
         model.generate(PROMPT, max_new_tokens=2, bad_words_ids=[[t] for t in range(8)])
 
 
@@ -519,8 +589,11 @@ def test_a_processor_raising_system_exit_fails_its_call_alone_and_is_disabled(mo
 
     baseline = model.generate(PROMPT, max_new_tokens=3)
     decodekit.register(processor_plugin(processor=exits), name="exits")
-    with pytest.raises(PluginError, match=r"the logits processor exits of plugin 'exits' at position 2 raised "
-                                          r"SystemExit\(3\)"):
+    with pytest.raises(
+        PluginError,
+        match=r"the logits processor exits of plugin 'exits' at position 2 raised "
+        r"SystemExit\(3\)",
+    ):
         model.generate(PROMPT, max_new_tokens=3)
     assert torch.equal(model.generate(PROMPT, max_new_tokens=3), baseline)  # before: SystemExit at every later call
     assert manager.get_plugin_manager().get_plugin("exits") is None
@@ -555,13 +628,22 @@ def exits(input_ids, scores):
     raise SystemExit("stop")
 
 
-@pytest.mark.parametrize("criterion, words", [
-    (one_for_all, r"returned a torch.bool tensor of shape \(1,\) on cpu at position 3; a criterion returns done "
-                  r"\[batch\] = \[2\]"),
-    (of_longs, r"returned a torch.int64 tensor of shape \(2,\)"),
-    (exits, r"at position 3 raised SystemExit\(stop\)")], ids=["one-for-all", "longs", "system-exit"])
+@pytest.mark.parametrize(
+    "criterion, words",
+    [
+        (
+            one_for_all,
+            r"returned a torch.bool tensor of shape \(1,\) on cpu at position 3; a criterion returns done "
+            r"\[batch\] = \[2\]",
+        ),
+        (of_longs, r"returned a torch.int64 tensor of shape \(2,\)"),
+        (exits, r"at position 3 raised SystemExit\(stop\)"),
+    ],
+    ids=["one-for-all", "longs", "system-exit"],
+)
 def test_a_stopping_criterion_of_the_wrong_shape_or_raising_names_its_plugin_and_is_disabled(
-        model, clean_manager, criterion, words):
+    model, clean_manager, criterion, words
+):
     # Before: a [1] tensor was broadcast and stopped the row it never judged, in every later call too.
     batch = torch.tensor([[1, 2], [5, 6]])
     baseline = model.generate(batch, max_new_tokens=4)
@@ -574,8 +656,11 @@ def test_a_stopping_criterion_of_the_wrong_shape_or_raising_names_its_plugin_and
 
 
 def test_a_stopping_criterion_passed_to_generate_is_named_as_such(model, clean_manager):
-    with pytest.raises(PluginError, match=r"the stopping criterion one_for_all of stopping_criteria \(passed to "
-                                          r"generate\) returned a torch.bool tensor of shape \(1,\)"):
+    with pytest.raises(
+        PluginError,
+        match=r"the stopping criterion one_for_all of stopping_criteria \(passed to "
+        r"generate\) returned a torch.bool tensor of shape \(1,\)",
+    ):
         model.generate(torch.tensor([[1, 2], [5, 6]]), max_new_tokens=4, stopping_criteria=[one_for_all])
     # One Python bool for every row, as transformers' older criteria return, is accepted.
     out = model.generate(PROMPT, max_new_tokens=4, stopping_criteria=[lambda ids, scores: ids.shape[1] >= 4])
@@ -599,8 +684,11 @@ def test_a_selector_that_goes_wrong_after_the_first_step_names_its_plugin(model,
         return chosen + 1000 if input_ids.shape[1] >= PROMPT.shape[1] + 2 else chosen
 
     decodekit.register(processor_plugin(selector=strays_later), name="strays")
-    with pytest.raises(PluginError, match=r"plugin 'strays' returned token ids \[\d+\] at position 4, outside the "
-                                          r"vocabulary"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'strays' returned token ids \[\d+\] at position 4, outside the "
+        r"vocabulary",
+    ):
         model.generate(PROMPT, max_new_tokens=5)  # before: an IndexError deep inside the next forward
 
 
@@ -639,17 +727,35 @@ class _RaisingLoop:
         raise SystemExit("the loop gives up")
 
 
-@pytest.mark.parametrize("hook, returned, words", [
-    ("decodekit_decoding_loop", lambda: 42, r"plugin 'odd': decodekit_decoding_loop returned int, not a loop"),
-    ("decodekit_decoding_loop", _RaisingLoop, r"the decoding loop of plugin 'odd' raised SystemExit\(the loop gives up\)"),
-    ("decodekit_cache", lambda: object(), r"plugin 'odd': decodekit_cache returned a object without \['update', "
-                                          r"'get_seq_length'\]"),
-], ids=["loop-not-callable", "loop-raises", "cache-without-protocol"])
+@pytest.mark.parametrize(
+    "hook, returned, words",
+    [
+        ("decodekit_decoding_loop", lambda: 42, r"plugin 'odd': decodekit_decoding_loop returned int, not a loop"),
+        (
+            "decodekit_decoding_loop",
+            _RaisingLoop,
+            r"the decoding loop of plugin 'odd' raised SystemExit\(the loop gives up\)",
+        ),
+        (
+            "decodekit_cache",
+            lambda: object(),
+            r"plugin 'odd': decodekit_cache returned a object without \['update', "
+            r"'get_seq_length'\]",
+        ),
+    ],
+    ids=["loop-not-callable", "loop-raises", "cache-without-protocol"],
+)
 def test_a_wrong_loop_or_cache_hook_names_its_plugin_and_is_disabled(model, clean_manager, hook, returned, words):
     # Before: an AttributeError or TypeError from deep inside generate() that named no plugin, at every later call.
     baseline = model.generate(PROMPT, max_new_tokens=3)
-    plugin = type("Odd", (), {"decodekit_config_fields": staticmethod(decodekit.hookimpl(lambda: {"odd": True})),
-                              hook: staticmethod(decodekit.hookimpl(lambda: returned()))})
+    plugin = type(
+        "Odd",
+        (),
+        {
+            "decodekit_config_fields": staticmethod(decodekit.hookimpl(lambda: {"odd": True})),
+            hook: staticmethod(decodekit.hookimpl(lambda: returned())),
+        },
+    )
     decodekit.register(plugin, name="odd")
     with pytest.raises(PluginError, match=words):
         model.generate(PROMPT, max_new_tokens=3)

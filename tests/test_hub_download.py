@@ -62,8 +62,10 @@ def test_decodekit_download_fetches_what_a_load_reads_then_loads_run_offline(hub
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     ids = torch.tensor([[4, 5, 6]])
     cached = AutoModelForCausalLM.from_pretrained("acme/tiny-dl")
-    assert torch.equal(cached.generate(ids, max_new_tokens=4),
-                       AutoModelForCausalLM.from_pretrained(local).generate(ids, max_new_tokens=4))
+    assert torch.equal(
+        cached.generate(ids, max_new_tokens=4),
+        AutoModelForCausalLM.from_pretrained(local).generate(ids, max_new_tokens=4),
+    )
 
 
 @pytest.mark.parametrize("offline", [False, True], ids=["hub-unreachable", "offline-not-cached"])
@@ -76,10 +78,15 @@ def test_a_hub_that_cannot_be_reached_names_the_repo_and_the_ways_on(hub, tmp_pa
     hub.stop()
     if offline:
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(HubUnreachable, match=r"could not fetch the model 'acme/nowhere' from the Hub .* local directory "
-                                             r".*`decodekit download acme/nowhere`.*HF_HUB_OFFLINE=1"):
+    with pytest.raises(
+        HubUnreachable,
+        match=r"could not fetch the model 'acme/nowhere' from the Hub .* local directory "
+        r".*`decodekit download acme/nowhere`.*HF_HUB_OFFLINE=1",
+    ):
         AutoModelForCausalLM.from_pretrained("acme/nowhere")
-    with pytest.raises(HubUnreachable, match=r"the method 'acme/a-method' .*`decodekit download --method acme/a-method`"):
+    with pytest.raises(
+        HubUnreachable, match=r"the method 'acme/a-method' .*`decodekit download --method acme/a-method`"
+    ):
         load_method("acme/a-method", True)
     assert main(["download", "acme/nowhere"]) == 2
     assert "could not fetch the model 'acme/nowhere'" in capsys.readouterr().err

@@ -32,16 +32,19 @@ PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [4, 4, 5]]
 
 def test_methods_in_four_threads_stay_in_their_own_calls(tmp_path):
     model = tiny_model(tmp_path / "model", "llama").eval()
-    plain = {tuple(p): model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None)[0, len(p):].tolist()
-             for p in PROMPTS}
+    plain = {
+        tuple(p): model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None)[0, len(p) :].tolist()
+        for p in PROMPTS
+    }
     # Each method bans the first token plain greedy gives for the first prompt / the second: a leak shows.
     methods = [write_method(tmp_path / f"ban{i}", BANS.format(token=plain[tuple(PROMPTS[i])][0])) for i in range(2)]
     expected = {}
     for i, method in enumerate([None, *methods]):
         for p in PROMPTS:
             kwargs = {"custom_generate": str(method), "trust_remote_code": True} if method else {}
-            expected[(i, tuple(p))] = model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None,
-                                                     **kwargs)[0, len(p):].tolist()
+            expected[(i, tuple(p))] = model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None, **kwargs)[
+                0, len(p) :
+            ].tolist()
     assert expected[(1, tuple(PROMPTS[0]))] != plain[tuple(PROMPTS[0])]
     assert expected[(2, tuple(PROMPTS[1]))] != plain[tuple(PROMPTS[1])]
 
@@ -55,7 +58,7 @@ def test_methods_in_four_threads_stay_in_their_own_calls(tmp_path):
                 method = methods[which - 1] if which else None
                 kwargs = {"custom_generate": str(method), "trust_remote_code": True} if method else {}
                 out = model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None, **kwargs)
-                got.append(((which, tuple(p)), out[0, len(p):].tolist()))
+                got.append(((which, tuple(p)), out[0, len(p) :].tolist()))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -71,11 +74,12 @@ def test_methods_in_four_threads_stay_in_their_own_calls(tmp_path):
 def test_a_method_in_continuous_batching_stays_in_its_own_request(tmp_path):
     model = tiny_model(tmp_path / "model", "llama").eval()
     prompt = PROMPTS[0]
-    plain = model.generate(torch.tensor([prompt]), max_new_tokens=5, eos_token_id=None)[0, len(prompt):].tolist()
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=5, eos_token_id=None)[0, len(prompt) :].tolist()
     method = write_method(tmp_path / "ban", BANS.format(token=plain[0]))
     with model.init_continuous_batching() as manager:
-        banned = manager.add_request(prompt, max_new_tokens=5, eos_token_id=None, custom_generate=str(method),
-                                     trust_remote_code=True)
+        banned = manager.add_request(
+            prompt, max_new_tokens=5, eos_token_id=None, custom_generate=str(method), trust_remote_code=True
+        )
         alone = manager.add_request(prompt, max_new_tokens=5, eos_token_id=None)
         out_banned, out_alone = manager.get_result(banned, timeout=60), manager.get_result(alone, timeout=60)
     assert out_alone.status == out_banned.status == RequestStatus.FINISHED

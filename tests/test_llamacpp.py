@@ -12,15 +12,24 @@ import math
 import pytest
 import torch
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed here: `make test-llamacpp` builds "
-                                                    "it from source in its own environment and runs these tests")
+llama_cpp = pytest.importorskip(
+    "llama_cpp",
+    reason="llama-cpp-python is not installed here: `make test-llamacpp` builds "
+    "it from source in its own environment and runs these tests",
+)
 
-from decodekit.core.llamacpp_samplers import (DRYLogitsProcessor, DynamicTemperatureLogitsWarper,  # noqa: E402
-                                              MirostatSelector, TopNSigmaLogitsWarper, XTCLogitsWarper,
-                                              dry_breaker_sequences, mirostat_keep)
+from decodekit.core.llamacpp_samplers import (  # noqa: E402
+    DRYLogitsProcessor,
+    DynamicTemperatureLogitsWarper,
+    MirostatSelector,
+    TopNSigmaLogitsWarper,
+    XTCLogitsWarper,
+    dry_breaker_sequences,
+    mirostat_keep,
+)
 
 L = llama_cpp.llama_cpp
-BREAKERS = ["\n", ":", "\"", "*"]
+BREAKERS = ["\n", ":", '"', "*"]
 
 
 def run(sampler, logits: torch.Tensor, accept=()) -> tuple[dict[int, float], int]:
@@ -28,8 +37,9 @@ def run(sampler, logits: torch.Tensor, accept=()) -> tuple[dict[int, float], int
     candidates it keeps, and the index it selected (-1 for none)."""
     n = logits.shape[0]
     data = (L.llama_token_data * n)(*[L.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits.tolist())])
-    array = L.llama_token_data_array(data=ctypes.cast(data, ctypes.POINTER(L.llama_token_data)), size=n, selected=-1,
-                                     sorted=False)
+    array = L.llama_token_data_array(
+        data=ctypes.cast(data, ctypes.POINTER(L.llama_token_data)), size=n, selected=-1, sorted=False
+    )
     for token in accept:
         L.llama_sampler_accept(sampler, token)
     L.llama_sampler_apply(sampler, ctypes.byref(array))
@@ -79,8 +89,12 @@ def test_dynamic_temperature_gives_the_same_scores(logits, temperature, delta, e
     kept, _ = run(L.llama_sampler_init_temp_ext(temperature, delta, exponent), logits)
     mine = ours(DynamicTemperatureLogitsWarper(temperature, delta, exponent), logits)
     assert set(mine) == set(kept)
-    assert torch.allclose(torch.tensor([mine[i] for i in sorted(kept)]), torch.tensor([kept[i] for i in sorted(kept)]),
-                          rtol=1e-5, atol=1e-5)
+    assert torch.allclose(
+        torch.tensor([mine[i] for i in sorted(kept)]),
+        torch.tensor([kept[i] for i in sorted(kept)]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.1, 0.2])
@@ -136,8 +150,11 @@ def test_mirostat_draws_from_the_same_distribution(logits, version):
     draws = 3000
     theirs = {}
     for seed in range(draws):
-        sampler = (L.llama_sampler_init_mirostat(finite.shape[0], seed, 5.0, 0.1, 100) if version == 1
-                   else L.llama_sampler_init_mirostat_v2(seed, 5.0, 0.1))
+        sampler = (
+            L.llama_sampler_init_mirostat(finite.shape[0], seed, 5.0, 0.1, 100)
+            if version == 1
+            else L.llama_sampler_init_mirostat_v2(seed, 5.0, 0.1)
+        )
         _, token = run(sampler, finite)
         theirs[token] = theirs.get(token, 0) + 1
     mine = {}
@@ -152,7 +169,7 @@ def test_mirostat_draws_from_the_same_distribution(logits, version):
         kept = [int(i) for i in ranked if probs[i] > 0 and -math.log2(probs[i]) <= 10.0] or [int(ranked[0])]
     else:
         keep = mirostat_keep(1, probs[ranked][None], torch.tensor([10.0]), finite.shape[0])  # mu = 2 tau at the start
-        kept = [int(i) for i in ranked[:int(keep.sum())]]
+        kept = [int(i) for i in ranked[: int(keep.sum())]]
     total = float(probs[kept].sum())
     expected = {i: float(probs[i]) / total for i in kept}
     for counts in (theirs, mine):
@@ -170,8 +187,13 @@ def test_a_decodekit_method_runs_inside_llama_cpp(gguf, tmp_path):
     plain = llm("The capital of France is", max_tokens=6, temperature=0, logprobs=None)
     first = llm.tokenize(plain["choices"][0]["text"].encode(), add_bos=False)[0]
     h = hooks(llm, method=str(method), trust_remote_code=True, banned_token=first)
-    banned = llm("The capital of France is", max_tokens=6, temperature=0, logits_processor=h.logits_processor,
-                 stopping_criteria=h.stopping_criteria)
+    banned = llm(
+        "The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        logits_processor=h.logits_processor,
+        stopping_criteria=h.stopping_criteria,
+    )
     assert banned["choices"][0]["text"] != plain["choices"][0]["text"]
     assert first not in llm.tokenize(banned["choices"][0]["text"].encode(), add_bos=False)[:1]
     with pytest.raises(ValueError, match="did you mean 'banned_token'"):
@@ -184,7 +206,9 @@ def test_xtc_triggers_at_its_probability_like_llama_cpp():
     peaked[:4] = torch.tensor([3.0, 2.6, 2.2, 1.8])
     draws, probability = 600, 0.3
     theirs = sum(len(run(L.llama_sampler_init_xtc(probability, 0.1, 1, seed), peaked)[0]) < 64 for seed in range(draws))
-    ours_ = sum(len(ours(XTCLogitsWarper(probability, 0.1, torch.tensor(seed, dtype=torch.int32)), peaked)) < 64
-                for seed in range(draws))
+    ours_ = sum(
+        len(ours(XTCLogitsWarper(probability, 0.1, torch.tensor(seed, dtype=torch.int32)), peaked)) < 64
+        for seed in range(draws)
+    )
     spread = 4 * math.sqrt(draws * probability * (1 - probability))  # 4 standard deviations of a binomial count
     assert abs(theirs - draws * probability) < spread and abs(ours_ - draws * probability) < spread

@@ -20,16 +20,26 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("samplers"), "llama").eval()
 
 
-@pytest.mark.parametrize("fields, name", [
-    ({"top_n_sigma": "1"}, "top_n_sigma"), ({"xtc_probability": 1.5}, "xtc_probability"),
-    ({"xtc_threshold": -0.1}, "xtc_threshold"), ({"dry_multiplier": -1}, "dry_multiplier"),
-    ({"dry_allowed_length": 1.5}, "dry_allowed_length"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
-    ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"), ({"mirostat": 3}, "mirostat"),
-    ({"mirostat": True}, "mirostat"), ({"mirostat_tau": float("nan")}, "mirostat_tau"),
-    ({"dynatemp_exponent": 0}, "dynatemp_exponent"), ({"smoothing_factor": -0.5}, "smoothing_factor"),
-    ({"samplers": ["top_k", "nucleus"]}, "samplers"), ({"samplers": "kq"}, "samplers"),
-    ({"mirostat": 2, "do_sample": False}, "mirostat"),
-])
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({"top_n_sigma": "1"}, "top_n_sigma"),
+        ({"xtc_probability": 1.5}, "xtc_probability"),
+        ({"xtc_threshold": -0.1}, "xtc_threshold"),
+        ({"dry_multiplier": -1}, "dry_multiplier"),
+        ({"dry_allowed_length": 1.5}, "dry_allowed_length"),
+        ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+        ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+        ({"mirostat": 3}, "mirostat"),
+        ({"mirostat": True}, "mirostat"),
+        ({"mirostat_tau": float("nan")}, "mirostat_tau"),
+        ({"dynatemp_exponent": 0}, "dynatemp_exponent"),
+        ({"smoothing_factor": -0.5}, "smoothing_factor"),
+        ({"samplers": ["top_k", "nucleus"]}, "samplers"),
+        ({"samplers": "kq"}, "samplers"),
+        ({"mirostat": 2, "do_sample": False}, "mirostat"),
+    ],
+)
 def test_each_field_is_checked_by_name(model, fields, name):
     with pytest.raises(ValueError, match=name):
         model.generate(PROMPT, max_new_tokens=2, **{"do_sample": True, **fields})
@@ -103,14 +113,22 @@ def test_the_chain_runs_in_llama_cpps_order_unless_told(model):
     assert not torch.equal(ours, model.generate(PROMPT, **kwargs))
 
 
-@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"xtc_probability": 0.7, "xtc_threshold": 0.05},
-                                    {"mirostat": 2, "mirostat_tau": 3.0}, {"mirostat": 1},
-                                    {"dynatemp_range": 0.5, "temperature": 0.9}, {"smoothing_factor": 0.5},
-                                    {"dry_multiplier": 0.8, "dry_sequence_breakers": []}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_n_sigma": 1.0},
+        {"xtc_probability": 0.7, "xtc_threshold": 0.05},
+        {"mirostat": 2, "mirostat_tau": 3.0},
+        {"mirostat": 1},
+        {"dynatemp_range": 0.5, "temperature": 0.9},
+        {"smoothing_factor": 0.5},
+        {"dry_multiplier": 0.8, "dry_sequence_breakers": []},
+    ],
+)
 def test_a_seed_reproduces_and_continuous_batching_rows_equal_generate_alone(model, fields):
     kwargs = dict(do_sample=True, seed=4, max_new_tokens=10, eos_token_id=None, **fields)
-    alone = model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1]:].tolist()
-    assert model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1]:].tolist() == alone
+    alone = model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1] :].tolist()
+    assert model.generate(PROMPT, **kwargs)[0, PROMPT.shape[1] :].tolist() == alone
     with model.init_continuous_batching() as manager:
         request = manager.add_request(PROMPT[0].tolist(), **kwargs)
         other = manager.add_request([3, 4, 5], max_new_tokens=10)
@@ -119,8 +137,15 @@ def test_a_seed_reproduces_and_continuous_batching_rows_equal_generate_alone(mod
     assert out.generated_tokens == alone
 
 
-@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"dynatemp_range": 0.5, "temperature": 0.9},
-                                    {"smoothing_factor": 0.5}, {"xtc_probability": 0.7, "xtc_threshold": 0.05}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_n_sigma": 1.0},
+        {"dynatemp_range": 0.5, "temperature": 0.9},
+        {"smoothing_factor": 0.5},
+        {"xtc_probability": 0.7, "xtc_threshold": 0.05},
+    ],
+)
 def test_compile_gives_the_same_tokens(model, fields):
     from decodekit.kernels import cpu
 
@@ -130,8 +155,9 @@ def test_compile_gives_the_same_tokens(model, fields):
     assert torch.equal(model.generate(PROMPT, **kwargs), model.generate(PROMPT, compile=True, **kwargs))
 
 
-@pytest.mark.parametrize("fields", [{"top_n_sigma": 1.0}, {"smoothing_factor": 0.5},
-                                    {"xtc_probability": 0.7, "xtc_threshold": 0.05}])
+@pytest.mark.parametrize(
+    "fields", [{"top_n_sigma": 1.0}, {"smoothing_factor": 0.5}, {"xtc_probability": 0.7, "xtc_threshold": 0.05}]
+)
 def test_beam_sampling_takes_the_score_shaping_samplers(model, fields):
     kwargs = dict(do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None)
     out = model.generate(PROMPT, **kwargs, **fields)
@@ -143,8 +169,9 @@ def test_beam_sampling_takes_the_score_shaping_samplers(model, fields):
 def test_mirostat_under_beam_sampling_keeps_its_state_per_beam(model, version):
     from decodekit.core.llamacpp_samplers import MirostatLogitsProcessor
 
-    kwargs = dict(do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None, mirostat=version,
-                  mirostat_tau=2.0)
+    kwargs = dict(
+        do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None, mirostat=version, mirostat_tau=2.0
+    )
     out = model.generate(PROMPT, **kwargs)
     assert torch.equal(out, model.generate(PROMPT, **kwargs))
     assert not torch.equal(out, model.generate(PROMPT, **{**kwargs, "mirostat": 0}))

@@ -12,9 +12,19 @@ transformers = pytest.importorskip("transformers", reason="transformers (dev ext
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-bias-tied": ("llama", {"attention_bias": True, "tie_word_embeddings": True}),
-    "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-                              "rope_theta": 500000.0}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
     "mistral-window": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
@@ -26,7 +36,9 @@ def pair(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     path = write_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
     ours = AutoModelForCausalLM.from_pretrained(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     return ours, ref
 
 
@@ -40,8 +52,8 @@ def left_pad(seqs, pad_id: int = 0):
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = s
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = s
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -75,7 +87,7 @@ def test_incremental_decoding_matches_full_forward(pair):
         out = ours(ids[:, :9])
         steps = [out.logits]
         for t in range(9, 14):
-            out = ours(ids[:, t:t + 1], past_key_values=out.past_key_values)
+            out = ours(ids[:, t : t + 1], past_key_values=out.past_key_values)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 

@@ -17,7 +17,8 @@ from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX"),
-    reason="the kernels need g++ and an x86 CPU with AVX2 (CI and the bench machine have both)")
+    reason="the kernels need g++ and an x86 CPU with AVX2 (CI and the bench machine have both)",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,7 +104,12 @@ def test_without_a_working_compiler_the_step_keeps_inductors_loops(tmp_path, mon
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.INFO, logger="decodekit"):
         assert native.load() is False and native.load() is False
-    assert caplog.text.count("no C++ kernels, compiled steps run the Python layers with inductor's products (building or loading") == 1
+    assert (
+        caplog.text.count(
+            "no C++ kernels, compiled steps run the Python layers with inductor's products (building or loading"
+        )
+        == 1
+    )
     assert not native.loaded() and list(tmp_path.iterdir()) == []
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setenv("DECODEKIT_NATIVE_KERNELS", "0")
@@ -139,6 +145,7 @@ def test_with_autograd_recording_products_keep_the_library_kernels_and_have_grad
 
 # ---- decodekit::decode_layers: the layer stack of a fixed-shape decode step ----
 
+
 def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed=0, reorder=None, shared=False):
     """Prefills a StaticCache through the Python layers, then runs one fixed-shape step (the compiled step's
     forward) with the C++ stack or the Python layers; returns (logits, cache). `reorder`: row indices the
@@ -150,7 +157,7 @@ def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed
     attention[1:, :pad] = 0  # left padding on every row but the first
     cache = StaticCache.for_model(model, rows, 32)
     mask = torch.zeros(rows, 32, dtype=torch.long)
-    mask[:, :prompt + 1] = 1
+    mask[:, : prompt + 1] = 1
     mask[:, :prompt] = attention
     with torch.no_grad():
         model(ids, attention_mask=attention, past_key_values=cache, use_cache=True)
@@ -158,9 +165,14 @@ def fixed_step(model, native_layers, monkeypatch, rows=1, prompt=12, pad=0, seed
             cache.share_rows()
         if reorder is not None:
             cache.reorder(torch.tensor(reorder))
-        out = model(torch.randint(3, 90, (rows, 1), generator=g), attention_mask=mask,
-                    position_ids=attention.sum(-1, keepdim=True), past_key_values=cache,
-                    cache_position=torch.tensor([prompt]), logits_to_keep=1)
+        out = model(
+            torch.randint(3, 90, (rows, 1), generator=g),
+            attention_mask=mask,
+            position_ids=attention.sum(-1, keepdim=True),
+            past_key_values=cache,
+            cache_position=torch.tensor([prompt]),
+            logits_to_keep=1,
+        )
     return out.logits, cache
 
 
@@ -195,13 +207,16 @@ def test_the_stack_reads_a_shared_rows_cache_as_the_python_layers_read_a_reorder
         got, cache = fixed_step(model, True, monkeypatch, 3, pad=5, reorder=[2, 0, 0], shared=True)
         assert stack_calls(model, monkeypatch, rows=3, pad=5, reorder=[2, 0, 0], shared=True) == 1
     assert torch.equal(python, expected)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5) if dtype == torch.float32 else \
-        torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(
+        got, expected, rtol=1e-5, atol=2e-5
+    ) if dtype == torch.float32 else torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05)
     assert cache.rows[:, :12].tolist() == [[2] * 12, [0] * 12, [0] * 12] and cache.rows[:, 12].tolist() == [0, 1, 2]
     for layer in range(len(model.layers)):  # each row's view of the cache: the reordered prompt, then its own new entry
         seen, reordered = cache._shared(cache.keys[layer], 13), copied.keys[layer][:, :, :13]
         assert torch.equal(seen[:, :, :12], reordered[:, :, :12])
-        torch.testing.assert_close(seen.float(), reordered.float(), rtol=0.02, atol=2e-5 if dtype == torch.float32 else 0.05)
+        torch.testing.assert_close(
+            seen.float(), reordered.float(), rtol=0.02, atol=2e-5 if dtype == torch.float32 else 0.05
+        )
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -255,12 +270,15 @@ def test_the_stack_refuses_bad_operands_with_the_reason(tmp_path):
     with pytest.raises(RuntimeError, match="no weights are bound to handle -5"):
         call(handle=-5)
     masks = [mask] * layers
-    for rows, why in ((torch.zeros(1, 16, dtype=torch.int32), r"rows must be a contiguous int64 \[1, 16\]"),
-                      (torch.zeros(2, 16, dtype=torch.long), r"rows must be a contiguous int64 \[1, 16\]"),
-                      (torch.ones(1, 16, dtype=torch.long), r"rows must hold row indices in \[0, 1\)")):
+    for rows, why in (
+        (torch.zeros(1, 16, dtype=torch.int32), r"rows must be a contiguous int64 \[1, 16\]"),
+        (torch.zeros(2, 16, dtype=torch.long), r"rows must be a contiguous int64 \[1, 16\]"),
+        (torch.ones(1, 16, dtype=torch.long), r"rows must hold row indices in \[0, 1\)"),
+    ):
         with pytest.raises(RuntimeError, match=why):
-            torch.ops.decodekit.decode_layers(x, cos, cos, torch.tensor([3]), masks, cache.keys, cache.values, handle,
-                                              4, 2, 1e-6, rows)
+            torch.ops.decodekit.decode_layers(
+                x, cos, cos, torch.tensor([3]), masks, cache.keys, cache.values, handle, 4, 2, 1e-6, rows
+            )
     weights, scales, biases, norms = model.layers[0].native_operands()
     other = native.weights_handle(model)
     one_layer = dict(keys=cache.keys[:1], values=cache.values[:1], handle=other)

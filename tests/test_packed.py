@@ -23,6 +23,7 @@ def packing_chosen():
     with choices.forced(eager_weights_float32="packed", eager_weights_bfloat16="packed"):
         yield
 
+
 IDS = torch.tensor([[3, 17, 4, 9, 22, 5], [8, 1, 30, 2, 7, 11]])
 
 
@@ -54,7 +55,9 @@ def test_forward_without_gradients_packs_every_linear_and_keeps_the_logits(tied)
     plain = plain_logits(tied)
     assert linears(tied, PackedLinear) == []
     packed = logits(tied)
-    assert linears(tied, nn.Linear) == [] and len(linears(tied, PackedLinear)) == 1 + 4 * tied.config.num_hidden_layers  # lm_head; qkv, o, gate_up, down
+    assert (
+        linears(tied, nn.Linear) == [] and len(linears(tied, PackedLinear)) == 1 + 4 * tied.config.num_hidden_layers
+    )  # lm_head; qkv, o, gate_up, down
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
@@ -194,8 +197,12 @@ def test_both_layouts_take_prompts_packed_and_steps_plain_with_the_same_logits(t
         want_prompt, want_step = logits(model, prompt), logits(model, prompt[:, :1])
     unpack_linears(model)
     calls = []
-    monkeypatch.setattr(torch.ops.decodekit, "row_product", lambda *a, op=torch.ops.decodekit.row_product:
-                        calls.append("row_product") or op(*a), raising=False)
+    monkeypatch.setattr(
+        torch.ops.decodekit,
+        "row_product",
+        lambda *a, op=torch.ops.decodekit.row_product: calls.append("row_product") or op(*a),
+        raising=False,
+    )
     with choices.forced(eager_weights_bfloat16="both"):
         got_prompt = logits(model, prompt)
         assert calls == []  # every product of 40 rows ran on the packed weights
@@ -233,8 +240,11 @@ def test_both_layouts_are_offered_to_a_bfloat16_model_only_where_the_second_copy
 
 def test_the_layouts_offered_for_each_dtype(monkeypatch):
     offered = []
-    monkeypatch.setattr(choices, "decide", lambda name, candidates, otherwise, sample="": offered.append(
-        (name, sorted(candidates()))) or otherwise)
+    monkeypatch.setattr(
+        choices,
+        "decide",
+        lambda name, candidates, otherwise, sample="": offered.append((name, sorted(candidates()))) or otherwise,
+    )
     packed_module.eager_layout(torch.float32, both=True)  # its plain prompts take C++ layers no sample runs
     want = [["packed", "plain"]]
     if cpu.has("onednn_bf16"):  # elsewhere a bfloat16 weight is never packed (can_pack)

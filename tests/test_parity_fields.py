@@ -99,7 +99,9 @@ def test_max_cache_len_and_cache_config_size_a_static_cache(native):
     finally:
         caches.new_cache = original
     assert sizes == [64, 48, 4 + NEW]
-    with pytest.raises(ValueError, match=r"max_cache_len=5 is invalid; expected an integer from this call's max_length \(10"):
+    with pytest.raises(
+        ValueError, match=r"max_cache_len=5 is invalid; expected an integer from this call's max_length \(10"
+    ):
         native.generate(prompt, max_cache_len=5, **GREEDY)
     with pytest.raises(ValueError, match=r"\['nbits'\] configure cache kinds decodekit does not have"):
         native.generate(prompt, cache_config={"nbits": 4}, **GREEDY)
@@ -123,10 +125,12 @@ def test_hints_are_accepted_and_change_no_token(native):
     contrastive = native.generate(prompt, penalty_alpha=0.6, top_k=4, **GREEDY)
     assert torch.equal(native.generate(prompt, penalty_alpha=0.6, top_k=4, low_memory=True, **GREEDY), contrastive)
     assert torch.equal(native.generate(prompt, is_assistant=True, **GREEDY), native.generate(prompt, **GREEDY))
-    for name, value, accepted in (("low_memory", 3, "expected True, False or None"),
-                                  ("assistant_lookbehind", 0, "expected an integer >= 1"),
-                                  ("target_lookbehind", "x", "expected an integer >= 1"),
-                                  ("assistant_confidence_threshold", 1.5, "expected a number in [0, 1]")):
+    for name, value, accepted in (
+        ("low_memory", 3, "expected True, False or None"),
+        ("assistant_lookbehind", 0, "expected an integer >= 1"),
+        ("target_lookbehind", "x", "expected an integer >= 1"),
+        ("assistant_confidence_threshold", 1.5, "expected a number in [0, 1]"),
+    ):
         with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid; {accepted}")):
             native.generate(prompt, **{name: value}, **GREEDY)
 
@@ -147,8 +151,14 @@ def test_assistant_confidence_threshold_cuts_drafts_short_and_keeps_the_tokens(t
         calls.clear()
         type(assistant.module).forward = counted
         try:
-            out = native.generate(prompt, max_new_tokens=12, eos_token_id=None, assistant_model=assistant,
-                                  num_assistant_tokens=5, assistant_confidence_threshold=threshold)
+            out = native.generate(
+                prompt,
+                max_new_tokens=12,
+                eos_token_id=None,
+                assistant_model=assistant,
+                num_assistant_tokens=5,
+                assistant_confidence_threshold=threshold,
+            )
         finally:
             type(assistant.module).forward = forward
         assert torch.equal(out, greedy)

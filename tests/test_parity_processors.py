@@ -17,15 +17,22 @@ def scores():
 
 
 CASES = {
-    "no bad words": (lambda: P.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
-                     lambda: transformers.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11)),
-    "no repeat ngram": (lambda: P.NoRepeatNGramLogitsProcessor(2),
-                        lambda: transformers.NoRepeatNGramLogitsProcessor(2)),
-    "exponential decay": (lambda: P.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
-                          lambda: transformers.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2,
-                                                                             input_ids_seq_length=3)),
-    "min length": (lambda: P.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
-                   lambda: transformers.MinLengthLogitsProcessor(8, eos_token_id=[2, 4])),
+    "no bad words": (
+        lambda: P.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
+        lambda: transformers.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
+    ),
+    "no repeat ngram": (
+        lambda: P.NoRepeatNGramLogitsProcessor(2),
+        lambda: transformers.NoRepeatNGramLogitsProcessor(2),
+    ),
+    "exponential decay": (
+        lambda: P.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
+        lambda: transformers.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
+    ),
+    "min length": (
+        lambda: P.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
+        lambda: transformers.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
+    ),
     "forced bos": (lambda: P.ForcedBOSTokenLogitsProcessor(6), lambda: transformers.ForcedBOSTokenLogitsProcessor(6)),
 }
 
@@ -46,29 +53,52 @@ BY_NAME = {
     "temperature": ("TemperatureLogitsWarper", dict(temperature=0.7)),
     "repetition": ("RepetitionPenaltyLogitsProcessor", dict(penalty=1.5)),
     "repetition ignore int": ("RepetitionPenaltyLogitsProcessor", dict(penalty=1.5, prompt_ignore_length=2)),
-    "repetition ignore rows": ("RepetitionPenaltyLogitsProcessor",
-                               dict(penalty=0.5, prompt_ignore_length=torch.tensor([0, 3]))),
+    "repetition ignore rows": (
+        "RepetitionPenaltyLogitsProcessor",
+        dict(penalty=0.5, prompt_ignore_length=torch.tensor([0, 3])),
+    ),
     "encoder repetition": ("EncoderRepetitionPenaltyLogitsProcessor", dict(penalty=2.0, encoder_input_ids=ENCODER_IDS)),
-    "encoder no repeat": ("EncoderNoRepeatNGramLogitsProcessor", dict(encoder_ngram_size=2, encoder_input_ids=ENCODER_IDS)),
+    "encoder no repeat": (
+        "EncoderNoRepeatNGramLogitsProcessor",
+        dict(encoder_ngram_size=2, encoder_input_ids=ENCODER_IDS),
+    ),
     "min length": ("MinLengthLogitsProcessor", dict(min_length=4, eos_token_id=2, device="cpu")),
-    "min new tokens": ("MinNewTokensLengthLogitsProcessor",
-                       dict(prompt_length_to_skip=1, min_new_tokens=3, eos_token_id=[2, 4], device="cpu")),
+    "min new tokens": (
+        "MinNewTokensLengthLogitsProcessor",
+        dict(prompt_length_to_skip=1, min_new_tokens=3, eos_token_id=[2, 4], device="cpu"),
+    ),
     "forced eos": ("ForcedEOSTokenLogitsProcessor", dict(max_length=6, eos_token_id=[2, 3], device="cpu")),
     "suppress": ("SuppressTokensLogitsProcessor", dict(suppress_tokens=[1, 3], device="cpu")),
-    "suppress at begin": ("SuppressTokensAtBeginLogitsProcessor", dict(begin_suppress_tokens=[1, 5], begin_index=5,
-                                                                        device="cpu")),
-    "decay": ("ExponentialDecayLengthPenalty", dict(exponential_decay_length_penalty=(1, 1.3), eos_token_id=[2, 4],
-                                                    input_ids_seq_length=2)),
-    "prefix": ("PrefixConstrainedLogitsProcessor", dict(prefix_allowed_tokens_fn=lambda batch, ids: [batch, 4, 7],
-                                                        num_beams=1)),
+    "suppress at begin": (
+        "SuppressTokensAtBeginLogitsProcessor",
+        dict(begin_suppress_tokens=[1, 5], begin_index=5, device="cpu"),
+    ),
+    "decay": (
+        "ExponentialDecayLengthPenalty",
+        dict(exponential_decay_length_penalty=(1, 1.3), eos_token_id=[2, 4], input_ids_seq_length=2),
+    ),
+    "prefix": (
+        "PrefixConstrainedLogitsProcessor",
+        dict(prefix_allowed_tokens_fn=lambda batch, ids: [batch, 4, 7], num_beams=1),
+    ),
     "sequence bias": ("SequenceBiasLogitsProcessor", dict(sequence_bias=[[[3], 2.0], [[5, 6], -4.0]])),
     "no bad words": ("NoBadWordsLogitsProcessor", dict(bad_words_ids=[[3], [6, 4]], eos_token_id=[11])),
     "no repeat": ("NoRepeatNGramLogitsProcessor", dict(ngram_size=2)),
     "forced bos": ("ForcedBOSTokenLogitsProcessor", dict(bos_token_id=6)),
     "inf nan": ("InfNanRemoveLogitsProcessor", dict()),
     "log softmax": ("LogitNormalization", dict()),
-    "watermark": ("WatermarkLogitsProcessor", dict(vocab_size=12, device="cpu", greenlist_ratio=0.5, bias=3.0,
-                                                   hashing_key=7, seeding_scheme="lefthash", context_width=1)),
+    "watermark": (
+        "WatermarkLogitsProcessor",
+        dict(
+            vocab_size=12,
+            device="cpu",
+            greenlist_ratio=0.5,
+            bias=3.0,
+            hashing_key=7,
+            seeding_scheme="lefthash",
+            context_width=1,
+        ),
+    ),
 }
 
 
@@ -100,7 +130,10 @@ def test_transformers_constructor_arguments_give_transformers_scores(case, lengt
 
 
 def test_batched_guidance_takes_the_doubled_batch_as_transformers():
-    ours, theirs = ours_named("ClassifierFreeGuidanceLogitsProcessor")(1.5), transformers.ClassifierFreeGuidanceLogitsProcessor(1.5)
+    ours, theirs = (
+        ours_named("ClassifierFreeGuidanceLogitsProcessor")(1.5),
+        transformers.ClassifierFreeGuidanceLogitsProcessor(1.5),
+    )
     doubled = torch.randn(4, 12, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(ours(INPUT_IDS, doubled), theirs(INPUT_IDS, doubled))
     with pytest.raises(ValueError, match="twice"):
@@ -113,10 +146,12 @@ def test_unbatched_guidance_equals_transformers_step_by_step():
     hf = tiny_transformers_model("gpt2")
     model = decodekit.wrap(hf)
     negative = torch.tensor([[1, 40, 41]])
-    ours = ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor")(2.0, model, unconditional_ids=negative,
-                                                                        unconditional_attention_mask=torch.ones_like(negative))
-    theirs = transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor(2.0, hf, unconditional_ids=negative,
-                                                                         unconditional_attention_mask=torch.ones_like(negative))
+    ours = ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor")(
+        2.0, model, unconditional_ids=negative, unconditional_attention_mask=torch.ones_like(negative)
+    )
+    theirs = transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor(
+        2.0, hf, unconditional_ids=negative, unconditional_attention_mask=torch.ones_like(negative)
+    )
     ids = torch.tensor([[1, 17, 23]])
     for token in (5, 9, 30):
         raw = hf(ids).logits[:, -1]
@@ -132,11 +167,19 @@ def test_unbatched_guidance_on_a_plain_transformers_model_inside_transformers_ge
     hf = tiny_transformers_model(architecture)
     ids = torch.tensor([[1, 17, 23, 5]])
     runs = {}
-    for name, make in (("ours", ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor")),
-                       ("theirs", transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor)):
+    for name, make in (
+        ("ours", ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor")),
+        ("theirs", transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor),
+    ):
         processor = make(1.5, hf)
-        runs[name] = hf.generate(ids, logits_processor=transformers.LogitsProcessorList([processor]), do_sample=False,
-                                 max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+        runs[name] = hf.generate(
+            ids,
+            logits_processor=transformers.LogitsProcessorList([processor]),
+            do_sample=False,
+            max_new_tokens=8,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     assert torch.equal(runs["ours"], runs["theirs"])
 
 
@@ -147,9 +190,20 @@ def test_stopping_criteria_take_transformers_arguments():
     from transformers.generation import stopping_criteria as T
 
     ids = INPUT_IDS[:, :4]
-    pairs = [(S.MaxLengthCriteria(max_length=4, max_position_embeddings=3), T.MaxLengthCriteria(max_length=4, max_position_embeddings=3)),
-             (S.MaxTimeCriteria(max_time=0.5, initial_timestamp=time.time() - 1), T.MaxTimeCriteria(max_time=0.5, initial_timestamp=time.time() - 1)),
-             (S.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()), T.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()))]
+    pairs = [
+        (
+            S.MaxLengthCriteria(max_length=4, max_position_embeddings=3),
+            T.MaxLengthCriteria(max_length=4, max_position_embeddings=3),
+        ),
+        (
+            S.MaxTimeCriteria(max_time=0.5, initial_timestamp=time.time() - 1),
+            T.MaxTimeCriteria(max_time=0.5, initial_timestamp=time.time() - 1),
+        ),
+        (
+            S.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()),
+            T.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()),
+        ),
+    ]
     for ours, theirs in pairs:
         assert ours(ids, None).tolist() == theirs(ids, None).tolist()
     step = torch.zeros(1, 12)
@@ -175,8 +229,9 @@ def test_stop_string_tables_equal_transformers():
         tokens = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 5))) for _ in range(25)]
         stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 6))) for _ in range(3)]
         indices = list(range(len(tokens)))
-        assert (Ours._stop_string_get_matching_positions(tokens, indices, stops)
-                == Theirs._stop_string_get_matching_positions(tokens, indices, stops)), (tokens, stops)
+        assert Ours._stop_string_get_matching_positions(
+            tokens, indices, stops
+        ) == Theirs._stop_string_get_matching_positions(tokens, indices, stops), (tokens, stops)
 
 
 def test_stop_string_embedding_table_and_byte_helpers_equal_transformers():
@@ -203,9 +258,12 @@ def test_stop_string_embedding_table_and_byte_helpers_equal_transformers():
     from decodekit.core.stopping import byte_level_decoder
 
     assert byte_level_decoder() == decoder
-    for decoder_of in (decoders.ByteLevel(), decoders.ByteFallback(), decoders.Sequence([decoders.Replace("_", " "),
-                                                                                        decoders.ByteFallback()]),
-                       decoders.WordPiece()):
+    for decoder_of in (
+        decoders.ByteLevel(),
+        decoders.ByteFallback(),
+        decoders.Sequence([decoders.Replace("_", " "), decoders.ByteFallback()]),
+        decoders.WordPiece(),
+    ):
         backend = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
         backend.decoder = decoder_of
         tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
@@ -216,8 +274,9 @@ def test_watermark_processor_has_transformers_attributes():
     from decodekit.plugins.watermark import WatermarkLogitsProcessor
 
     ours = WatermarkLogitsProcessor(vocab_size=100, greenlist_ratio=0.3, bias=1.5, hashing_key=7, context_width=2)
-    theirs = transformers.WatermarkLogitsProcessor(vocab_size=100, device="cpu", greenlist_ratio=0.3, bias=1.5,
-                                                   hashing_key=7, context_width=2)
+    theirs = transformers.WatermarkLogitsProcessor(
+        vocab_size=100, device="cpu", greenlist_ratio=0.3, bias=1.5, hashing_key=7, context_width=2
+    )
     for name in ("bias", "greenlist_size", "hash_key", "seeding_scheme", "context_width", "vocab_size"):
         assert getattr(ours, name) == getattr(theirs, name), name
 
@@ -238,6 +297,8 @@ def test_clean_vocabulary_equals_transformers():
     # The vocabulary's order is the tokenizer's hash order, different between two get_vocab() calls: by id.
     ours, theirs = (dict(zip(*reversed(cls.clean_tokenizer_vocab(tokenizer)))) for cls in (Ours, Theirs))
     assert ours == theirs and ours[8] == " ab" and len(ours) == len(pieces)
-    ours, theirs = (dict(zip(*reversed(cls.clean_tokenizer_vocab(tokenizer, stop_string_matching_mode="byte_level"))))
-                    for cls in (Ours, Theirs))
+    ours, theirs = (
+        dict(zip(*reversed(cls.clean_tokenizer_vocab(tokenizer, stop_string_matching_mode="byte_level"))))
+        for cls in (Ours, Theirs)
+    )
     assert ours == theirs and ours[8] == b" ab"

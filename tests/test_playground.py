@@ -26,8 +26,12 @@ def served(default_model, tmp_path_factory):
     model, tok = default_model
     method = write_method(tmp_path_factory.mktemp("methods") / "ban", HOOK_METHOD)
     manager = model.init_continuous_batching(max_queue_size=16, max_cache_bytes=64 * 2**20)
-    settings = ServerSettings(model_name="smol", api_key=KEY, max_tokens_limit=64,
-                              methods=allowed_methods([f"{method}@{resolve(str(method)).revision}"]))
+    settings = ServerSettings(
+        model_name="smol",
+        api_key=KEY,
+        max_tokens_limit=64,
+        methods=allowed_methods([f"{method}@{resolve(str(method)).revision}"]),
+    )
     server = Server(manager, tok, settings, port=0).start()
     manager.start()
     yield server, str(method)
@@ -36,9 +40,11 @@ def served(default_model, tmp_path_factory):
 
 
 def call(server, path: str, body: dict | None = None, key: str | None = KEY):
-    request = urllib.request.Request(server.url + path, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+    request = urllib.request.Request(
+        server.url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, response.read().decode()
@@ -89,8 +95,11 @@ def test_step_with_a_method_names_its_processor_and_obeys_it(served):
     best = json.loads(text)["chosen"]["id"]
     status, text = call(server, "/playground/methods")
     name = next(m["name"] for m in json.loads(text)["methods"] if m["kind"] == "method")
-    status, text = call(server, "/playground/step", {"messages": MESSAGES, "temperature": 0,
-                                                     "decodekit": {"method": name, "banned_token": best}})
+    status, text = call(
+        server,
+        "/playground/step",
+        {"messages": MESSAGES, "temperature": 0, "decodekit": {"method": name, "banned_token": best}},
+    )
     step = json.loads(text)
     assert status == 200 and step["chosen"]["id"] != best
     assert any("local:" in p["processor"] for p in step["processors"])

@@ -11,8 +11,11 @@ pytest.importorskip("selenium", reason="the browser test needs selenium and chro
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 DRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and DRIVER):
-    pytest.skip("the browser test needs chromium and chromedriver (Debian: apt install chromium chromium-driver): run "
-                "`make test-browser`", allow_module_level=True)
+    pytest.skip(
+        "the browser test needs chromium and chromedriver (Debian: apt install chromium chromium-driver): run "
+        "`make test-browser`",
+        allow_module_level=True,
+    )
 
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402

@@ -53,7 +53,11 @@ class BanFive:
 class LowestSelector:
     @hookimpl
     def decodekit_token_selector(self, generation_config):
-        return (lambda input_ids, scores: scores.argmin(dim=-1)) if getattr(generation_config, "pick_lowest", False) else None
+        return (
+            (lambda input_ids, scores: scores.argmin(dim=-1))
+            if getattr(generation_config, "pick_lowest", False)
+            else None
+        )
 
     @hookimpl
     def decodekit_config_fields(self):
@@ -133,7 +137,11 @@ def test_hooks_called_once_per_generate_not_per_token(registered):
 def test_user_lists_and_dict_output():
     m = model()
     out = m.generate(
-        torch.tensor([[1]]), max_new_tokens=3, return_dict_in_generate=True, output_scores=True, output_logits=True,
+        torch.tensor([[1]]),
+        max_new_tokens=3,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
         logits_processor=[lambda ids, s: s.index_fill(-1, torch.tensor([5]), -float("inf"))],
         stopping_criteria=[lambda ids, s: torch.full((ids.shape[0],), ids.shape[1] >= 3)],
     )
@@ -169,15 +177,20 @@ def test_trace_shows_each_hook_call_and_who_answered(tmp_path):
     from decodekit.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "m")
-    script = ("import torch, decodekit\n"
-              f"m = decodekit.AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
-              "m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True, top_k=5, seed=0)\n")
+    script = (
+        "import torch, decodekit\n"
+        f"m = decodekit.AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
+        "m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True, top_k=5, seed=0)\n"
+    )
     env = {**__import__("os").environ, "DECODEKIT_TRACE": "1"}
     err = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300).stderr
     lines = [line for line in err.splitlines() if line.startswith("decodekit trace:")]
-    assert any(line.startswith("decodekit trace: decodekit_token_selector -> ") and "sampling" in line for line in lines)
+    assert any(
+        line.startswith("decodekit trace: decodekit_token_selector -> ") and "sampling" in line for line in lines
+    )
     assert "decodekit trace: decodekit_token_selector answered by ['sampling']" in lines
     assert any("decodekit_logits_processors answered by" in line and "'processors'" in line for line in lines), lines
-    cli = subprocess.run([sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True,
-                         timeout=300)
+    cli = subprocess.run(
+        [sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True, timeout=300
+    )
     assert cli.returncode == 0 and "decodekit trace: decodekit_config_fields answered by [" in cli.stderr

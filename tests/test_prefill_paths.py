@@ -25,8 +25,10 @@ def exact(x, weight, scales=None):
     return product if scales is None else product * scales.double()
 
 
-@pytest.mark.parametrize("rows, n, k", [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576),
-                                        (200, 70, 576), (34, 70, 1552)])
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(17, 96, 64), (40, 1000, 72), (300, 37, 100), (129, 2049, 8), (33, 130, 576), (200, 70, 576), (34, 70, 1552)],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
     # Tiles are cut from the weight's rows (n need not divide), each converted in vector lanes of 8 plus a tail
@@ -42,29 +44,45 @@ def test_tiled_product_equals_the_exact_product(rows, n, k, threads):
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():  # as a prefill runs: the worker threads' products see it too
-            cases = [(torch.ops.decodekit.tiled_product(x, weight), exact(x, weight)),
-                     (torch.ops.decodekit.tiled_product(x, weight.bfloat16()), exact(x, weight.bfloat16().float())),
-                     (torch.ops.decodekit.tiled_product(x, int8, scales), exact(x, int8, scales)),
-                     (torch.ops.decodekit.tiled_product(x, int8), exact(x, int8))]
+            cases = [
+                (torch.ops.decodekit.tiled_product(x, weight), exact(x, weight)),
+                (torch.ops.decodekit.tiled_product(x, weight.bfloat16()), exact(x, weight.bfloat16().float())),
+                (torch.ops.decodekit.tiled_product(x, int8, scales), exact(x, int8, scales)),
+                (torch.ops.decodekit.tiled_product(x, int8), exact(x, int8)),
+            ]
             if k % 32 == 0:  # an interleaved int8 weight (quantize.interleaved_columns), rows in the input's order
                 stored = int8[:, interleaved_columns(k)].contiguous()
-                cases += [(torch.ops.decodekit.tiled_product(x, stored, scales, True), exact(x, int8, scales)),
-                          (torch.ops.decodekit.tiled_product(x, stored, scales, True, True), exact(x, int8, scales))]
+                cases += [
+                    (torch.ops.decodekit.tiled_product(x, stored, scales, True), exact(x, int8, scales)),
+                    (torch.ops.decodekit.tiled_product(x, stored, scales, True, True), exact(x, int8, scales)),
+                ]
             if k % 8 == 0:  # register blocks of 3 rows by 4 weight rows, with the rows and weight rows left over
-                cases += [(torch.ops.decodekit.tiled_product(x, weight, blocks=True), exact(x, weight)),
-                          (torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True),
-                           exact(x, weight.bfloat16().float())),
-                          (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True), exact(x, int8, scales))]
+                cases += [
+                    (torch.ops.decodekit.tiled_product(x, weight, blocks=True), exact(x, weight)),
+                    (
+                        torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True),
+                        exact(x, weight.bfloat16().float()),
+                    ),
+                    (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True), exact(x, int8, scales)),
+                ]
             if k % 16 == 0 and cpu.has("avx512f"):  # the AVX-512 blocks (4 rows by 4 weight rows), where the CPU has it
-                cases += [(torch.ops.decodekit.tiled_product(x, weight, blocks=True, wide=True), exact(x, weight)),
-                          (torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True, wide=True),
-                           exact(x, weight.bfloat16().float())),
-                          (torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True, wide=True),
-                           exact(x, int8, scales))]
+                cases += [
+                    (torch.ops.decodekit.tiled_product(x, weight, blocks=True, wide=True), exact(x, weight)),
+                    (
+                        torch.ops.decodekit.tiled_product(x, weight.bfloat16(), blocks=True, wide=True),
+                        exact(x, weight.bfloat16().float()),
+                    ),
+                    (
+                        torch.ops.decodekit.tiled_product(x, int8, scales, blocks=True, wide=True),
+                        exact(x, int8, scales),
+                    ),
+                ]
             if k % 8 == 0:  # widened or in registers, a bf16 weight's blocks add what float32 blocks would, in order
                 bf16 = weight.bfloat16()
-                assert torch.equal(torch.ops.decodekit.tiled_product(x, bf16, blocks=True),
-                                   torch.ops.decodekit.tiled_product(x, bf16.float(), blocks=True))
+                assert torch.equal(
+                    torch.ops.decodekit.tiled_product(x, bf16, blocks=True),
+                    torch.ops.decodekit.tiled_product(x, bf16.float(), blocks=True),
+                )
     finally:
         torch.set_num_threads(saved)
     for got, want in cases:
@@ -84,7 +102,9 @@ def test_tiled_product_refuses_what_it_does_not_take():
         torch.ops.decodekit.tiled_product(x, torch.zeros(8, 16, dtype=torch.int8), None, True)
     with pytest.raises(RuntimeError, match="blocks=True takes rows of a width that is a multiple of 8"):
         torch.ops.decodekit.tiled_product(torch.randn(20, 12), torch.randn(8, 12), blocks=True)
-    with pytest.raises(RuntimeError, match="wide=True goes with blocks=True and rows of a width that is a multiple of 16"):
+    with pytest.raises(
+        RuntimeError, match="wide=True goes with blocks=True and rows of a width that is a multiple of 16"
+    ):
         torch.ops.decodekit.tiled_product(torch.randn(20, 24), torch.randn(8, 24), blocks=True, wide=True)
     with pytest.raises(RuntimeError, match="wide=True goes with blocks=True"):
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), wide=True)
@@ -113,9 +133,14 @@ def test_every_prefill_route_gives_the_same_logits_and_tokens(tmp_path, fmt):
         routes.append("float32_copy")
     # The kernel each route runs (wide_blocks runs the AVX2 blocks where the CPU has no AVX-512: a cached choice from
     # another machine, say).
-    ran = {"tiles": "decodekit::tiled_product", "blocks": "decodekit::tiled_product",
-           "wide_blocks": "decodekit::tiled_product", "packed": "decodekit::packed_product",
-           "onednn": "mkldnn::_linear_pointwise", "float32_copy": "decodekit::tiled_product"}
+    ran = {
+        "tiles": "decodekit::tiled_product",
+        "blocks": "decodekit::tiled_product",
+        "wide_blocks": "decodekit::tiled_product",
+        "packed": "decodekit::packed_product",
+        "onednn": "mkldnn::_linear_pointwise",
+        "float32_copy": "decodekit::tiled_product",
+    }
     results = {}
     for route in routes:
         # The copy routes are decided apart (over the route chosen among the others); the others pass them by.
@@ -174,8 +199,25 @@ def test_a_packed_product_of_bfloat16_rows_rounds_as_torch_does(through, rows, t
     # ends on a tail shorter than a vector. 300 rows on two threads go in blocks of their own on each thread, on one
     # thread in three blocks; 200 rows on two threads (less than a full block each) in blocks the threads share.
     tie = 1 + 2**-8  # halfway between 1 and the next bfloat16
-    values = torch.tensor([tie, -tie, 1 + 3 * 2**-8, 2**-130, -(2**-133), float("inf"), -float("inf"), float("nan"),
-                           3.3961e38, -3.3961e38, 0.0, 1 / 3, 65504.5, 1e-3], dtype=torch.float32)
+    values = torch.tensor(
+        [
+            tie,
+            -tie,
+            1 + 3 * 2**-8,
+            2**-130,
+            -(2**-133),
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            3.3961e38,
+            -3.3961e38,
+            0.0,
+            1 / 3,
+            65504.5,
+            1e-3,
+        ],
+        dtype=torch.float32,
+    )
     values = torch.cat([values, torch.randn(23, generator=torch.Generator().manual_seed(1)) * 100])
     n, k = values.numel(), 8
     x = torch.zeros(rows, k, dtype=torch.bfloat16)
@@ -216,7 +258,9 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
         torch.testing.assert_close(first, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         with torch.inference_mode(False), torch.no_grad():
             layer.weight.mul_(-2)  # a new version of the same storage
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+        )
         assert packed_weight(layer) is not packed
         gc.collect()  # copies of earlier tests' layers still in cycles are released now, not in the count below
         used = kernels_linear._packing["used"]
@@ -227,7 +271,9 @@ def test_a_packed_weight_follows_its_weight_and_stays_within_the_memory_budget(m
         with torch.inference_mode(False), torch.no_grad():
             layer.weight.add_(1)
         assert packed_weight(layer) is None  # the stale copy released, no room for a new one
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+        )
     other = kernels_linear.Linear(64, 48)
     with choices.forced(float32_packed_rows_128="packed"), torch.inference_mode():
         monkeypatch.setitem(kernels_linear._packing, "budget", 2**40)
@@ -276,8 +322,12 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
         # pinned to blocks) are decided over the int8 route: pinned off for the others.
         # The attention float32's: a rounding one (attention.py) turns the products' last-bit differences into
         # steps of its roundings.
-        pinned = {"int8_many_rows": "float32" if route in copies else route, "int8_packed_rows_128": route,
-                  "float32_rows_128": "blocks", "prompt_attention_int8_512": "kernel"}
+        pinned = {
+            "int8_many_rows": "float32" if route in copies else route,
+            "int8_packed_rows_128": route,
+            "float32_rows_128": "blocks",
+            "prompt_attention_int8_512": "kernel",
+        }
         with choices.forced(**pinned), torch.profiler.profile() as profile:
             results[route] = (prefill(model, PROMPT), model.generate(PROMPT, max_new_tokens=8, eos_token_id=None))
         ran = {event.key for event in profile.key_averages()}
@@ -287,8 +337,15 @@ def test_every_int8_prefill_route_gives_the_same_tokens(tmp_path):
     reference, tokens = results["float32"]
     # tiles, the copies and float32 are the same float32 products; int8_split keeps 14 bits of each row, int8pack 8
     # (bfloat16).
-    bounds = {"float32": 0, "tiles": 1e-5, "packed": 1e-5, "onednn": 1e-5, "float32_copy": 1e-5, "int8_split": 1e-3,
-              "int8pack": 2e-2}
+    bounds = {
+        "float32": 0,
+        "tiles": 1e-5,
+        "packed": 1e-5,
+        "onednn": 1e-5,
+        "float32_copy": 1e-5,
+        "int8_split": 1e-3,
+        "int8pack": 2e-2,
+    }
     for route, (logits, generated) in results.items():
         assert float((logits - reference).norm() / reference.norm()) <= bounds[route], route
     for route in {"tiles", *copies} & set(results):
@@ -299,11 +356,13 @@ def test_int8_split_is_offered_only_where_the_int8_sums_are_exact(monkeypatch):
     if not os.environ.get("ONEDNN_MAX_CPU_ISA"):  # torch sends _int_mm to oneDNN only where the CPU has VNNI
         assert int_mm_exact.__wrapped__()
     real = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-2**15, 2**15 - 1))  # 16-bit sums
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-(2**15), 2**15 - 1))  # 16-bit sums
     assert not int_mm_exact.__wrapped__()
     offered = {}
     monkeypatch.setattr(kernels_quantize, "int_mm_exact", lambda: False)
-    monkeypatch.setattr(choices, "decide", lambda name, candidates, otherwise: offered.update(candidates()) or otherwise)
+    monkeypatch.setattr(
+        choices, "decide", lambda name, candidates, otherwise: offered.update(candidates()) or otherwise
+    )
     kernels_quantize.many_rows_route()
     assert "int8_split" not in offered and {"int8pack", "float32"} <= set(offered)
 
@@ -363,8 +422,10 @@ def on_threads(call):
 
 # The last cases see more than 768 keys: those take the keys in blocks of 256 with an online softmax (a window of
 # 300 makes some blocks invisible to some rows and a row's first visible block start mid-block).
-@pytest.mark.parametrize("first, length, window", [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (300, 33, 64),
-                                                   (0, 1000, 0), (700, 150, 0), (600, 260, 300)])
+@pytest.mark.parametrize(
+    "first, length, window",
+    [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (300, 33, 64), (0, 1000, 0), (700, 150, 0), (600, 260, 300)],
+)
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("wide", [False, WIDE])
 def test_prefill_attention_equals_masked_sdpa(first, length, window, heads, kv_heads, wide):
@@ -388,7 +449,11 @@ def attention_weights(q, k, v, first, window):
     """The float64 probabilities [H, T, L] of causal attention of q [H, T, D] at positions first.. over k [KV, L, D],
     and v repeated for every query head."""
     heads, kv_heads = q.shape[0], k.shape[0]
-    q, k, v = q.double(), k.double().repeat_interleave(heads // kv_heads, 0), v.double().repeat_interleave(heads // kv_heads, 0)
+    q, k, v = (
+        q.double(),
+        k.double().repeat_interleave(heads // kv_heads, 0),
+        v.double().repeat_interleave(heads // kv_heads, 0),
+    )
     q_pos, k_pos = torch.arange(first, first + q.shape[1])[:, None], torch.arange(k.shape[1])[None]
     mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
     return (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1), v
@@ -400,8 +465,17 @@ def bf16_kernel_on_threads(q, k, v, window):
 
 
 BF16_KERNEL = pytest.mark.skipif(not cpu.has("avx512_bf16"), reason="the bfloat16 products need a CPU with avx512_bf16")
-BF16_CASES = [(0, 40, 0), (0, 130, 0), (0, 130, 17), (50, 70, 0), (301, 33, 64), (0, 1000, 0), (700, 150, 0),
-              (600, 260, 300), (3, 100, 9)]
+BF16_CASES = [
+    (0, 40, 0),
+    (0, 130, 0),
+    (0, 130, 17),
+    (50, 70, 0),
+    (301, 33, 64),
+    (0, 1000, 0),
+    (700, 150, 0),
+    (600, 260, 300),
+    (3, 100, 9),
+]
 BF16_SHAPES = [(6, 2, 32), (4, 4, 64), (9, 3, 128)]
 
 
@@ -426,7 +500,9 @@ def test_bfloat16_prefill_attention_is_within_its_roundings(first, length, windo
 @BF16_KERNEL
 @pytest.mark.parametrize("first, length, window", BF16_CASES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", BF16_SHAPES[:2])
-def test_bfloat16_prefill_attention_averages_exactly_the_visible_values(first, length, window, heads, kv_heads, head_dim):
+def test_bfloat16_prefill_attention_averages_exactly_the_visible_values(
+    first, length, window, heads, kv_heads, head_dim
+):
     # Zero queries score every key alike: each output is the mean of the values its query sees, and with integer
     # values the kernel's sums are exact, so one key too many or too few (in a pair split at an odd window start, a
     # tile's tail, a block seen by some rows only) moves the mean by far more than its one rounding to bfloat16.
@@ -454,7 +530,9 @@ def test_prefill_attention_reads_keys_and_values_at_a_row_stride(dtype, length):
         assert torch.equal(torch.ops.decodekit.prefill_attention(q, k, v, 0, True), want)
         spread = torch.zeros(2, 2, length, 128, dtype=dtype)
         spread[..., ::2] = torch.stack([k, v])
-        assert torch.equal(torch.ops.decodekit.prefill_attention(q, spread[0, ..., ::2], spread[1, ..., ::2], 0, True), want)
+        assert torch.equal(
+            torch.ops.decodekit.prefill_attention(q, spread[0, ..., ::2], spread[1, ..., ::2], 0, True), want
+        )
 
 
 @BF16_KERNEL
@@ -544,8 +622,10 @@ def test_the_int8_route_falls_back_to_the_float32_kernel_where_it_cannot_run():
         for probe in ("avx512_vnni", "avx512f"):  # a probe forced off after the choice was made
             with cpu.forced(**{probe: False}):
                 assert torch.equal(attention.by_route("int8_kernel", q, k, v, 0), attention.kernel(q, k, v, 0))
-        assert torch.equal(attention.by_route("int8_kernel", q.bfloat16(), k.bfloat16(), v.bfloat16(), 0),
-                           attention.kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0))  # float32 q, k, v only
+        assert torch.equal(
+            attention.by_route("int8_kernel", q.bfloat16(), k.bfloat16(), v.bfloat16(), 0),
+            attention.kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0),
+        )  # float32 q, k, v only
 
 
 @pytest.mark.skipif(not cpu.has("avx512f"), reason="the AVX-512 softmax needs a CPU with avx512f")
@@ -564,7 +644,9 @@ def test_prompt_attention_takes_the_avx512_softmax_only_where_the_probe_says_so(
 
 def test_prefill_attention_refuses_what_it_does_not_take():
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16 expected"):
-        torch.ops.decodekit.prefill_attention(torch.zeros(2, 4, 8).bfloat16(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8))
+        torch.ops.decodekit.prefill_attention(
+            torch.zeros(2, 4, 8).bfloat16(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+        )
     with pytest.raises(RuntimeError, match="shapes do not fit"):
         torch.ops.decodekit.prefill_attention(torch.zeros(3, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
 
@@ -579,8 +661,11 @@ def test_both_prompt_attention_routes_give_the_same_logits_tokens_and_batches(tm
     for route in ("sdpa", "kernel"):
         with choices.forced(prompt_attention_float32_512=route, prompt_attention_float32_2048=route):
             batch = model.generate_batch(prompts, max_new_tokens=6, eos_token_id=None, progress_bar=False)
-            results[route] = (prefill(model, LONG), model.generate(LONG, max_new_tokens=8, eos_token_id=None),
-                              [r.generated_tokens for r in batch.values()])
+            results[route] = (
+                prefill(model, LONG),
+                model.generate(LONG, max_new_tokens=8, eos_token_id=None),
+                [r.generated_tokens for r in batch.values()],
+            )
     (logits, tokens, batched), (kernel_logits, kernel_tokens, kernel_batched) = results["sdpa"], results["kernel"]
     assert float((kernel_logits - logits).norm() / logits.norm()) < 1e-5
     assert torch.equal(kernel_tokens, tokens) and kernel_batched == batched
@@ -600,8 +685,10 @@ def test_a_bfloat16_model_takes_the_attention_route_measured_for_bfloat16(tmp_pa
     model = tiny_model(tmp_path).to(torch.bfloat16)
     outputs, calls = {}, {}
     for bf16_route, fp32_route in (("kernel", "sdpa"), ("sdpa", "kernel")):
-        with choices.forced(prompt_attention_bfloat16_512=bf16_route, prompt_attention_float32_512=fp32_route), \
-                torch.profiler.profile() as profile:
+        with (
+            choices.forced(prompt_attention_bfloat16_512=bf16_route, prompt_attention_float32_512=fp32_route),
+            torch.profiler.profile() as profile,
+        ):
             outputs[bf16_route] = prefill(model, LONG).float()
         counts = {e.key: e.count for e in profile.key_averages()}
         # Without bfloat16 matrix instructions the prompt's layers run in C++, which calls the kernel itself.
@@ -644,14 +731,27 @@ def test_bfloat16_passes_are_the_float32_ones_rounded_once(shape):
     # A bfloat16 tensor in, the same tensor in: each kernel computes in float32 and rounds its result as torch does
     # (widths that are not a multiple of 8 end on the scalar tail).
     generator = torch.Generator().manual_seed(sum(shape))
-    x, weight = torch.randn(*shape, generator=generator).bfloat16() * 3, torch.randn(shape[-1], generator=generator).bfloat16()
+    x, weight = (
+        torch.randn(*shape, generator=generator).bfloat16() * 3,
+        torch.randn(shape[-1], generator=generator).bfloat16(),
+    )
     with torch.inference_mode():
-        pairs = [(torch.ops.decodekit.rms_norm(x, weight, 1e-5), torch.ops.decodekit.rms_norm(x.float(), weight.float(), 1e-5)),
-                 (torch.ops.decodekit.silu_mul(x), torch.ops.decodekit.silu_mul(x.float()))]
+        pairs = [
+            (
+                torch.ops.decodekit.rms_norm(x, weight, 1e-5),
+                torch.ops.decodekit.rms_norm(x.float(), weight.float(), 1e-5),
+            ),
+            (torch.ops.decodekit.silu_mul(x), torch.ops.decodekit.silu_mul(x.float())),
+        ]
         if shape[-1] % 2 == 0:
             q = x.reshape(1, -1, shape[-2], shape[-1])
             cos, sin = (torch.randn(1, 1, shape[-2], shape[-1], generator=generator).bfloat16() for _ in range(2))
-            pairs.append((torch.ops.decodekit.rotary(q, cos, sin), torch.ops.decodekit.rotary(q.float(), cos.float(), sin.float())))
+            pairs.append(
+                (
+                    torch.ops.decodekit.rotary(q, cos, sin),
+                    torch.ops.decodekit.rotary(q.float(), cos.float(), sin.float()),
+                )
+            )
     for got, wide in pairs:
         assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
         assert torch.equal(got.view(torch.int16), wide.bfloat16().view(torch.int16))
@@ -664,20 +764,28 @@ def test_fused_norm_and_silu_equal_the_library_passes(shape, dtype):
     from decodekit.kernels import elementwise
 
     generator = torch.Generator().manual_seed(sum(shape))
-    x, weight = torch.randn(*shape, generator=generator).to(dtype) * 3, torch.randn(shape[-1], generator=generator).to(dtype)
+    x, weight = (
+        torch.randn(*shape, generator=generator).to(dtype) * 3,
+        torch.randn(shape[-1], generator=generator).to(dtype),
+    )
     want = weight * torch.nn.functional.rms_norm(x.float(), (shape[-1],), eps=1e-5).to(dtype)  # as llama.RMSNorm
     got = elementwise.rms_norm(x, weight, 1e-5)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     few = x.reshape(-1, shape[-1])[:1]  # an eager decode step's row: the kernel's in float32, the library's in bfloat16
     if dtype == torch.float32:
-        torch.testing.assert_close(elementwise.rms_norm(few, weight, 1e-5), want.reshape(-1, shape[-1])[:1], **TOLERANCE[dtype])
+        torch.testing.assert_close(
+            elementwise.rms_norm(few, weight, 1e-5), want.reshape(-1, shape[-1])[:1], **TOLERANCE[dtype]
+        )
     else:
         assert elementwise.rms_norm(few, weight, 1e-5) is None and elementwise.silu_mul(few) is None
     x[..., 0] = -200.0  # far below exp's range: silu is 0 there, not NaN
     gate, up = x.split(shape[-1] // 2, dim=-1)
     torch.testing.assert_close(elementwise.silu_mul(x), torch.nn.functional.silu(gate) * up, **TOLERANCE[dtype])
-    assert elementwise.rms_norm(x.half(), weight.half(), 1e-5) is None and elementwise.rms_norm(x, weight.double(), 1e-5) is None
+    assert (
+        elementwise.rms_norm(x.half(), weight.half(), 1e-5) is None
+        and elementwise.rms_norm(x, weight.double(), 1e-5) is None
+    )
     with pytest.raises(RuntimeError, match="rms_norm: rows \\[..., D\\] and weight \\[D\\]"):
         torch.ops.decodekit.rms_norm(x, weight[:-1], 1e-5)
     with pytest.raises(RuntimeError, match="silu_mul: rows \\[..., 2 \\* I\\]"):
@@ -689,7 +797,9 @@ def test_fused_norm_and_silu_equal_the_library_passes(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch, heads, tokens, dim, table_rows", [(1, 9, 40, 64, 1), (2, 3, 20, 64, 2), (1, 4, 30, 10, 1)])
+@pytest.mark.parametrize(
+    "batch, heads, tokens, dim, table_rows", [(1, 9, 40, 64, 1), (2, 3, 20, 64, 2), (1, 4, 30, 10, 1)]
+)
 def test_fused_rotary_equals_rotate_half_on_the_strided_split_of_qkv(batch, heads, tokens, dim, table_rows, dtype):
     from decodekit.families.rope import apply_rotary
     from decodekit.kernels import elementwise
@@ -721,6 +831,7 @@ def test_a_prompt_with_the_fused_passes_gives_the_library_passes_logits_and_toke
             out = fn(*args)
             ran.append((fn.__name__, out is not None))
             return out
+
         return call
 
     for name in ("rms_norm", "silu_mul", "rotary"):

@@ -53,7 +53,9 @@ def test_top_k_top_p_sorts_fewer_scores_with_the_same_result_as_the_two_warpers(
     for trial in range(40):
         k = int(torch.randint(1, 30, (1,), generator=gen))
         scores = torch.randn(3, 500, generator=gen) * (0.5 + trial / 10)
-        if trial % 4 == 0:  # up to k more scores tie with the k-th: TopK keeps them all, and the short sort must see them
+        if (
+            trial % 4 == 0
+        ):  # up to k more scores tie with the k-th: TopK keeps them all, and the short sort must see them
             kth = scores.topk(k, dim=-1).values[:, -1:]
             scores[:, :k] = kth
         top_k = P.TopKLogitsWarper(k)(None, scores)
@@ -61,7 +63,9 @@ def test_top_k_top_p_sorts_fewer_scores_with_the_same_result_as_the_two_warpers(
             two = P.TopPLogitsWarper(p)(None, top_k)
             assert torch.equal(P.TopKTopPLogitsWarper(k, p)(None, scores), two), (trial, k, p)
     small = torch.randn(2, 7, generator=gen)  # 2k above the vocabulary: the whole row is sorted
-    assert torch.equal(P.TopKTopPLogitsWarper(5, 0.9)(None, small), P.TopPLogitsWarper(0.9)(None, P.TopKLogitsWarper(5)(None, small)))
+    assert torch.equal(
+        P.TopKTopPLogitsWarper(5, 0.9)(None, small), P.TopPLogitsWarper(0.9)(None, P.TopKLogitsWarper(5)(None, small))
+    )
     with pytest.raises(ValueError, match="top_k=0"):
         P.TopKTopPLogitsWarper(0, 0.9)
     with pytest.raises(ValueError, match="top_p=1.5"):

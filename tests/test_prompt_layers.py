@@ -17,10 +17,14 @@ pytestmark = pytest.mark.skipif(not native.load(), reason="decodekit's C++ kerne
 
 PROMPT = torch.arange(3, 3 + 100)[None] % 90 + 3  # 100 tokens: the class of prompts up to 256 rows
 MORE = torch.arange(5, 5 + 30)[None] % 90 + 3  # a second prompt after the first, over its cache (masked: Python layers)
-ROUTES = ["library", "tiles", "blocks",
-          pytest.param("wide_blocks", marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs avx512f")),
-          pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
-          pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN"))]
+ROUTES = [
+    "library",
+    "tiles",
+    "blocks",
+    pytest.param("wide_blocks", marks=pytest.mark.skipif(not cpu.has("avx512f"), reason="needs avx512f")),
+    pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN")),
+]
 COPIES = ("packed", "onednn", "float32_copy")  # the routes decided over the one chosen among the others
 
 
@@ -38,14 +42,18 @@ INT8_ROUTES = [
     "tiles",
     pytest.param("packed", marks=pytest.mark.skipif(not mkl_packing(), reason="this torch has no MKL packing")),
     pytest.param("onednn", marks=pytest.mark.skipif(not onednn_packing(), reason="this torch has no oneDNN")),
-    "float32_copy"]
+    "float32_copy",
+]
 
 
 def pinned_int8(route: str) -> dict:
     """choices.forced settings that send an int8 model's prompt products of 100 rows by `route` and its attention
     to decodekit's float32 kernel (its own choice where the CPU has AVX512-BF16, the float32 one elsewhere)."""
-    pins = {"prompt_attention_float32_512": "kernel", "prompt_attention_int8_512": "kernel",
-            "float32_rows_128": "blocks"}
+    pins = {
+        "prompt_attention_float32_512": "kernel",
+        "prompt_attention_int8_512": "kernel",
+        "float32_rows_128": "blocks",
+    }
     if route in COPIES:
         return {**pins, "int8_many_rows": "tiles", "int8_packed_rows_128": route}
     return {**pins, "int8_many_rows": route, "int8_packed_rows_128": route}
@@ -79,8 +87,9 @@ def test_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch, model_
 
 @pytest.mark.parametrize("route", [*ROUTES, "float32_copy"])
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(tmp_path, monkeypatch,
-                                                                                      model_type, route):
+def test_prompt_layers_give_a_bfloat16_models_bits_where_its_products_run_in_float32(
+    tmp_path, monkeypatch, model_type, route
+):
     # On a CPU without bfloat16 matrix instructions (forced here) a bfloat16 model's prompt products run in float32
     # and its values are rounded to bfloat16 where the model stores them: the C++ layers round at the same places.
     # qwen2: bfloat16 q/k/v biases, added in float32; qwen3: q/k norms.
@@ -109,10 +118,19 @@ def test_prompt_layers_give_an_int8_models_bits(tmp_path, monkeypatch, route, wi
 
 # The kernels an int8 model's float32 prompt attention may round in (attention.py), where the CPU has what they need.
 ROUNDING_ATTENTION = [
-    pytest.param("bf16_kernel", torch.bfloat16, marks=pytest.mark.skipif(
-        not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16")),
-    pytest.param("int8_kernel", torch.float32, marks=pytest.mark.skipif(
-        not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni"))]
+    pytest.param(
+        "bf16_kernel",
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16"
+        ),
+    ),
+    pytest.param(
+        "int8_kernel",
+        torch.float32,
+        marks=pytest.mark.skipif(not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni"),
+    ),
+]
 
 
 @pytest.mark.parametrize("route, operand", ROUNDING_ATTENTION)
@@ -170,8 +188,10 @@ def test_generate_through_the_prompt_layers_keeps_its_tokens_and_the_callers_emb
         for native_layers in (True, False):
             monkeypatch.setattr(llama, "NATIVE_LAYERS", native_layers)
             with torch.inference_mode():
-                outputs[native_layers] = (model.generate(PROMPT, max_new_tokens=6, eos_token_id=None),
-                                          model(inputs_embeds=embeds, use_cache=False).logits)
+                outputs[native_layers] = (
+                    model.generate(PROMPT, max_new_tokens=6, eos_token_id=None),
+                    model(inputs_embeds=embeds, use_cache=False).logits,
+                )
     assert torch.equal(outputs[True][0], outputs[False][0])
     assert torch.equal(outputs[True][1], outputs[False][1])
     assert torch.equal(embeds, kept)  # the layers update a copy of the rows in place, never the caller's tensor
@@ -185,22 +205,28 @@ def batching_steps(model, native_layers: bool, monkeypatch):
     cache = PagedCache(model, num_blocks=16, block_size=16)
     cache.commit()
     first, second = cache.allocator.allocate(6), cache.allocator.allocate(6)
-    steps = [([first, second], [Segment(0, 60, 0, 0), Segment(60, 90, 1, 0)], PROMPT[:, :90], [59, 89]),
-             ([second, first], [Segment(0, 25, 0, 30), Segment(25, 26, 1, 60)], MORE[:, :26], [24, 25])]
+    steps = [
+        ([first, second], [Segment(0, 60, 0, 0), Segment(60, 90, 1, 0)], PROMPT[:, :90], [59, 89]),
+        ([second, first], [Segment(0, 25, 0, 30), Segment(25, 26, 1, 60)], MORE[:, :26], [24, 25]),
+    ]
     logits = []
     with torch.inference_mode(), torch.profiler.profile() as profile:
         for tables, segments, ids, keep in steps:
             batch = PagedBatch(cache, tables, segments)
-            logits.append(model(ids, position_ids=batch.position_ids, past_key_values=batch,
-                                logits_to_keep=torch.tensor(keep)).logits)
+            logits.append(
+                model(
+                    ids, position_ids=batch.position_ids, past_key_values=batch, logits_to_keep=torch.tensor(keep)
+                ).logits
+            )
     calls = {e.key: e.count for e in profile.key_averages()}.get("decodekit::prompt_layer_finish", 0)
     return logits, cache.keys + cache.values, calls
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
-def test_continuous_batching_steps_through_the_prompt_layers_give_the_python_layers_bits(tmp_path, monkeypatch,
-                                                                                          model_type, route):
+def test_continuous_batching_steps_through_the_prompt_layers_give_the_python_layers_bits(
+    tmp_path, monkeypatch, model_type, route
+):
     # A step of several requests' rows: each layer's attention runs between the C++ calls through PagedBatch.attend
     # (prompt chunks and a decode row; mistral: a sliding window shorter than the chunks).
     model = tiny_model(tmp_path, model_type)
@@ -251,11 +277,14 @@ def test_the_python_layers_run_where_the_prompt_layers_do_not_apply(tmp_path):
             model.float()
         assert layer_calls(model, forward()) == 0  # autograd recording: the C++ layers have no backward
     cache = PagedCache(model, num_blocks=8, block_size=16)
-    batch = PagedBatch(cache, [cache.allocator.allocate(1) for _ in range(5)],
-                       [Segment(i, i + 1, i, 3) for i in range(5)])
+    batch = PagedBatch(
+        cache, [cache.allocator.allocate(1) for _ in range(5)], [Segment(i, i + 1, i, 3) for i in range(5)]
+    )
     with choices.forced(**pinned("library")), torch.inference_mode():  # a step of five decode rows: few-row kernels
-        assert layer_calls(model, lambda: model(PROMPT[:, :5], position_ids=batch.position_ids,
-                                                past_key_values=batch)) == 0
+        assert (
+            layer_calls(model, lambda: model(PROMPT[:, :5], position_ids=batch.position_ids, past_key_values=batch))
+            == 0
+        )
     window = tiny_model(tmp_path, "mistral")  # a sliding window shorter than the prompt: masks
     with choices.forced(**pinned("library")), torch.inference_mode():
         assert layer_calls(window, lambda: window(PROMPT, use_cache=False)) == 0
@@ -289,15 +318,70 @@ def test_prompt_layer_calls_refuse_what_they_do_not_take():
     assert q.shape == k.shape == v.shape == (1, 2, 20, 4)
     end = torch.ops.decodekit.prompt_layer_end
     with pytest.raises(RuntimeError, match=r"k, v \[1, kv_heads, L >= T, D\]"):
-        end(x, q, k[:, :, :5], v[:, :, :5], 0, False, weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None,
-            weight[:8, :4], 0, None, None, 12)
+        end(
+            x,
+            q,
+            k[:, :, :5],
+            v[:, :, :5],
+            0,
+            False,
+            weight[:8],
+            0,
+            None,
+            None,
+            norm,
+            1e-6,
+            weight,
+            0,
+            None,
+            None,
+            weight[:8, :4],
+            0,
+            None,
+            None,
+            12,
+        )
     finish = torch.ops.decodekit.prompt_layer_finish
     with pytest.raises(RuntimeError, match=r"the attention output \[T, heads x head_dim\] of the rows' dtype"):
-        finish(x, torch.randn(19, 8), weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None, weight[:8, :4], 0,
-               None, None, 12)
+        finish(
+            x,
+            torch.randn(19, 8),
+            weight[:8],
+            0,
+            None,
+            None,
+            norm,
+            1e-6,
+            weight,
+            0,
+            None,
+            None,
+            weight[:8, :4],
+            0,
+            None,
+            None,
+            12,
+        )
     y = x.clone()
-    finish(y, torch.randn(20, 8), weight[:8], 0, None, None, norm, 1e-6, weight, 0, None, None, torch.randn(8, 12), 0,
-           None, None, 12)
+    finish(
+        y,
+        torch.randn(20, 8),
+        weight[:8],
+        0,
+        None,
+        None,
+        norm,
+        1e-6,
+        weight,
+        0,
+        None,
+        None,
+        torch.randn(8, 12),
+        0,
+        None,
+        None,
+        12,
+    )
     assert not torch.equal(y, x)  # updated in place
 
 

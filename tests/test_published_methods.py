@@ -37,9 +37,17 @@ def models(checkpoint):
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
     root = tmp_path_factory.mktemp("methods")
-    sources = dict(top_n_sigma=TOP_N_SIGMA, beams=BEAM_LOOP, rollback=ROLLBACK, internals=TRANSFORMERS_INTERNALS,
-                   contrastive=CONTRASTIVE, sink=SINK_CACHE,
-                   encoder_decoder=ENCODER_DECODER, hooks=HOOK_METHOD, greedy=TRANSFORMERS_STYLE_GREEDY)
+    sources = dict(
+        top_n_sigma=TOP_N_SIGMA,
+        beams=BEAM_LOOP,
+        rollback=ROLLBACK,
+        internals=TRANSFORMERS_INTERNALS,
+        contrastive=CONTRASTIVE,
+        sink=SINK_CACHE,
+        encoder_decoder=ENCODER_DECODER,
+        hooks=HOOK_METHOD,
+        greedy=TRANSFORMERS_STYLE_GREEDY,
+    )
     return {name: str(write_method(root / name, source)) for name, source in sources.items()}
 
 
@@ -55,21 +63,39 @@ def both(models, repo, seed=None, **options):
 
 CASES = {
     "top-n-sigma greedy": ("top_n_sigma", dict(input_ids=PROMPT, max_new_tokens=8, n_sigma=1.5, eos_token_id=None)),
-    "top-n-sigma padded": ("top_n_sigma", dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=6,
-                                                pad_token_id=PAD, eos_token_id=None)),
-    "top-n-sigma with processors": ("top_n_sigma", dict(input_ids=PROMPT, max_new_tokens=8, repetition_penalty=1.4,
-                                                        no_repeat_ngram_size=2, eos_token_id=None)),
+    "top-n-sigma padded": (
+        "top_n_sigma",
+        dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=6, pad_token_id=PAD, eos_token_id=None),
+    ),
+    "top-n-sigma with processors": (
+        "top_n_sigma",
+        dict(input_ids=PROMPT, max_new_tokens=8, repetition_penalty=1.4, no_repeat_ngram_size=2, eos_token_id=None),
+    ),
     "beam loop": ("beams", dict(input_ids=PROMPT, max_new_tokens=6, num_beams=3)),
     "beam loop padded": ("beams", dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=5, num_beams=2)),
     "rollback, dynamic cache": ("rollback", dict(input_ids=STUCK, max_new_tokens=12)),
     "rollback, static cache": ("rollback", dict(input_ids=STUCK, max_new_tokens=12, cache_kind="static")),
-    "contrastive search": ("contrastive", dict(input_ids=PROMPT, max_new_tokens=8, penalty_alpha=0.6, top_k=4,
-                                               eos_token_id=None)),
-    "contrastive search padded": ("contrastive", dict(input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=5,
-                                                      penalty_alpha=0.6, top_k=3, pad_token_id=PAD, eos_token_id=None)),
+    "contrastive search": (
+        "contrastive",
+        dict(input_ids=PROMPT, max_new_tokens=8, penalty_alpha=0.6, top_k=4, eos_token_id=None),
+    ),
+    "contrastive search padded": (
+        "contrastive",
+        dict(
+            input_ids=PADDED,
+            attention_mask=PADDED_MASK,
+            max_new_tokens=5,
+            penalty_alpha=0.6,
+            top_k=3,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        ),
+    ),
     "sink cache": ("sink", dict(input_ids=PROMPT, max_new_tokens=12, sink=2, window=8)),
-    "internals loop": ("internals", dict(input_ids=PROMPT, max_new_tokens=6, repetition_penalty=1.3, eos_token_id=None,
-                                         pad_token_id=PAD)),
+    "internals loop": (
+        "internals",
+        dict(input_ids=PROMPT, max_new_tokens=6, repetition_penalty=1.3, eos_token_id=None, pad_token_id=PAD),
+    ),
 }
 
 
@@ -87,35 +113,51 @@ def repeats(tokens: list[int]) -> bool:
 
 def test_the_rollback_method_does_roll_back(models, repos):
     native, theirs = models
-    stuck = next(prompt for prompt in (torch.full((1, 3), token) for token in range(2, 60))
-                 if repeats(native.generate(prompt, max_new_tokens=12, eos_token_id=None)[0, 3:].tolist()))
+    stuck = next(
+        prompt
+        for prompt in (torch.full((1, 3), token) for token in range(2, 60))
+        if repeats(native.generate(prompt, max_new_tokens=12, eos_token_id=None)[0, 3:].tolist())
+    )
     greedy = native.generate(stuck, max_new_tokens=12, eos_token_id=None)
     for cache_kind in ("dynamic", "static"):
         options = dict(input_ids=stuck, max_new_tokens=12, cache_kind=cache_kind)
         rolled = native.generate(custom_generate=repos["rollback"], trust_remote_code=True, **options)
         assert greedy.shape == rolled.shape and not torch.equal(greedy, rolled) and not repeats(rolled[0, 3:].tolist())
-        assert torch.equal(rolled, theirs.generate(custom_generate=repos["rollback"], trust_remote_code=True, **options))
+        assert torch.equal(
+            rolled, theirs.generate(custom_generate=repos["rollback"], trust_remote_code=True, **options)
+        )
 
 
 def test_seeded_sampling_in_a_published_loop_matches_transformers(models, repos):
     for seed in (0, 1, 2):
-        theirs, ours = both(models, repos["top_n_sigma"], seed=seed, input_ids=PROMPT, max_new_tokens=8, do_sample=True,
-                            n_sigma=2.0, eos_token_id=None)
+        theirs, ours = both(
+            models,
+            repos["top_n_sigma"],
+            seed=seed,
+            input_ids=PROMPT,
+            max_new_tokens=8,
+            do_sample=True,
+            n_sigma=2.0,
+            eos_token_id=None,
+        )
         assert torch.equal(ours, theirs), seed
 
 
 def test_transformers_generate_on_the_native_view_gives_its_scores(models):
     native, theirs = models
-    options = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                   eos_token_id=None)
+    options = dict(
+        max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, eos_token_id=None
+    )
     expected = theirs.generate(PROMPT, **options)
     got = transformers.GenerationMixin.generate(native.as_transformers(), PROMPT, **options)
     assert torch.equal(got.sequences, expected.sequences)
     for mine, reference in zip(got.scores, expected.scores, strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
     beams = dict(max_new_tokens=5, num_beams=3, do_sample=False, cache_implementation="static", eos_token_id=None)
-    assert torch.equal(transformers.GenerationMixin.generate(native.as_transformers(), PROMPT, **beams),
-                       theirs.generate(PROMPT, **beams))
+    assert torch.equal(
+        transformers.GenerationMixin.generate(native.as_transformers(), PROMPT, **beams),
+        theirs.generate(PROMPT, **beams),
+    )
 
 
 def test_the_view_answers_as_a_transformers_model_does(models):
@@ -148,16 +190,25 @@ def test_bf16_and_int8_native_models_run_published_methods(checkpoint, repos):
     for options in (dict(dtype=torch.bfloat16), dict(quantize="int8")):
         native = AutoModelForCausalLM.from_pretrained(checkpoint, **options)
         greedy = native.generate(PROMPT, max_new_tokens=6, eos_token_id=None)
-        method = native.generate(input_ids=PROMPT, max_new_tokens=6, n_sigma=100.0, eos_token_id=None,
-                                 custom_generate=repos["top_n_sigma"], trust_remote_code=True)
+        method = native.generate(
+            input_ids=PROMPT,
+            max_new_tokens=6,
+            n_sigma=100.0,
+            eos_token_id=None,
+            custom_generate=repos["top_n_sigma"],
+            trust_remote_code=True,
+        )
         assert torch.equal(method, greedy), options
 
 
 def test_a_method_asking_for_another_kind_of_model_is_told_what_it_asked_for(models, repos):
     native = models[0]
-    with pytest.raises(ValueError, match=r"asks the model for get_encoder \(line 3\), which an encoder-decoder model "
-                                         r"has; encoder_outputs= \(line 4\), an input of an encoder-decoder model\. "
-                                         r".*backend='transformers'"):
+    with pytest.raises(
+        ValueError,
+        match=r"asks the model for get_encoder \(line 3\), which an encoder-decoder model "
+        r"has; encoder_outputs= \(line 4\), an input of an encoder-decoder model\. "
+        r".*backend='transformers'",
+    ):
         native.generate(input_ids=PROMPT, custom_generate=repos["encoder_decoder"], trust_remote_code=True)
     with pytest.raises(AttributeError, match=r"asked the model for 'get_encoder'.*backend='transformers'"):
         native.as_transformers().get_encoder()

@@ -76,7 +76,7 @@ def mean_loglik(model, sequences, prompt_lengths):
         for seq, n in zip(sequences, prompt_lengths):
             logp = model(seq[None]).logits[0, :-1].float().log_softmax(-1)
             picked = logp.gather(-1, seq[1:, None])[:, 0]
-            total += picked[n - 1:].sum().item()
+            total += picked[n - 1 :].sum().item()
             count += len(seq) - n
     return total / count
 
@@ -84,11 +84,19 @@ def mean_loglik(model, sequences, prompt_lengths):
 # The int8 model's prompt attention by each route it may take (kernels/attention.py: in bfloat16 products only where
 # the CPU has AVX512-BF16, with int8 scores only where it has AVX512-VNNI; its own choice takes whichever measured
 # faster).
-ATTENTION = ["kernel",
-             pytest.param("bf16_kernel", marks=pytest.mark.skipif(
-                 not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16")),
-             pytest.param("int8_kernel", marks=pytest.mark.skipif(
-                 not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni"))]
+ATTENTION = [
+    "kernel",
+    pytest.param(
+        "bf16_kernel",
+        marks=pytest.mark.skipif(
+            not cpu.has("avx512_bf16"), reason="the bfloat16 attention needs a CPU with avx512_bf16"
+        ),
+    ),
+    pytest.param(
+        "int8_kernel",
+        marks=pytest.mark.skipif(not cpu.has("avx512_vnni"), reason="the int8 scores need a CPU with avx512_vnni"),
+    ),
+]
 
 
 @pytest.mark.parametrize("attention", ATTENTION)

@@ -23,13 +23,18 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("method, extra", [(TRANSFORMERS_STYLE_GREEDY, {}), (HOOK_METHOD, {"banned_token": 253})],
-                         ids=["full-loop", "hook-only"])
+@pytest.mark.parametrize(
+    "method, extra",
+    [(TRANSFORMERS_STYLE_GREEDY, {}), (HOOK_METHOD, {"banned_token": 253})],
+    ids=["full-loop", "hook-only"],
+)
 def test_map_batches_equals_decodekit_run_directly(cluster, tmp_path, method, extra):
     repo = write_method(tmp_path / "method", method)
     settings = BatchSettings(method=str(repo), trust_remote_code=True, generation={"max_new_tokens": 4, **extra})
     dataset = ray.data.from_items([{"prompt": p} for p in PROMPTS])
-    rows = dataset.map_batches(BatchGenerator, fn_constructor_kwargs=vars(settings), batch_size=16, concurrency=2).take_all()
+    rows = dataset.map_batches(
+        BatchGenerator, fn_constructor_kwargs=vars(settings), batch_size=16, concurrency=2
+    ).take_all()
     assert sorted(r["prompt"] for r in rows) == sorted(PROMPTS)
     here = RowGenerator(settings)
     for row in rows:
@@ -37,12 +42,15 @@ def test_map_batches_equals_decodekit_run_directly(cluster, tmp_path, method, ex
 
 
 def test_the_command_line_runs_on_ray_and_resumes(cluster, tmp_path):
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p, "id": i if i % 2 else str(i)}) + "\n"
-                                               for i, p in enumerate(PROMPTS[:6])))
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "id": i if i % 2 else str(i)}) + "\n" for i, p in enumerate(PROMPTS[:6]))
+    )
     settings = BatchSettings(generation={"max_new_tokens": 4})
     first = [json.dumps({"prompt": PROMPTS[0], "id": "0", **RowGenerator(settings)(PROMPTS[0])}) + "\n"]
     (tmp_path / "out.jsonl").write_text(first[0])
-    assert run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, progress=False, runner=on_ray("local")) == (5, 1)
+    assert run_batch(
+        tmp_path / "in.jsonl", tmp_path / "out.jsonl", settings, progress=False, runner=on_ray("local")
+    ) == (5, 1)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(str(r["id"]) for r in rows) == [str(i) for i in range(6)]
     here = RowGenerator(settings)

@@ -31,7 +31,7 @@ def test_met_requirements_and_comments():
     text = f"""
 # a comment line
 torch>=2.0, <3     # several specifiers, trailing comment
-packaging~={version('packaging')}
+packaging~={version("packaging")}
 pluggy!=0.1.0
 """
     assert unmet(text) == []
@@ -53,7 +53,9 @@ def test_unmet_requirements_message_in_transformers_format(tmp_path):
 
 def test_markers_skip_lines_that_do_not_apply():
     assert unmet('nonexistent-pkg-xyz>=1; python_version < "3.0"') == []
-    assert unmet('nonexistent-pkg-xyz>=1; python_version >= "3.0"') == ['nonexistent-pkg-xyz>=1; python_version >= "3.0" (installed: None)']
+    assert unmet('nonexistent-pkg-xyz>=1; python_version >= "3.0"') == [
+        'nonexistent-pkg-xyz>=1; python_version >= "3.0" (installed: None)'
+    ]
     assert unmet('nonexistent-pkg-xyz; sys_platform == "no-such-platform"') == []
 
 
@@ -102,8 +104,11 @@ def test_a_file_that_is_not_utf8_is_named_in_the_error(tmp_path):
 
 def test_an_extra_the_distribution_does_not_provide_is_unmet(fake_dists):
     assert unmet("dk-extra-pkg[no-such-extra]>=1") == [
-        "dk-extra-pkg[no-such-extra]>=1 (installed: 1.5, which has no extra 'no-such-extra')"]
-    assert unmet("pluggy[nonexistent]") == [f"pluggy[nonexistent] (installed: {version('pluggy')}, which has no extra 'nonexistent')"]
+        "dk-extra-pkg[no-such-extra]>=1 (installed: 1.5, which has no extra 'no-such-extra')"
+    ]
+    assert unmet("pluggy[nonexistent]") == [
+        f"pluggy[nonexistent] (installed: {version('pluggy')}, which has no extra 'nonexistent')"
+    ]
 
 
 def test_ten_thousand_lines_are_checked_in_one_pass(tmp_path, monkeypatch):

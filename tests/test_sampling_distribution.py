@@ -59,7 +59,9 @@ def test_sampled_frequencies_follow_the_distribution(case):
     z = t[3]
     if case == "top_p":
         keep = nucleus_keep(z, 0.8)
-    elif case == "top_k_top_p":  # the nucleus of the eight most likely tokens: 5 tokens, where either warper alone keeps 8 or 6
+    elif (
+        case == "top_k_top_p"
+    ):  # the nucleus of the eight most likely tokens: 5 tokens, where either warper alone keeps 8 or 6
         keep = nucleus_keep(z.masked_fill(z < z.sort(descending=True).values[7], -math.inf), 0.9)
     else:
         keep = keep_fn(z / temperature if case == "top_k" else z)
@@ -116,5 +118,6 @@ def test_race_noise_is_exponential_pure_and_the_same_compiled():
         assert abs(torch.corrcoef(torch.stack([noise[0], other]))[0, 1].item()) < 0.02
     for vocab in (101, 49152):  # 101: a vocabulary that leaves a remainder to the vector loop
         compiled = torch.compile(lambda k, p: race_noise(k, p, 4, vocab), fullgraph=True, dynamic=False)
-        torch.testing.assert_close(compiled(key, torch.tensor([37], dtype=torch.int32)), race_noise(key, 37, 4, vocab),
-                                   rtol=3e-7, atol=0)
+        torch.testing.assert_close(
+            compiled(key, torch.tensor([37], dtype=torch.int32)), race_noise(key, 37, 4, vocab), rtol=3e-7, atol=0
+        )

@@ -35,8 +35,9 @@ def server(default_model, method_dir):
     model, tok = default_model
     manager = model.init_continuous_batching(max_queue_size=64, max_cache_bytes=256 * 2**20)
     spec = f"{method_dir}@{resolve(str(method_dir)).revision}"
-    settings = ServerSettings(model_name=NAME, api_key=KEY, max_tokens_limit=64, max_request_bytes=20_000,
-                              methods=allowed_methods([spec]))
+    settings = ServerSettings(
+        model_name=NAME, api_key=KEY, max_tokens_limit=64, max_request_bytes=20_000, methods=allowed_methods([spec])
+    )
     srv = Server(manager, tok, settings, port=0).start()
     manager.start()  # the tests' own thread stays free to be the clients
     yield srv
@@ -52,7 +53,7 @@ def client(server):
 
 def expected(default_model, ids: list[int], **kwargs) -> str:
     model, tok = default_model
-    out = model.generate(torch.tensor([ids]), **kwargs)[0, len(ids):].tolist()
+    out = model.generate(torch.tensor([ids]), **kwargs)[0, len(ids) :].tolist()
     eos = model.generation_config.eos_token_ids
     out = out[: next((i for i, t in enumerate(out) if t in eos), len(out))]
     return tok.decode(out, skip_special_tokens=True)
@@ -77,15 +78,29 @@ def test_chat_applies_the_template_and_samples_with_a_seed(default_model, client
     _, tok = default_model
     messages = [{"role": "user", "content": "Name a fruit."}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0.8, top_p=0.9,
-                                       seed=7, n=2)
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=12, temperature=0.8, top_p=0.9, seed=7, n=2
+    )
     rows = [c.message.content for c in r.choices]
     model, _ = default_model
-    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, top_k=0,
-                         seed=7, num_return_sequences=2)[:, len(ids):]
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=12,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=0,
+        seed=7,
+        num_return_sequences=2,
+    )[:, len(ids) :]
     eos = model.generation_config.eos_token_ids
-    want = [tok.decode([t for t in row if t not in eos][: next((i for i, t in enumerate(row) if t in eos), len(row))],
-                       skip_special_tokens=True) for row in out.tolist()]
+    want = [
+        tok.decode(
+            [t for t in row if t not in eos][: next((i for i, t in enumerate(row) if t in eos), len(row))],
+            skip_special_tokens=True,
+        )
+        for row in out.tolist()
+    ]
     assert rows == want and r.choices[0].message.role == "assistant"
 
 
@@ -93,8 +108,16 @@ def test_streaming_gives_the_same_text_and_usage(default_model, client):
     _, tok = default_model
     messages = [{"role": "user", "content": "Count to five."}]
     whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
@@ -102,13 +125,16 @@ def test_streaming_gives_the_same_text_and_usage(default_model, client):
 
 
 def test_stop_strings_end_the_text_before_them(client):
-    r = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=30, temperature=0, stop=["."])
+    r = client.completions.create(
+        model=NAME, prompt="The capital of France is", max_tokens=30, temperature=0, stop=["."]
+    )
     assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_are_those_of_the_chosen_tokens(client):
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                       temperature=0, logprobs=True)
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True
+    )
     entries = r.choices[0].logprobs.content
     assert len(entries) == r.usage.completion_tokens and all(e.logprob <= 0 for e in entries)
     assert "".join(e.token for e in entries) == r.choices[0].message.content
@@ -119,25 +145,46 @@ def test_a_request_chooses_an_allowed_method(default_model, client, method_dir):
     prompt = "The capital of France is"
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
     banned = tok.encode(" Paris")[0]
-    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
-                                  extra_body={"decodekit": {"method": str(method_dir), "banned_token": banned}})
+    r = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"decodekit": {"method": str(method_dir), "banned_token": banned}},
+    )
     assert r.choices[0].text != plain.choices[0].text
-    assert r.choices[0].text == expected(default_model, tok.encode(prompt), max_new_tokens=6,
-                                         custom_generate=str(method_dir), trust_remote_code=True, banned_token=banned)
-    installed = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
-                                          extra_body={"decodekit": {"method": "processors", "repetition_penalty": 1.5}})
-    assert installed.choices[0].text == expected(default_model, tok.encode(prompt), max_new_tokens=6, repetition_penalty=1.5)
+    assert r.choices[0].text == expected(
+        default_model,
+        tok.encode(prompt),
+        max_new_tokens=6,
+        custom_generate=str(method_dir),
+        trust_remote_code=True,
+        banned_token=banned,
+    )
+    installed = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"decodekit": {"method": "processors", "repetition_penalty": 1.5}},
+    )
+    assert installed.choices[0].text == expected(
+        default_model, tok.encode(prompt), max_new_tokens=6, repetition_penalty=1.5
+    )
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"decodekit": {"method": "not-installed"}}, "not-installed"),
-    ({"decodekit": {"repetition_penalty": -1}}, "repetition_penalty=-1"),
-    ({"decodekit": {"method": "processors", "no_such_field": 1}}, "no_such_field"),
-    ({"decodekit": {"custom_generate": "org/evil", "trust_remote_code": True}}, "cannot be set by a request"),
-    ({"decodekit": {"num_beams": 3}}, "beam_search"),
-    ({"max_tokens": 65}, "max_tokens=65"),
-    ({"temperature": 3}, "temperature=3"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"decodekit": {"method": "not-installed"}}, "not-installed"),
+        ({"decodekit": {"repetition_penalty": -1}}, "repetition_penalty=-1"),
+        ({"decodekit": {"method": "processors", "no_such_field": 1}}, "no_such_field"),
+        ({"decodekit": {"custom_generate": "org/evil", "trust_remote_code": True}}, "cannot be set by a request"),
+        ({"decodekit": {"num_beams": 3}}, "beam_search"),
+        ({"max_tokens": 65}, "max_tokens=65"),
+        ({"temperature": 3}, "temperature=3"),
+    ],
+)
 def test_bad_requests_are_400_with_decodekit_message(client, extra, words):
     body = {"max_tokens": 3, "temperature": 0, **extra}
     prompt = body.pop("prompt", "Hello")
@@ -176,8 +223,14 @@ def test_a_full_queue_answers_429(default_model):
 def test_a_client_that_disconnects_frees_its_blocks(server, client):
     manager = server.manager
     cancelled = manager.counts["cancelled"]
-    stream = client.completions.create(model=NAME, prompt="Tell me a long story.", max_tokens=64, temperature=0,
-                                       stream=True, extra_body={"decodekit": {"eos_token_id": None}})
+    stream = client.completions.create(
+        model=NAME,
+        prompt="Tell me a long story.",
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        extra_body={"decodekit": {"eos_token_id": None}},
+    )
     next(iter(stream))
     assert manager.free_blocks < manager.total_blocks
     stream.close()
@@ -242,10 +295,14 @@ def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
     assert "SPEC@REVISION" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, warm_up_steps", [([], 2), (["--compile"], 2), (["--no-compile"], None)],
-                         ids=["default", "compile", "no-compile"])
-def test_serve_compiles_the_step_before_listening_unless_told_not_to(default_model, tmp_path, monkeypatch, flags,
-                                                                      warm_up_steps):
+@pytest.mark.parametrize(
+    "flags, warm_up_steps",
+    [([], 2), (["--compile"], 2), (["--no-compile"], None)],
+    ids=["default", "compile", "no-compile"],
+)
+def test_serve_compiles_the_step_before_listening_unless_told_not_to(
+    default_model, tmp_path, monkeypatch, flags, warm_up_steps
+):
     import decodekit.cli as cli
     import decodekit.serve as serve
     from decodekit.kernels import cpu

@@ -26,8 +26,18 @@ from decodekit.models.tokenizer import chat_ids  # noqa: E402
 from methods import FAULT_METHOD, write_method  # noqa: E402
 
 KEY = "secret-key"
-LIMITS = ["--max-tokens-limit", "64", "--max-request-bytes", "2000000", "--max-running", "4", "--max-queue", "64",
-          "--cache-mb", "64"]
+LIMITS = [
+    "--max-tokens-limit",
+    "64",
+    "--max-request-bytes",
+    "2000000",
+    "--max-running",
+    "4",
+    "--max-queue",
+    "64",
+    "--cache-mb",
+    "64",
+]
 RSS_BOUND = 150 * 2**20  # what refused requests may add to the server's resident memory, all together
 
 
@@ -43,8 +53,12 @@ class ServeProcess:
     """`decodekit serve` in a child process; its stderr is drained in a thread (and kept for failure messages)."""
 
     def __init__(self, *flags: str, timeout: float = 600):
-        self.proc = subprocess.Popen([sys.executable, "-m", "decodekit.cli", "serve", *flags], stderr=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "decodekit.cli", "serve", *flags],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
         self.lines: list[str] = []
         found = threading.Event()
 
@@ -97,15 +111,20 @@ class ServeProcess:
 
     def metrics(self) -> dict[str, float]:
         text = self.get("/metrics", key=None).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
 
     def metric(self, name: str, **labels) -> float:
         """The sum of a metric's samples whose labels include `labels`."""
         total = 0.0
         for key, value in self.metrics().items():
             base, _, rest = key.partition("{")
-            if base in (f"decodekit:{name}", f"decodekit:{name}_total") and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            if base in (f"decodekit:{name}", f"decodekit:{name}_total") and all(
+                f'{k}="{v}"' in rest for k, v in labels.items()
+            ):
                 total += value
         return total
 
@@ -113,8 +132,11 @@ class ServeProcess:
         """Waits until no request runs or waits and every cache block is free."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if (self.metric("num_requests_running"), self.metric("num_requests_waiting"),
-                    self.metric("kv_cache_usage_perc")) == (0, 0, 0):
+            if (
+                self.metric("num_requests_running"),
+                self.metric("num_requests_waiting"),
+                self.metric("kv_cache_usage_perc"),
+            ) == (0, 0, 0):
                 return True
             time.sleep(0.1)
         return False
@@ -124,8 +146,11 @@ def raw_request(port: int, path: str, body: dict, key: str = KEY) -> socket.sock
     """Sends a whole HTTP request and returns the open socket, so the caller decides when the client goes away."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -144,8 +169,9 @@ def server(fault_method):
 
 
 def completion(server, **body) -> Response:
-    return server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
-                                           **body})
+    return server.post(
+        "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, **body}
+    )
 
 
 def test_a_prompt_past_the_context_is_a_400_and_the_server_goes_on(server):
@@ -157,10 +183,12 @@ def test_a_prompt_past_the_context_is_a_400_and_the_server_goes_on(server):
 
 def test_requests_that_cannot_fit_cost_no_memory(server):
     rss = server.rss()
-    for body in ({"decodekit": {"max_new_tokens": 1_000_000}},  # past --max-tokens-limit, inside the decodekit object
-                 {"decodekit": {"num_return_sequences": 64, "do_sample": True}},  # past n's limit
-                 {"decodekit": {"stop_strings": [f"s{i}" for i in range(5000)]}},
-                 {"prompt": "word " * 380_000, "max_tokens": 4}):  # 1.9 MB of text, ~380k tokens, past the context
+    for body in (
+        {"decodekit": {"max_new_tokens": 1_000_000}},  # past --max-tokens-limit, inside the decodekit object
+        {"decodekit": {"num_return_sequences": 64, "do_sample": True}},  # past n's limit
+        {"decodekit": {"stop_strings": [f"s{i}" for i in range(5000)]}},
+        {"prompt": "word " * 380_000, "max_tokens": 4},
+    ):  # 1.9 MB of text, ~380k tokens, past the context
         response = completion(server, **body)
         assert response.status_code == 400, response.text
     message = completion(server, decodekit={"max_new_tokens": 1_000_000}).json()["error"]["message"]
@@ -181,8 +209,10 @@ def test_a_large_prompt_does_not_hold_the_event_loop(server):
 def test_a_chunked_body_is_cut_at_the_byte_limit(server):
     rejected, rss = server.metric("request_rejected", status="413"), server.rss()
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                 "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    )
     piece = b'{"prompt": "' + b"x" * (2**20)
     sent = 0
     try:
@@ -205,8 +235,13 @@ def test_a_chunked_body_is_cut_at_the_byte_limit(server):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
 def test_every_disconnect_cancels_its_request_at_once(server, stream):
     aborted = server.metric("request_success", finished_reason="abort")
-    body = {"prompt": "Tell me a long story.", "max_tokens": 64, "temperature": 0, "stream": stream,
-            "decodekit": {"eos_token_id": None}}
+    body = {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 64,
+        "temperature": 0,
+        "stream": stream,
+        "decodekit": {"eos_token_id": None},
+    }
     socks = [raw_request(server.port, "/v1/completions", body) for _ in range(10)]  # 4 run, 6 wait for blocks
     deadline = time.monotonic() + 30
     while server.metric("num_requests_running") < 4 and time.monotonic() < deadline:
@@ -231,8 +266,12 @@ def test_a_failing_request_fails_alone(server, fault_method, fault):
         bad, good = bad.result(), [g.result() for g in good]
     assert bad.status_code == 500
     message = bad.json()["error"]["message"]
-    assert {"exit": "SystemExit", "interrupt": "KeyboardInterrupt", "raise": "RuntimeError",
-            "outside-vocabulary": "outside the vocabulary"}[fault] in message
+    assert {
+        "exit": "SystemExit",
+        "interrupt": "KeyboardInterrupt",
+        "raise": "RuntimeError",
+        "outside-vocabulary": "outside the vocabulary",
+    }[fault] in message
     assert message.startswith(f"method {fault_method[0]!r} failed: ")  # the method is named
     assert [g.json()["choices"][0]["text"] for g in good] == want
     assert server.healthy() and server.idle()
@@ -246,47 +285,128 @@ def test_a_method_that_exits_while_its_request_is_added_is_a_500_naming_it(serve
     assert server.healthy() and completion(server).status_code == 200
 
 
-@pytest.mark.parametrize("body, words", [
-    ('{"prompt": "\\ud800 x", "max_tokens": 2}', "lone surrogate"),
-    ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "lone surrogate"),
-    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
-    ({"prompt": "Hi", "decodekit": {"logits_processor": [1, 2]}}, "decodekit.logits_processor"),
-    ({"prompt": "Hi", "stream": "false"}, "stream='false' is invalid"),
-    ({"prompt": "Hi", "best_of": 3}, "best_of=3 is not supported"),
-    ({"prompt": "Hi", "frobnicate": True}, "Unrecognized request argument supplied: frobnicate"),
-    ({"prompt": "Hi", "max_token": 5}, "Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)"),
-    ({"prompt": "Hi", "decodekit": {"method": "fuzed"}}, "decodekit method 'fuzed' is neither"),
-    ({"prompt": "Hi", "echo": True}, "echo=True is not supported"),
-    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
-    ({"messages": [{"role": "wizard", "content": "Hi"}]}, "role in"),
-    # Each of these was a 500 (an int() of "--5", of "²", of 5,000 digits; a tool_choice whose function is a string;
-    # an earlier call without arguments; a RecursionError) or silently accepted.
-    ({"prompt": "Hi", "logit_bias": {"--5": 1}}, "logit_bias key '--5' is not a token id"),
-    ({"prompt": "Hi", "logit_bias": {"\u00b2": 1}}, "logit_bias key '\u00b2' is not a token id"),
-    ({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}, "is not a token id"),
-    ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": "f"}}, "tool_choice="),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f"}}]}]}, "messages[1].tool_calls is invalid"),
-    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": json.loads("{\"items\": " * 200 + "{}" + "}" * 200)}}}}},
-     "response_format.json_schema.schema nests deeper than 64 levels"),
-    ({"prompt": "Hi", "response_format": {"type": "json_object", "bogus": 1}}, "response_format has fields"),
-    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes",
-                                                                                  "schema": {}}}}, "strict='yes'"),
-    ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens=9 is more than max_tokens=4"),
-    # Costs a client could set that no limit covered: a stop id list paid at every step, a schema compiled and kept,
-    # DRY breakers each looked for in the whole vocabulary.
-    ({"prompt": "Hi", "stop_token_ids": [5] * 2000}, "stop_token_ids has 2000 entries; this server takes at most 1024"),
-    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [
-        {"type": "object", "properties": {f"p{i}": {"const": i}}} for i in range(5000)]}}}},
-     "response_format.json_schema.schema is"),
-    ({"prompt": "Hi", "dry_multiplier": 0.8, "dry_sequence_breakers": [f"b{i}" for i in range(100)]},
-     "dry_sequence_breakers"),
-], ids=["surrogate-prompt", "surrogate-message", "deep-json", "python-object-field", "string-bool", "best-of",
-        "unknown-field", "typo-field", "unknown-method", "unserved-field", "stream-options", "bad-role", "bias-dashes",
-        "bias-superscript", "bias-digits", "tool-choice-string", "history-call-no-arguments", "deep-schema", "response-format-bogus",
-        "strict-string", "min-over-max", "stop-ids", "huge-schema", "dry-breakers"])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ('{"prompt": "\\ud800 x", "max_tokens": 2}', "lone surrogate"),
+        ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "lone surrogate"),
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
+        ({"prompt": "Hi", "decodekit": {"logits_processor": [1, 2]}}, "decodekit.logits_processor"),
+        ({"prompt": "Hi", "stream": "false"}, "stream='false' is invalid"),
+        ({"prompt": "Hi", "best_of": 3}, "best_of=3 is not supported"),
+        ({"prompt": "Hi", "frobnicate": True}, "Unrecognized request argument supplied: frobnicate"),
+        (
+            {"prompt": "Hi", "max_token": 5},
+            "Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)",
+        ),
+        ({"prompt": "Hi", "decodekit": {"method": "fuzed"}}, "decodekit method 'fuzed' is neither"),
+        ({"prompt": "Hi", "echo": True}, "echo=True is not supported"),
+        ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+        ({"messages": [{"role": "wizard", "content": "Hi"}]}, "role in"),
+        # Each of these was a 500 (an int() of "--5", of "²", of 5,000 digits; a tool_choice whose function is a string;
+        # an earlier call without arguments; a RecursionError) or silently accepted.
+        ({"prompt": "Hi", "logit_bias": {"--5": 1}}, "logit_bias key '--5' is not a token id"),
+        ({"prompt": "Hi", "logit_bias": {"\u00b2": 1}}, "logit_bias key '\u00b2' is not a token id"),
+        ({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}, "is not a token id"),
+        (
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": "f"},
+            },
+            "tool_choice=",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls is invalid",
+        ),
+        (
+            {
+                "prompt": "Hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": json.loads('{"items": ' * 200 + "{}" + "}" * 200)},
+                        },
+                    },
+                },
+            },
+            "response_format.json_schema.schema nests deeper than 64 levels",
+        ),
+        ({"prompt": "Hi", "response_format": {"type": "json_object", "bogus": 1}}, "response_format has fields"),
+        (
+            {
+                "prompt": "Hi",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}},
+            },
+            "strict='yes'",
+        ),
+        ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens=9 is more than max_tokens=4"),
+        # Costs a client could set that no limit covered: a stop id list paid at every step, a schema compiled and kept,
+        # DRY breakers each looked for in the whole vocabulary.
+        (
+            {"prompt": "Hi", "stop_token_ids": [5] * 2000},
+            "stop_token_ids has 2000 entries; this server takes at most 1024",
+        ),
+        (
+            {
+                "prompt": "Hi",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "anyOf": [{"type": "object", "properties": {f"p{i}": {"const": i}}} for i in range(5000)]
+                        },
+                    },
+                },
+            },
+            "response_format.json_schema.schema is",
+        ),
+        (
+            {"prompt": "Hi", "dry_multiplier": 0.8, "dry_sequence_breakers": [f"b{i}" for i in range(100)]},
+            "dry_sequence_breakers",
+        ),
+    ],
+    ids=[
+        "surrogate-prompt",
+        "surrogate-message",
+        "deep-json",
+        "python-object-field",
+        "string-bool",
+        "best-of",
+        "unknown-field",
+        "typo-field",
+        "unknown-method",
+        "unserved-field",
+        "stream-options",
+        "bad-role",
+        "bias-dashes",
+        "bias-superscript",
+        "bias-digits",
+        "tool-choice-string",
+        "history-call-no-arguments",
+        "deep-schema",
+        "response-format-bogus",
+        "strict-string",
+        "min-over-max",
+        "stop-ids",
+        "huge-schema",
+        "dry-breakers",
+    ],
+)
 def test_malformed_requests_are_400s_naming_what_is_wrong(server, body, words):
     path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
     response = server.post(path, body)
@@ -310,8 +430,12 @@ def stream_text(server, path: str, body: dict) -> dict[int, str]:
     """{choice index: its text} of a streamed answer read to its end: content, tool calls' names and arguments."""
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
-        connection.request("POST", path, body=json.dumps(body).encode(),
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        connection.request(
+            "POST",
+            path,
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+        )
         answer = connection.getresponse()
         assert answer.status == 200, answer.read()
         texts: dict[int, str] = {}
@@ -320,8 +444,10 @@ def stream_text(server, path: str, body: dict) -> dict[int, str]:
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
                 delta = choice.get("delta") or {}
-                calls = "".join(f"{(c.get('function') or {}).get('name') or ''}{(c.get('function') or {}).get('arguments') or ''}"
-                                for c in delta.get("tool_calls") or [])
+                calls = "".join(
+                    f"{(c.get('function') or {}).get('name') or ''}{(c.get('function') or {}).get('arguments') or ''}"
+                    for c in delta.get("tool_calls") or []
+                )
                 piece = choice.get("text") or delta.get("content") or ""
                 texts[choice["index"]] = texts.get(choice["index"], "") + piece + calls
         return texts
@@ -329,20 +455,29 @@ def stream_text(server, path: str, body: dict) -> dict[int, str]:
         connection.close()
 
 
-STORM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                                 "required": ["city"]}}}]
+STORM_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def storm_request(i: int) -> tuple[str, dict]:
     """The i-th request of the storm: (path, body), streaming, of six kinds, greedy but one sampled with a seed."""
     ask = [{"role": "user", "content": f"Question {i % 4}: what is the weather like in Paris?"}]
-    kinds = [("/v1/completions", {"prompt": f"Story {i % 4}:", "max_tokens": 12}),
-             ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "response_format": {"type": "json_object"}}),
-             ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "tools": STORM_TOOLS}),
-             ("/v1/completions", {"prompt": f"List {i % 4}:", "max_tokens": 10, "logprobs": 2}),
-             ("/v1/completions", {"prompt": f"Poem {i % 4}:", "max_tokens": 8, "n": 2, "temperature": 0.9, "seed": i % 4}),
-             ("/v1/completions", {"prompt": f"Count {i % 4}: one, two,", "max_tokens": 12, "stop": [","]})]
+    kinds = [
+        ("/v1/completions", {"prompt": f"Story {i % 4}:", "max_tokens": 12}),
+        ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "tools": STORM_TOOLS}),
+        ("/v1/completions", {"prompt": f"List {i % 4}:", "max_tokens": 10, "logprobs": 2}),
+        ("/v1/completions", {"prompt": f"Poem {i % 4}:", "max_tokens": 8, "n": 2, "temperature": 0.9, "seed": i % 4}),
+        ("/v1/completions", {"prompt": f"Count {i % 4}: one, two,", "max_tokens": 12, "stop": [","]}),
+    ]
     path, body = kinds[i % len(kinds)]
     return path, {"temperature": 0, **body, "stream": True}
 
@@ -391,8 +526,11 @@ def test_embeddings_are_a_404_that_says_they_are_not_offered(server):
 
 def test_the_server_says_what_it_does_while_it_starts(server):
     said = "".join(server.lines)
-    assert "loading" in said and re.search(r"warmed up in [0-9.]+ s", said) and re.search(r"ready [0-9.]+ s after start",
-                                                                                       said)
+    assert (
+        "loading" in said
+        and re.search(r"warmed up in [0-9.]+ s", said)
+        and re.search(r"ready [0-9.]+ s after start", said)
+    )
 
 
 def test_a_huge_smoothing_factor_is_served(server):
@@ -420,18 +558,24 @@ def test_role_markers_in_message_content_stay_text(server, default_model):
     assert response.json()["usage"]["prompt_tokens"] == len(safe)
 
 
-@pytest.mark.parametrize("flags, words", [(["--port", "70000"], "--port 70000 is invalid"),
-                                          (["--host", "256.0.0.1"], "--host '256.0.0.1'"),
-                                          (["--port", "IN_USE"], "cannot listen on")],
-                         ids=["port-range", "bad-host", "port-in-use"])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--port", "70000"], "--port 70000 is invalid"),
+        (["--host", "256.0.0.1"], "--host '256.0.0.1'"),
+        (["--port", "IN_USE"], "cannot listen on"),
+    ],
+    ids=["port-range", "bad-host", "port-in-use"],
+)
 def test_serve_refuses_a_bad_address_before_loading_the_model(flags, words):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         flags = [str(busy.getsockname()[1]) if f == "IN_USE" else f for f in flags]
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "decodekit.cli", "serve", *flags], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "decodekit.cli", "serve", *flags], capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 2 and words in done.stderr
     assert "compiling" not in done.stderr and time.monotonic() - started < 60
 
@@ -444,17 +588,35 @@ def test_a_soak_of_mixed_requests_with_faults_leaves_the_server_as_it_found_it(s
         completion(server)
     assert server.idle()
     rss = server.rss()
-    kinds = ["ok", "ok-stream", "leave", "leave-stream", "raise", "outside-vocabulary", "unknown-method",
-             "oversized", "over-limit", "ok"]
-    expected = {"ok": 200, "ok-stream": 200, "raise": 500, "outside-vocabulary": 500, "unknown-method": 400,
-                "oversized": 413, "over-limit": 400}
+    kinds = [
+        "ok",
+        "ok-stream",
+        "leave",
+        "leave-stream",
+        "raise",
+        "outside-vocabulary",
+        "unknown-method",
+        "oversized",
+        "over-limit",
+        "ok",
+    ]
+    expected = {
+        "ok": 200,
+        "ok-stream": 200,
+        "raise": 500,
+        "outside-vocabulary": 500,
+        "unknown-method": 400,
+        "oversized": 413,
+        "over-limit": 400,
+    }
 
     def one(i):
         kind = kinds[i % len(kinds)]
         prompt = f"Request {i}: say something."
         if kind.startswith("leave"):
-            sock = raw_request(server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 32, "stream":
-                                                                kind.endswith("stream")})
+            sock = raw_request(
+                server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 32, "stream": kind.endswith("stream")}
+            )
             time.sleep(0.05 * (i % 5))
             sock.close()
             return kind, None

@@ -18,10 +18,19 @@ from decodekit.serve import Server, ServerSettings  # noqa: E402
 from decodekit.serve.tools import ToolPlan, plan_tools  # noqa: E402
 
 NAME = "smol"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-                   "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -48,20 +57,37 @@ def client(server):
 
 
 def test_openai_parse_with_a_pydantic_model(client):
-    reply = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Describe a person."}],
-                                          response_format=Person, max_tokens=80, temperature=0)
+    reply = client.chat.completions.parse(
+        model=NAME,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format=Person,
+        max_tokens=80,
+        temperature=0,
+    )
     person = reply.choices[0].message.parsed
     assert isinstance(person, Person) and reply.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
 def test_json_object_and_json_schema_on_completions_too(client, stream):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15}}, "required": ["city"],
-              "additionalProperties": False}
-    for body in ({"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
-                 {"type": "json_object"}):
-        kwargs = dict(model=NAME, prompt='The capital of France, as JSON {"city": ...}:', max_tokens=200, temperature=0,
-                      extra_body={"response_format": body}, stream=stream)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 15}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    for body in (
+        {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+        {"type": "json_object"},
+    ):
+        kwargs = dict(
+            model=NAME,
+            prompt='The capital of France, as JSON {"city": ...}:',
+            max_tokens=200,
+            temperature=0,
+            extra_body={"response_format": body},
+            stream=stream,
+        )
         reply = client.completions.create(**kwargs)
         text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
         value = json.loads(text)
@@ -70,34 +96,47 @@ def test_json_object_and_json_schema_on_completions_too(client, stream):
 
 def test_a_schema_the_engine_cannot_compile_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=5, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+        client.chat.completions.create(
+            model=NAME,
+            messages=ASK,
+            max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        )
 
 
 def test_instructor_in_json_schema_and_tools_modes(client):
     instructor = pytest.importorskip("instructor", reason="instructor is a test dependency (decodekit[dev])")
     for mode in (instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS):
         patched = instructor.from_openai(client, mode=mode)
-        person = patched.chat.completions.create(model=NAME, response_model=Person, max_retries=0, max_tokens=80,
-                                                 temperature=0, messages=[{"role": "user", "content": "A person."}])
+        person = patched.chat.completions.create(
+            model=NAME,
+            response_model=Person,
+            max_retries=0,
+            max_tokens=80,
+            temperature=0,
+            messages=[{"role": "user", "content": "A person."}],
+        )
         assert isinstance(person, Person), mode
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_openai_with_structured_output(server, method):
     langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is a test dependency")
-    chat = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=NAME, temperature=0,
-                                       max_tokens=80, max_retries=0)
+    chat = langchain_openai.ChatOpenAI(
+        base_url=f"{server.url}/v1", api_key="none", model=NAME, temperature=0, max_tokens=80, max_retries=0
+    )
     person = chat.with_structured_output(Person, method=method).invoke("Describe a person.")
     assert isinstance(person, Person)
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"],
-                         ids=["named", "required"])
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
+)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
 def test_a_forced_tool_choice_returns_a_valid_call(client, choice, stream):
-    reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=40,
-                                           temperature=0, stream=stream)
+    reply = client.chat.completions.create(
+        model=NAME, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=40, temperature=0, stream=stream
+    )
     if stream:
         chunks = list(reply)
         calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
@@ -110,8 +149,10 @@ def test_a_forced_tool_choice_returns_a_valid_call(client, choice, stream):
 
 def test_a_tool_result_goes_back_to_the_model(client):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                      {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 25 degrees."}]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 25 degrees."},
+    ]
     reply = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=20, temperature=0)
     assert reply.choices[0].message.content and reply.usage.prompt_tokens > 60  # the tools and the result were read
 
@@ -119,12 +160,17 @@ def test_a_tool_result_goes_back_to_the_model(client):
 def test_auto_parses_hermes_tool_calls_and_keeps_other_text():
     plan = plan_tools({"tools": [WEATHER]})
     assert isinstance(plan, ToolPlan) and plan.choice == "auto" and plan.constraint() is None
-    content, calls = plan.tool_calls('Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-                                     "</tool_call>")
-    assert content == "Let me look." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    content, calls = plan.tool_calls(
+        'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    assert content == "Let me look." and calls[0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo"}',
+    }
     assert plan.tool_calls("Just text.") == ("Just text.", [])
-    content, calls = plan.tool_calls('<tool_call> not json </tool_call> a <tool_call>{"name": "get_weather"}</tool_call>'
-                                     " b <tool_call> never closed")
+    content, calls = plan.tool_calls(
+        '<tool_call> not json </tool_call> a <tool_call>{"name": "get_weather"}</tool_call> b <tool_call> never closed'
+    )
     assert content == "a  b <tool_call> never closed" and [c["function"]["arguments"] for c in calls] == ["{}"]
 
 
@@ -143,8 +189,9 @@ def test_logit_bias_of_minus_100_bans_greedys_first_token(client, default_model)
     _, tok = default_model
     plain = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3, temperature=0)
     first = tok.encode(plain.choices[0].text)[0]
-    banned = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3, temperature=0,
-                                       logit_bias={str(first): -100})
+    banned = client.completions.create(
+        model=NAME, prompt="The capital of France is", max_tokens=3, temperature=0, logit_bias={str(first): -100}
+    )
     assert tok.encode(banned.choices[0].text)[0] != first
 
 
@@ -152,11 +199,12 @@ def test_penalties_change_a_repetitive_continuation_as_openai_defines_them(clien
     model, tok = default_model
     prompt = "one one one one one one"
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
-    penalised = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, frequency_penalty=2,
-                                          presence_penalty=1)
+    penalised = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=8, temperature=0, frequency_penalty=2, presence_penalty=1
+    )
     assert penalised.choices[0].text != plain.choices[0].text
     ids = torch.tensor([tok.encode(prompt)])
-    expected = model.generate(ids, max_new_tokens=8, frequency_penalty=2, presence_penalty=1)[0, ids.shape[1]:]
+    expected = model.generate(ids, max_new_tokens=8, frequency_penalty=2, presence_penalty=1)[0, ids.shape[1] :]
     assert penalised.choices[0].text == tok.decode(expected, skip_special_tokens=True)
 
 
@@ -170,26 +218,40 @@ def test_the_penalty_processor_subtracts_count_times_frequency_plus_presence():
 
 
 def test_top_logprobs_are_sorted_and_greedys_token_is_the_top_one(client):
-    reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           temperature=0, logprobs=True, top_logprobs=5)
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
     for entry in reply.choices[0].logprobs.content:
         values = [t.logprob for t in entry.top_logprobs]
         assert len(values) == 5 and values == sorted(values, reverse=True)
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(
+            entry.logprob
+        )
 
 
 def test_vllms_extra_fields_at_the_top_level(client, default_model):
     model, tok = default_model
     prompt = "The capital of France is"
-    eos_free = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True, "min_tokens": 2, "repetition_penalty": 1.3})
+    eos_free = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 2, "repetition_penalty": 1.3},
+    )
     ids = torch.tensor([tok.encode(prompt)])
-    expected = model.generate(ids, max_new_tokens=12, eos_token_id=None, repetition_penalty=1.3)[0, ids.shape[1]:]
+    expected = model.generate(ids, max_new_tokens=12, eos_token_id=None, repetition_penalty=1.3)[0, ids.shape[1] :]
     assert eos_free.choices[0].text == tok.decode(expected, skip_special_tokens=True)
     assert eos_free.usage.completion_tokens == 12
-    plain = model.generate(ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
-    stopped = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                        extra_body={"stop_token_ids": [plain[2]]})  # greedy's third token
+    plain = model.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
+    stopped = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [plain[2]]}
+    )  # greedy's third token
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 3
     assert stopped.choices[0].text == tok.decode(plain[:2])  # the stop token is not part of the text, as vLLM's
 
@@ -200,16 +262,20 @@ def test_metrics_rise_after_a_request_and_tokenize_round_trips(server, client, d
     def metrics():
         with urllib.request.urlopen(f"{server.url}/metrics") as response:
             text = response.read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("decodekit:")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("decodekit:")
+        }
 
     before = metrics()
     client.completions.create(model=NAME, prompt="Hello", max_tokens=3, temperature=0)
     after = metrics()
     key = next(k for k in after if k.startswith("decodekit:generation_tokens_total"))
     assert after[key] == before.get(key, 0) + 3
-    assert any(k.startswith("decodekit:time_to_first_token_seconds_count") and v > before.get(k, 0)
-               for k, v in after.items())
+    assert any(
+        k.startswith("decodekit:time_to_first_token_seconds_count") and v > before.get(k, 0) for k, v in after.items()
+    )
     tokens = client.post("/../tokenize", body={"prompt": "Hello there"}, cast_to=object)
     _, tok = default_model
     assert tokens["tokens"] == tok.encode("Hello there") and tokens["count"] == len(tokens["tokens"])
@@ -218,13 +284,20 @@ def test_metrics_rise_after_a_request_and_tokenize_round_trips(server, client, d
 
 def test_llama_cpps_sampler_fields_at_the_top_level(client, default_model):
     model, tok = default_model
-    fields = {"top_n_sigma": 1.0, "xtc_probability": 0.5, "xtc_threshold": 0.1, "dry_multiplier": 0.8,
-              "samplers": ["dry", "top_n_sigma", "xtc", "temperature"]}
-    reply = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=5,
-                                      extra_body=fields)
+    fields = {
+        "top_n_sigma": 1.0,
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.1,
+        "dry_multiplier": 0.8,
+        "samplers": ["dry", "top_n_sigma", "xtc", "temperature"],
+    }
+    reply = client.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0.8, seed=5, extra_body=fields
+    )
     ids = torch.tensor([tok.encode("Once upon a time")])
-    expected = model.generate(ids, max_new_tokens=10, do_sample=True, temperature=0.8, top_p=1.0, top_k=0, seed=5,
-                              tokenizer=tok, **fields)[0, ids.shape[1]:]
+    expected = model.generate(
+        ids, max_new_tokens=10, do_sample=True, temperature=0.8, top_p=1.0, top_k=0, seed=5, tokenizer=tok, **fields
+    )[0, ids.shape[1] :]
     assert reply.choices[0].text == tok.decode(expected, skip_special_tokens=True)
     with pytest.raises(openai.BadRequestError, match="mirostat"):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0.8, extra_body={"mirostat": 4})
@@ -235,8 +308,11 @@ def test_an_unknown_method_lists_methods_not_machinery_and_suggests_the_closest(
 
     settings = ServerSettings(model_name="m", methods={"ban-method": object()})
     with pytest.raises(BadRequest) as caught:
-        method_fields({"decodekit": {"method": "ban-metod"}}, settings, {"processors", "caches", "fused", "stopping",
-                                                                         "beam_search"})
+        method_fields(
+            {"decodekit": {"method": "ban-metod"}},
+            settings,
+            {"processors", "caches", "fused", "stopping", "beam_search"},
+        )
     message = str(caught.value)
     assert "(did you mean 'ban-method'?)" in message
     assert "available: ['ban-method', 'beam_search', 'processors']" in message  # not caches, fused or stopping

@@ -30,7 +30,9 @@ def test_greedy_output_is_identical_to_plain_greedy(models, mode):
         "other assistant": dict(assistant_model=other, num_assistant_tokens=4),
         "assistant is the target": dict(assistant_model=target, num_assistant_tokens=5),  # every candidate accepted
         "prompt lookup": dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3),
-        "heuristic schedule": dict(assistant_model=other, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic"),
+        "heuristic schedule": dict(
+            assistant_model=other, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic"
+        ),
     }[mode]
     for ids in prompts():
         for eos in (None, 2):
@@ -46,7 +48,9 @@ def test_every_candidate_rejected_still_gives_greedy():
     contrarian = TableModel(-target_table)  # always proposes the target's least likely token
     ids = torch.tensor([[1, 4, 6]])
     plain = target.generate(ids, max_new_tokens=12)
-    assert torch.equal(target.generate(ids, max_new_tokens=12, assistant_model=contrarian, num_assistant_tokens=3), plain)
+    assert torch.equal(
+        target.generate(ids, max_new_tokens=12, assistant_model=contrarian, num_assistant_tokens=3), plain
+    )
 
 
 def test_prompt_lookup_candidates():
@@ -54,13 +58,18 @@ def test_prompt_lookup_candidates():
     assert prompt_lookup_candidates(ids, 2, 3, room=10).tolist() == [7, 8, 9]  # "5 6" seen before: continue it
     assert prompt_lookup_candidates(ids, 2, 3, room=2).tolist() == [7, 8]
     assert prompt_lookup_candidates(torch.tensor([1, 2, 3]), 2, 3, room=10).tolist() == []  # nothing to match
-    assert prompt_lookup_candidates(torch.tensor([4, 1, 2, 9, 2]), 3, 2, room=10).tolist() == [9, 2]  # falls back to n=1
+    assert prompt_lookup_candidates(torch.tensor([4, 1, 2, 9, 2]), 3, 2, room=10).tolist() == [
+        9,
+        2,
+    ]  # falls back to n=1
 
 
 def first_two_tokens(target, n, **kwargs):
     g = torch.Generator().manual_seed(42)
-    rows = [target.generate(torch.tensor([[3]]), max_new_tokens=2, do_sample=True, top_k=0, generator=g, **kwargs)[0, 1:]
-            for _ in range(n)]
+    rows = [
+        target.generate(torch.tensor([[3]]), max_new_tokens=2, do_sample=True, top_k=0, generator=g, **kwargs)[0, 1:]
+        for _ in range(n)
+    ]
     return torch.stack(rows)
 
 
@@ -73,7 +82,9 @@ def test_speculative_sampling_keeps_the_target_distribution(source):
     if source == "assistant":
         kwargs = dict(assistant_model=TableModel(torch.randn(V, V, generator=g) * 2), num_assistant_tokens=2)
     else:
-        target_table[3] += torch.nn.functional.one_hot(torch.tensor(3), V) * 1.5  # make 3 -> 3 repeats (lookup hits) common
+        target_table[3] += (
+            torch.nn.functional.one_hot(torch.tensor(3), V) * 1.5
+        )  # make 3 -> 3 repeats (lookup hits) common
         kwargs = dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1)
     assert_first_two_tokens_follow(target_table, first_two_tokens(target, 2500, **kwargs))
 
@@ -161,8 +172,21 @@ def test_self_speculative_sampling_keeps_the_target_distribution(deep):
     top = scores.topk(5)
     probs = torch.zeros_like(scores).index_put_((top.indices,), torch.softmax(top.values, -1))
     g = torch.Generator().manual_seed(5)
-    firsts = [int(deep.generate(ids, max_new_tokens=2, do_sample=True, top_k=5, generator=g, eos_token_id=None,
-                                assistant_early_exit=1, num_assistant_tokens=1)[0, 4]) for _ in range(1500)]
+    firsts = [
+        int(
+            deep.generate(
+                ids,
+                max_new_tokens=2,
+                do_sample=True,
+                top_k=5,
+                generator=g,
+                eos_token_id=None,
+                assistant_early_exit=1,
+                num_assistant_tokens=1,
+            )[0, 4]
+        )
+        for _ in range(1500)
+    ]
     stat, df = chi_square(torch.bincount(torch.tensor(firsts), minlength=scores.shape[0]).float(), probs)
     assert stat < chi_square_critical(df), (stat, df)
 
@@ -211,7 +235,10 @@ def translated(tmp_path_factory):
         rows = weights[name][order]  # assistant token k is the target's token order[k]
         weights[name] = torch.cat((rows, torch.zeros(3, rows.shape[1])))
     save_file(weights, str(assistant_path / "model.safetensors"))
-    target, assistant = AutoModelForCausalLM.from_pretrained(target_path), AutoModelForCausalLM.from_pretrained(assistant_path)
+    target, assistant = (
+        AutoModelForCausalLM.from_pretrained(target_path),
+        AutoModelForCausalLM.from_pretrained(assistant_path),
+    )
     for model in (target, assistant):
         model.generation_config.eos_token_id = None
     return target, char_tokenizer(CHARS), assistant, char_tokenizer("".join(CHARS[i] for i in order), extra=3)
@@ -230,8 +257,14 @@ def test_universal_assisted_greedy_is_plain_greedy_and_drafts_are_kept(translate
     for ids in char_prompts(tok):
         plain = target.generate(ids, max_new_tokens=16)
         forwards.clear()
-        assisted = target.generate(ids, max_new_tokens=16, assistant_model=assistant, tokenizer=tok,
-                                   assistant_tokenizer=assistant_tok, num_assistant_tokens=5)
+        assisted = target.generate(
+            ids,
+            max_new_tokens=16,
+            assistant_model=assistant,
+            tokenizer=tok,
+            assistant_tokenizer=assistant_tok,
+            num_assistant_tokens=5,
+        )
         assert torch.equal(assisted, plain)
         assert len(forwards) <= 6  # the prompt, then about one forward per 5 accepted tokens, not 16
 
@@ -245,14 +278,29 @@ def test_universal_assisted_decoding_with_unrelated_vocabularies(translated, tmp
     import decodekit
 
     torch.manual_seed(0)
-    assistants.append(decodekit.wrap(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1)).eval()))  # a transformers assistant, through its own DynamicCache
+    assistants.append(
+        decodekit.wrap(
+            transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=40,
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                )
+            ).eval()
+        )
+    )  # a transformers assistant, through its own DynamicCache
     for other in assistants:
         for ids in char_prompts(tok, 4):
             plain = target.generate(ids, max_new_tokens=12)
-            assert torch.equal(target.generate(ids, max_new_tokens=12, assistant_model=other, tokenizer=tok,
-                                               assistant_tokenizer=other_tok), plain)
+            assert torch.equal(
+                target.generate(
+                    ids, max_new_tokens=12, assistant_model=other, tokenizer=tok, assistant_tokenizer=other_tok
+                ),
+                plain,
+            )
 
 
 def test_universal_assisted_sampling_keeps_the_target_distribution():
@@ -260,8 +308,12 @@ def test_universal_assisted_sampling_keeps_the_target_distribution():
     g = torch.Generator().manual_seed(11)
     target_table = torch.randn(V, V, generator=g)
     target, assistant = TableModel(target_table), TableModel(torch.randn(V + 2, V + 2, generator=g) * 2)
-    kwargs = dict(assistant_model=assistant, num_assistant_tokens=2, tokenizer=char_tokenizer("abcdef"),
-                  assistant_tokenizer=char_tokenizer("fedcba", extra=2))
+    kwargs = dict(
+        assistant_model=assistant,
+        num_assistant_tokens=2,
+        tokenizer=char_tokenizer("abcdef"),
+        assistant_tokenizer=char_tokenizer("fedcba", extra=2),
+    )
     assert_first_two_tokens_follow(target_table, first_two_tokens(target, 2500, **kwargs))
 
 
@@ -272,7 +324,9 @@ def test_universal_assisted_decoding_errors(translated):
         target.generate(ids, assistant_model=assistant, max_new_tokens=2)
     with pytest.raises(ValueError, match="needs the model's own tokenizer too: pass tokenizer="):
         target.generate(ids, assistant_model=assistant, assistant_tokenizer=assistant_tok, max_new_tokens=2)
-    with pytest.raises(ValueError, match="assistant_tokenizer is the tokenizer of assistant_model; pass assistant_model"):
+    with pytest.raises(
+        ValueError, match="assistant_tokenizer is the tokenizer of assistant_model; pass assistant_model"
+    ):
         target.generate(ids, assistant_tokenizer=assistant_tok, tokenizer=tok, max_new_tokens=2)
     with pytest.raises(ValueError, match="assistant_tokenizer must be a tokenizer with encode"):
         target.generate(ids, assistant_model=assistant, assistant_tokenizer="gpt2", tokenizer=tok, max_new_tokens=2)

@@ -14,8 +14,14 @@ from decodekit.registry import manager
 from decodekit.templates import render, template_choices
 from decodekit.testing import tiny_model
 
-HUB_FILES = {"README.md", "custom_generate/generate.py", "custom_generate/requirements.txt", "tests/test_generate.py",
-             "tests/test_with_transformers.py", ".github/workflows/test.yml"}
+HUB_FILES = {
+    "README.md",
+    "custom_generate/generate.py",
+    "custom_generate/requirements.txt",
+    "tests/test_generate.py",
+    "tests/test_with_transformers.py",
+    ".github/workflows/test.yml",
+}
 
 
 def files_of(root: Path) -> set[str]:
@@ -28,23 +34,43 @@ def run_pytest(project: Path, pythonpath: Path | None = None) -> subprocess.Comp
         import os
 
         env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=project,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_hub_repos_render_and_their_tests_pass(tmp_path):
     # Every hook point's repository, its own tests run by one pytest (one interpreter start instead of five).
     projects = []
     for hook in template_choices("hub-repo")["hook_point"]:
-        project = render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "My Method", "hook_point": hook},
-                         no_input=True)
+        project = render(
+            "hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "My Method", "hook_point": hook}, no_input=True
+        )
         assert project.name == "my-method" and files_of(project) == HUB_FILES, hook
         assert "${{ matrix.python-version }}" in (project / ".github/workflows/test.yml").read_text()
         assert main(["check", str(project)]) == 0, hook
         projects.append(project)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-                             *(str(p / "tests") for p in projects)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            *(str(p / "tests") for p in projects),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     ran = int(result.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
     assert ran >= 3 * len(projects), result.stdout  # every repository's tests ran, three or more each
@@ -54,10 +80,16 @@ def test_rendered_hub_repo_runs_through_generate(tmp_path):
     project = render("hub-repo", tmp_path, {"name": "Avoider"}, no_input=True)
     model = tiny_model(tmp_path)
     prompt = torch.tensor([[5, 6, 7, 8]])
-    out = model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=10,
-                         avoid_last_n=4, eos_token_id=None)
+    out = model.generate(
+        prompt,
+        custom_generate=str(project),
+        trust_remote_code=True,
+        max_new_tokens=10,
+        avoid_last_n=4,
+        eos_token_id=None,
+    )
     new = out[0].tolist()
-    assert all(new[i] not in new[i - 4:i] for i in range(4, len(new)))
+    assert all(new[i] not in new[i - 4 : i] for i in range(4, len(new)))
 
 
 def venv_without_decodekit(root: Path) -> Path:
@@ -77,22 +109,42 @@ def test_a_hub_repos_first_ci_run_passes_where_decodekit_is_not_installed(tmp_pa
     """What the workflow runs on a first push before decodekit can be installed there: every hook point's repository,
     its tests in an environment with torch and transformers but no decodekit. The transformers tests run and pass;
     the decodekit ones are skipped, saying why."""
-    projects = [render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "First Push", "hook_point": hook},
-                       no_input=True) for hook in template_choices("hub-repo")["hook_point"]]
+    projects = [
+        render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "First Push", "hook_point": hook}, no_input=True)
+        for hook in template_choices("hub-repo")["hook_point"]
+    ]
     workflow = (projects[0] / ".github/workflows/test.yml").read_text()
     assert "DECODEKIT_REQUIREMENT: ${{ vars.DECODEKIT_REQUIREMENT }}" in workflow and "|| echo" in workflow
     python = venv_without_decodekit(tmp_path / "venv")
-    result = subprocess.run([str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--import-mode=importlib",
-                             *(str(p / "tests") for p in projects)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            *(str(p / "tests") for p in projects),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert f"{2 * len(projects)} passed" in summary and f"{len(projects)} skipped" in summary, result.stdout
     assert "decodekit is not installed here" in result.stdout
 
 
-HOOK_OPTIONS = {"logits processor": ("_penalty", 1e9), "selector": ("_no_immediate_repeat", True),
-                "stopping rule": ("_stop_token", None), "cache": ("_cache", True)}
+HOOK_OPTIONS = {
+    "logits processor": ("_penalty", 1e9),
+    "selector": ("_no_immediate_repeat", True),
+    "stopping rule": ("_stop_token", None),
+    "cache": ("_cache", True),
+}
 
 
 def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
@@ -102,12 +154,21 @@ def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
     plain = model.generate(prompt, max_new_tokens=8, eos_token_id=None)
     runs, expected = [], []
     for hook, (suffix, value) in HOOK_OPTIONS.items():
-        project = render("hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "Lone Method", "hook_point": hook},
-                         no_input=True)
+        project = render(
+            "hub-repo", tmp_path / hook.replace(" ", "-"), {"name": "Lone Method", "hook_point": hook}, no_input=True
+        )
         option = {f"lone_method{suffix}": int(plain[0, 6]) if value is None else value}  # stop: the third new token
         runs.append((str(project), option))
-        expected.append(model.generate(prompt, custom_generate=str(project), trust_remote_code=True, max_new_tokens=8,
-                                       eos_token_id=None, **option).tolist())
+        expected.append(
+            model.generate(
+                prompt,
+                custom_generate=str(project),
+                trust_remote_code=True,
+                max_new_tokens=8,
+                eos_token_id=None,
+                **option,
+            ).tolist()
+        )
     python = venv_without_decodekit(tmp_path / "venv")
     script = (
         "import json, sys, torch, transformers\n"
@@ -115,7 +176,8 @@ def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
         f"model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'tiny-llama')!r})\n"
         f"outs = [model.generate(torch.tensor([[5, 6, 7, 8]]), custom_generate=repo, trust_remote_code=True,"
         f" max_new_tokens=8, eos_token_id=None, **option).tolist() for repo, option in {runs!r}]\n"
-        "print(json.dumps(outs))\n")
+        "print(json.dumps(outs))\n"
+    )
     done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
@@ -124,12 +186,32 @@ def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
 @pytest.mark.parametrize("hook", template_choices("plugin-package")["hook_point"])
 def test_plugin_package_installs_lists_and_generates(tmp_path, hook, monkeypatch, capsys):
     project = render("plugin-package", tmp_path / "src", {"name": "Shiny Plugin", "hook_point": hook}, no_input=True)
-    assert files_of(project) == {"README.md", "pyproject.toml", "src/shiny_plugin/__init__.py", "src/shiny_plugin/plugin.py",
-                                 "tests/test_plugin.py", ".github/workflows/test.yml"}
+    assert files_of(project) == {
+        "README.md",
+        "pyproject.toml",
+        "src/shiny_plugin/__init__.py",
+        "src/shiny_plugin/plugin.py",
+        "tests/test_plugin.py",
+        ".github/workflows/test.yml",
+    }
     target = tmp_path / "target"
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(project)], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(project),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stderr
     result = run_pytest(project, pythonpath=target)
@@ -143,8 +225,9 @@ def test_plugin_package_installs_lists_and_generates(tmp_path, hook, monkeypatch
         assert listed and "package" in listed[0] and "shiny-plugin==0.1.0" in listed[0]
         if hook in ("selector", "whole strategy"):
             model = tiny_model(tmp_path)
-            out = model.generate(torch.tensor([[5, 6]]), max_new_tokens=8, eos_token_id=None,
-                                 shiny_plugin_no_immediate_repeat=True)[0].tolist()
+            out = model.generate(
+                torch.tensor([[5, 6]]), max_new_tokens=8, eos_token_id=None, shiny_plugin_no_immediate_repeat=True
+            )[0].tolist()
             assert all(a != b for a, b in zip(out, out[1:]))
     finally:
         manager.reset()
@@ -183,7 +266,9 @@ def test_check_good_repo(good_repo, capsys):
 
     code, out = check_output(good_repo, capsys)
     pin = resolve(str(good_repo)).revision
-    assert code == 0 and out.startswith(f"OK: {good_repo} is a valid custom_generate repository\npin: {good_repo}@{pin}\n")
+    assert code == 0 and out.startswith(
+        f"OK: {good_repo} is a valid custom_generate repository\npin: {good_repo}@{pin}\n"
+    )
 
 
 def test_check_wrong_folder_name(good_repo, capsys):
@@ -199,9 +284,15 @@ def test_check_no_generate(good_repo, capsys):
 
 
 def test_check_first_parameter(good_repo, capsys):
-    (good_repo / "custom_generate" / "generate.py").write_text("import torch\n\n\ndef generate(input_ids, model):\n    pass\n")
+    (good_repo / "custom_generate" / "generate.py").write_text(
+        "import torch\n\n\ndef generate(input_ids, model):\n    pass\n"
+    )
     code, out = check_output(good_repo, capsys)
-    assert code == 1 and "custom_generate/generate.py:4: generate() must take `model` as its first parameter, got (input_ids, model)" in out
+    assert (
+        code == 1
+        and "custom_generate/generate.py:4: generate() must take `model` as its first parameter, got (input_ids, model)"
+        in out
+    )
 
 
 def test_check_bad_requirements_line(good_repo, capsys):
@@ -222,7 +313,10 @@ def test_check_unresolved_relative_import(good_repo, capsys):
     (good_repo / "custom_generate" / "helpers.py").write_text("def f():\n    pass\n")
     code, out = check_output(good_repo, capsys)
     assert code == 1
-    assert "custom_generate/generate.py:2: relative import '.sub.mod' does not resolve: no custom_generate/sub/mod.py" in out
+    assert (
+        "custom_generate/generate.py:2: relative import '.sub.mod' does not resolve: no custom_generate/sub/mod.py"
+        in out
+    )
     assert "helpers" not in out
 
 

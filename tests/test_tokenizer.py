@@ -51,7 +51,9 @@ def test_decode_and_batch_decode(tok_dir):
 def test_chat_template_from_config_and_from_jinja_file(tok_dir):
     tok = AutoTokenizer.from_pretrained(tok_dir)
     msgs = [{"role": "user", "content": "how are you ?"}]
-    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == "<|user|> how are you ? <|bot|> "
+    assert (
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == "<|user|> how are you ? <|bot|> "
+    )
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
     assert ids == [9, 5, 6, 7, 8, 10]  # the template's text, without an extra BOS
     (tok_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ eos_token }}")

@@ -22,8 +22,9 @@ NEW = 12
 def reference(hf, ids, **kwargs):
     """transformers' generate with the same stopping rule as decodekit's calls below (no EOS), without a cache where
     its cached run is wrong (tiny_transformers.CACHE_WRONG_IN_TRANSFORMERS)."""
-    return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW,
-                       **oracle_arguments(hf, kwargs))
+    return hf.generate(
+        ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW, **oracle_arguments(hf, kwargs)
+    )
 
 
 def ours(model, ids, **kwargs):
@@ -73,8 +74,15 @@ def test_sampling_with_a_seed_is_reproducible(pair):
 # the same object as the oracle. Where transformers itself fails on an architecture, decodekit must give what the
 # strategy defines (speculative decoding: greedy's tokens) or refuse with a reason; never a silent other answer.
 LONG = torch.tensor([[5, 6, 7, 5, 6, 7, 8, 5, 6, 7, 9, 10]])  # repeats, so prompt lookup finds candidates
-PROCESSORS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, bad_words_ids=[[20], [21, 22]], min_new_tokens=4,
-                  suppress_tokens=[30, 31], sequence_bias={(40,): 3.0}, eos_token_id=EOS)
+PROCESSORS = dict(
+    repetition_penalty=1.3,
+    no_repeat_ngram_size=3,
+    bad_words_ids=[[20], [21, 22]],
+    min_new_tokens=4,
+    suppress_tokens=[30, 31],
+    sequence_bias={(40,): 3.0},
+    eos_token_id=EOS,
+)
 
 
 def oracle_or_none(run):
@@ -86,34 +94,53 @@ def oracle_or_none(run):
 
 def test_processors_equal_transformers(pair):
     hf, model = pair
-    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, **PROCESSORS),
-                       hf.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **PROCESSORS))
+    assert torch.equal(
+        model.generate(PROMPT, max_new_tokens=NEW, **PROCESSORS),
+        hf.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **PROCESSORS),
+    )
 
 
 def test_repetition_penalty_on_a_left_padded_batch_equals_transformers(pair):
     hf, model = pair
     mask = (BATCH != PAD).long()
-    assert torch.equal(ours(model, BATCH, attention_mask=mask, repetition_penalty=1.8),
-                       reference(hf, BATCH, attention_mask=mask, repetition_penalty=1.8))
+    assert torch.equal(
+        ours(model, BATCH, attention_mask=mask, repetition_penalty=1.8),
+        reference(hf, BATCH, attention_mask=mask, repetition_penalty=1.8),
+    )
 
 
 def test_first_sampling_scores_equal_transformers(pair):
     # The first step's processed scores: sampling with every warper, and beam sampling (whose warpers keep
     # len(eos) + 1 tokens so a beam can always go on), where the random draws that follow differ by design.
     hf, model = pair
-    common = dict(do_sample=True, max_new_tokens=1, return_dict_in_generate=True, output_scores=True, eos_token_id=None,
-                  pad_token_id=PAD)
-    for options in (dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, top_h=0.9),
-                    dict(num_beams=3, num_return_sequences=2, temperature=0.7, top_k=10, top_p=0.8)):
-        torch.testing.assert_close(model.generate(PROMPT, **common, **options).scores[0],
-                                   hf.generate(PROMPT, **common, **options).scores[0], atol=1e-4, rtol=1e-4)
+    common = dict(
+        do_sample=True,
+        max_new_tokens=1,
+        return_dict_in_generate=True,
+        output_scores=True,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
+    for options in (
+        dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, top_h=0.9),
+        dict(num_beams=3, num_return_sequences=2, temperature=0.7, top_k=10, top_p=0.8),
+    ):
+        torch.testing.assert_close(
+            model.generate(PROMPT, **common, **options).scores[0],
+            hf.generate(PROMPT, **common, **options).scores[0],
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("strategy", ["assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"])
 def test_speculative_decoding_gives_greedy_tokens_as_transformers(architecture, strategy):
-    option = {"assistant_model": lambda: tiny_transformers_model(architecture, seed=5),
-              "prompt_lookup_num_tokens": lambda: 3, "assistant_early_exit": lambda: 1}[strategy]()
+    option = {
+        "assistant_model": lambda: tiny_transformers_model(architecture, seed=5),
+        "prompt_lookup_num_tokens": lambda: 3,
+        "assistant_early_exit": lambda: 1,
+    }[strategy]()
     # Each side on its own copy: transformers' early exit, where it fails, leaves its model's config changed.
     hf = tiny_transformers_model(architecture)
     greedy = reference(hf, LONG)
@@ -151,8 +178,11 @@ def test_ensemble_verification_is_refused_where_the_draft_has_no_distribution():
     model = wrap(tiny_transformers_model("llama"))
     with pytest.raises(ValueError, match="assistant_ensemble_weight verifies .* not prompt lookup"):
         ours(model, LONG, prompt_lookup_num_tokens=3, assistant_ensemble_weight=0.5)
-    with pytest.raises(ValueError, match=r"assistant_ensemble_weight=1\.0 is invalid; expected a number in the open "
-                                         r"interval \(0, 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"assistant_ensemble_weight=1\.0 is invalid; expected a number in the open "
+        r"interval \(0, 1\)",
+    ):
         ours(model, LONG, assistant_model=tiny_transformers_model("llama", seed=5), assistant_ensemble_weight=1.0)
 
 
@@ -190,21 +220,26 @@ def test_wrap_shares_the_model_and_changes_nothing_in_it(gpt2):
 
 def test_the_models_generation_config_sets_the_defaults():
     hf = tiny_transformers_model("opt")
-    hf.generation_config = transformers.GenerationConfig(max_new_tokens=3, do_sample=True, temperature=0.5,
-                                                         cache_implementation="hybrid", eos_token_id=[EOS, 3])
+    hf.generation_config = transformers.GenerationConfig(
+        max_new_tokens=3, do_sample=True, temperature=0.5, cache_implementation="hybrid", eos_token_id=[EOS, 3]
+    )
     gc = wrap(hf).generation_config
     assert (gc.max_new_tokens, gc.do_sample, gc.temperature, gc.eos_token_ids) == (3, True, 0.5, [EOS, 3])
     assert gc.cache_implementation is None and gc.pad_token_id == PAD  # pad from config.json
     assert wrap(hf).generate(PROMPT, seed=0).shape == (1, PROMPT.shape[1] + 3)
 
 
-@pytest.mark.parametrize("options", [
-    dict(prompt_lookup_num_tokens=3),
-    dict(assistant_model="wrapped"),
-    dict(assistant_model="transformers"),
-    dict(cache_implementation="static"),
-    dict(compile=True),
-], ids=["prompt-lookup", "assistant-wrapped", "assistant-transformers", "static-cache", "compile"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(prompt_lookup_num_tokens=3),
+        dict(assistant_model="wrapped"),
+        dict(assistant_model="transformers"),
+        dict(cache_implementation="static"),
+        dict(compile=True),
+    ],
+    ids=["prompt-lookup", "assistant-wrapped", "assistant-transformers", "static-cache", "compile"],
+)
 def test_strategies_that_keep_greedy_output(gpt2, options, caplog):
     hf, model = gpt2
     if options.get("assistant_model") == "wrapped":
@@ -220,14 +255,22 @@ def test_strategies_that_keep_greedy_output(gpt2, options, caplog):
 def test_classifier_free_guidance_equals_transformers(gpt2):
     hf, model = gpt2
     negative = torch.tensor([[3, 4]])
-    assert torch.equal(ours(model, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative),
-                       reference(hf, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative))
+    assert torch.equal(
+        ours(model, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative),
+        reference(hf, PROMPT, guidance_scale=1.5, negative_prompt_ids=negative),
+    )
 
 
 def test_processors_and_sampling_processors_equal_transformers_scores(gpt2):
     hf, model = gpt2
-    options = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=4, bad_words_ids=[[11]],
-                   return_dict_in_generate=True, output_scores=True)
+    options = dict(
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        min_new_tokens=4,
+        bad_words_ids=[[11]],
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     theirs, mine = reference(hf, PROMPT, **options), ours(model, PROMPT, **options)
     assert torch.equal(mine.sequences, theirs.sequences)
     torch.testing.assert_close(torch.stack(mine.scores), torch.stack(theirs.scores))
@@ -235,8 +278,11 @@ def test_processors_and_sampling_processors_equal_transformers_scores(gpt2):
 
 def test_contrastive_diverse_beam_and_dola_run_and_are_deterministic(gpt2):
     _, model = gpt2
-    for options in (dict(penalty_alpha=0.6, top_k=4), dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0),
-                    dict(dola_layers=[0], repetition_penalty=1.2)):
+    for options in (
+        dict(penalty_alpha=0.6, top_k=4),
+        dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0),
+        dict(dola_layers=[0], repetition_penalty=1.2),
+    ):
         first, again = ours(model, PROMPT, **options), ours(model, PROMPT, **options)
         assert torch.equal(first, again) and first.shape == (1, PROMPT.shape[1] + NEW), options
 
@@ -245,8 +291,10 @@ def test_transition_scores_match_transformers(gpt2):
     hf, model = gpt2
     theirs = reference(hf, PROMPT, return_dict_in_generate=True, output_scores=True)
     mine = ours(model, PROMPT, return_dict_in_generate=True, output_scores=True)
-    torch.testing.assert_close(model.compute_transition_scores(mine.sequences, mine.scores, normalize_logits=True),
-                               hf.compute_transition_scores(theirs.sequences, theirs.scores, normalize_logits=True))
+    torch.testing.assert_close(
+        model.compute_transition_scores(mine.sequences, mine.scores, normalize_logits=True),
+        hf.compute_transition_scores(theirs.sequences, theirs.scores, normalize_logits=True),
+    )
 
 
 def test_plugins_and_callables_run_on_a_wrapped_model(gpt2):
@@ -259,6 +307,7 @@ def test_plugins_and_callables_run_on_a_wrapped_model(gpt2):
             def ban(input_ids, scores):
                 seen.append(input_ids.shape)
                 return scores.index_fill(-1, torch.tensor([int(plain[0, -1])]), -float("inf"))
+
             return [ban]
 
     plain = ours(model, PROMPT)
@@ -267,7 +316,7 @@ def test_plugins_and_callables_run_on_a_wrapped_model(gpt2):
         banned = ours(model, PROMPT)
     finally:
         decodekit.unregister("ban-last")
-    assert len(seen) == NEW and int(plain[0, -1]) not in banned[0, PROMPT.shape[1]:].tolist()
+    assert len(seen) == NEW and int(plain[0, -1]) not in banned[0, PROMPT.shape[1] :].tolist()
 
     def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, past_key_values=None, **kw):
         out = model(input_ids, past_key_values=past_key_values, use_cache=True)
@@ -315,7 +364,9 @@ def test_backend_can_be_forced_and_is_checked(tmp_path):
     through = AutoModelForCausalLM.from_pretrained(path, backend="transformers")
     # One class over both backends: what differs is the module it holds.
     assert (native.backend, through.backend) == ("native", "transformers")
-    assert isinstance(through.module, transformers.PreTrainedModel) and not isinstance(native.module, transformers.PreTrainedModel)
+    assert isinstance(through.module, transformers.PreTrainedModel) and not isinstance(
+        native.module, transformers.PreTrainedModel
+    )
     assert torch.equal(native.generate(PROMPT, max_new_tokens=8), through.generate(PROMPT, max_new_tokens=8))
     tiny_transformers_model("opt").save_pretrained(tmp_path / "opt")
     with pytest.raises(ValueError, match="model_type 'opt' has no native implementation"):
@@ -333,7 +384,9 @@ def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
 
     tiny_transformers_model("opt").save_pretrained(tmp_path / "opt")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     with pytest.raises(ImportError, match=r"pip install 'decodekit\[transformers\]'"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "opt")
 
@@ -364,12 +417,16 @@ def test_tokenizer_falls_back_to_transformers(tmp_path, caplog):
 def test_wrap_refuses_what_is_not_a_decoder_only_causal_lm():
     with pytest.raises(TypeError, match="takes a transformers causal LM"):
         wrap(torch.nn.Linear(2, 2))
-    bert = transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                                                          num_attention_heads=2, intermediate_size=16))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+        )
+    )
     with pytest.raises(ValueError, match="not a causal language model"):
         wrap(bert)
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=32, d_model=16, d_ff=16, num_layers=1,
-                                                                      num_heads=2, d_kv=8))
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=32, d_model=16, d_ff=16, num_layers=1, num_heads=2, d_kv=8)
+    )
     with pytest.raises(ValueError, match="encoder-decoder model; decodekit generates with decoder-only models only"):
         wrap(t5)
 
@@ -424,8 +481,12 @@ def test_every_other_strategy_runs_on_state_space_models_or_says_why(architectur
     model = wrap(tiny_transformers_model(architecture))
     greedy = ours(model, LONG)
     assert torch.equal(ours(model, LONG, prefill_chunk_size=4), greedy)
-    strategies = [dict(dola_layers=[0, 1], repetition_penalty=1.2), dict(compile=True), dict(do_sample=True, num_beams=3, seed=0),
-                  dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5)]
+    strategies = [
+        dict(dola_layers=[0, 1], repetition_penalty=1.2),
+        dict(compile=True),
+        dict(do_sample=True, num_beams=3, seed=0),
+        dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+    ]
     if not model.holds_recurrent_state:
         strategies.append(dict(penalty_alpha=0.6, top_k=4))
     else:
@@ -433,7 +494,7 @@ def test_every_other_strategy_runs_on_state_space_models_or_says_why(architectur
             ours(model, LONG, penalty_alpha=0.6, top_k=4)
     for options in strategies:
         out = ours(model, LONG, **options)
-        assert torch.equal(out[:, :LONG.shape[1]], LONG) and out.shape[1] == LONG.shape[1] + NEW, options
+        assert torch.equal(out[:, : LONG.shape[1]], LONG) and out.shape[1] == LONG.shape[1] + NEW, options
     if model.config.tie_word_embeddings:
         with pytest.raises(ValueError, match=f"picks no layer of this {model.config.num_hidden_layers}-layer model"):
             ours(model, LONG, dola_layers="low")
@@ -462,7 +523,9 @@ def test_methods_get_the_calls_prepared_config_on_both_backends(tmp_path):
     native = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "native"))
     for model in (native, wrap(tiny_transformers_model("llama"))):
         greedy = model.generate(PROMPT, max_new_tokens=5, eos_token_id=None)
-        assert torch.equal(model.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=5), greedy)
+        assert torch.equal(
+            model.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=5), greedy
+        )
         by_length = model.generate(PROMPT, custom_generate=repo, trust_remote_code=True, max_length=8)
         assert by_length.shape == (1, 8)
 
@@ -486,8 +549,15 @@ def test_finished_beams_are_filled_as_transformers_fills_them(architecture):
     plain = reference(hf, PROMPT)
     for step in (1, 2, 3):
         eos = int(plain[0, PROMPT.shape[1] + step])
-        options = dict(num_beams=4, num_return_sequences=3, early_stopping=True, length_penalty=0.5, pad_token_id=0,
-                       eos_token_id=eos, max_new_tokens=10)
+        options = dict(
+            num_beams=4,
+            num_return_sequences=3,
+            early_stopping=True,
+            length_penalty=0.5,
+            pad_token_id=0,
+            eos_token_id=eos,
+            max_new_tokens=10,
+        )
         theirs = hf.generate(PROMPT, do_sample=False, **options)
         assert torch.equal(wrap(hf).generate(PROMPT, **options), theirs)
 
@@ -502,5 +572,5 @@ def test_continuous_batching_on_state_space_models_equals_generate_or_says_why(a
         return
     out = model.generate_batch(prompts, max_new_tokens=4, eos_token_id=None, progress_bar=False)
     for prompt, result in zip(prompts, out.values()):
-        alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, eos_token_id=None)[0, len(prompt):].tolist()
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=4, eos_token_id=None)[0, len(prompt) :].tolist()
         assert result.generated_tokens == alone

@@ -22,8 +22,9 @@ def hf():
 
 
 def in_transformers(hf, hooks, ids=PROMPT, **kwargs):
-    return hf.generate(ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW,
-                       **hooks._asdict(), **kwargs)
+    return hf.generate(
+        ids, do_sample=False, eos_token_id=None, pad_token_id=PAD, max_new_tokens=NEW, **hooks._asdict(), **kwargs
+    )
 
 
 def in_decodekit(hf, ids=PROMPT, **kwargs):
@@ -78,7 +79,7 @@ def test_registered_plugins_run_inside_transformers_generate_as_in_decodekits_lo
     hooks = to_transformers(hf, ban_after_prompt=banned)
     theirs = in_transformers(hf, hooks)
     assert torch.equal(theirs, in_decodekit(hf, ban_after_prompt=banned))
-    assert banned not in theirs[0, PROMPT.shape[1] + 2:].tolist() and not torch.equal(theirs, plain)
+    assert banned not in theirs[0, PROMPT.shape[1] + 2 :].tolist() and not torch.equal(theirs, plain)
     # The same lists serve a second call with a longer prompt: the pipeline is built again for it.
     longer = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
     assert torch.equal(in_transformers(hf, hooks, longer), in_decodekit(hf, longer, ban_after_prompt=banned))
@@ -89,8 +90,10 @@ def test_left_padded_batches_and_beam_search_in_transformers(hf, prompt_aware):
     batch = torch.tensor([[PAD, PAD, 5, 6, 7], [PAD, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
     mask = (batch != PAD).long()
     hooks = to_transformers(hf, ban_after_prompt=4)
-    assert torch.equal(in_transformers(hf, hooks, batch, attention_mask=mask),
-                       in_decodekit(hf, batch, attention_mask=mask, ban_after_prompt=4))
+    assert torch.equal(
+        in_transformers(hf, hooks, batch, attention_mask=mask),
+        in_decodekit(hf, batch, attention_mask=mask, ban_after_prompt=4),
+    )
     beams = dict(num_beams=3, num_return_sequences=2)
     assert torch.equal(in_transformers(hf, hooks, **beams), in_decodekit(hf, ban_after_prompt=4, **beams))
 
@@ -112,7 +115,9 @@ def test_hooks_transformers_cannot_take_are_refused_by_name(hf):
 
     decodekit.register(Picker(), name="picker")
     try:
-        with pytest.raises(ValueError, match=r"plugin 'picker' implements decodekit_token_selector \(token selection\)"):
+        with pytest.raises(
+            ValueError, match=r"plugin 'picker' implements decodekit_token_selector \(token selection\)"
+        ):
             to_transformers(hf)
         assert to_transformers(hf, plugins=[]).logits_processor  # nothing chosen, nothing refused
     finally:
@@ -136,12 +141,21 @@ def test_hub_methods_run_on_a_wrapped_model(hf, hub, tmp_path):
     hub.repos.push_dir("acme/greedy", write_method(tmp_path / "greedy", TRANSFORMERS_STYLE_GREEDY))
     hub.repos.push_dir("acme/ban", write_method(tmp_path / "ban", HOOK_METHOD))
     model = wrap(hf)
-    assert torch.equal(model.generate(PROMPT, custom_generate="acme/greedy", trust_remote_code=True, max_new_tokens=NEW),
-                       in_decodekit(hf))
-    banned = model.generate(PROMPT, custom_generate="acme/ban", trust_remote_code=True, banned_token=4,
-                            max_new_tokens=NEW, eos_token_id=None)
-    assert torch.equal(banned, in_transformers(hf, to_transformers(hf, method="acme/ban", trust_remote_code=True,
-                                                                   banned_token=4)))
+    assert torch.equal(
+        model.generate(PROMPT, custom_generate="acme/greedy", trust_remote_code=True, max_new_tokens=NEW),
+        in_decodekit(hf),
+    )
+    banned = model.generate(
+        PROMPT,
+        custom_generate="acme/ban",
+        trust_remote_code=True,
+        banned_token=4,
+        max_new_tokens=NEW,
+        eos_token_id=None,
+    )
+    assert torch.equal(
+        banned, in_transformers(hf, to_transformers(hf, method="acme/ban", trust_remote_code=True, banned_token=4))
+    )
     with pytest.raises(UntrustedCodeError):
         model.generate(PROMPT, custom_generate="acme/ban", banned_token=4)
 
@@ -157,7 +171,7 @@ def test_the_default_model_through_transformers_equals_transformers_greedy(defau
         theirs = model.module.generate(ids, max_new_tokens=16, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=16), theirs), text
     first = tokenizer(prompts[0], return_tensors="pt")["input_ids"]
-    assert tokenizer.decode(model.generate(first, max_new_tokens=4)[0, first.shape[1]:]).startswith(" Paris")
+    assert tokenizer.decode(model.generate(first, max_new_tokens=4)[0, first.shape[1] :]).startswith(" Paris")
 
 
 def test_cli_generates_with_a_transformers_model(tmp_path, capsys):
@@ -194,6 +208,11 @@ def test_rendered_hook_methods_take_transformers_arguments_under_its_custom_gene
         return scores
 
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=PAD)
-    out = hf.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, generation_config=config,
-                      logits_processor=transformers.LogitsProcessorList([spy]))
+    out = hf.generate(
+        PROMPT,
+        custom_generate=str(repo),
+        trust_remote_code=True,
+        generation_config=config,
+        logits_processor=transformers.LogitsProcessorList([spy]),
+    )
     assert out.shape == (1, PROMPT.shape[1] + 4) and seen == [5, 6, 7, 8]

@@ -12,8 +12,11 @@ from decodekit.plugins.watermark import WatermarkLogitsProcessor
 
 transformers = pytest.importorskip("transformers")
 
-SETTINGS = [WatermarkingConfig(), WatermarkingConfig(seeding_scheme="selfhash", context_width=2, bias=1.5),
-            WatermarkingConfig(greenlist_ratio=0.5, hashing_key=42, context_width=3)]
+SETTINGS = [
+    WatermarkingConfig(),
+    WatermarkingConfig(seeding_scheme="selfhash", context_width=2, bias=1.5),
+    WatermarkingConfig(greenlist_ratio=0.5, hashing_key=42, context_width=3),
+]
 
 
 @pytest.mark.parametrize("config", SETTINGS, ids=["lefthash", "selfhash", "lefthash-wide"])
@@ -42,13 +45,20 @@ def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, confi
     assert clean.z_score[0] < 2 and clean.prediction.tolist() == [False]
     # Without return_dict, as transformers: the predictions alone, a numpy bool array.
     assert detector(torch.cat((marked, plain))).tolist() == [True, False]
-    assert found.num_tokens_scored[0] == 120 - (config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1)
+    assert found.num_tokens_scored[0] == 120 - (
+        config.context_width if config.seeding_scheme == "lefthash" else config.context_width - 1
+    )
     their_config = transformers.LlamaConfig(vocab_size=model.config.vocab_size, bos_token_id=model.config.bos_token_id)
-    theirs = transformers.WatermarkDetector(model_config=their_config, device="cpu", watermarking_config=config.to_dict())
+    theirs = transformers.WatermarkDetector(
+        model_config=their_config, device="cpu", watermarking_config=config.to_dict()
+    )
     reference = theirs(torch.cat((marked, plain)), return_dict=True)
     both = detector(torch.cat((marked, plain)), return_dict=True)
     for field in ("z_score", "p_value", "green_fraction", "confidence"):
-        assert [math.isclose(a, b, abs_tol=1e-12) for a, b in zip(getattr(reference, field), getattr(both, field))] == [True, True], field
+        assert [math.isclose(a, b, abs_tol=1e-12) for a, b in zip(getattr(reference, field), getattr(both, field))] == [
+            True,
+            True,
+        ], field
     for field in ("num_green_tokens", "num_tokens_scored", "prediction"):
         assert getattr(reference, field).tolist() == getattr(both, field).tolist(), field
     assert theirs(torch.cat((marked, plain))).tolist() == detector(torch.cat((marked, plain))).tolist()
@@ -59,19 +69,27 @@ def test_transformers_config_and_dicts_are_accepted(default_model):
     prompt = tok(["The weather today"], return_tensors="pt")["input_ids"]
     ours = model.generate(prompt, watermarking_config=WatermarkingConfig(bias=4.0), max_new_tokens=8)
     assert torch.equal(model.generate(prompt, watermarking_config={"bias": 4.0}, max_new_tokens=8), ours)
-    assert torch.equal(model.generate(prompt, watermarking_config=transformers.WatermarkingConfig(bias=4.0), max_new_tokens=8), ours)
+    assert torch.equal(
+        model.generate(prompt, watermarking_config=transformers.WatermarkingConfig(bias=4.0), max_new_tokens=8), ours
+    )
     assert not torch.equal(model.generate(prompt, max_new_tokens=8), ours)  # a bias of 4 changes greedy text
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"bias": float("nan")}, "bias=nan is invalid; expected a finite number"),
-    ({"greenlist_ratio": 1.5}, "greenlist_ratio=1.5 is invalid; expected a number in (0, 1)"),
-    ({"seeding_scheme": "righthash"}, "seeding_scheme='righthash' is invalid; expected one of ['lefthash', 'selfhash']"),
-    ({"context_width": 0}, "context_width=0 is invalid; expected an integer >= 1"),
-    ({"hashing_key": 1.5}, "hashing_key=1.5 is invalid; expected an integer"),
-    ({"green": 0.3}, "unknown field 'green'"),
-    ("strong", "expected a WatermarkingConfig or a dict of its fields"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"bias": float("nan")}, "bias=nan is invalid; expected a finite number"),
+        ({"greenlist_ratio": 1.5}, "greenlist_ratio=1.5 is invalid; expected a number in (0, 1)"),
+        (
+            {"seeding_scheme": "righthash"},
+            "seeding_scheme='righthash' is invalid; expected one of ['lefthash', 'selfhash']",
+        ),
+        ({"context_width": 0}, "context_width=0 is invalid; expected an integer >= 1"),
+        ({"hashing_key": 1.5}, "hashing_key=1.5 is invalid; expected an integer"),
+        ({"green": 0.3}, "unknown field 'green'"),
+        ("strong", "expected a WatermarkingConfig or a dict of its fields"),
+    ],
+)
 def test_bad_settings_are_clear_errors(default_model, value, message):
     model, _ = default_model
     with pytest.raises(ValueError) as error:
@@ -119,17 +137,24 @@ def test_synthid_text_is_detected_and_plain_text_is_not(default_model):
     found, clean = detector(marked), detector(plain)
     assert found.mean_g_value[0] > 0.52 and found.z_score[0] > 4 and found.prediction == [True]
     assert abs(clean.z_score[0]) < 3 and clean.prediction == [False]
-    assert torch.equal(model.generate(prompt, watermarking_config=transformers.SynthIDTextWatermarkingConfig(**SYNTHID),
-                                      **kwargs)[:, n:], marked)  # transformers' config is taken as it is
+    assert torch.equal(
+        model.generate(prompt, watermarking_config=transformers.SynthIDTextWatermarkingConfig(**SYNTHID), **kwargs)[
+            :, n:
+        ],
+        marked,
+    )  # transformers' config is taken as it is
 
 
-@pytest.mark.parametrize("value, others, message", [
-    ({"keys": []}, {}, "keys=[] is invalid; expected a non-empty list of integers"),
-    ({"keys": [1, 2], "ngram_len": 1}, {}, "ngram_len=1 is invalid; expected an integer >= 2"),
-    ({"keys": [1], "sampling_table_size": 2**25}, {}, "sampling_table_size=33554432 is invalid"),
-    ({"keys": [1, 2]}, {"num_beams": 2}, "SynthID keeps one state per generated token"),
-    ({"keys": [1, 2]}, {"prompt_lookup_num_tokens": 2}, "not prompt_lookup_num_tokens"),
-])
+@pytest.mark.parametrize(
+    "value, others, message",
+    [
+        ({"keys": []}, {}, "keys=[] is invalid; expected a non-empty list of integers"),
+        ({"keys": [1, 2], "ngram_len": 1}, {}, "ngram_len=1 is invalid; expected an integer >= 2"),
+        ({"keys": [1], "sampling_table_size": 2**25}, {}, "sampling_table_size=33554432 is invalid"),
+        ({"keys": [1, 2]}, {"num_beams": 2}, "SynthID keeps one state per generated token"),
+        ({"keys": [1, 2]}, {"prompt_lookup_num_tokens": 2}, "not prompt_lookup_num_tokens"),
+    ],
+)
 def test_bad_synthid_settings_are_clear_errors(default_model, value, others, message):
     model, _ = default_model
     with pytest.raises(ValueError) as error:
@@ -137,8 +162,14 @@ def test_bad_synthid_settings_are_clear_errors(default_model, value, others, mes
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("make", [lambda: WatermarkingConfig(bias=3.0, seeding_scheme="selfhash", context_width=2),
-                                  lambda: SynthIDTextWatermarkingConfig(**SYNTHID)], ids=["green-list", "synthid"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: WatermarkingConfig(bias=3.0, seeding_scheme="selfhash", context_width=2),
+        lambda: SynthIDTextWatermarkingConfig(**SYNTHID),
+    ],
+    ids=["green-list", "synthid"],
+)
 def test_a_wrapped_transformers_model_watermarks_as_transformers_does(make):
     # decodekit's loop on a transformers model and transformers' own generate(), same config, same greedy text.
     import decodekit
@@ -146,12 +177,21 @@ def test_a_wrapped_transformers_model_watermarks_as_transformers_does(make):
 
     hf = tiny_transformers_model("opt")
     config = make()
-    theirs_config = (transformers.WatermarkingConfig if isinstance(config, WatermarkingConfig)
-                     else transformers.SynthIDTextWatermarkingConfig)(**config.to_dict())
+    theirs_config = (
+        transformers.WatermarkingConfig
+        if isinstance(config, WatermarkingConfig)
+        else transformers.SynthIDTextWatermarkingConfig
+    )(**config.to_dict())
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     ours = decodekit.wrap(hf).generate(prompt, watermarking_config=config, max_new_tokens=12, eos_token_id=None)
-    theirs = hf.generate(prompt, watermarking_config=theirs_config, max_new_tokens=12, eos_token_id=None,
-                         do_sample=False, pad_token_id=PAD)
+    theirs = hf.generate(
+        prompt,
+        watermarking_config=theirs_config,
+        max_new_tokens=12,
+        eos_token_id=None,
+        do_sample=False,
+        pad_token_id=PAD,
+    )
     assert torch.equal(ours, theirs)
     plain = hf.generate(prompt, max_new_tokens=12, eos_token_id=None, do_sample=False, pad_token_id=PAD)
     assert not torch.equal(theirs, plain)  # the watermark changed the greedy text

@@ -7,4 +7,11 @@ Every decodekit model (decodekit.facade.Model) has `generate_batch` and `init_co
 from .manager import ContinuousBatchingManager, MethodCache, QueueFull, generate_batch
 from .request import GenerationOutput, RequestStatus
 
-__all__ = ["ContinuousBatchingManager", "GenerationOutput", "MethodCache", "QueueFull", "RequestStatus", "generate_batch"]
+__all__ = [
+    "ContinuousBatchingManager",
+    "GenerationOutput",
+    "MethodCache",
+    "QueueFull",
+    "RequestStatus",
+    "generate_batch",
+]

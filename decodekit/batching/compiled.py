@@ -45,9 +45,13 @@ class CompiledDecode:
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
         keys = cache.keys[0]
         if not kernels.paged_step_ready(model, keys):
-            logger.info("continuous batching: decode steps run eagerly: the compiled step attends through decodekit's "
-                        "C++ paged kernel, which takes a float32 or bfloat16 cache on the CPU with the kernels built "
-                        "(here a %s cache on %s)", str(keys.dtype).removeprefix("torch."), keys.device)
+            logger.info(
+                "continuous batching: decode steps run eagerly: the compiled step attends through decodekit's "
+                "C++ paged kernel, which takes a float32 or bfloat16 cache on the CPU with the kernels built "
+                "(here a %s cache on %s)",
+                str(keys.dtype).removeprefix("torch."),
+                keys.device,
+            )
 
     def usable(self) -> bool:
         return self.broken is None and kernels.paged_step_ready(self.model, self.cache.keys[0])
@@ -63,8 +67,9 @@ class CompiledDecode:
         kernels.settle_routes(self.model, size)  # before the step is traced for this many rows
         width = max(MIN_SIZE, max(len(t) for t in tables))
         bs, device = self.cache.block_size, self.cache.keys[0].device
-        table = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad,
-                             dtype=torch.long)
+        table = torch.tensor(
+            [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, dtype=torch.long
+        )
         ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
         position = torch.tensor(positions + [0] * pad, dtype=torch.long)
         slots = slots_of(table, torch.arange(size), position, bs)

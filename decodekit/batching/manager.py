@@ -68,7 +68,9 @@ class MethodCache:
             method = spec
         elif self.allowed is not None:
             if spec not in self.allowed:
-                raise ValueError(f"custom_generate={spec!r} is not one of the methods allowed here: {sorted(self.allowed)}.")
+                raise ValueError(
+                    f"custom_generate={spec!r} is not one of the methods allowed here: {sorted(self.allowed)}."
+                )
             method = self.allowed[spec]
         elif isinstance(spec, (str, os.PathLike)):
             with self.lock:
@@ -77,11 +79,15 @@ class MethodCache:
                     self.loaded[key] = load_method(spec, trust)
                 method = self.loaded[key]
         else:
-            raise ValueError(f"custom_generate={spec!r} is invalid for continuous batching; it accepts a Hub repo id or "
-                             "a local directory holding a hook-only method (a callable owns the whole loop).")
+            raise ValueError(
+                f"custom_generate={spec!r} is invalid for continuous batching; it accepts a Hub repo id or "
+                "a local directory holding a hook-only method (a callable owns the whole loop)."
+            )
         if method.generate is not None:
-            raise ValueError(f"custom_generate {method.source.label!r} replaces the whole decoding loop; continuous "
-                             "batching runs hook-only methods (processors, a selector, stopping criteria). Use generate().")
+            raise ValueError(
+                f"custom_generate {method.source.label!r} replaces the whole decoding loop; continuous "
+                "batching runs hook-only methods (processors, a selector, stopping criteria). Use generate()."
+            )
         return _Registered(method, registered_for_call)
 
 
@@ -91,8 +97,6 @@ class _Registered:
 
     def registered(self):
         return self._registered(self.method)
-
-
 
 
 STEP_FIELDS = ("compile", "compile_config")
@@ -121,12 +125,25 @@ class ContinuousBatchingManager:
     those (0: no limit); `methods`: a MethodCache.
     """
 
-    def __init__(self, model, generation_config=None, max_queue_size: int = 0, block_size: int = 16,
-                 max_cache_bytes: int | None = None, max_batch_tokens: int = 512, max_running: int = 64,
-                 min_prefill: int = 32, methods: MethodCache | None = None):
-        for name, value, low in (("max_queue_size", max_queue_size, 0), ("block_size", block_size, 1),
-                                 ("max_batch_tokens", max_batch_tokens, 1), ("max_running", max_running, 1),
-                                 ("min_prefill", min_prefill, 1)):
+    def __init__(
+        self,
+        model,
+        generation_config=None,
+        max_queue_size: int = 0,
+        block_size: int = 16,
+        max_cache_bytes: int | None = None,
+        max_batch_tokens: int = 512,
+        max_running: int = 64,
+        min_prefill: int = 32,
+        methods: MethodCache | None = None,
+    ):
+        for name, value, low in (
+            ("max_queue_size", max_queue_size, 0),
+            ("block_size", block_size, 1),
+            ("max_batch_tokens", max_batch_tokens, 1),
+            ("max_running", max_running, 1),
+            ("min_prefill", min_prefill, 1),
+        ):
             if not is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
         self.model = model
@@ -138,24 +155,36 @@ class ContinuousBatchingManager:
             per_block = bytes_per_position(model) * block_size
             budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
             if not is_int(budget) or budget < per_block:
-                raise ValueError(f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
-                                 f"takes {per_block} bytes for this model.")
+                raise ValueError(
+                    f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
+                    f"takes {per_block} bytes for this model."
+                )
             self.runner = PagedRunner(model, budget // per_block, block_size, compile_options)
-            logger.info("continuous batching: paged cache of %d blocks of %d positions (%s)", budget // per_block,
-                        block_size, human_size(budget // per_block * per_block))
+            logger.info(
+                "continuous batching: paged cache of %d blocks of %d positions (%s)",
+                budget // per_block,
+                block_size,
+                human_size(budget // per_block * per_block),
+            )
         else:
             if compile_options is not None:
-                logger.info("continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__)
+                logger.info(
+                    "continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__
+                )
             self.runner = CacheRunner(model, max_running)
-            logger.info("continuous batching: %s has no paged path; each request keeps a cache of its own and runs "
-                        "its own forward each step", type(model).__name__)
+            logger.info(
+                "continuous batching: %s has no paged path; each request keeps a cache of its own and runs "
+                "its own forward each step",
+                type(model).__name__,
+            )
         self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
         # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V]
         # (22 ms a step of 32 rows of the default model); compiled, one.
         # Every guard kept: with the steps' filter (argument_guards_only, which knows none of race_rows' argument
         # names) a graph specialised to one sampled row was replayed for several and inductor raised.
-        self._race = (race_rows if compile_options is None
-                      else compile_own(race_rows, {"dynamic": True}, guard_filter=None))
+        self._race = (
+            race_rows if compile_options is None else compile_own(race_rows, {"dynamic": True}, guard_filter=None)
+        )
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._cancels: set[str] = set()
@@ -269,11 +298,21 @@ class ContinuousBatchingManager:
         device = self.model.device
         with torch.inference_mode():
             for rows in (2, 3):  # the second call settles the dynamic row count
-                self._race(torch.zeros(rows, vocab, device=device), torch.zeros(rows, 1, dtype=torch.int32, device=device),
-                           torch.ones(rows, 1, dtype=torch.int32, device=device))
+                self._race(
+                    torch.zeros(rows, vocab, device=device),
+                    torch.zeros(rows, 1, dtype=torch.int32, device=device),
+                    torch.ones(rows, 1, dtype=torch.int32, device=device),
+                )
 
-    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, listener=None, **fields) -> str:
+    def add_request(
+        self,
+        input_ids,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        listener=None,
+        **fields,
+    ) -> str:
         """Queues one prompt (a list of token ids) with its own generation config fields and decoding method
         (custom_generate=, trust_remote_code=, seed=, logits_processor=, stopping_criteria=, logprobs=). Returns
         the request id. ValueError if anything is invalid; QueueFull if max_queue_size requests already wait.
@@ -289,8 +328,9 @@ class ContinuousBatchingManager:
             raise ValueError(f"listener={listener!r} is invalid; expected a callable taking a GenerationOutput.")
         if max_new_tokens is not None:
             fields["max_new_tokens"] = max_new_tokens
-        request = prepare_request(self.model, input_ids, self.generation_config, request_id, streaming, fields,
-                                  self.methods, fits=self._fits)
+        request = prepare_request(
+            self.model, input_ids, self.generation_config, request_id, streaming, fields, self.methods, fits=self._fits
+        )
         with self._cv:
             if self._stopping:
                 raise RuntimeError("The manager is stopped; start() it again before adding requests.")
@@ -318,7 +358,8 @@ class ContinuousBatchingManager:
                 f"The request needs {need} cache blocks ({rows} row(s) up to {max_length} positions: prompt "
                 f"{prompt_length} + max_new_tokens {max_length - prompt_length}) and the cache has "
                 f"{self.runner.total_blocks}: lower max_new_tokens or the number of rows, or give the manager more "
-                "cache (max_cache_bytes).")
+                "cache (max_cache_bytes)."
+            )
 
     def cancel_request(self, request_id: str, keep_result: bool = True) -> None:
         """Cancels a queued or running request: its blocks are freed at the next step, and its result (status
@@ -425,8 +466,11 @@ class ContinuousBatchingManager:
         try:
             return select_together(requests, logits, self._race)
         except Exception as error:  # inductor's own failures are AssertionErrors and the like, not dynamo's
-            logger.warning("continuous batching: the compiled sampling failed (%s: %s); it runs eagerly from now on",
-                           type(error).__name__, (str(error).splitlines() or [""])[0])
+            logger.warning(
+                "continuous batching: the compiled sampling failed (%s: %s); it runs eagerly from now on",
+                type(error).__name__,
+                (str(error).splitlines() or [""])[0],
+            )
             self._race = race_rows
             return select_together(requests, logits, race_rows)
 
@@ -439,8 +483,9 @@ class ContinuousBatchingManager:
             if len(works) == 1:
                 self._fail(works[0].request, error)
                 return {}
-            logger.warning("continuous batching: a step of %d requests failed (%s); running them one by one",
-                           len(works), error)
+            logger.warning(
+                "continuous batching: a step of %d requests failed (%s); running them one by one", len(works), error
+            )
         logits = {}
         for work in works:
             try:
@@ -507,7 +552,9 @@ def default_cache_bytes(model, max_running: int) -> int:
     return min(DEFAULT_CACHE_BYTES, needed, *([free // 2] if free is not None else []))
 
 
-def generate_batch(model, inputs: list, generation_config=None, progress_bar: bool = True, **kwargs) -> dict[str, GenerationOutput]:
+def generate_batch(
+    model, inputs: list, generation_config=None, progress_bar: bool = True, **kwargs
+) -> dict[str, GenerationOutput]:
     """model.generate_batch() (see decodekit.facade.Model), its steps run in the calling thread."""
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch() takes a list of prompts (lists of token ids), got {type(inputs).__name__}.")
@@ -524,8 +571,13 @@ def generate_batch(model, inputs: list, generation_config=None, progress_bar: bo
             manager.add_request(prompt, request_id=request_id, **kwargs)
         except ValueError as error:
             results[request_id] = GenerationOutput(
-                request_id=request_id, prompt_ids=list(prompt) if isinstance(prompt, (list, tuple)) else [],
-                generated_tokens=[], sequences=[], status=RequestStatus.FAILED, error=str(error))
+                request_id=request_id,
+                prompt_ids=list(prompt) if isinstance(prompt, (list, tuple)) else [],
+                generated_tokens=[],
+                sequences=[],
+                status=RequestStatus.FAILED,
+                error=str(error),
+            )
     bar = _progress(progress_bar, len(ids))
     bar.update(len(results))
     manager.on_end = lambda output: bar.update(1)

@@ -82,7 +82,7 @@ class PagedCache:
         """Block `target` becomes a copy of block `source` in every layer (a row's own copy of a shared last block)."""
         bs = self.block_size
         for pool in (*self.keys, *self.values):
-            pool[target * bs:(target + 1) * bs] = pool[source * bs:(source + 1) * bs]
+            pool[target * bs : (target + 1) * bs] = pool[source * bs : (source + 1) * bs]
 
 
 def slots_of(tables: torch.Tensor, rows, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -122,8 +122,19 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
-        out = torch.ops.decodekit.paged_attention(tokens, k, v, keys, values, self.slots, self.tables, self.owner,
-                                                  self.positions, self.block_size, window or 0)
+        out = torch.ops.decodekit.paged_attention(
+            tokens,
+            k,
+            v,
+            keys,
+            values,
+            self.slots,
+            self.tables,
+            self.owner,
+            self.positions,
+            self.block_size,
+            window or 0,
+        )
         return out.transpose(0, 1)[None]
 
 
@@ -169,8 +180,15 @@ class PagedBatch:
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         native_ok = q.device.type == "cpu" and q.dtype == keys.dtype in native.LAYER_DTYPES and native.ready(q)
         if native_ok and not self.chunks:  # decode rows only: the common step
-            return DecodeRows(self.cache.keys, self.cache.values, self.slots, self.tables, self.positions,
-                              self.cache.block_size, self.owner).attend(q, k, v, layer_idx, window)
+            return DecodeRows(
+                self.cache.keys,
+                self.cache.values,
+                self.slots,
+                self.tables,
+                self.positions,
+                self.cache.block_size,
+                self.owner,
+            ).attend(q, k, v, layer_idx, window)
         tokens = q[0].transpose(0, 1)  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
         if not native_ok:
@@ -186,8 +204,18 @@ class PagedBatch:
         if len(self.singles):
             at = self._single_tokens
             out[at] = torch.ops.decodekit.paged_attention(
-                tokens[at].contiguous(), k[at], v[at], keys, values, self.slots[at], self.tables, self.owner[at],
-                self.positions[at], self.cache.block_size, window or 0)
+                tokens[at].contiguous(),
+                k[at],
+                v[at],
+                keys,
+                values,
+                self.slots[at],
+                self.tables,
+                self.owner[at],
+                self.positions[at],
+                self.cache.block_size,
+                window or 0,
+            )
         return out.transpose(0, 1)[None]
 
     def gathered_attention(self, tokens, keys, values, window, segments, out=None, int8=False) -> torch.Tensor:
@@ -203,13 +231,13 @@ class PagedBatch:
             # passed as a [1, KV, L, D] view: the kernel and SDPA read rows at a stride.
             k = keys.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)
             v = values.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)
-            y = prompt_attention(tokens[s.start:s.end].transpose(0, 1), k[0], v[0], window, int8)
+            y = prompt_attention(tokens[s.start : s.end].transpose(0, 1), k[0], v[0], window, int8)
             if y is not None:  # decodekit's kernel, where it measured faster than SDPA here
-                out[s.start:s.end] = y.transpose(0, 1)
+                out[s.start : s.end] = y.transpose(0, 1)
                 continue
-            q = tokens[s.start:s.end].transpose(0, 1)[None]  # [1, H, t, D]
+            q = tokens[s.start : s.end].transpose(0, 1)[None]  # [1, H, t, D]
             q_pos = torch.arange(s.first, length, device=keys.device)[:, None]
             mask = visible(q_pos, torch.arange(length, device=keys.device)[None, :], window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-            out[s.start:s.end] = y[0].transpose(0, 1)
+            out[s.start : s.end] = y[0].transpose(0, 1)
         return out

@@ -72,8 +72,16 @@ def new_request_id() -> str:
 
 
 # Fields decodekit's continuous batching takes besides the generation config (the rest of generate()'s arguments).
-REQUEST_ARGUMENTS = ("custom_generate", "trust_remote_code", "seed", "logits_processor", "stopping_criteria", "tokenizer",
-                     "logprobs", "top_logprobs")
+REQUEST_ARGUMENTS = (
+    "custom_generate",
+    "trust_remote_code",
+    "seed",
+    "logits_processor",
+    "stopping_criteria",
+    "tokenizer",
+    "logprobs",
+    "top_logprobs",
+)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
@@ -150,22 +158,30 @@ class Request:
 
     def output(self) -> GenerationOutput:
         rows = []
-        for row in self.sequences[:, self.prompt_length:].tolist():
+        for row in self.sequences[:, self.prompt_length :].tolist():
             rows.append(trim_after_end(row, self.config.eos_token_ids))
         reason = None
         if self.status == RequestStatus.FINISHED:
             reason = "length" if self.stopped_by_length else "stop"
         return GenerationOutput(
-            request_id=self.id, prompt_ids=list(self.prompt), generated_tokens=rows[0], sequences=rows,
-            status=self.status, finish_reason=reason, error=self.error,
-            logprobs=self.token_logprobs[:len(rows[0])] if self.logprobs else None,
-            top_logprobs=self.token_top_logprobs[:len(rows[0])] if self.logprobs and self.top_logprobs else None,
+            request_id=self.id,
+            prompt_ids=list(self.prompt),
+            generated_tokens=rows[0],
+            sequences=rows,
+            status=self.status,
+            finish_reason=reason,
+            error=self.error,
+            logprobs=self.token_logprobs[: len(rows[0])] if self.logprobs else None,
+            top_logprobs=self.token_top_logprobs[: len(rows[0])] if self.logprobs and self.top_logprobs else None,
             created_time=self.created_time,
-            first_token_time=self.first_token_time, finished_time=self.finished_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
         )
 
 
-def select_together(requests: list[Request], logits: dict[str, torch.Tensor], race=race_rows) -> dict[str, torch.Tensor]:
+def select_together(
+    requests: list[Request], logits: dict[str, torch.Tensor], race=race_rows
+) -> dict[str, torch.Tensor]:
     """The next token of each request that selects plainly (Request.selects_plainly), chosen in one pass over
     their stacked logits: a few operations over [requests, V] instead of about fifteen small ones per request
     (the sampling noise of each row is the one its request draws alone, row_noise). `race`: race_rows or its
@@ -182,10 +198,11 @@ def select_together(requests: list[Request], logits: dict[str, torch.Tensor], ra
     if sampled:
         at = torch.tensor(sampled, device=scores.device)
         keys = torch.stack([plain[i].pipeline.selector.key for i in sampled]).to(scores.device)[:, None]
-        positions = torch.tensor([[plain[i].sequences.shape[1]] for i in sampled], dtype=torch.int32,
-                                 device=scores.device)
+        positions = torch.tensor(
+            [[plain[i].sequences.shape[1]] for i in sampled], dtype=torch.int32, device=scores.device
+        )
         tokens[at] = race(scores[at], keys, positions)
-    return {r.id: tokens[i:i + 1] for i, r in enumerate(plain)}
+    return {r.id: tokens[i : i + 1] for i, r in enumerate(plain)}
 
 
 def trim_after_end(row: list[int], eos: list[int]) -> list[int]:
@@ -202,13 +219,21 @@ def prompt_list(model, input_ids) -> list[int]:
         if input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if input_ids.dim() != 1 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be one prompt: a list of token ids or a 1-D integer tensor, got a tensor of "
-                             f"shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}.")
+            raise ValueError(
+                f"input_ids must be one prompt: a list of token ids or a 1-D integer tensor, got a tensor of "
+                f"shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}."
+            )
         input_ids = input_ids.tolist()
     if not isinstance(input_ids, (list, tuple)) or not all(is_int(t) for t in input_ids):
-        raise ValueError(f"input_ids must be a list of token ids (ints), got {type(input_ids).__name__}"
-                         + (f" holding {type(next(t for t in input_ids if not is_int(t))).__name__}"
-                            if isinstance(input_ids, (list, tuple)) else "") + ".")
+        raise ValueError(
+            f"input_ids must be a list of token ids (ints), got {type(input_ids).__name__}"
+            + (
+                f" holding {type(next(t for t in input_ids if not is_int(t))).__name__}"
+                if isinstance(input_ids, (list, tuple))
+                else ""
+            )
+            + "."
+        )
     if not input_ids:
         raise ValueError("input_ids is empty; a prompt needs at least one token, e.g. the BOS token.")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -228,13 +253,22 @@ def check_context(model, prompt_length: int, max_length: int) -> None:
             f"The prompt has {prompt_length} tokens and generation may go on to {max_length} positions "
             f"(max_new_tokens {max_length - prompt_length}), past the model's context of {context} positions "
             f"(max_position_embeddings). Shorten the prompt or lower max_new_tokens to at most {context - prompt_length}."
-            if prompt_length < context else
-            f"The prompt has {prompt_length} tokens, the model's context is {context} positions "
-            "(max_position_embeddings): shorten the prompt.")
+            if prompt_length < context
+            else f"The prompt has {prompt_length} tokens, the model's context is {context} positions "
+            "(max_position_embeddings): shorten the prompt."
+        )
 
 
-def prepare_request(model, input_ids, generation_config: GenerationConfig | None, request_id: str, streaming: bool,
-                    options: dict[str, Any], methods, fits=None) -> Request:
+def prepare_request(
+    model,
+    input_ids,
+    generation_config: GenerationConfig | None,
+    request_id: str,
+    streaming: bool,
+    options: dict[str, Any],
+    methods,
+    fits=None,
+) -> Request:
     """A Request for one prompt, prepared as generate() prepares a call (ValueError for anything invalid).
 
     `options`: generation config fields and REQUEST_ARGUMENTS; `methods`: loads custom_generate specs once
@@ -258,31 +292,55 @@ def prepare_request(model, input_ids, generation_config: GenerationConfig | None
             if not isinstance(logprobs, bool):
                 raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
             if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
-                raise ValueError(f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], "
-                                 "with logprobs=True.")
+                raise ValueError(
+                    f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], "
+                    "with logprobs=True."
+                )
 
-        call = prepare_call(model, gc, prompt_length=len(prompt), batch_size=rows, device=model.device,
-                            seed=extras.get("seed"), tokenizer=extras.get("tokenizer"), before_hooks=admissible)
+        call = prepare_call(
+            model,
+            gc,
+            prompt_length=len(prompt),
+            batch_size=rows,
+            device=model.device,
+            seed=extras.get("seed"),
+            tokenizer=extras.get("tokenizer"),
+            before_hooks=admissible,
+        )
         context, max_length, owner, loop = call.context, call.max_length, call.loop_owner, call.loop
         if loop is not None and getattr(loop, "one_token_per_row", False) is not True:  # declared (hookspecs)
             raise ValueError(
                 f"Continuous batching runs one token per row and step; the decoding loop of plugin {owner!r} "
                 "(beam search, contrastive search, assisted or self-speculative decoding, prompt lookup, DoLa or a "
-                "method's own loop) cannot share the step with other requests. Run it with generate().")
+                "method's own loop) cannot share the step with other requests. Run it with generate()."
+            )
         for name in ("output_hidden_states", "output_attentions", "return_dict_in_generate"):
             if getattr(gc, name, False):
-                raise ValueError(f"{name}=True is not available with continuous batching (its results are token ids, "
-                                 "and logprobs=True); use generate().")
+                raise ValueError(
+                    f"{name}=True is not available with continuous batching (its results are token ids, "
+                    "and logprobs=True); use generate()."
+                )
         # The batch's paged cache (or the runner's) serves every request: none is made for the request alone.
-        pipeline = build_pipeline(gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"),
-                                  make_cache=False)
+        pipeline = build_pipeline(
+            gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"), make_cache=False
+        )
     if pipeline.next_token_logits is not last_position_logits:
-        raise ValueError("This configuration reads next-token logits another way (a plugin's decodekit_next_token_logits, "
-                         "e.g. DoLa); continuous batching reads the last position's logits only.")
+        raise ValueError(
+            "This configuration reads next-token logits another way (a plugin's decodekit_next_token_logits, "
+            "e.g. DoLa); continuous batching reads the last position's logits only."
+        )
     sequences = torch.tensor([prompt] * rows, dtype=torch.long, device=model.device)
     return Request(
-        id=request_id, prompt=prompt, config=gc, pipeline=pipeline, max_length=max_length, streaming=streaming,
-        logprobs=logprobs, top_logprobs=top, sequences=sequences, unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
+        id=request_id,
+        prompt=prompt,
+        config=gc,
+        pipeline=pipeline,
+        max_length=max_length,
+        streaming=streaming,
+        logprobs=logprobs,
+        top_logprobs=top,
+        sequences=sequences,
+        unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
         pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
         method=method.method.source.label if method is not None else None,
     )

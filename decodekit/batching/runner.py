@@ -108,7 +108,7 @@ class PagedRunner:
             if work.prefill:
                 segments.append(Segment(len(tokens), len(tokens) + work.tokens, len(tables), work.start))
                 tables.append(r.tables[0])
-                tokens += r.prompt[work.start:work.end]
+                tokens += r.prompt[work.start : work.end]
                 if work.ends_prompt:
                     keep.append(len(tokens) - 1)
                     owners.append((r.id, 1))
@@ -126,12 +126,17 @@ class PagedRunner:
         if logits is None:
             batch = PagedBatch(self.cache, tables, segments)
             ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-            out = self.model(ids, position_ids=batch.position_ids, past_key_values=batch, use_cache=True,
-                             logits_to_keep=torch.tensor(keep, dtype=torch.long))
+            out = self.model(
+                ids,
+                position_ids=batch.position_ids,
+                past_key_values=batch,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long),
+            )
             logits = out.logits[0]
         result, at = {}, 0
         for request_id, rows in owners:
-            result[request_id] = logits[at:at + rows]
+            result[request_id] = logits[at : at + rows]
             at += rows
         for work in works:
             if work.ends_prompt:
@@ -182,7 +187,7 @@ class CacheRunner:
         for work in works:
             r = work.request
             if work.prefill:
-                ids = r.sequences[:, work.start:work.end]
+                ids = r.sequences[:, work.start : work.end]
             else:
                 ids = r.sequences[:, -1:]
             out = self.model(ids, past_key_values=self.caches[r.id], use_cache=True)

@@ -34,7 +34,9 @@ def check_compile_config(gc) -> None:
         gc.compile, gc.compile_config = False, None
     cc = gc.compile_config
     if cc is not None and (not isinstance(cc, dict) or set(cc) - set(COMPILE_OPTIONS)):
-        raise gc.invalid("compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)")
+        raise gc.invalid(
+            "compile_config", f"expected a dict with keys among {list(COMPILE_OPTIONS)} (passed to torch.compile)"
+        )
     if cc is not None and cc.get("mode") is not None and uses_inductor(cc):
         from torch._inductor import list_mode_options
 
@@ -50,19 +52,38 @@ def validate_backend_options(gc, cc: dict) -> None:
         raise gc.invalid("compile_config", "options must be a dict of option names to values (torch.compile's options)")
     if not uses_inductor(cc):
         if cc.get("mode") is not None:
-            raise gc.invalid("compile_config", "torch.compile takes mode or options, not both, for a backend other than inductor")
+            raise gc.invalid(
+                "compile_config", "torch.compile takes mode or options, not both, for a backend other than inductor"
+            )
         return
     from torch._inductor import config as inductor_config
 
     known = inductor_config.get_config_copy()
     unknown = sorted(k for k in options if k not in known or k == "guard_filter_fn")
     if unknown:
-        raise gc.invalid("compile_config", f"options {unknown} are not inductor options (see torch._inductor.config; "
-                         "the step sets guard_filter_fn itself)")
+        raise gc.invalid(
+            "compile_config",
+            f"options {unknown} are not inductor options (see torch._inductor.config; "
+            "the step sets guard_filter_fn itself)",
+        )
 
 
-STEP_ARGUMENTS = ("tokens", "positions", "slots", "mask", "eos_block", "noise_key", "unfinished", "pad", "eos_ids",
-                  "state", "go", "cur", "max_length", "prompt_length")
+STEP_ARGUMENTS = (
+    "tokens",
+    "positions",
+    "slots",
+    "mask",
+    "eos_block",
+    "noise_key",
+    "unfinished",
+    "pad",
+    "eos_ids",
+    "state",
+    "go",
+    "cur",
+    "max_length",
+    "prompt_length",
+)
 
 
 def argument_guards_only(entries) -> list[bool]:
@@ -77,8 +98,11 @@ def argument_guards_only(entries) -> list[bool]:
     with a `mode` for a backend other than inductor (see compile_arguments).
     """
     roots = tuple(f"L['{name}']" for name in STEP_ARGUMENTS)
-    return [entry.guard_type == "SHAPE_ENV"
-            or (not entry.is_global and (entry.name.startswith(roots) or ".rotary" in entry.name)) for entry in entries]
+    return [
+        entry.guard_type == "SHAPE_ENV"
+        or (not entry.is_global and (entry.name.startswith(roots) or ".rotary" in entry.name))
+        for entry in entries
+    ]
 
 
 # Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A
@@ -166,8 +190,11 @@ def replays_graphs(options: dict) -> bool:
     """Whether a step compiled with compile_config `options` runs as CUDA graph replays on a CUDA device
     (mode="reduce-overhead" or "max-autotune", inductor's triton.cudagraphs option, the cudagraphs backend)."""
     args = compile_arguments(options)
-    return bool(args.get("options", {}).get("triton.cudagraphs") or args.get("backend") == "cudagraphs"
-                or args.get("mode") in ("reduce-overhead", "max-autotune"))
+    return bool(
+        args.get("options", {}).get("triton.cudagraphs")
+        or args.get("backend") == "cudagraphs"
+        or args.get("mode") in ("reduce-overhead", "max-autotune")
+    )
 
 
 def compile_own(step, options: dict, guard_filter=argument_guards_only):
@@ -182,8 +209,6 @@ def compile_own(step, options: dict, guard_filter=argument_guards_only):
 
 
 compile_own.made = 0
-
-
 
 
 class StepCache(OrderedDict):

@@ -117,8 +117,13 @@ class GenerationConfig:
 
     @classmethod
     def from_model_config(cls, model_config) -> "GenerationConfig":
-        return cls(**{k: getattr(model_config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                      if getattr(model_config, k, None) is not None})
+        return cls(
+            **{
+                k: getattr(model_config, k)
+                for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if getattr(model_config, k, None) is not None
+            }
+        )
 
     @classmethod
     def from_file(cls, path: str | Path, model_config=None) -> "GenerationConfig":
@@ -129,8 +134,14 @@ class GenerationConfig:
         return cls(**base)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, config_file_name: str = "generation_config.json",
-                        revision: str | None = None, token=None, local_files_only: bool = False) -> "GenerationConfig":
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        config_file_name: str = "generation_config.json",
+        revision: str | None = None,
+        token=None,
+        local_files_only: bool = False,
+    ) -> "GenerationConfig":
         """Reads `config_file_name` from a directory or a Hub repo (transformers' generation_config.json);
         fields decodekit does not know are kept as attributes."""
         path = Path(name_or_path).expanduser()
@@ -141,8 +152,15 @@ class GenerationConfig:
         else:
             from huggingface_hub import hf_hub_download
 
-            file = Path(hf_hub_download(str(name_or_path), config_file_name, revision=revision, token=token,
-                                        local_files_only=local_files_only))
+            file = Path(
+                hf_hub_download(
+                    str(name_or_path),
+                    config_file_name,
+                    revision=revision,
+                    token=token,
+                    local_files_only=local_files_only,
+                )
+            )
         return cls.from_file(file)
 
     def save_pretrained(self, directory: str | Path, config_file_name: str = "generation_config.json") -> Path:
@@ -155,8 +173,10 @@ class GenerationConfig:
             try:
                 json.dumps(value)
             except (TypeError, ValueError):
-                raise ValueError(f"generation config: {name} holds a {type(value).__name__}, which "
-                                 "generation_config.json cannot store; set it per call instead.") from None
+                raise ValueError(
+                    f"generation config: {name} holds a {type(value).__name__}, which "
+                    "generation_config.json cannot store; set it per call instead."
+                ) from None
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / config_file_name
@@ -260,27 +280,46 @@ class GenerationConfig:
             if v is not None and (not is_number(v) or not 0 <= v < 1):
                 raise bad(name, "expected a number in (0, 1) (0 or None: off)")
         decay = self.exponential_decay_length_penalty
-        if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2 and is_int(decay[0])
-                                      and decay[0] >= 0 and is_number(decay[1]) and decay[1] > 0):
-            raise bad("exponential_decay_length_penalty", "expected (start: int >= 0, decay factor: number > 0), "
-                      "e.g. (10, 1.5)")
+        if decay is not None and not (
+            isinstance(decay, (list, tuple))
+            and len(decay) == 2
+            and is_int(decay[0])
+            and decay[0] >= 0
+            and is_number(decay[1])
+            and decay[1] > 0
+        ):
+            raise bad(
+                "exponential_decay_length_penalty",
+                "expected (start: int >= 0, decay factor: number > 0), e.g. (10, 1.5)",
+            )
         if self.begin_suppress_tokens is not None and not (
-            isinstance(self.begin_suppress_tokens, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
+            isinstance(self.begin_suppress_tokens, (list, tuple))
+            and all(is_int(t) and t >= 0 for t in self.begin_suppress_tokens)
         ):
             raise bad("begin_suppress_tokens", "expected a list of token ids")
         erp = self.encoder_repetition_penalty
         if not (erp is None or (is_number(erp) and erp == 1.0)):
-            raise bad("encoder_repetition_penalty", "it penalises tokens of an encoder's input, and decodekit runs "
-                      "decoder-only models; use repetition_penalty")
+            raise bad(
+                "encoder_repetition_penalty",
+                "it penalises tokens of an encoder's input, and decodekit runs "
+                "decoder-only models; use repetition_penalty",
+            )
         if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:
             raise bad("num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True")
         if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
             raise bad("cache_implementation", f"expected one of {list(self._cache_names())} or None")
         for name in ("eos_token_id", "pad_token_id", "bos_token_id", "forced_bos_token_id", "forced_eos_token_id"):
             v = getattr(self, name)
-            ok = v is None or (is_int(v) and v >= 0) or (name in ("eos_token_id", "forced_eos_token_id") and _token_list(v))
+            ok = (
+                v is None
+                or (is_int(v) and v >= 0)
+                or (name in ("eos_token_id", "forced_eos_token_id") and _token_list(v))
+            )
             if not ok:
-                raise bad(name, "expected a token id (int >= 0)" + (" or a list of them" if "eos" in name else "") + " or None")
+                raise bad(
+                    name,
+                    "expected a token id (int >= 0)" + (" or a list of them" if "eos" in name else "") + " or None",
+                )
         if self.bad_words_ids is not None and (
             not isinstance(self.bad_words_ids, (list, tuple)) or not all(_token_list(w) for w in self.bad_words_ids)
         ):
@@ -299,10 +338,23 @@ class GenerationConfig:
                 raise bad("sequence_bias", "expected {(token ids...): bias} or [[[token ids], bias], ...]")
         if self.stop_strings is not None:
             strings = [self.stop_strings] if isinstance(self.stop_strings, str) else self.stop_strings
-            if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
+            if (
+                not isinstance(strings, (list, tuple))
+                or not strings
+                or not all(isinstance(s, str) and s for s in strings)
+            ):
                 raise bad("stop_strings", "expected a non-empty string or a list of them")
-        for name in ("return_dict_in_generate", "output_scores", "output_logits", "use_cache", "remove_invalid_values",
-                     "renormalize_logits", "output_hidden_states", "output_attentions", "token_healing"):
+        for name in (
+            "return_dict_in_generate",
+            "output_scores",
+            "output_logits",
+            "use_cache",
+            "remove_invalid_values",
+            "renormalize_logits",
+            "output_hidden_states",
+            "output_attentions",
+            "token_healing",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected True or False")
         if vocab_size is not None:

@@ -35,8 +35,9 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
         known = set(accepted_fields())
         base = GenerationConfig(**{k: v for k, v in base.to_diff_dict().items() if k in known})
     if base is not None and not isinstance(base, GenerationConfig):
-        raise TypeError(f"generation_config must be a decodekit or transformers GenerationConfig, got "
-                        f"{type(base).__name__}.")
+        raise TypeError(
+            f"generation_config must be a decodekit or transformers GenerationConfig, got {type(base).__name__}."
+        )
     gc = base.copy() if base is not None else GenerationConfig()
     known = add_plugin_fields(gc)
     model_kwargs = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
@@ -51,8 +52,12 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
         )
     gc.update(**kwargs)
     if gc.max_new_tokens is not None and gc.max_length is not None and "max_length" in kwargs:
-        logger.warning("Both max_new_tokens (=%s) and max_length (=%s) are set; max_new_tokens takes precedence, as in "
-                       "transformers.", gc.max_new_tokens, gc.max_length)
+        logger.warning(
+            "Both max_new_tokens (=%s) and max_length (=%s) are set; max_new_tokens takes precedence, as in "
+            "transformers.",
+            gc.max_new_tokens,
+            gc.max_length,
+        )
     return gc, model_kwargs
 
 
@@ -68,8 +73,11 @@ def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> Gen
     unknown = sorted(set(fields) - known - set(also_known) - set(MODEL_INPUTS))
     if unknown:
         close = closest(unknown[0], known)
-        raise ValueError(f"{unknown[0]!r} is not a generation config field or a keyword of an installed plugin"
-                         + (f" (did you mean {close!r}?)" if close else "") + ".")
+        raise ValueError(
+            f"{unknown[0]!r} is not a generation config field or a keyword of an installed plugin"
+            + (f" (did you mean {close!r}?)" if close else "")
+            + "."
+        )
     gc.update(**{k: v for k, v in fields.items() if k in known})
     gc.validate(None)
     with before_loading():
@@ -80,8 +88,15 @@ def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> Gen
 # Fields that change only sampling, at the value that leaves sampling as it is (top_k also picks contrastive
 # search's candidates). Set by a call that does not sample, they change nothing: said once per field and process, as
 # transformers says it (the command line refuses them).
-SAMPLING_ONLY = {"temperature": 1.0, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "top_k": 50, "epsilon_cutoff": 0.0,
-                 "eta_cutoff": 0.0}
+SAMPLING_ONLY = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "top_k": 50,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+}
 _warned_unused: set[str] = set()
 
 
@@ -89,30 +104,48 @@ def warn_unused_sampling_fields(gc: GenerationConfig, given: dict[str, Any]) -> 
     """Says which of SAMPLING_ONLY the call `given` set without sampling; for a validated config (settle_config)."""
     if gc.do_sample is not False:
         return
-    unused = [name for name, neutral in SAMPLING_ONLY.items()
-              if type(given.get(name)) in (int, float) and given[name] != neutral and name not in _warned_unused
-              and not (name == "top_k" and getattr(gc, "penalty_alpha", None))]
+    unused = [
+        name
+        for name, neutral in SAMPLING_ONLY.items()
+        if type(given.get(name)) in (int, float)
+        and given[name] != neutral
+        and name not in _warned_unused
+        and not (name == "top_k" and getattr(gc, "penalty_alpha", None))
+    ]
     if unused:
         _warned_unused.update(unused)
         shown = ", ".join(f"{name}={given[name]!r}" for name in unused)
-        logger.warning("do_sample is False: %s only change(s) sampling and will be ignored; pass do_sample=True to "
-                       "sample (said once).", shown)
+        logger.warning(
+            "do_sample is False: %s only change(s) sampling and will be ignored; pass do_sample=True to "
+            "sample (said once).",
+            shown,
+        )
 
 
 def check_call_objects(streamer, logits_processor, stopping_criteria, past_key_values) -> None:
     """TypeError naming the argument where generate() is handed something other than the object it takes."""
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-        raise TypeError(f"streamer={streamer!r} is invalid; expected an object with put(token_ids) and end() "
-                        "(e.g. decodekit.TextStreamer) or None.")
-    for name, value, what in (("logits_processor", logits_processor, "(input_ids, scores) -> scores"),
-                              ("stopping_criteria", stopping_criteria, "(input_ids, scores) -> done[batch]")):
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
+        raise TypeError(
+            f"streamer={streamer!r} is invalid; expected an object with put(token_ids) and end() "
+            "(e.g. decodekit.TextStreamer) or None."
+        )
+    for name, value, what in (
+        ("logits_processor", logits_processor, "(input_ids, scores) -> scores"),
+        ("stopping_criteria", stopping_criteria, "(input_ids, scores) -> done[batch]"),
+    ):
         if value is not None and (not isinstance(value, (list, tuple)) or not all(callable(f) for f in value)):
-            raise TypeError(f"{name}={value!r} is invalid; expected a list of callables {what} "
-                            f"(a {'LogitsProcessorList' if name == 'logits_processor' else 'StoppingCriteriaList'} "
-                            "works) or None.")
+            raise TypeError(
+                f"{name}={value!r} is invalid; expected a list of callables {what} "
+                f"(a {'LogitsProcessorList' if name == 'logits_processor' else 'StoppingCriteriaList'} "
+                "works) or None."
+            )
     if past_key_values is not None and not callable(getattr(past_key_values, "get_seq_length", None)):
-        raise TypeError(f"past_key_values={past_key_values!r} is invalid; expected a cache object (get_seq_length, "
-                        "update, ...: a decodekit or transformers Cache) or None.")
+        raise TypeError(
+            f"past_key_values={past_key_values!r} is invalid; expected a cache object (get_seq_length, "
+            "update, ...: a decodekit or transformers Cache) or None."
+        )
 
 
 def settle_config(model, gc: GenerationConfig) -> None:
@@ -126,7 +159,9 @@ def settle_config(model, gc: GenerationConfig) -> None:
 def call_limits(model, gc: GenerationConfig, prompt_length: int, seed, generator):
     """(max_length, generator) of a call on a prompt of `prompt_length` tokens: ValueError if nothing would be
     generated or the seed is invalid; a generator seeded with `seed` where none is given."""
-    max_length = gc.max_length_for(prompt_length, getattr(getattr(model, "config", None), "max_position_embeddings", None))
+    max_length = gc.max_length_for(
+        prompt_length, getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    )
     if max_length <= prompt_length:
         raise ValueError(
             f"The prompt has {prompt_length} tokens and max_length is {max_length}: nothing to generate. "
@@ -165,8 +200,19 @@ def configured(model, generation_config: GenerationConfig | None, fields: dict[s
     return gc, model_kwargs
 
 
-def prepare_call(model, gc: GenerationConfig, *, prompt_length: int, batch_size: int, device, seed=None,
-                 generator=None, tokenizer=None, before_hooks=None, choose_loop: bool = True) -> PreparedCall:
+def prepare_call(
+    model,
+    gc: GenerationConfig,
+    *,
+    prompt_length: int,
+    batch_size: int,
+    device,
+    seed=None,
+    generator=None,
+    tokenizer=None,
+    before_hooks=None,
+    choose_loop: bool = True,
+) -> PreparedCall:
     """The one preparation every entry point shares, after configured(): the call's limits (nothing to generate, an
     invalid seed: ValueError), `before_hooks(max_length)` (the caller's own checks that must come before any plugin
     runs: a request's admission), the hooks' context, every plugin's decodekit_validate_config, and the decoding
@@ -176,12 +222,20 @@ def prepare_call(model, gc: GenerationConfig, *, prompt_length: int, batch_size:
     max_length, generator = call_limits(model, gc, prompt_length, seed, generator)
     if before_hooks is not None:
         before_hooks(max_length)
-    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length, max_length=max_length,
-                                device=device, tokenizer=tokenizer, generator=generator)
+    context = GenerationContext(
+        model=model,
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        max_length=max_length,
+        device=device,
+        tokenizer=tokenizer,
+        generator=generator,
+    )
     # Plugins validate their fields before any of them is used to pick a loop.
     call_hooks("decodekit_validate_config", generation_config=gc, context=context)
-    owner, loop = call_first("decodekit_decoding_loop", generation_config=gc, context=context) if choose_loop else (
-        None, None)
+    owner, loop = (
+        call_first("decodekit_decoding_loop", generation_config=gc, context=context) if choose_loop else (None, None)
+    )
     return PreparedCall(gc, context, max_length, generator, owner, loop)
 
 
@@ -189,45 +243,69 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
         if gc.bos_token_id is None:
-            raise ValueError("generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, "
-                             "return_tensors='pt'); without them it starts from bos_token_id, which is not set.")
+            raise ValueError(
+                "generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, "
+                "return_tensors='pt'); without them it starts from bos_token_id, which is not set."
+            )
         input_ids = torch.tensor([[gc.bos_token_id]])  # as transformers: no prompt means one row starting at BOS
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int, torch.int32):
-        raise ValueError(f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
-                         + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else "") + ".")
+        raise ValueError(
+            f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
+            + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else "")
+            + "."
+        )
     if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}; "
-                         "for a single prompt use input_ids[None].")
+        raise ValueError(
+            f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}; "
+            "for a single prompt use input_ids[None]."
+        )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); the prompt needs at least one token, "
-                         "e.g. the BOS token.")
+        raise ValueError(
+            f"input_ids is empty (shape {tuple(input_ids.shape)}); the prompt needs at least one token, "
+            "e.g. the BOS token."
+        )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
         raise ValueError(f"input_ids contains token ids outside the vocabulary [0, {vocab}).")
     input_ids = input_ids.to(model.device, torch.long, copy=True)  # a processor that writes into it writes into ours
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, got {shape}.")
+            shape = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
+            raise ValueError(
+                f"attention_mask must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, got {shape}."
+            )
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (token).")
         attention_mask = attention_mask.long().to(model.device)
     elif gc.pad_token_id is not None and bool((input_ids[:, 0] == gc.pad_token_id).any()):
         # Infer the mask from left padding: only a run of pad tokens at the start is padding. A pad id later
         # on is a real token (it is often EOS too, e.g. <|im_end|> inside a chat prompt).
-        attention_mask = (1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1))
+        attention_mask = 1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1)
     elif input_ids.shape[0] > 1 and gc.pad_token_id is not None and bool((input_ids[:, -1] == gc.pad_token_id).any()):
-        logger.warning("A prompt ends with the pad token %d and no attention_mask was given: if the batch is right-padded, "
-                       "pass attention_mask and pad on the left (tokenizer padding_side='left').", gc.pad_token_id)
+        logger.warning(
+            "A prompt ends with the pad token %d and no attention_mask was given: if the batch is right-padded, "
+            "pass attention_mask and pad on the left (tokenizer padding_side='left').",
+            gc.pad_token_id,
+        )
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and input_ids.shape[1] > context:
-        logger.warning("The prompt has %d tokens, more than the model's context of %d (max_position_embeddings); "
-                       "output past it is unreliable.", input_ids.shape[1], context)
+        logger.warning(
+            "The prompt has %d tokens, more than the model's context of %d (max_position_embeddings); "
+            "output past it is unreliable.",
+            input_ids.shape[1],
+            context,
+        )
     if attention_mask is not None:
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no tokens; every prompt needs at least one.")
         if input_ids.shape[0] > 1 and bool((attention_mask[:, -1] == 0).any()):
-            logger.warning("A prompt is right-padded; decoder-only models need left padding (tokenizer padding_side='left').")
+            logger.warning(
+                "A prompt is right-padded; decoder-only models need left padding (tokenizer padding_side='left')."
+            )
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the model's fastest path
     return input_ids, attention_mask
@@ -237,7 +315,9 @@ def expand_rows(input_ids, attention_mask, n: int):
     """Each prompt repeated n times in a row (for num_return_sequences, beams)."""
     if n == 1:
         return input_ids, attention_mask
-    return input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else None
+    return input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(
+        n, dim=0
+    ) if attention_mask is not None else None
 
 
 def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -252,9 +332,11 @@ def checked_loop(owner: str | None, loop):
 
     if loop is None or (callable(loop) and callable(getattr(loop, "rows_per_prompt", None))):
         return loop
-    error = PluginError(f"plugin {owner!r}: decodekit_decoding_loop returned {type(loop).__name__}, not a loop: an "
-                        "object with rows_per_prompt(generation_config) and __call__(model, input_ids, attention_mask, "
-                        "pipeline, generation_config, streamer, context).")
+    error = PluginError(
+        f"plugin {owner!r}: decodekit_decoding_loop returned {type(loop).__name__}, not a loop: an "
+        "object with rows_per_prompt(generation_config) and __call__(model, input_ids, attention_mask, "
+        "pipeline, generation_config, streamer, context)."
+    )
     raise plugin_failure(error, owner, "decodekit_decoding_loop", f"the decoding loop of plugin {owner!r}")
 
 
@@ -317,9 +399,16 @@ class GenerationMixin:
         return_dict_in_generate=True.
         """
         if isinstance(custom_generate, (str, os.PathLike)):
-            arguments = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
-                             stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed,
-                             generator=generator)
+            arguments = dict(
+                inputs=inputs,
+                generation_config=generation_config,
+                logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria,
+                streamer=streamer,
+                tokenizer=tokenizer,
+                seed=seed,
+                generator=generator,
+            )
             return run_method(self, custom_generate, trust_remote_code, arguments, kwargs)
         if custom_generate is not None and not callable(custom_generate):
             raise ValueError(
@@ -333,19 +422,34 @@ class GenerationMixin:
                 raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
             kwargs["input_ids"] = inputs
         gc, model_kwargs = configured(self, generation_config, kwargs)
-        input_ids, attention_mask = prepare_inputs(self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask"))
+        input_ids, attention_mask = prepare_inputs(
+            self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask")
+        )
         prompt_length = input_ids.shape[1]
-        call = prepare_call(self, gc, prompt_length=prompt_length, batch_size=input_ids.shape[0], device=input_ids.device,
-                            seed=seed, generator=generator, tokenizer=tokenizer, choose_loop=custom_generate is None)
+        call = prepare_call(
+            self,
+            gc,
+            prompt_length=prompt_length,
+            batch_size=input_ids.shape[0],
+            device=input_ids.device,
+            seed=seed,
+            generator=generator,
+            tokenizer=tokenizer,
+            choose_loop=custom_generate is None,
+        )
         context, max_length, loop_owner = call.context, call.max_length, call.loop_owner
         loop = checked_loop(loop_owner, call.loop)
         inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
         if inner and loop is not None:
-            raise ValueError(f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
-                             "runs another strategy's loop" + (" (compile=True's fused step)" if gc.compile else "") + ".")
+            raise ValueError(
+                f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
+                "runs another strategy's loop" + (" (compile=True's fused step)" if gc.compile else "") + "."
+            )
         if gc.output_attentions and getattr(self, "returns_attentions", True) is False:
-            raise ValueError("output_attentions=True needs a model that returns attention weights: decodekit's native "
-                             "models do not; a transformers model through decodekit.wrap (attn_implementation='eager') does.")
+            raise ValueError(
+                "output_attentions=True needs a model that returns attention weights: decodekit's native "
+                "models do not; a transformers model through decodekit.wrap (attn_implementation='eager') does."
+            )
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
         check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
@@ -359,18 +463,28 @@ class GenerationMixin:
         context = dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
-            return finished(pipeline, run_loop(loop_owner, loop, self, input_ids, attention_mask, pipeline, gc,
-                                               streamer, context))
+            return finished(
+                pipeline, run_loop(loop_owner, loop, self, input_ids, attention_mask, pipeline, gc, streamer, context)
+            )
         if custom_generate is not None:
             # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
             if "token_selector" in inspect.signature(custom_generate).parameters:
                 method_extras["token_selector"] = pipeline.selector
-            return finished(pipeline, custom_generate(
-                self, input_ids, pipeline.processors, pipeline.stopping,
-                prepared_config(gc, context.prompt_length, context.max_length), streamer=streamer,
-                attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
-                past_key_values=pipeline.cache, use_cache=gc.use_cache, **method_extras,
-            ))
+            return finished(
+                pipeline,
+                custom_generate(
+                    self,
+                    input_ids,
+                    pipeline.processors,
+                    pipeline.stopping,
+                    prepared_config(gc, context.prompt_length, context.max_length),
+                    streamer=streamer,
+                    attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
+                    past_key_values=pipeline.cache,
+                    use_cache=gc.use_cache,
+                    **method_extras,
+                ),
+            )
         return finished(pipeline, decode(self, input_ids, attention_mask, pipeline, gc, streamer))
 
     @staticmethod
@@ -405,8 +519,18 @@ def finished(pipeline: Pipeline, result):
 
 
 # What a custom_generate callable always receives; anything else it declares is taken from generate()'s kwargs.
-CALLABLE_PARAMETERS = {"model", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer",
-                       "attention_mask", "past_key_values", "use_cache", "token_selector"}
+CALLABLE_PARAMETERS = {
+    "model",
+    "input_ids",
+    "logits_processor",
+    "stopping_criteria",
+    "generation_config",
+    "streamer",
+    "attention_mask",
+    "past_key_values",
+    "use_cache",
+    "token_selector",
+}
 
 
 def pop_declared_parameters(fn, kwargs: dict) -> dict:
@@ -452,8 +576,10 @@ def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        return method.generate(handed_model(model, method), **method_arguments(model, method.generate, forwarded_arguments(
-            method.generate, arguments, kwargs)))
+        return method.generate(
+            handed_model(model, method),
+            **method_arguments(model, method.generate, forwarded_arguments(method.generate, arguments, kwargs)),
+        )
     with registered_for_call(method):
         return model.generate(**arguments, **kwargs)
 
@@ -489,15 +615,24 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
         # Not for a recurrent (state-space) cache: transformers' Mamba reads a multi-token input as a new prompt.
         while step_ids.shape[1] > chunk:
             cached += chunk
-            model(step_ids[:, :chunk], attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,
-                  position_ids=step_positions[:, :chunk] if step_positions is not None else None,
-                  past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if "logits_to_keep" in extra else {}))
+            model(
+                step_ids[:, :chunk],
+                attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,
+                position_ids=step_positions[:, :chunk] if step_positions is not None else None,
+                past_key_values=cache,
+                use_cache=True,
+                **({"logits_to_keep": 1} if "logits_to_keep" in extra else {}),
+            )
             step_ids = step_ids[:, chunk:]
             step_positions = step_positions[:, chunk:] if step_positions is not None else None
     while True:
         out = model(
-            step_ids, attention_mask=attention_mask, position_ids=step_positions,
-            past_key_values=cache, use_cache=use_cache, **extra,
+            step_ids,
+            attention_mask=attention_mask,
+            position_ids=step_positions,
+            past_key_values=cache,
+            use_cache=use_cache,
+            **extra,
         )
         raw = pipeline.next_token_logits(out)
         if hidden_out is not None:

@@ -18,8 +18,9 @@ ORIGINAL_BONUS = 1.0
 def heal_tokens(model, input_ids: torch.LongTensor, tokenizer) -> tuple[torch.LongTensor, torch.LongTensor | None]:
     """The healed prompts [B, T'] and their attention mask (None where no row is padded)."""
     if tokenizer is None:
-        raise ValueError("token_healing=True re-tokenizes the prompt: pass the model's tokenizer to generate() "
-                         "(tokenizer=...).")
+        raise ValueError(
+            "token_healing=True re-tokenizes the prompt: pass the model's tokenizer to generate() (tokenizer=...)."
+        )
     bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
     pad = pad if pad is not None else bos
     texts = [text.strip() for text in tokenizer.batch_decode(input_ids, skip_special_tokens=True)]
@@ -47,8 +48,15 @@ def heal_tokens(model, input_ids: torch.LongTensor, tokenizer) -> tuple[torch.Lo
         if int((trimmed != pad).sum()) == 0 and bos is not None:
             trimmed = trimmed.clone()
             trimmed[-1] = bos  # only padding before the tail: regenerate it after BOS
-        healed = model.generate(trimmed[None], max_new_tokens=1, sequence_bias=bias, do_sample=False,
-                                pad_token_id=pad, num_beams=1, num_return_sequences=1)
+        healed = model.generate(
+            trimmed[None],
+            max_new_tokens=1,
+            sequence_bias=bias,
+            do_sample=False,
+            pad_token_id=pad,
+            num_beams=1,
+            num_return_sequences=1,
+        )
         ids[row, -1] = healed[0, -1]
     return ids, (None if bool(mask.all()) else mask)
 

@@ -34,8 +34,9 @@ def bytes_per_position(model) -> int:
     layers = field("num_hidden_layers")
     heads = field("num_key_value_heads") or field("num_attention_heads")
     hidden, n_heads = field("hidden_size"), field("num_attention_heads")
-    head_dim = field("head_dim") or (hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int)
-                                     and n_heads else None)
+    head_dim = field("head_dim") or (
+        hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int) and n_heads else None
+    )
     if not all(isinstance(v, int) for v in (layers, heads, head_dim)):
         return 0
     dtype = getattr(model, "dtype", torch.float32)
@@ -55,10 +56,13 @@ def check_call_size(model, gc, prompts: int, rows_per_prompt: int, prompt_length
     free = available_bytes(torch.device(device))
     if free is None or need <= free:
         return
-    fields = [f"{prompts} prompt(s) x {rows_per_prompt} row(s) each (num_beams / num_return_sequences)",
-              f"max_length {max_length} (prompt {prompt_length} + max_new_tokens {steps})"]
+    fields = [
+        f"{prompts} prompt(s) x {rows_per_prompt} row(s) each (num_beams / num_return_sequences)",
+        f"max_length {max_length} (prompt {prompt_length} + max_new_tokens {steps})",
+    ]
     if kept:
         fields.append("output_scores / output_logits keep every step's scores")
     raise ValueError(
         f"generate() would need about {human_size(need)} ({'; '.join(fields)}), more than the {human_size(free)} available "
-        f"on {device}. Lower max_new_tokens, num_beams, num_return_sequences or the batch.")
+        f"on {device}. Lower max_new_tokens, num_beams, num_return_sequences or the batch."
+    )

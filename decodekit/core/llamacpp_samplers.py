@@ -95,7 +95,9 @@ class DynamicTemperatureLogitsWarper(Processor):
         finite = torch.isfinite(scores)
         count = finite.sum(-1, keepdim=True)
         probs = scores.softmax(-1)
-        entropy = -(probs * probs.clamp(min=1e-45).log()).where(probs > 0, torch.zeros_like(probs)).sum(-1, keepdim=True)
+        entropy = (
+            -(probs * probs.clamp(min=1e-45).log()).where(probs > 0, torch.zeros_like(probs)).sum(-1, keepdim=True)
+        )
         normalized = entropy / count.clamp(min=2).float().log()
         low, high = max(0.0, self.temperature - self.range), self.temperature + self.range
         temperature = low + (high - low) * normalized.pow(self.exponent)
@@ -146,8 +148,15 @@ class DRYLogitsProcessor:
     see dry_breaker_sequences) ends the text a repeat may reach back into, and a token that is a breaker on its own
     is never penalised. Reads input_ids (the prompt counts, as llama.cpp's server feeds it), so not score-only."""
 
-    def __init__(self, multiplier: float, base: float, allowed_length: int, penalty_last_n: int, context_size: int,
-                 breakers: dict[int, list[tuple[int, ...]]]):
+    def __init__(
+        self,
+        multiplier: float,
+        base: float,
+        allowed_length: int,
+        penalty_last_n: int,
+        context_size: int,
+        breakers: dict[int, list[tuple[int, ...]]],
+    ):
         self.multiplier, self.base, self.allowed = float(multiplier), float(base), int(allowed_length)
         self.last_n = context_size if penalty_last_n == -1 else max(penalty_last_n, 0)
         self.context_size, self.breakers = context_size, breakers
@@ -166,7 +175,8 @@ class DRYLogitsProcessor:
             return scores
         penalty = torch.zeros_like(scores)
         penalty[torch.tensor(rows, device=scores.device), torch.tensor(ids, device=scores.device)] = torch.tensor(
-            values, dtype=scores.dtype, device=scores.device)
+            values, dtype=scores.dtype, device=scores.device
+        )
         return scores - penalty
 
     def row_penalties(self, tokens: list[int]) -> dict[int, float]:
@@ -174,7 +184,7 @@ class DRYLogitsProcessor:
         n = min(len(tokens), self.last_n, self.context_size)
         if n <= self.allowed:
             return {}
-        recent = tokens[len(tokens) - n:]
+        recent = tokens[len(tokens) - n :]
         back = recent[::-1]  # back[i] is llama.cpp's last_tokens.rat(i)
         # 1. The nearest sequence breaker limits how far back a repeat may reach.
         limit = n
@@ -230,8 +240,9 @@ class DRYLogitsProcessor:
         return out
 
 
-def dry_breaker_sequences(tokenizer, breakers: tuple[str, ...], max_chars: int = 40,
-                          max_tail: int = 20) -> dict[int, list[tuple[int, ...]]]:
+def dry_breaker_sequences(
+    tokenizer, breakers: tuple[str, ...], max_chars: int = 40, max_tail: int = 20
+) -> dict[int, list[tuple[int, ...]]]:
     """{head token: [tail token sequences]} of DRY's sequence breakers, as llama.cpp builds them: every token whose
     text holds a breaker is a breaker head on its own (empty tail); a token whose text ends with the start of a
     breaker heads the rest of it, tokenized (at most `max_tail` tokens). Breakers are cut to `max_chars`."""
@@ -280,7 +291,7 @@ def mirostat_keep(version: int, probs: torch.Tensor, mu: torch.Tensor, vocab: in
     top = min(m - 1, probs.shape[-1] - 1)
     i = torch.arange(top, device=probs.device, dtype=torch.float32)
     t = torch.log((i + 2) / (i + 1))
-    b = torch.log(probs[:, :top] / probs[:, 1:top + 1])
+    b = torch.log(probs[:, :top] / probs[:, 1 : top + 1])
     s = (t * b).sum(-1) / (t * t).sum()
     epsilon = s - 1
     k = ((epsilon * torch.pow(2.0, mu)) / (1 - torch.pow(float(vocab), -epsilon))).pow(1 / s)
@@ -305,7 +316,9 @@ class MirostatSelector:
         if self.mu is None or self.mu.shape[0] != B:
             self.mu = torch.full((B,), 2 * self.tau, dtype=torch.float32, device=scores.device)
         probs, order = scores.softmax(-1).sort(-1, descending=True)
-        kept = torch.where(mirostat_keep(self.version, probs, self.mu, self.vocab, self.m), probs, torch.zeros_like(probs))
+        kept = torch.where(
+            mirostat_keep(self.version, probs, self.mu, self.vocab, self.m), probs, torch.zeros_like(probs)
+        )
         kept = kept / kept.sum(-1, keepdim=True)
         index = race(kept.log(), self.key.to(scores.device), input_ids.shape[-1])
         chosen_p = kept.gather(-1, index[:, None])[:, 0]
@@ -339,8 +352,10 @@ class MirostatLogitsProcessor:
         states = {}
         for row, sequence in enumerate(rows):
             count = int(keep_sorted[row].sum())
-            states[tuple(sequence)] = (float(mu[row]), dict(zip(order[row, :count].tolist(),
-                                                                renormalized[row, :count].tolist())))
+            states[tuple(sequence)] = (
+                float(mu[row]),
+                dict(zip(order[row, :count].tolist(), renormalized[row, :count].tolist())),
+            )
         self.states = states  # the last step's sequences are the only parents the next step can have
         return scores.masked_fill(~keep, NEG_INF)
 
@@ -348,6 +363,12 @@ class MirostatLogitsProcessor:
 def chain_active(gc) -> bool:
     """Whether a call runs llama.cpp's sampler chain (any of its samplers on, or an order given) instead of
     transformers' warpers: plugins/llamacpp_samplers.py builds the chain, plugins/processors.py steps aside."""
-    return bool(gc.number("top_n_sigma", -1) > 0 or gc.number("xtc_probability", 0) > 0 or gc.number("dry_multiplier", 0) > 0
-                or gc.number("dynatemp_range", 0) > 0 or gc.number("smoothing_factor", 0) > 0
-                or gc.mirostat in (1, 2) or gc.samplers is not None)
+    return bool(
+        gc.number("top_n_sigma", -1) > 0
+        or gc.number("xtc_probability", 0) > 0
+        or gc.number("dry_multiplier", 0) > 0
+        or gc.number("dynatemp_range", 0) > 0
+        or gc.number("smoothing_factor", 0) > 0
+        or gc.mirostat in (1, 2)
+        or gc.samplers is not None
+    )

@@ -31,8 +31,9 @@ class GenerateOutput(ModelOutput):
     constraint_complete: torch.Tensor | None = None
 
 
-def loop_result(generation_config, sequences, past_key_values, scores=None, logits=None, hidden_states=None,
-                attentions=None):
+def loop_result(
+    generation_config, sequences, past_key_values, scores=None, logits=None, hidden_states=None, attentions=None
+):
     """What a decoding loop returns: the sequences, or a GenerateOutput with return_dict_in_generate.
     The per-step lists are what the loop gathered, or None where not asked for."""
     if not generation_config.return_dict_in_generate:
@@ -41,8 +42,14 @@ def loop_result(generation_config, sequences, past_key_values, scores=None, logi
     def steps(gathered):
         return None if gathered is None else tuple(gathered)
 
-    return GenerateOutput(sequences=sequences, scores=steps(scores), logits=steps(logits),
-                          hidden_states=steps(hidden_states), attentions=steps(attentions), past_key_values=past_key_values)
+    return GenerateOutput(
+        sequences=sequences,
+        scores=steps(scores),
+        logits=steps(logits),
+        hidden_states=steps(hidden_states),
+        attentions=steps(attentions),
+        past_key_values=past_key_values,
+    )
 
 
 @dataclass

@@ -52,13 +52,16 @@ def checked_cache(owner: str | None, cache):
         return cache
     from ..registry.manager import PluginError, plugin_failure
 
-    error = PluginError(f"plugin {owner!r}: decodekit_cache returned a {type(cache).__name__} without {missing}; a "
-                        "cache has update(key, value, layer_idx), get_seq_length(), crop(length) and reorder(indices).")
+    error = PluginError(
+        f"plugin {owner!r}: decodekit_cache returned a {type(cache).__name__} without {missing}; a "
+        "cache has update(key, value, layer_idx), get_seq_length(), crop(length) and reorder(indices)."
+    )
     raise plugin_failure(error, owner, "decodekit_cache", f"the cache of plugin {owner!r}")
 
 
-def build_pipeline(generation_config, context, logits_processor=None, stopping_criteria=None, cache=None,
-                   make_cache: bool = True) -> Pipeline:
+def build_pipeline(
+    generation_config, context, logits_processor=None, stopping_criteria=None, cache=None, make_cache: bool = True
+) -> Pipeline:
     """Calls each hook point once (the config is already validated). User-supplied processors and criteria
     run after the plugins' ones. Each processor is tagged with the plugin that contributed it, and outputs
     are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector). With

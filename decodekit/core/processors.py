@@ -64,8 +64,9 @@ def declares(processor, capability: str) -> bool:
 
 # Set by observe_processors: called as observer(description, scores before, scores after) for each processor an eager
 # call applies in this context (the serve playground's view of what each processor changed); None otherwise.
-_observer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("decodekit_processor_observer",
-                                                                            default=None)
+_observer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "decodekit_processor_observer", default=None
+)
 
 
 @contextlib.contextmanager
@@ -130,8 +131,12 @@ class LogitsProcessorList(list):
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as error:  # SystemExit from a processor is its failure too, never the process's
-            raise plugin_failure(error, self.owner_of(processor), "a logits processor",
-                                 f"{self.describe(processor)} at position {input_ids.shape[-1]}")
+            raise plugin_failure(
+                error,
+                self.owner_of(processor),
+                "a logits processor",
+                f"{self.describe(processor)} at position {input_ids.shape[-1]}",
+            )
         self.checked = True
         return scores
 
@@ -146,10 +151,15 @@ class LogitsProcessorList(list):
         shape, dtype, device = tuple(given.shape), given.dtype, given.device
         if isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype and out.device == device:
             return
-        got = (f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise PluginError(f"{self.describe(processor)} returned {got} at position {position}; a processor returns the "
-                          f"scores it was given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}.")
+        got = (
+            f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
+        raise PluginError(
+            f"{self.describe(processor)} returned {got} at position {position}; a processor returns the "
+            f"scores it was given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}."
+        )
 
 
 def unusable_rows(scores: torch.Tensor) -> torch.BoolTensor:
@@ -161,7 +171,9 @@ def unusable_rows(scores: torch.Tensor) -> torch.BoolTensor:
     return top.isnan() | (top == float("-inf"))
 
 
-def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinished: torch.Tensor, position: int) -> None:
+def check_scores(
+    processors: LogitsProcessorList, scores: torch.Tensor, unfinished: torch.Tensor, position: int
+) -> None:
     """Raises where a running row's scores are NaN or -inf for every token: any selector would then pick token 0 (or
     garbage) silently. One reduction over the scores and one synchronisation a step; eager loops only."""
     bad = unusable_rows(scores) & unfinished
@@ -170,17 +182,23 @@ def check_scores(processors: LogitsProcessorList, scores: torch.Tensor, unfinish
     row = int(bad.nonzero()[0, 0])
     what = "NaN" if bool(scores[row].isnan().any()) else "-inf for every token"
     if not len(processors):
-        raise RuntimeError(f"the model's logits are {what} in row {row} at position {position}: check the weights and "
-                           "the dtype (float16 overflows on some models; try bfloat16 or float32).")
+        raise RuntimeError(
+            f"the model's logits are {what} in row {row} at position {position}: check the weights and "
+            "the dtype (float16 overflows on some models; try bfloat16 or float32)."
+        )
     culprit = processors.blame_unusable(bad) if isinstance(processors, LogitsProcessorList) else None
     if culprit is not None:  # a plugin's processor did it: that plugin is disabled, as when it raises
-        error = PluginError(f"{processors.describe(culprit)} left the scores {what} in row {row} at position "
-                            f"{position}; no token can be chosen from them. A processor that bans tokens must leave "
-                            "at least one allowed.")
+        error = PluginError(
+            f"{processors.describe(culprit)} left the scores {what} in row {row} at position "
+            f"{position}; no token can be chosen from them. A processor that bans tokens must leave "
+            "at least one allowed."
+        )
         raise plugin_failure(error, processors.owner_of(culprit), "a logits processor", processors.describe(culprit))
-    raise PluginError(f"the scores are {what} in row {row} at position {position} after the logits processors "
-                      f"{[processors.describe(p) for p in processors]}; no token can be chosen from them. A processor "
-                      "that bans tokens must leave at least one allowed.")
+    raise PluginError(
+        f"the scores are {what} in row {row} at position {position} after the logits processors "
+        f"{[processors.describe(p) for p in processors]}; no token can be chosen from them. A processor "
+        "that bans tokens must leave at least one allowed."
+    )
 
 
 def _check(name: str, value, ok: bool, accepted: str) -> None:
@@ -189,8 +207,12 @@ def _check(name: str, value, ok: bool, accepted: str) -> None:
 
 
 def _keep_at_least(min_tokens_to_keep) -> int:
-    _check("min_tokens_to_keep", min_tokens_to_keep, isinstance(min_tokens_to_keep, int) and min_tokens_to_keep >= 1,
-           "expected an integer >= 1")
+    _check(
+        "min_tokens_to_keep",
+        min_tokens_to_keep,
+        isinstance(min_tokens_to_keep, int) and min_tokens_to_keep >= 1,
+        "expected an integer >= 1",
+    )
     return min_tokens_to_keep
 
 
@@ -207,7 +229,12 @@ class TemperatureLogitsWarper(Processor):
     score_only = True
 
     def __init__(self, temperature: float):
-        _check("temperature", temperature, isinstance(temperature, (int, float)) and temperature > 0, "expected a number > 0")
+        _check(
+            "temperature",
+            temperature,
+            isinstance(temperature, (int, float)) and temperature > 0,
+            "expected a number > 0",
+        )
         self.temperature = float(temperature)
 
     def __call__(self, input_ids, scores):
@@ -241,8 +268,12 @@ class TopKLogitsWarper(Processor):
     score_only = True
 
     def __init__(self, top_k: int, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        _check("top_k", top_k, isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1,
-               "expected an integer >= 1")
+        _check(
+            "top_k",
+            top_k,
+            isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1,
+            "expected an integer >= 1",
+        )
         self.top_k = max(top_k, _keep_at_least(min_tokens_to_keep))
         self.filter_value = filter_value
 
@@ -271,8 +302,12 @@ class TopPLogitsWarper(Processor):
     score_only = True
 
     def __init__(self, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        _check("top_p", top_p, isinstance(top_p, (int, float)) and 0 <= top_p <= 1,
-               "expected a number in [0, 1] (0 keeps only min_tokens_to_keep tokens)")
+        _check(
+            "top_p",
+            top_p,
+            isinstance(top_p, (int, float)) and 0 <= top_p <= 1,
+            "expected a number in [0, 1] (0 keeps only min_tokens_to_keep tokens)",
+        )
         self.top_p = float(top_p)
         self.min_tokens_to_keep = _keep_at_least(min_tokens_to_keep)
         self.filter_value = filter_value
@@ -362,8 +397,12 @@ class TopHLogitsWarper(Processor):
     candidates = 100  # transformers' cap on the tokens considered
 
     def __init__(self, top_h: float, filter_value: float = NEG_INF):
-        _check("top_h", top_h, isinstance(top_h, (int, float)) and not isinstance(top_h, bool) and 0 < top_h <= 1,
-               "expected a number in (0, 1]")
+        _check(
+            "top_h",
+            top_h,
+            isinstance(top_h, (int, float)) and not isinstance(top_h, bool) and 0 < top_h <= 1,
+            "expected a number in (0, 1]",
+        )
         self.top_h, self.filter_value = float(top_h), filter_value
 
     def __call__(self, input_ids, scores):
@@ -392,7 +431,12 @@ class EpsilonLogitsWarper(Processor):
     score_only = True
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
-        _check("epsilon_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)")
+        _check(
+            "epsilon_cutoff",
+            epsilon,
+            isinstance(epsilon, (int, float)) and 0 < epsilon < 1,
+            "expected a number in (0, 1)",
+        )
         self.epsilon, self.min_tokens_to_keep = float(epsilon), _keep_at_least(min_tokens_to_keep)
         self.filter_value = filter_value
 
@@ -409,7 +453,9 @@ class EtaLogitsWarper(Processor):
     score_only = True
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1, device="cpu"):
-        _check("eta_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)")
+        _check(
+            "eta_cutoff", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < 1, "expected a number in (0, 1)"
+        )
         self.eta, self.min_tokens_to_keep = float(epsilon), _keep_at_least(min_tokens_to_keep)
         self.filter_value = filter_value
 
@@ -457,7 +503,7 @@ class ExponentialDecayLengthPenalty:
         if past <= 0:
             return scores
         eos = scores[:, self.eos]
-        boost = (eos.abs() * (self.factor ** past - 1)).masked_fill(~torch.isfinite(eos), 0.0)
+        boost = (eos.abs() * (self.factor**past - 1)).masked_fill(~torch.isfinite(eos), 0.0)
         scores = scores.clone()  # the caller's scores stay as they were, as in transformers
         scores[:, self.eos] = eos + boost
         return scores
@@ -494,8 +540,10 @@ class PrefixConstrainedLogitsProcessor:
             try:
                 tokens = [int(t) for t in returned]
             except (TypeError, ValueError):
-                raise TypeError(f"prefix_allowed_tokens_fn returned {returned!r} for prompt {row // self.rows_per_prompt};"
-                                " it must return a list of the token ids allowed next.") from None
+                raise TypeError(
+                    f"prefix_allowed_tokens_fn returned {returned!r} for prompt {row // self.rows_per_prompt};"
+                    " it must return a list of the token ids allowed next."
+                ) from None
             if not tokens:
                 raise ValueError(
                     f"prefix_allowed_tokens_fn returned no allowed token for prompt {row // self.rows_per_prompt} "
@@ -514,11 +562,18 @@ class RepetitionPenaltyLogitsProcessor:
     Token ids past the scores' vocabulary (an embedding larger than the head) are skipped."""
 
     def __init__(self, penalty: float, prompt_ignore_length: int | torch.Tensor | None = None):
-        _check("repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0, "expected a number > 0")
+        _check(
+            "repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0, "expected a number > 0"
+        )
         ignore = prompt_ignore_length
-        _check("prompt_ignore_length", ignore, ignore is None or (isinstance(ignore, int) and ignore >= 0) or (
-            isinstance(ignore, torch.Tensor) and ignore.dim() == 1), "expected None, an integer >= 0 or a 1-D tensor "
-            "of one per row")
+        _check(
+            "prompt_ignore_length",
+            ignore,
+            ignore is None
+            or (isinstance(ignore, int) and ignore >= 0)
+            or (isinstance(ignore, torch.Tensor) and ignore.dim() == 1),
+            "expected None, an integer >= 0 or a 1-D tensor of one per row",
+        )
         self.penalty, self.prompt_ignore_length = float(penalty), ignore
 
     def __call__(self, input_ids, scores):
@@ -528,8 +583,10 @@ class RepetitionPenaltyLogitsProcessor:
             input_ids = input_ids[:, ignore:]
         elif isinstance(ignore, torch.Tensor):
             if ignore.shape[0] != input_ids.shape[0]:
-                raise ValueError(f"prompt_ignore_length has {ignore.shape[0]} rows and input_ids {input_ids.shape[0]}; "
-                                 "expected one per row.")
+                raise ValueError(
+                    f"prompt_ignore_length has {ignore.shape[0]} rows and input_ids {input_ids.shape[0]}; "
+                    "expected one per row."
+                )
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             input_ids = input_ids.masked_fill(positions < ignore.to(input_ids.device)[:, None], vocab)
         # One spare column takes the ids to skip (ignored positions, ids past the vocabulary), dropped afterwards.
@@ -549,8 +606,12 @@ class EncoderRepetitionPenaltyLogitsProcessor:
     divided, the inverse of RepetitionPenaltyLogitsProcessor."""
 
     def __init__(self, penalty: float, encoder_input_ids: torch.LongTensor):
-        _check("encoder_repetition_penalty", penalty, isinstance(penalty, (int, float)) and penalty > 0,
-               "expected a number > 0")
+        _check(
+            "encoder_repetition_penalty",
+            penalty,
+            isinstance(penalty, (int, float)) and penalty > 0,
+            "expected a number > 0",
+        )
         self.penalty, self.encoder_input_ids = 1 / float(penalty), encoder_input_ids
 
     def __call__(self, input_ids, scores):
@@ -564,12 +625,20 @@ class FrequencyPresencePenaltyLogitsProcessor:
 
     def __init__(self, frequency_penalty: float, presence_penalty: float, prompt_length: int):
         for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-            _check(name, value, isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
-                   "expected a number in [-2, 2]")
-        self.frequency, self.presence, self.prompt_length = float(frequency_penalty), float(presence_penalty), prompt_length
+            _check(
+                name,
+                value,
+                isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
+                "expected a number in [-2, 2]",
+            )
+        self.frequency, self.presence, self.prompt_length = (
+            float(frequency_penalty),
+            float(presence_penalty),
+            prompt_length,
+        )
 
     def __call__(self, input_ids, scores):
-        generated = input_ids[:, self.prompt_length:]
+        generated = input_ids[:, self.prompt_length :]
         if generated.shape[1] == 0:
             return scores
         counts = torch.zeros_like(scores).scatter_add(-1, generated, torch.ones_like(generated, dtype=scores.dtype))
@@ -587,7 +656,12 @@ class NoRepeatNGramLogitsProcessor:
     """Bans any token that would complete an n-gram of size `ngram_size` (>= 1) already in the sequence."""
 
     def __init__(self, ngram_size: int):
-        _check("no_repeat_ngram_size", ngram_size, isinstance(ngram_size, int) and ngram_size >= 1, "expected an integer >= 1")
+        _check(
+            "no_repeat_ngram_size",
+            ngram_size,
+            isinstance(ngram_size, int) and ngram_size >= 1,
+            "expected an integer >= 1",
+        )
         self.n = ngram_size
 
     def __call__(self, input_ids, scores):
@@ -624,8 +698,12 @@ class EncoderNoRepeatNGramLogitsProcessor:
     [batch or 1, length] (an encoder-decoder model's source) in the generated sequence."""
 
     def __init__(self, encoder_ngram_size: int, encoder_input_ids: torch.LongTensor):
-        _check("encoder_no_repeat_ngram_size", encoder_ngram_size,
-               isinstance(encoder_ngram_size, int) and encoder_ngram_size >= 1, "expected an integer >= 1")
+        _check(
+            "encoder_no_repeat_ngram_size",
+            encoder_ngram_size,
+            isinstance(encoder_ngram_size, int) and encoder_ngram_size >= 1,
+            "expected an integer >= 1",
+        )
         if encoder_input_ids.dim() == 1:
             encoder_input_ids = encoder_input_ids[None]
         self.n = encoder_ngram_size
@@ -633,8 +711,9 @@ class EncoderNoRepeatNGramLogitsProcessor:
 
     def __call__(self, input_ids, scores):
         per_table = max(input_ids.shape[0] // len(self.tables), 1)  # beams of one source share its table
-        return _ban_repeats(input_ids, scores, self.n,
-                            lambda row, tokens: self.tables[min(row // per_table, len(self.tables) - 1)])
+        return _ban_repeats(
+            input_ids, scores, self.n, lambda row, tokens: self.tables[min(row // per_table, len(self.tables) - 1)]
+        )
 
 
 class SequenceBiasLogitsProcessor:
@@ -705,7 +784,12 @@ class MinNewTokensLengthLogitsProcessor(MinLengthLogitsProcessor):
     """Forbids EOS until `min_new_tokens` tokens have been generated after a prompt of `prompt_length_to_skip`."""
 
     def __init__(self, prompt_length_to_skip: int, min_new_tokens: int, eos_token_id, device="cpu"):
-        _check("min_new_tokens", min_new_tokens, isinstance(min_new_tokens, int) and min_new_tokens >= 0, "expected an integer >= 0")
+        _check(
+            "min_new_tokens",
+            min_new_tokens,
+            isinstance(min_new_tokens, int) and min_new_tokens >= 0,
+            "expected an integer >= 0",
+        )
         super().__init__(prompt_length_to_skip + min_new_tokens, eos_token_id)
         self.prompt_length_to_skip, self.min_new_tokens = prompt_length_to_skip, min_new_tokens
 

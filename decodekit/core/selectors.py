@@ -142,24 +142,40 @@ class CheckedSelector:
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as error:  # SystemExit from a selector is its failure too, never the process's
-            raise plugin_failure(error, self.owner, "a token selector",
-                                 f"the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]}")
+            raise plugin_failure(
+                error,
+                self.owner,
+                "a token selector",
+                f"the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]}",
+            )
         self.checked = True
         return tokens
 
     def _check(self, tokens, scores, position: int) -> None:
         B, V = scores.shape
         name = f"the token selector {type(self.selector).__name__} of plugin {self.owner!r}"
-        ok = (isinstance(tokens, torch.Tensor) and tuple(tokens.shape) == (B,) and not tokens.is_floating_point()
-              and not tokens.is_complex() and tokens.dtype != torch.bool and tokens.device == scores.device)
+        ok = (
+            isinstance(tokens, torch.Tensor)
+            and tuple(tokens.shape) == (B,)
+            and not tokens.is_floating_point()
+            and not tokens.is_complex()
+            and tokens.dtype != torch.bool
+            and tokens.device == scores.device
+        )
         if not ok:
-            got = (f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
-                   if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
-            raise PluginError(f"{name} returned {got} at position {position}; a selector returns one integer token id "
-                              f"per row, a tensor [{B}] on {scores.device}.")
+            got = (
+                f"{type(tokens).__name__} of shape {tuple(tokens.shape)}, dtype {tokens.dtype}, on {tokens.device}"
+                if isinstance(tokens, torch.Tensor)
+                else type(tokens).__name__
+            )
+            raise PluginError(
+                f"{name} returned {got} at position {position}; a selector returns one integer token id "
+                f"per row, a tensor [{B}] on {scores.device}."
+            )
         if bool(((tokens < 0) | (tokens >= V)).any()):
-            raise PluginError(f"{name} returned token ids {tokens.tolist()} at position {position}, outside the "
-                              f"vocabulary [0, {V}).")
+            raise PluginError(
+                f"{name} returned token ids {tokens.tolist()} at position {position}, outside the vocabulary [0, {V})."
+            )
 
 
 def checked_selector(selector, owner: str | None):

@@ -50,19 +50,32 @@ class StoppingCriteriaList(list):
             try:
                 said = criterion(input_ids, scores)
                 if check and not isinstance(said, bool):
-                    ok = (isinstance(said, torch.Tensor) and tuple(said.shape) == (B,) and said.dtype == torch.bool
-                          and said.device == input_ids.device)
+                    ok = (
+                        isinstance(said, torch.Tensor)
+                        and tuple(said.shape) == (B,)
+                        and said.dtype == torch.bool
+                        and said.device == input_ids.device
+                    )
                     if not ok:
-                        got = (f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
-                               if isinstance(said, torch.Tensor) else type(said).__name__)
-                        raise PluginError(f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
-                                          f"; a criterion returns done [batch] = [{B}], a bool tensor on "
-                                          f"{input_ids.device}.")
+                        got = (
+                            f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
+                            if isinstance(said, torch.Tensor)
+                            else type(said).__name__
+                        )
+                        raise PluginError(
+                            f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
+                            f"; a criterion returns done [batch] = [{B}], a bool tensor on "
+                            f"{input_ids.device}."
+                        )
             except (KeyboardInterrupt, GeneratorExit):
                 raise
             except BaseException as error:  # SystemExit from a criterion is its failure, never the process's
-                raise plugin_failure(error, self.__dict__.get("owners", {}).get(id(criterion)), "a stopping criterion",
-                                     f"{self.describe(criterion)} at position {input_ids.shape[-1]}")
+                raise plugin_failure(
+                    error,
+                    self.__dict__.get("owners", {}).get(id(criterion)),
+                    "a stopping criterion",
+                    f"{self.describe(criterion)} at position {input_ids.shape[-1]}",
+                )
             done = done | said
         return done
 
@@ -88,8 +101,12 @@ class MaxLengthCriteria:
         length, context = input_ids.shape[1], self.max_position_embeddings
         if context is not None and length > context and length < self.max_length and not self._warned:
             self._warned = True
-            warnings.warn(f"the sequence ({length} tokens) is past the model's context of {context} positions; "
-                          "what follows may be garbage or fail.", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"the sequence ({length} tokens) is past the model's context of {context} positions; "
+                "what follows may be garbage or fail.",
+                UserWarning,
+                stacklevel=2,
+            )
         return torch.full((input_ids.shape[0],), length >= self.max_length, device=input_ids.device)
 
 
@@ -142,8 +159,11 @@ class ConfidenceCriteria:
 def byte_level_decoder() -> dict[str, int]:
     """{character: byte} of the byte-level alphabet of GPT-2's BPE (and SmolLM2's, Llama 3's): bytes that print as
     themselves keep their character, the others take the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
@@ -156,8 +176,11 @@ def validate_stopping_criteria(stopping_criteria: StoppingCriteriaList, max_leng
     if found is None:
         checked.append(MaxLengthCriteria(max_length))
     elif found != max_length:
-        warnings.warn(f"the stopping criteria stop at max_length={found}, the call's max_length is {max_length}.",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"the stopping criteria stop at max_length={found}, the call's max_length is {max_length}.",
+            UserWarning,
+            stacklevel=2,
+        )
     return checked
 
 
@@ -171,7 +194,9 @@ class StopStringCriteria:
     def __init__(self, tokenizer, stop_strings: str | Sequence[str]):
         strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
         if not strings or not all(isinstance(s, str) and s for s in strings):
-            raise ValueError(f"stop_strings={stop_strings!r} is invalid; expected a non-empty string or a list of them.")
+            raise ValueError(
+                f"stop_strings={stop_strings!r} is invalid; expected a non-empty string or a list of them."
+            )
         self.tokenizer = tokenizer
         self.stop_strings = strings
         # A token decodes to at least one byte, a character is at most four: this many tokens always
@@ -204,7 +229,7 @@ class StopStringCriteria:
             clean = StopStringCriteria._token_to_bytes(token, stop_string_matching_mode, decoder)
             if clean is None:
                 text = tokenizer.convert_tokens_to_string(list(base) + [token])
-                clean = text[text.index(static_prefix) + len(static_prefix):]
+                clean = text[text.index(static_prefix) + len(static_prefix) :]
                 clean = clean.encode("utf-8") if stop_string_matching_mode is not None else clean
             tokens.append(clean)
             indices.append(index)
@@ -243,8 +268,12 @@ class StopStringCriteria:
                 return bytes(byte_decoder[char] for char in token)
         elif stop_string_matching_mode == "byte_fallback":
             digits = token[3:5]
-            if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and all(
-                    char in "0123456789abcdefABCDEF" for char in digits):
+            if (
+                len(token) == 6
+                and token.startswith("<0x")
+                and token.endswith(">")
+                and all(char in "0123456789abcdefABCDEF" for char in digits)
+            ):
                 return bytes([int(digits, 16)])
         return None
 
@@ -254,21 +283,24 @@ class StopStringCriteria:
         one int32 tensor a step can gather from, a row per token id and one more for ids past the vocabulary (-1
         everywhere): per stop string its positions, then per stop string its end lengths, each padded with -1 to
         the most any token has, and last the token's length. Laid out as transformers' vectorized matcher reads it."""
-        positions, ends = StopStringCriteria._stop_string_get_matching_positions(token_list, token_indices,
-                                                                                   stop_strings)
+        positions, ends = StopStringCriteria._stop_string_get_matching_positions(
+            token_list, token_indices, stop_strings
+        )
         most_positions = max((len(p) for table in positions.values() for p in table.values()), default=1)
         most_ends = max((len(e) for table in ends.values() for e in table.values()), default=0)
         if not most_ends:
-            raise ValueError(f"stop_strings={list(stop_strings)!r}: no token of the vocabulary can end any of them "
-                             "(characters the vocabulary does not have?).")
+            raise ValueError(
+                f"stop_strings={list(stop_strings)!r}: no token of the vocabulary can end any of them "
+                "(characters the vocabulary does not have?)."
+            )
         n = len(stop_strings)
         table = torch.full((max(token_indices) + 2, n * (most_positions + most_ends) + 1), -1, dtype=torch.int32)
         for i, stop in enumerate(stop_strings):
             for index, found in positions[stop].items():
-                table[index, most_positions * i:most_positions * i + len(found)] = torch.tensor(found)
+                table[index, most_positions * i : most_positions * i + len(found)] = torch.tensor(found)
             start = most_positions * n + most_ends * i
             for index, found in ends[stop].items():
-                table[index, start:start + len(found)] = torch.tensor(found)
+                table[index, start : start + len(found)] = torch.tensor(found)
         for token, index in zip(token_list, token_indices):
             table[index, -1] = len(token)
         return table, most_positions, most_ends
@@ -287,15 +319,15 @@ class StopStringCriteria:
             for token, index in zip(token_list, token_indices):
                 ends = []
                 for past in range(len(token) - 1, -1, -1):  # characters of the token past the string's end
-                    kept = token[:len(token) - past]
+                    kept = token[: len(token) - past]
                     m = min(len(kept), len(stop))
-                    if kept[len(kept) - m:] == stop[len(stop) - m:]:
+                    if kept[len(kept) - m :] == stop[len(stop) - m :]:
                         ends.append(m)
                 inside = []
                 for i in range(1, len(stop)):
                     end = len(stop) - i
                     m = min(len(token), end)
-                    if token[len(token) - m:] == stop[end - m:end]:
+                    if token[len(token) - m :] == stop[end - m : end]:
                         inside.append(i)
                 if inside:
                     positions[stop][index] = inside

@@ -24,10 +24,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # Inputs only other kinds of model take: a method that passes one asks for a model decodekit does not have.
 OTHER_MODELS_INPUTS = {
-    "encoder_outputs": "an encoder-decoder model", "decoder_input_ids": "an encoder-decoder model",
-    "decoder_attention_mask": "an encoder-decoder model", "decoder_inputs_embeds": "an encoder-decoder model",
-    "pixel_values": "a vision-language model", "input_features": "a speech model",
-    "token_type_ids": "a model with token types", "labels": "a training forward (a loss)",
+    "encoder_outputs": "an encoder-decoder model",
+    "decoder_input_ids": "an encoder-decoder model",
+    "decoder_attention_mask": "an encoder-decoder model",
+    "decoder_inputs_embeds": "an encoder-decoder model",
+    "pixel_values": "a vision-language model",
+    "input_features": "a speech model",
+    "token_type_ids": "a model with token types",
+    "labels": "a training forward (a loss)",
 }
 # What transformers' forwards take that changes nothing here: outputs are always a ModelOutput, and positions follow
 # the cache (transformers 5 models ignore cache_position too; methods written for 4.5x still pass it).
@@ -39,7 +43,9 @@ def transformers_config(config):
 
     Every layer is described as full attention: the caches transformers builds from this config then keep every
     position, and the native model applies sliding windows itself, by its masks."""
-    fields = {name: value for name, value in config.to_dict().items() if value is not None}  # None: transformers' default
+    fields = {
+        name: value for name, value in config.to_dict().items() if value is not None
+    }  # None: transformers' default
     theirs = AutoConfig.for_model(fields.pop("model_type"), **fields)
     theirs.layer_types = ["full_attention"] * theirs.num_hidden_layers
     return theirs
@@ -50,7 +56,8 @@ def asked_for_missing(name: str, module) -> AttributeError:
         f"a method asked the model for {name!r}, which transformers' PreTrainedModel has and decodekit's "
         f"{type(module).__name__} (a decoder-only text model) does not. Run the method on a transformers model "
         "(AutoModelForCausalLM.from_pretrained(..., backend='transformers') or decodekit.wrap(a transformers model)); "
-        "docs/custom-generate.md lists what a method may call on each backend.")
+        "docs/custom-generate.md lists what a method may call on each backend."
+    )
 
 
 # Keywords other calls take too (a tokenizer's token_type_ids, a plot's labels): refused by the forward, not by reading.
@@ -65,13 +72,21 @@ def asks_for_another_model(source: str, filename: str) -> list[str]:
     with its line), so such a method fails before it starts."""
     found = []
     for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Attribute) and node.attr in OTHER_MODELS_ATTRIBUTES and \
-                isinstance(node.value, ast.Name) and node.value.id == "model":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in OTHER_MODELS_ATTRIBUTES
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "model"
+        ):
             found.append(f"{node.attr} (line {node.lineno}), which {OTHER_MODELS_ATTRIBUTES[node.attr]} has")
         elif isinstance(node, ast.keyword) and node.arg in OTHER_MODELS_INPUTS and node.arg not in AMBIGUOUS:
             found.append(f"{node.arg}= (line {node.value.lineno}), an input of {OTHER_MODELS_INPUTS[node.arg]}")
-        elif isinstance(node, ast.keyword) and node.arg == "output_attentions" and \
-                isinstance(node.value, ast.Constant) and node.value.value is True:
+        elif (
+            isinstance(node, ast.keyword)
+            and node.arg == "output_attentions"
+            and isinstance(node.value, ast.Constant)
+            and node.value.value is True
+        ):
             found.append(f"output_attentions=True (line {node.value.lineno}), attention weights")
     return found
 
@@ -85,7 +100,8 @@ def check_method_file(path: Path, module) -> None:
             f"{path.parent.name}/{path.name} asks the model for {'; '.join(asked)}. decodekit's "
             f"{type(module).__name__} is a decoder-only text model that runs attention fused: run the method on a "
             "transformers model (AutoModelForCausalLM.from_pretrained(..., backend='transformers', "
-            "attn_implementation='eager') or decodekit.wrap(a transformers model)).")
+            "attn_implementation='eager') or decodekit.wrap(a transformers model))."
+        )
 
 
 class _ViewedCache:
@@ -132,7 +148,9 @@ class TransformersView(TransformersGeneration):
 
     def __init__(self, model):
         self.__dict__.update(
-            facade=model, module=model.module, config=transformers_config(model.module.config),
+            facade=model,
+            module=model.module,
+            config=transformers_config(model.module.config),
             generation_config=model.method_generation_config(model.generation_config),
         )
 
@@ -233,8 +251,10 @@ class TransformersView(TransformersGeneration):
             raise ValueError("forward() got two caches, cache= and past_key_values= (its older name): pass one.")
         cache = cache if cache is not None else past_key_values
         if isinstance(cache, (tuple, list)):
-            raise TypeError("past_key_values as a tuple of (key, value) pairs is transformers' legacy format, which "
-                            "transformers 5 and decodekit no longer take: pass a Cache (transformers.DynamicCache()).")
+            raise TypeError(
+                "past_key_values as a tuple of (key, value) pairs is transformers' legacy format, which "
+                "transformers 5 and decodekit no longer take: pass a Cache (transformers.DynamicCache())."
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
@@ -245,30 +265,42 @@ class TransformersView(TransformersGeneration):
             position_ids = torch.arange(past, past + length, device=self.device).expand(rows, length)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask of {attention_mask.dim()} dimensions: a decodekit model builds its "
-                                 "attention masks itself and takes the 2-D padding mask [batch, past + new] "
-                                 f"(got shape {tuple(attention_mask.shape)}).")
+                raise ValueError(
+                    f"attention_mask of {attention_mask.dim()} dimensions: a decodekit model builds its "
+                    "attention masks itself and takes the 2-D padding mask [batch, past + new] "
+                    f"(got shape {tuple(attention_mask.shape)})."
+                )
             # A cache that keeps fewer positions than it has seen (a sliding or sink cache) is attended as it keeps them.
-            attention_mask = attention_mask[:, -(past + length):]
-        out = self.module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=native_cache if cache is not None else None, use_cache=cache is not None,
-                          output_hidden_states=bool(output_hidden_states), inputs_embeds=inputs_embeds,
-                          logits_to_keep=logits_to_keep)
-        return CausalLMOutputWithPast(logits=out.logits, cache=cache if use_cache else None,
-                                      hidden_states=out.hidden_states)
+            attention_mask = attention_mask[:, -(past + length) :]
+        out = self.module(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=native_cache if cache is not None else None,
+            use_cache=cache is not None,
+            output_hidden_states=bool(output_hidden_states),
+            inputs_embeds=inputs_embeds,
+            logits_to_keep=logits_to_keep,
+        )
+        return CausalLMOutputWithPast(
+            logits=out.logits, cache=cache if use_cache else None, hidden_states=out.hidden_states
+        )
 
     def _refuse_other_inputs(self, kwargs: dict) -> None:
         for name, value in kwargs.items():
             if name in IGNORED or value is None or value is False:
                 continue
             if name == "output_attentions":
-                raise ValueError("output_attentions=True: decodekit's native models run attention fused and return no "
-                                 "attention weights; a transformers model (backend='transformers', attn_implementation="
-                                 "'eager') does.")
+                raise ValueError(
+                    "output_attentions=True: decodekit's native models run attention fused and return no "
+                    "attention weights; a transformers model (backend='transformers', attn_implementation="
+                    "'eager') does."
+                )
             if value is None:
                 continue
             what = OTHER_MODELS_INPUTS.get(name)
-            raise TypeError(f"forward() got {name}=, an input of {what or 'another kind of model'}; "
-                            f"{type(self.module).__name__} is a decoder-only text model and takes "
-                            f"{sorted(p for p in inspect.signature(self.forward).parameters if p != 'kwargs')}.")
-
+            raise TypeError(
+                f"forward() got {name}=, an input of {what or 'another kind of model'}; "
+                f"{type(self.module).__name__} is a decoder-only text model and takes "
+                f"{sorted(p for p in inspect.signature(self.forward).parameters if p != 'kwargs')}."
+            )

@@ -29,21 +29,59 @@ BACKENDS = ("native", "transformers")
 # ...): GenerationMixin's own in transformers 5 and 4.5x, and what 4.5x's models added. On a native model they come
 # from as_transformers() (transformers' code over the native module); a name the installed transformers lacks is
 # named as such there.
-TRANSFORMERS_INTERNALS = frozenset({
-    "_assisted_decoding", "_beam_search", "_beam_search_has_unfinished_sequences", "_cache_dependant_input_preparation",
-    "_check_early_stop_heuristic", "_constrained_beam_search", "_expand_inputs_for_generation",
-    "_extract_generation_mode_kwargs", "_flatten_beam_dim", "_gather_beams", "_get_cache", "_get_candidate_generator",
-    "_get_initial_cache_position", "_get_logits_processor", "_get_running_beams_for_next_iteration",
-    "_get_stopping_criteria", "_get_top_k_continuations", "_group_beam_search", "_has_unfinished_sequences",
-    "_maybe_initialize_input_ids_for_generation", "_merge_criteria_processor_list", "_prefill", "_prefill_chunking",
-    "_prepare_attention_mask_for_generation", "_prepare_cache_for_generation", "_prepare_generated_length",
-    "_prepare_generation_config", "_prepare_model_inputs", "_prepare_position_ids_for_generation",
-    "_prepare_special_tokens", "_prepare_static_cache", "_reorder_cache", "_sample", "_supports_default_dynamic_cache",
-    "_supports_logits_to_keep", "_unflatten_beam_dim", "_update_finished_beams", "_update_model_kwargs_for_generation",
-    "_valid_auto_compile_criteria", "_validate_generated_length", "_validate_generation_mode", "_validate_model_kwargs",
-    "create_masks_for_generate", "heal_tokens", "load_custom_generate", "prepare_inputs_for_generation",
-    "can_generate", "main_input_name", "is_remote_code",
-})
+TRANSFORMERS_INTERNALS = frozenset(
+    {
+        "_assisted_decoding",
+        "_beam_search",
+        "_beam_search_has_unfinished_sequences",
+        "_cache_dependant_input_preparation",
+        "_check_early_stop_heuristic",
+        "_constrained_beam_search",
+        "_expand_inputs_for_generation",
+        "_extract_generation_mode_kwargs",
+        "_flatten_beam_dim",
+        "_gather_beams",
+        "_get_cache",
+        "_get_candidate_generator",
+        "_get_initial_cache_position",
+        "_get_logits_processor",
+        "_get_running_beams_for_next_iteration",
+        "_get_stopping_criteria",
+        "_get_top_k_continuations",
+        "_group_beam_search",
+        "_has_unfinished_sequences",
+        "_maybe_initialize_input_ids_for_generation",
+        "_merge_criteria_processor_list",
+        "_prefill",
+        "_prefill_chunking",
+        "_prepare_attention_mask_for_generation",
+        "_prepare_cache_for_generation",
+        "_prepare_generated_length",
+        "_prepare_generation_config",
+        "_prepare_model_inputs",
+        "_prepare_position_ids_for_generation",
+        "_prepare_special_tokens",
+        "_prepare_static_cache",
+        "_reorder_cache",
+        "_sample",
+        "_supports_default_dynamic_cache",
+        "_supports_logits_to_keep",
+        "_unflatten_beam_dim",
+        "_update_finished_beams",
+        "_update_model_kwargs_for_generation",
+        "_valid_auto_compile_criteria",
+        "_validate_generated_length",
+        "_validate_generation_mode",
+        "_validate_model_kwargs",
+        "create_masks_for_generate",
+        "heal_tokens",
+        "load_custom_generate",
+        "prepare_inputs_for_generation",
+        "can_generate",
+        "main_input_name",
+        "is_remote_code",
+    }
+)
 
 # Module methods that return the module: on the facade they return the facade, so
 # `model = AutoModelForCausalLM.from_pretrained(...).to("cuda")` keeps generate().
@@ -75,7 +113,9 @@ class Model(GenerationMixin):
                 f"families, decodekit.models.LlamaForCausalLM), got {type(module).__name__}."
             )
         if not isinstance(generation_config, GenerationConfig):
-            raise TypeError(f"generation_config must be a decodekit GenerationConfig, got {type(generation_config).__name__}.")
+            raise TypeError(
+                f"generation_config must be a decodekit GenerationConfig, got {type(generation_config).__name__}."
+            )
         own = self.__dict__
         own["module"], own["backend"], own["generation_config"] = module, backend, generation_config
         own["_cache_keyword"] = hf.cache_keyword(module) if backend == "transformers" else "past_key_values"
@@ -101,7 +141,8 @@ class Model(GenerationMixin):
             raise AttributeError(
                 f"{name} is an internal of transformers' generate(), which a Hub method written for transformers may "
                 f"call; on decodekit's own models it comes from transformers, which is not installed: install it with "
-                f"{hf.TRANSFORMERS_EXTRA!r} (docs/custom-generate.md).")
+                f"{hf.TRANSFORMERS_EXTRA!r} (docs/custom-generate.md)."
+            )
         return getattr(module, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -213,9 +254,11 @@ class Model(GenerationMixin):
         from ..batching.manager import MANAGER_OPTIONS, ContinuousBatchingManager
 
         if self.holds_recurrent_state:
-            raise ValueError(f"continuous batching runs many requests through the model, each with its own cache, and "
-                             f"{type(self.module).__name__} keeps its recurrent state in its own layers, so the requests "
-                             "would overwrite each other's: call generate() with a batch of prompts instead.")
+            raise ValueError(
+                f"continuous batching runs many requests through the model, each with its own cache, and "
+                f"{type(self.module).__name__} keeps its recurrent state in its own layers, so the requests "
+                "would overwrite each other's: call generate() with a batch of prompts instead."
+            )
         fields = {k: options.pop(k) for k in list(options) if k not in MANAGER_OPTIONS and k != "methods"}
         if fields:
             base = generation_config if generation_config is not None else self.generation_config
@@ -224,15 +267,19 @@ class Model(GenerationMixin):
             unknown = sorted(set(fields) - known)
             if unknown:
                 close = closest(unknown[0], known | set(MANAGER_OPTIONS))
-                raise ValueError(f"init_continuous_batching() got unknown options {unknown}"
-                                 + (f" (did you mean {close!r}?)" if close else "") + f"; it accepts generation_config, "
-                                 f"{', '.join(MANAGER_OPTIONS)}, methods, and generation config fields.")
+                raise ValueError(
+                    f"init_continuous_batching() got unknown options {unknown}"
+                    + (f" (did you mean {close!r}?)" if close else "")
+                    + f"; it accepts generation_config, "
+                    f"{', '.join(MANAGER_OPTIONS)}, methods, and generation config fields."
+                )
             generation_config.update(**fields)
             generation_config.validate(getattr(self.config, "vocab_size", None))
         return ContinuousBatchingManager(self, generation_config, **options)
 
-    def generate_batch(self, inputs: list, generation_config: GenerationConfig | None = None,
-                       progress_bar: bool = True, **kwargs) -> dict:
+    def generate_batch(
+        self, inputs: list, generation_config: GenerationConfig | None = None, progress_bar: bool = True, **kwargs
+    ) -> dict:
         """Every prompt of `inputs` (lists of token ids) through continuous batching: {request id: GenerationOutput},
         in the order of `inputs`. kwargs: generation config fields and request arguments for every prompt
         (custom_generate, seed, logprobs, ...), and the manager's options. An invalid prompt fails alone (status

@@ -23,7 +23,9 @@ def require_transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError(f"This needs transformers, which is not installed; install it with:\n    {TRANSFORMERS_EXTRA}") from None
+        raise ImportError(
+            f"This needs transformers, which is not installed; install it with:\n    {TRANSFORMERS_EXTRA}"
+        ) from None
     return transformers
 
 
@@ -74,8 +76,10 @@ def generation_config_from(hf_generation_config, model_config) -> GenerationConf
     implementation = fields.get("cache_implementation")
     if implementation not in (None, "static", "dynamic"):
         # transformers' layouts (hybrid, sliding_window) are what DynamicCache(config) builds from the config.
-        logger.info("cache_implementation=%r of the generation config is read as the cache the model's "
-                    "config describes", implementation)
+        logger.info(
+            "cache_implementation=%r of the generation config is read as the cache the model's config describes",
+            implementation,
+        )
         fields.pop("cache_implementation")
     return GenerationConfig(**fields)
 
@@ -140,8 +144,10 @@ def refuse_own_generation_inputs(model) -> None:
     """ValueError for a model of OWN_GENERATION_INPUTS, saying why and what runs it."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind in OWN_GENERATION_INPUTS:
-        raise ValueError(f"{type(model).__name__} ({kind}) cannot run under decodekit's decoding loops: "
-                         f"{OWN_GENERATION_INPUTS[kind]}. Run it with transformers' own generate().")
+        raise ValueError(
+            f"{type(model).__name__} ({kind}) cannot run under decodekit's decoding loops: "
+            f"{OWN_GENERATION_INPUTS[kind]}. Run it with transformers' own generate()."
+        )
 
 
 # Models that multiply their hidden states by the 2D padding mask (state-space layers, no attention): transformers'
@@ -186,9 +192,13 @@ def static_cache_mask(model, args: tuple, kwargs: dict) -> None:
     make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
     # (renamed cache in transformers 5.24, as the forwards' argument; read once per function, not every step)
     named = {_mask_cache_keyword(getattr(make, "__func__", make)): cache}
-    kwargs["attention_mask"] = make(config=model.config, attention_mask=mask, **named,
-                                    inputs_embeds=torch.empty((*ids.shape, 0), dtype=model.dtype, device=ids.device),
-                                    position_ids=kwargs.get("position_ids"))
+    kwargs["attention_mask"] = make(
+        config=model.config,
+        attention_mask=mask,
+        **named,
+        inputs_embeds=torch.empty((*ids.shape, 0), dtype=model.dtype, device=ids.device),
+        position_ids=kwargs.get("position_ids"),
+    )
 
 
 def make_cache(model, kind: str, max_length: int):
@@ -202,8 +212,11 @@ def make_cache(model, kind: str, max_length: int):
     if kind == "static" and "local" in (getattr(config, "attention_layers", None) or ()):
         # GPT-Neo's local-attention layers are not laid out by StaticCache (no layer_types): transformers' own
         # static output differs from its dynamic one there. A dynamic cache gives the model's real output.
-        logger.info("cache_implementation='static': %s has local-attention layers a static cache does not lay out; "
-                    "a dynamic cache is used", type(model).__name__)
+        logger.info(
+            "cache_implementation='static': %s has local-attention layers a static cache does not lay out; "
+            "a dynamic cache is used",
+            type(model).__name__,
+        )
         kind = "dynamic"
     if kind == "static":
         return StaticCache(config=config, max_cache_len=max_length)

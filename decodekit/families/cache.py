@@ -45,11 +45,16 @@ def cached_length(cache) -> int:
     except ValueError:
         if not recurrent(cache):
             raise
-        written = any(any(getattr(layer, name, {}).values()) for layer in cache.layers
-                      for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"))
+        written = any(
+            any(getattr(layer, name, {}).values())
+            for layer in cache.layers
+            for name in ("is_conv_states_initialized", "is_recurrent_states_initialized")
+        )
         if written:
-            raise ValueError("past_key_values holds a state-space model's recurrent states, which do not record how "
-                             "many tokens they have read: pass a fresh cache (or none) with the whole prompt.") from None
+            raise ValueError(
+                "past_key_values holds a state-space model's recurrent states, which do not record how "
+                "many tokens they have read: pass a fresh cache (or none) with the whole prompt."
+            ) from None
         return 0
 
 
@@ -90,8 +95,11 @@ def rolls_back(cache) -> bool | None:
     (`is_croppable`: convolution states alone can be, recurrent states cannot), None before (it cannot tell yet)."""
     if not recurrent(cache):
         return True
-    read = any(any(getattr(layer, name, {}).values()) for layer in cache.layers
-               for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"))
+    read = any(
+        any(getattr(layer, name, {}).values())
+        for layer in cache.layers
+        for name in ("is_conv_states_initialized", "is_recurrent_states_initialized")
+    )
     return bool(getattr(cache, "is_croppable", False)) if read else None
 
 
@@ -186,8 +194,15 @@ class StaticCache:
     @classmethod
     def for_model(cls, model, batch_size: int, max_cache_len: int) -> "StaticCache":
         c = model.config
-        return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, max_cache_len,
-                   dtype=model.dtype, device=model.device)
+        return cls(
+            c.num_hidden_layers,
+            batch_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            max_cache_len,
+            dtype=model.dtype,
+            device=model.device,
+        )
 
     def update(self, key, value, layer_idx):
         start = self.lengths[layer_idx]

@@ -165,11 +165,17 @@ class Block(nn.Module):
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
             scales, flags = None, 0
             # A bfloat16 Linear: its products run in float32 for rows past FLOAT32_FROM_ROWS, which a prompt's pass.
-            if type(linear) is Linear and linear.weight.dtype == x.dtype and \
-                    (x.dtype == torch.float32 or lacks_matmul_instructions(x.dtype)):
+            if (
+                type(linear) is Linear
+                and linear.weight.dtype == x.dtype
+                and (x.dtype == torch.float32 or lacks_matmul_instructions(x.dtype))
+            ):
                 route, operand = linear.prompt_route(x, rows, decision(decided, x.dtype, rows))
-            elif type(linear) is Int8Linear and x.dtype == torch.float32 and \
-                    (named := linear.prompt_route(x, rows, choice=decision(decided, torch.int8, rows))) is not None:
+            elif (
+                type(linear) is Int8Linear
+                and x.dtype == torch.float32
+                and (named := linear.prompt_route(x, rows, choice=decision(decided, torch.int8, rows))) is not None
+            ):
                 route, operand = named
                 interleaved = linear.input_order is not None
                 if route == "int8_tiles" and interleaved and linear.in_features % 32:
@@ -202,7 +208,8 @@ class Block(nn.Module):
                 return None
         attn = self.attn
         norms = [self.attn_norm.weight, self.mlp_norm.weight] + [
-            None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)]
+            None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)
+        ]
         return weights, scales, [linear.bias for linear in linears], norms
 
 
@@ -392,8 +399,12 @@ class LlamaForCausalLM(nn.Module):
         B, T, hidden = x.shape
         if not (NATIVE_LAYERS and B == 1 and T > native.MAX_ROWS and x.device.type == "cpu"):
             return None
-        if x.dtype not in PROMPT_DTYPES or torch.is_grad_enabled() or torch.compiler.is_compiling() or \
-                not native.load():
+        if (
+            x.dtype not in PROMPT_DTYPES
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or not native.load()
+        ):
             return None
         paged = getattr(cache, "paged", False)
         int8 = layers[0].attn.int8 if len(layers) else False
@@ -429,8 +440,10 @@ class LlamaForCausalLM(nn.Module):
         attention over the whole cache with `attention_mask` [B, max_cache_len] marking the valid slots,
         explicit position_ids, no host reads."""
         if not isinstance(cache, StaticCache) or position_ids is None or attention_mask is None:
-            raise ValueError("cache_position (the fixed-shape path) needs a StaticCache, position_ids and an "
-                             "attention_mask over the whole cache [batch, max_cache_len].")
+            raise ValueError(
+                "cache_position (the fixed-shape path) needs a StaticCache, position_ids and an "
+                "attention_mask over the whole cache [batch, max_cache_len]."
+            )
         cos, sin = self.rotary.lookup(position_ids, x.dtype, checked=False)
         masks = static_masks(attention_mask, slots, self.windows)
         if cache.rows is not None:
@@ -491,7 +504,18 @@ class LlamaForCausalLM(nn.Module):
         B = x.shape[0]
         c = self.config
         layer_masks = [masks.get(layer.attn.window, masks.get(None)).reshape(B, -1) for layer in self.layers]
-        h = torch.ops.decodekit.decode_layers(x.reshape(B, -1), cos.reshape(B, -1), sin.reshape(B, -1), slots,
-                                              layer_masks, cache.keys, cache.values, stack,
-                                              c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, cache.rows)
+        h = torch.ops.decodekit.decode_layers(
+            x.reshape(B, -1),
+            cos.reshape(B, -1),
+            sin.reshape(B, -1),
+            slots,
+            layer_masks,
+            cache.keys,
+            cache.values,
+            stack,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.rms_norm_eps,
+            cache.rows,
+        )
         return h.view(B, 1, -1)

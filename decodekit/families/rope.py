@@ -60,7 +60,9 @@ class RotaryTable:
         if self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < length:
             self._build(max(length, self.cos.shape[0]), device, dtype)
 
-    def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, checked: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [B, 1, T, head_dim] for position_ids [B, T].
 
         checked=False skips growing the table (which reads the largest position on the host); the

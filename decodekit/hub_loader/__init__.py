@@ -7,7 +7,16 @@ from .source import MethodSource, from_directory, resolve
 from .trust import UntrustedCodeError, trusted_revision
 
 __all__ = [
-    "LoadedMethod", "MethodSource", "UntrustedCodeError", "bind_to_model", "check_requirements", "from_directory",
-    "load", "load_method", "parse_requirements", "resolve", "trusted_revision", "unmet_requirements",
+    "LoadedMethod",
+    "MethodSource",
+    "UntrustedCodeError",
+    "bind_to_model",
+    "check_requirements",
+    "from_directory",
+    "load",
+    "load_method",
+    "parse_requirements",
+    "resolve",
+    "trusted_revision",
+    "unmet_requirements",
 ]
-

@@ -49,9 +49,13 @@ def _check_requirements(requirements: Path, root: Path) -> list[Problem]:
     except ValueError as e:
         return [Problem(name, None, str(e))]
     requirements, invalid = parse_lines(text)
-    found = [Problem(name, number, f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'")
-             for number, line, reason in invalid]
-    return found or [Problem(name, None, f"not met in this environment: {line}") for line in unmet_requirements(requirements)]
+    found = [
+        Problem(name, number, f"{line!r} is not a PEP 508 requirement ({reason}); write e.g. 'numpy>=1.24'")
+        for number, line, reason in invalid
+    ]
+    return found or [
+        Problem(name, None, f"not met in this environment: {line}") for line in unmet_requirements(requirements)
+    ]
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -63,11 +67,18 @@ def _check_layout(root: Path) -> list[Problem]:
         return []
     for candidate in root.iterdir():
         if candidate.is_dir() and (candidate / "generate.py").is_file():
-            return [Problem(_rel(candidate, root), None,
-                            f"the method folder must be named exactly {METHOD_DIR}/ (the Hub looks for that path); rename it")]
+            return [
+                Problem(
+                    _rel(candidate, root),
+                    None,
+                    f"the method folder must be named exactly {METHOD_DIR}/ (the Hub looks for that path); rename it",
+                )
+            ]
     if (root / "generate.py").is_file():
         return [Problem("generate.py", None, f"move it into a folder named {METHOD_DIR}/")]
-    return [Problem(f"{METHOD_DIR}/generate.py", None, "missing; create it with a generate(model, input_ids, ...) function")]
+    return [
+        Problem(f"{METHOD_DIR}/generate.py", None, "missing; create it with a generate(model, input_ids, ...) function")
+    ]
 
 
 def _check_generate(path: Path, root: Path) -> list[Problem]:
@@ -82,12 +93,17 @@ def _check_generate(path: Path, root: Path) -> list[Problem]:
         fn = functions["generate"]
         params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
         if not params or params[0] != "model":
-            return problems + [Problem(name, fn.lineno,
-                                       f"generate() must take `model` as its first parameter, got ({', '.join(params)})")]
+            return problems + [
+                Problem(
+                    name, fn.lineno, f"generate() must take `model` as its first parameter, got ({', '.join(params)})"
+                )
+            ]
         return problems
     if any(n.startswith("decodekit_") for n in functions):
         return problems
-    return [Problem(name, None, "defines no generate(model, input_ids, ...) function and no decodekit hook implementations")]
+    return [
+        Problem(name, None, "defines no generate(model, input_ids, ...) function and no decodekit hook implementations")
+    ]
 
 
 def _check_hook_names(functions: dict, name: str) -> list[Problem]:
@@ -101,8 +117,14 @@ def _check_hook_names(functions: dict, name: str) -> list[Problem]:
     for function, node in functions.items():
         if function.startswith("decodekit_") and function not in specs:
             close = difflib.get_close_matches(function, specs, n=1)
-            problems.append(Problem(name, node.lineno, f"{function} is not a decodekit hook"
-                                    + (f" (did you mean {close[0]}?)" if close else f"; the hooks are {specs}")))
+            problems.append(
+                Problem(
+                    name,
+                    node.lineno,
+                    f"{function} is not a decodekit hook"
+                    + (f" (did you mean {close[0]}?)" if close else f"; the hooks are {specs}"),
+                )
+            )
     return problems
 
 
@@ -114,9 +136,15 @@ def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
         except SyntaxError:
             continue  # reported for generate.py; other files fail at import with a clear message anyway
         for line in absolute_self_imports(path.read_text(encoding="utf-8")):
-            problems.append(Problem(_rel(path, root), line, f"imports {METHOD_DIR} absolutely, which Python finds on "
-                                    "sys.path rather than in the checked copy (decodekit refuses it); import siblings "
-                                    "relatively: `from . import helper`"))
+            problems.append(
+                Problem(
+                    _rel(path, root),
+                    line,
+                    f"imports {METHOD_DIR} absolutely, which Python finds on "
+                    "sys.path rather than in the checked copy (decodekit refuses it); import siblings "
+                    "relatively: `from . import helper`",
+                )
+            )
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or not node.level:
                 continue
@@ -130,12 +158,20 @@ def _check_relative_imports(method: Path, root: Path) -> list[Problem]:
                 continue
             targets = [node.module.replace(".", "/")] if node.module else [a.name for a in node.names]
             for target in targets:
-                if not ((base / f"{target}.py").is_file() or (base / target).is_dir()
-                        or (not node.module and (base / "__init__.py").is_file())):
+                if not (
+                    (base / f"{target}.py").is_file()
+                    or (base / target).is_dir()
+                    or (not node.module and (base / "__init__.py").is_file())
+                ):
                     dots = "." * node.level
                     shown = f"{dots}{node.module}" if node.module else f"{dots}{target}"
-                    problems.append(Problem(_rel(path, root), node.lineno,
-                                            f"relative import {shown!r} does not resolve: no {_rel(base / target, root)}.py"))
+                    problems.append(
+                        Problem(
+                            _rel(path, root),
+                            node.lineno,
+                            f"relative import {shown!r} does not resolve: no {_rel(base / target, root)}.py",
+                        )
+                    )
     return problems
 
 

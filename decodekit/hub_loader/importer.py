@@ -54,7 +54,9 @@ class OriginalFolderGuard(importlib.abc.MetaPathFinder):
                     raise ImportError(
                         f"custom_generate of `{label}` imports {name!r} at run time, which Python would load from the "
                         f"method's original folder ({folder}) and its unhashed __pycache__, not from the copy decodekit "
-                        f"checked; {SIBLINGS_HINT}.", name=name)
+                        f"checked; {SIBLINGS_HINT}.",
+                        name=name,
+                    )
         return None
 
 
@@ -97,8 +99,13 @@ def absolute_self_imports(text: str) -> list[int]:
         return []  # the import itself reports a syntax error, with its line
     lines = []
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+            else []
+        )
         if any(n == "custom_generate" or n.startswith("custom_generate.") for n in names):
             lines.append(node.lineno)
     return sorted(lines)
@@ -115,7 +122,8 @@ def check_imports(source: MethodSource) -> None:
                 raise MethodFilesError(
                     f"`{source.label}`: custom_generate/{name}:{lines[0]} imports custom_generate absolutely. Python "
                     "finds that name on sys.path (the original folder, and bytecode beside it that was never hashed), "
-                    f"not in the copy decodekit checked; {SIBLINGS_HINT}.")
+                    f"not in the copy decodekit checked; {SIBLINGS_HINT}."
+                )
 
 
 def import_generate_module(source: MethodSource) -> ModuleType:
@@ -150,7 +158,10 @@ def _import_package(pkg: str, name: str, method_dir) -> ModuleType:
         if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "transformers":
             # A method written for transformers, where it is not installed: decodekit's extra installs it, and
             # decodekit's own models then present transformers' generation surface to the method.
-            raise ImportError(f"{method_dir / 'generate.py'} imports transformers, which is not installed; install it "
-                              "with:\n    pip install 'decodekit[transformers]'\n(methods written against decodekit's "
-                              "hooks need no transformers).", name="transformers") from error
+            raise ImportError(
+                f"{method_dir / 'generate.py'} imports transformers, which is not installed; install it "
+                "with:\n    pip install 'decodekit[transformers]'\n(methods written against decodekit's "
+                "hooks need no transformers).",
+                name="transformers",
+            ) from error
         raise

@@ -62,7 +62,9 @@ def load(source: sources.MethodSource, trust_remote_code) -> LoadedMethod:
 
 
 def load_method(spec, trust_remote_code=None, revision=None, token=None, local_files_only=False) -> LoadedMethod:
-    return load(sources.resolve(spec, revision=revision, token=token, local_files_only=local_files_only), trust_remote_code)
+    return load(
+        sources.resolve(spec, revision=revision, token=token, local_files_only=local_files_only), trust_remote_code
+    )
 
 
 def load_pinned(entries: list[str], source: str, engine: str) -> dict[str, LoadedMethod]:
@@ -73,12 +75,16 @@ def load_pinned(entries: list[str], source: str, engine: str) -> dict[str, Loade
     for entry in filter(None, (e.strip() for e in entries)):
         spec, sep, revision = entry.rpartition("@")
         if not sep or not spec or not revision:
-            raise ValueError(f"{source}: {entry!r} is invalid; each entry is SPEC@REVISION (a local directory or Hub "
-                             "repo and the revision its code is trusted at; the trust error for SPEC alone prints it).")
+            raise ValueError(
+                f"{source}: {entry!r} is invalid; each entry is SPEC@REVISION (a local directory or Hub "
+                "repo and the revision its code is trusted at; the trust error for SPEC alone prints it)."
+            )
         method = load_method(spec, trust_remote_code=revision)
         if method.generate is not None:
-            raise ValueError(f"{source}: {spec!r} replaces the whole decoding loop; {engine} runs hook-only methods "
-                             "(logits processors, a selector, stopping criteria).")
+            raise ValueError(
+                f"{source}: {spec!r} replaces the whole decoding loop; {engine} runs hook-only methods "
+                "(logits processors, a selector, stopping criteria)."
+            )
         methods[spec] = method
     return methods
 

@@ -19,8 +19,18 @@ def _unreachable(error: BaseException) -> bool:
         return True
     names = {cls.__name__ for cls in type(error).__mro__}
     # httpx's and requests' connection failures, by name: decodekit imports neither
-    return bool(names & {"ConnectError", "ConnectTimeout", "ConnectionError", "NetworkError", "ReadTimeout",
-                         "TimeoutException", "ProxyError"})
+    return bool(
+        names
+        & {
+            "ConnectError",
+            "ConnectTimeout",
+            "ConnectionError",
+            "NetworkError",
+            "ReadTimeout",
+            "TimeoutException",
+            "ProxyError",
+        }
+    )
 
 
 @contextlib.contextmanager

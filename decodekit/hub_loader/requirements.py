@@ -75,8 +75,9 @@ def read_requirements(path: Path, label: str) -> str:
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark is not part of line 1
     except UnicodeDecodeError as e:
-        raise ValueError(f"{label}: requirements.txt is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); "
-                         "save it as UTF-8.") from None
+        raise ValueError(
+            f"{label}: requirements.txt is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); save it as UTF-8."
+        ) from None
     return text
 
 

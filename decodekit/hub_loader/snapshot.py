@@ -41,8 +41,14 @@ from .trust import UntrustedCodeError, content_hash
 CHUNK = 1 << 20
 MAX_FILE_BYTES = 16 << 20
 TOTAL_VARIABLE = "DECODEKIT_MAX_METHOD_BYTES"
-REFUSED_SUFFIXES = {".pyc": "bytecode", ".pyo": "bytecode", ".so": "a native extension", ".pyd": "a native extension",
-                    ".dylib": "a native library", ".dll": "a native library"}
+REFUSED_SUFFIXES = {
+    ".pyc": "bytecode",
+    ".pyo": "bytecode",
+    ".so": "a native extension",
+    ".pyd": "a native extension",
+    ".dylib": "a native library",
+    ".dll": "a native library",
+}
 SKIPPED_DIRS = {"__pycache__"}
 MAX_FILES = 1000
 MAX_DEPTH = 32
@@ -73,8 +79,10 @@ def _check_link(entry: os.DirEntry, name: str, label: str, roots: tuple[str, ...
     if not os.path.exists(entry.path):
         why = "which does not exist"
     elif not _inside(real, roots):
-        why = (f"which leads out of the method's folder (to {real}); a method's files must be its own: copy what it "
-               "needs into custom_generate/")
+        why = (
+            f"which leads out of the method's folder (to {real}); a method's files must be its own: copy what it "
+            "needs into custom_generate/"
+        )
     elif not (entry.is_file() or entry.is_dir()):
         why = "which is not a regular file (a device, fifo or socket)"
     else:
@@ -93,16 +101,21 @@ def _walk(method_dir: Path, label: str, allowed: tuple[str, ...] = ()):
         folder, prefix, above, depth = stack.pop()
         real = os.path.realpath(folder)
         if real in above:
-            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} is a symlink loop back to {real}; "
-                                   "a method's folder may not link into itself.")
+            raise MethodFilesError(
+                f"`{label}`: custom_generate/{prefix} is a symlink loop back to {real}; "
+                "a method's folder may not link into itself."
+            )
         if depth > MAX_DEPTH:
-            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} nests folders more than {MAX_DEPTH} deep; a "
-                                   "method's folder may not.")
+            raise MethodFilesError(
+                f"`{label}`: custom_generate/{prefix} nests folders more than {MAX_DEPTH} deep; a "
+                "method's folder may not."
+            )
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as error:
-            raise MethodFilesError(f"`{label}`: custom_generate/{prefix} cannot be read ({error.strerror or error}).") \
-                from None
+            raise MethodFilesError(
+                f"`{label}`: custom_generate/{prefix} cannot be read ({error.strerror or error})."
+            ) from None
         subfolders = []
         for entry in entries:
             name = prefix + entry.name
@@ -118,11 +131,14 @@ def _walk(method_dir: Path, label: str, allowed: tuple[str, ...] = ()):
             if why is not None:
                 raise MethodFilesError(
                     f"`{label}`: custom_generate/{name} is {why}. decodekit runs a method from its Python source only, "
-                    "so that what runs is what can be read and hashed; remove the file (or ship the source).")
+                    "so that what runs is what can be read and hashed; remove the file (or ship the source)."
+                )
             found.append((name, Path(entry.path)))
             if len(found) > MAX_FILES:
-                raise MethodFilesError(f"`{label}`: custom_generate/ holds more than {MAX_FILES} files; a method may "
-                                       f"hold at most {MAX_FILES}. Keep data out of custom_generate/.")
+                raise MethodFilesError(
+                    f"`{label}`: custom_generate/ holds more than {MAX_FILES} files; a method may "
+                    f"hold at most {MAX_FILES}. Keep data out of custom_generate/."
+                )
         stack.extend(subfolders)
     # The order pins were made with: each folder's entries by name, a subfolder's files where its name falls.
     return sorted(found, key=lambda item: item[0].split("/"))
@@ -149,11 +165,15 @@ class _Snapshots:
             size = path.stat().st_size
             total += size
             if size > MAX_FILE_BYTES:
-                raise MethodFilesError(f"`{label}`: custom_generate/{name} is {_size(size)}; a method's file may be at "
-                                       f"most {_size(MAX_FILE_BYTES)}. Keep data and weights out of custom_generate/.")
+                raise MethodFilesError(
+                    f"`{label}`: custom_generate/{name} is {_size(size)}; a method's file may be at "
+                    f"most {_size(MAX_FILE_BYTES)}. Keep data and weights out of custom_generate/."
+                )
         if total > limit_total:
-            raise MethodFilesError(f"`{label}`: custom_generate/ holds {_size(total)}; a method may hold at most "
-                                   f"{_size(limit_total)} ({TOTAL_VARIABLE} raises the limit).")
+            raise MethodFilesError(
+                f"`{label}`: custom_generate/ holds {_size(total)}; a method may hold at most "
+                f"{_size(limit_total)} ({TOTAL_VARIABLE} raises the limit)."
+            )
         with self._lock:
             scratch = Path(tempfile.mkdtemp(dir=self.root(), prefix="taking-"))
         try:
@@ -168,8 +188,10 @@ class _Snapshots:
                         size += len(chunk)
                         total += len(chunk)
                         if size > MAX_FILE_BYTES or total > limit_total:  # it grew while being read
-                            raise MethodFilesError(f"`{label}`: custom_generate/{name} grew past the size limit while "
-                                                   "it was read; read it again once it stops changing.")
+                            raise MethodFilesError(
+                                f"`{label}`: custom_generate/{name} grew past the size limit while "
+                                "it was read; read it again once it stops changing."
+                            )
                         digest.update(chunk)
                         dst.write(chunk)
                 listing.append((name, digest.hexdigest()))

@@ -64,11 +64,15 @@ def resolve(
 ) -> MethodSource:
     """A local directory if `spec` is one, else a Hub repo id, downloading only custom_generate/ and README.md."""
     if not str(spec).strip():  # Path("") is the current directory: never load that by accident
-        raise ValueError(f"custom_generate={str(spec)!r} is empty; it accepts a directory holding "
-                         "custom_generate/generate.py, a Hub repo id 'org/name', or a callable.")
+        raise ValueError(
+            f"custom_generate={str(spec)!r} is empty; it accepts a directory holding "
+            "custom_generate/generate.py, a Hub repo id 'org/name', or a callable."
+        )
     if len(str(spec)) > 4096:
-        raise ValueError(f"custom_generate is a string of {len(str(spec))} characters, longer than any path or Hub "
-                         "repo id (at most 4096).")
+        raise ValueError(
+            f"custom_generate is a string of {len(str(spec))} characters, longer than any path or Hub "
+            "repo id (at most 4096)."
+        )
     path = Path(spec).expanduser()
     if path.is_dir():
         return from_directory(path.resolve(), str(spec), "local")
@@ -83,7 +87,10 @@ def resolve(
     from .reach import hub_download
 
     with hub_download(text, "method"):
-        snapshot = Path(snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS, token=token,
-                                          local_files_only=local_files_only))
+        snapshot = Path(
+            snapshot_download(
+                text, revision=revision, allow_patterns=HUB_PATTERNS, token=token, local_files_only=local_files_only
+            )
+        )
     # The Hub cache stores each revision under snapshots/<commit sha>/.
     return from_directory(snapshot, text, "hub", revision=snapshot.name)

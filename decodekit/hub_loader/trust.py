@@ -31,8 +31,9 @@ def check_trust(label: str, kind: str, revision: str, files, trust_remote_code, 
     """Raise UntrustedCodeError unless `trust_remote_code` allows running `revision` of `label`; ValueError if
     `trust_remote_code` is neither a bool nor a plausible revision."""
     links = links or {}
-    listing = "\n".join(f"  {name}  sha256:{sha}" + (f"  (a link to {links[name]})" if name in links else "")
-                        for name, sha in files)
+    listing = "\n".join(
+        f"  {name}  sha256:{sha}" + (f"  (a link to {links[name]})" if name in links else "") for name, sha in files
+    )
     if trust_remote_code is True:
         return
     what = "commit sha" if kind == "hub" else "content hash"
@@ -46,12 +47,14 @@ def check_trust(label: str, kind: str, revision: str, files, trust_remote_code, 
             raise UntrustedCodeError(
                 f"Refusing to run custom_generate from `{label}`: trust_remote_code={trust_remote_code!r} is a prefix "
                 f"of its content hash; a local directory is pinned by the whole hash, "
-                f"trust_remote_code={revision!r}.\n{listing}")
+                f"trust_remote_code={revision!r}.\n{listing}"
+            )
         if not (HUB_REVISION if kind == "hub" else LOCAL_REVISION).fullmatch(pin):
             raise ValueError(
                 f"trust_remote_code={trust_remote_code!r} is invalid for `{label}`: expected True, False, or a revision "
                 f"to pin, which for {'a Hub repo is a commit sha (7 to 40 hex digits)' if kind == 'hub' else 'a local directory is its content hash (64 hex digits)'}."
-                f" This one is at {what} {revision}.")
+                f" This one is at {what} {revision}."
+            )
         raise UntrustedCodeError(
             f"Refusing to run custom_generate from `{label}`: you trusted revision {trust_remote_code}, but the "
             f"{'repo is now at' if kind == 'hub' else 'directory now has content hash'} {revision}. It changed since "

@@ -11,10 +11,17 @@ from ..core.stopping import StoppingCriteriaList
 from ..registry.manager import call_hooks
 
 
-def hook_arguments(model, gc, batch_size: int, prompt_length: int, device, max_length: int | None = None) -> dict[str, Any]:
+def hook_arguments(
+    model, gc, batch_size: int, prompt_length: int, device, max_length: int | None = None
+) -> dict[str, Any]:
     """The keyword arguments every hook gets (generation_config, context) for a call of this shape."""
-    context = GenerationContext(model=model, batch_size=batch_size, prompt_length=prompt_length,
-                                max_length=max_length or gc.max_length_for(prompt_length), device=device)
+    context = GenerationContext(
+        model=model,
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        max_length=max_length or gc.max_length_for(prompt_length),
+        device=device,
+    )
     return dict(generation_config=gc, context=context)
 
 
@@ -30,15 +37,19 @@ def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) 
             raise ValueError("Pass either method= (one hook-only method) or plugins= (registered plugins), not both.")
         loaded = load_method(method, trust_remote_code, revision=revision)
         if not loaded.hooks:
-            raise ValueError(f"method {method!r} replaces the whole decoding loop (its generate.py defines generate()), "
-                             f"so it has no hooks to give; {full_loop_advice}")
+            raise ValueError(
+                f"method {method!r} replaces the whole decoding loop (its generate.py defines generate()), "
+                f"so it has no hooks to give; {full_loop_advice}"
+            )
         return {loaded.plugin_name}, (loaded.module, loaded.plugin_name)
     registered = outside_plugins()
     if plugins is not None:
         missing = sorted(set(plugins) - registered)
         if missing:
-            raise ValueError(f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
-                             f"are {sorted(registered)}.")
+            raise ValueError(
+                f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
+                f"are {sorted(registered)}."
+            )
         return set(plugins), None
     return registered, None
 
@@ -49,8 +60,10 @@ def check_chosen(chosen: set[str], args: dict[str, Any], engine: str, refused: d
     call_hooks("decodekit_validate_config", only=chosen, **args)
     for hook, replaces in refused.items():
         for owner, _ in call_hooks(hook, only=chosen, **args):
-            raise ValueError(f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine} "
-                             f"cannot take: {advice}")
+            raise ValueError(
+                f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine} "
+                f"cannot take: {advice}"
+            )
 
 
 def chosen_hooks(chosen: set[str], args: dict[str, Any]) -> tuple[LogitsProcessorList, StoppingCriteriaList]:

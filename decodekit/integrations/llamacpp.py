@@ -30,8 +30,11 @@ from ..core.config import GenerationConfig, add_plugin_fields, closest
 from ..registry.manager import call_first
 from .hooks import check_chosen, choose, chosen_hooks, hook_arguments
 
-REFUSED = {"decodekit_cache": "the KV cache", "decodekit_decoding_loop": "the decoding loop",
-           "decodekit_next_token_logits": "how next-token logits are read"}
+REFUSED = {
+    "decodekit_cache": "the KV cache",
+    "decodekit_decoding_loop": "the decoding loop",
+    "decodekit_next_token_logits": "how next-token logits are read",
+}
 ADVICE = "llama.cpp keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
 
 
@@ -45,9 +48,14 @@ class LlamaCppHooks:
         eos = llm.token_eos()
         self.eos = [] if eos is None or eos < 0 else [int(eos)]
         self.model = SimpleNamespace(
-            config=SimpleNamespace(vocab_size=llm.n_vocab(), eos_token_id=self.eos[0] if self.eos else None,
-                                   max_position_embeddings=llm.n_ctx()),
-            generation_config=GenerationConfig(eos_token_id=self.eos or None), device=torch.device("cpu"))
+            config=SimpleNamespace(
+                vocab_size=llm.n_vocab(),
+                eos_token_id=self.eos[0] if self.eos else None,
+                max_position_embeddings=llm.n_ctx(),
+            ),
+            generation_config=GenerationConfig(eos_token_id=self.eos or None),
+            device=torch.device("cpu"),
+        )
         self.prompt_length = None
         self.logits_processor = llama_cpp.LogitsProcessorList([self._process])
         self.stopping_criteria = llama_cpp.StoppingCriteriaList([self._stop])
@@ -60,8 +68,9 @@ class LlamaCppHooks:
     def _start(self, prompt_length: int) -> None:
         self.prompt_length = prompt_length
         with self.registered():
-            args = hook_arguments(self.model, self.config, 1, prompt_length, "cpu",
-                                  max_length=self.model.config.max_position_embeddings)
+            args = hook_arguments(
+                self.model, self.config, 1, prompt_length, "cpu", max_length=self.model.config.max_position_embeddings
+            )
             args["context"].tokenizer = self.tokenizer
             self.processors, self.criteria = chosen_hooks(self.chosen, args)
             self.selector = call_first("decodekit_token_selector", only=self.chosen, **args)[1]
@@ -93,24 +102,42 @@ class LlamaCppHooks:
         return bool(self.criteria(ids, scores).any())
 
 
-def hooks(llm, *, method=None, plugins: list[str] | None = None, trust_remote_code=None, revision: str | None = None,
-          tokenizer=None, **fields: Any) -> LlamaCppHooks:
+def hooks(
+    llm,
+    *,
+    method=None,
+    plugins: list[str] | None = None,
+    trust_remote_code=None,
+    revision: str | None = None,
+    tokenizer=None,
+    **fields: Any,
+) -> LlamaCppHooks:
     """decodekit hooks for a llama_cpp.Llama: one hook-only `method` (a local directory or Hub repo, through the trust
     gate with `trust_remote_code` / `revision`), else `plugins` (names of registered plugins), else every registered
     outside plugin; `fields` are the config fields they read (a method's own keywords). `tokenizer`: a decodekit or
     transformers tokenizer, for hooks that read text (stop strings). ValueError, with decodekit's message, for an
     unknown field or a plugin llama.cpp cannot take."""
-    chosen, loaded = choose(method, plugins, trust_remote_code, revision, "llama.cpp runs hook-only methods (logits "
-                            "processors, a selector, stopping criteria): run it with decodekit's generate().")
+    chosen, loaded = choose(
+        method,
+        plugins,
+        trust_remote_code,
+        revision,
+        "llama.cpp runs hook-only methods (logits "
+        "processors, a selector, stopping criteria): run it with decodekit's generate().",
+    )
     out = LlamaCppHooks(llm, chosen, loaded, GenerationConfig(), tokenizer)
     with out.registered():
         known = add_plugin_fields(out.config)
         unknown = sorted(set(fields) - known)
         if unknown:
             close = closest(unknown[0], known)
-            raise ValueError(f"unknown field {unknown[0]!r}" + (f" (did you mean {close!r}?)" if close else "") +
-                             f"; the fields are {sorted(known)}.")
+            raise ValueError(
+                f"unknown field {unknown[0]!r}"
+                + (f" (did you mean {close!r}?)" if close else "")
+                + f"; the fields are {sorted(known)}."
+            )
         out.config.update(**fields)
-        check_chosen(chosen, hook_arguments(out.model, out.config, 1, 1, "cpu", max_length=2), "llama.cpp", REFUSED,
-                     ADVICE)
+        check_chosen(
+            chosen, hook_arguments(out.model, out.config, 1, 1, "cpu", max_length=2), "llama.cpp", REFUSED, ADVICE
+        )
     return out

@@ -59,10 +59,12 @@ class BatchGenerator:
     def __call__(self, batch: dict) -> dict:
         results = self.rows.many([str(prompt) for prompt in batch[self.settings.prompt_key]])
         # Every row has every column (one Arrow schema): a failed row's generation is empty, its error set.
-        return {**{k: list(v) for k, v in batch.items()},
-                "generated_text": [r.get("generated_text", "") for r in results],
-                "generated_token_ids": [r.get("generated_token_ids", []) for r in results],
-                ERROR_KEY: [r.get(ERROR_KEY, "") for r in results]}
+        return {
+            **{k: list(v) for k, v in batch.items()},
+            "generated_text": [r.get("generated_text", "") for r in results],
+            "generated_token_ids": [r.get("generated_token_ids", []) for r in results],
+            ERROR_KEY: [r.get(ERROR_KEY, "") for r in results],
+        }
 
 
 def on_ray(address: str = "local", concurrency: int = 1, batch_size: int = 8):
@@ -75,8 +77,9 @@ def on_ray(address: str = "local", concurrency: int = 1, batch_size: int = 8):
     return runner
 
 
-def generate_on_ray(rows: list[dict], settings: BatchSettings, address: str = "local", concurrency: int = 1,
-                    batch_size: int = 8) -> Iterator[dict]:
+def generate_on_ray(
+    rows: list[dict], settings: BatchSettings, address: str = "local", concurrency: int = 1, batch_size: int = 8
+) -> Iterator[dict]:
     """The rows with their generations, computed by `concurrency` actors on the Ray cluster at `address`
     ("local" starts one here, or joins the one already started)."""
     if not rows:
@@ -90,8 +93,14 @@ def generate_on_ray(rows: list[dict], settings: BatchSettings, address: str = "l
     dataset = ray.data.from_items([{key: row[key], ROW: json.dumps(row)} for row in rows])
     # An actor sees a GPU only where it asks for one (Ray hides the others from it).
     gpus = {"num_gpus": 1} if settings.device.startswith("cuda") else {}
-    out = dataset.map_batches(BatchGenerator, fn_constructor_kwargs=asdict(settings), batch_size=batch_size,
-                              concurrency=concurrency, batch_format="default", **gpus)
+    out = dataset.map_batches(
+        BatchGenerator,
+        fn_constructor_kwargs=asdict(settings),
+        batch_size=batch_size,
+        concurrency=concurrency,
+        batch_format="default",
+        **gpus,
+    )
     for result in out.iter_rows():
         row = json.loads(result[ROW])
         if result.get(ERROR_KEY):
@@ -114,10 +123,22 @@ INPUT = "decodekit_input."
 LIGHT_CPUS = 0.25
 
 
-def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, Any] | None = None,
-                   allowed: Sequence[str] = (), sampling: dict[str, Any] | None = None, prompt_key: str = "prompt",
-                   chat: bool = False, device: str = "cpu", cpus: int = 1, concurrency: int = 1,
-                   batch_size: int = 16, engine_kwargs: dict[str, Any] | None = None, **config):
+def vllm_processor(
+    model: str,
+    method: str | None = None,
+    *,
+    fields: dict[str, Any] | None = None,
+    allowed: Sequence[str] = (),
+    sampling: dict[str, Any] | None = None,
+    prompt_key: str = "prompt",
+    chat: bool = False,
+    device: str = "cpu",
+    cpus: int = 1,
+    concurrency: int = 1,
+    batch_size: int = 16,
+    engine_kwargs: dict[str, Any] | None = None,
+    **config,
+):
     """A ray.data.llm processor generating for each row's `prompt_key` on vLLM engines (`concurrency` of them,
     `model` a transformers directory or Hub repo), with the decodekit hook-only `method` (an installed plugin
     or one of `allowed`, entries SPEC@REVISION: the trust the operator gives, loaded through decodekit's
@@ -145,8 +166,10 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
     try:
         from ray.data.llm import build_processor, vLLMEngineProcessorConfig
     except ImportError:
-        raise ImportError("vllm_processor needs ray.data.llm and vLLM in this environment: "
-                          "pip install 'ray[data]' and vLLM (`make test-vllm` builds such an environment)") from None
+        raise ImportError(
+            "vllm_processor needs ray.data.llm and vLLM in this environment: "
+            "pip install 'ray[data]' and vLLM (`make test-vllm` builds such an environment)"
+        ) from None
 
     engine_kwargs = dict(engine_kwargs or {})
     if not _processor_installed():  # installed decodekit registers it already; naming it twice would run methods twice
@@ -160,9 +183,16 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
     # chat template's stage and the row functions are light: a quarter CPU each, so a 2-CPU cluster fits them
     # beside an engine (with a whole CPU each they would wait for one another forever).
     processor_config = vLLMEngineProcessorConfig(
-        model_source=model, engine_kwargs=engine_kwargs, concurrency=concurrency, batch_size=batch_size,
-        runtime_env=runtime_env, chat_template_stage={"enabled": chat, "num_cpus": LIGHT_CPUS},
-        tokenize_stage=False, detokenize_stage=False, **config)
+        model_source=model,
+        engine_kwargs=engine_kwargs,
+        concurrency=concurrency,
+        batch_size=batch_size,
+        runtime_env=runtime_env,
+        chat_template_stage={"enabled": chat, "num_cpus": LIGHT_CPUS},
+        tokenize_stage=False,
+        detokenize_stage=False,
+        **config,
+    )
     params = {"temperature": 0.0, "max_tokens": 64, **(sampling or {})}
     if choice is not None:
         params["extra_args"] = {**(params.get("extra_args") or {}), KEY: choice}  # JSON text: one Arrow schema
@@ -175,12 +205,20 @@ def vllm_processor(model: str, method: str | None = None, *, fields: dict[str, A
         return {**{INPUT + k: v for k, v in row.items()}, **text, "sampling_params": params}
 
     def postprocess(row: dict) -> dict:
-        return {**{k[len(INPUT):]: v for k, v in row.items() if k.startswith(INPUT)},
-                "generated_text": row["generated_text"], "generated_token_ids": _plain(row["generated_tokens"])}
+        return {
+            **{k[len(INPUT) :]: v for k, v in row.items() if k.startswith(INPUT)},
+            "generated_text": row["generated_text"],
+            "generated_token_ids": _plain(row["generated_tokens"]),
+        }
 
     light = {"num_cpus": LIGHT_CPUS}
-    return build_processor(processor_config, preprocess=preprocess, postprocess=postprocess,
-                           preprocess_map_kwargs=light, postprocess_map_kwargs=light)
+    return build_processor(
+        processor_config,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        preprocess_map_kwargs=light,
+        postprocess_map_kwargs=light,
+    )
 
 
 def _processor_installed() -> bool:

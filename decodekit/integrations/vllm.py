@@ -56,7 +56,9 @@ REFUSED = {
     "decodekit_decoding_loop": "the decoding loop",
     "decodekit_next_token_logits": "how next-token logits are read",
 }
-ADVICE = "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+ADVICE = (
+    "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+)
 # Built-in plugins a request may name too: llama.cpp's samplers, which vLLM does not have.
 BUILT_IN = {"llamacpp_samplers"}
 
@@ -110,8 +112,9 @@ def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request 
         except ValueError:
             pass
     if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
-        raise ValueError(f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}} (or its JSON text); '
-                         f"got {spec!r}.")
+        raise ValueError(
+            f'extra_args["{KEY}"] must be an object {{"method": NAME, ...fields}} (or its JSON text); got {spec!r}.'
+        )
     fields = {k: v for k, v in spec.items() if k != "method"}
     name, plugins = spec["method"], outside_plugins() | BUILT_IN
     methods = allowed_methods() if methods is None else methods
@@ -121,19 +124,29 @@ def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request 
     elif name in plugins:
         method, chosen = None, {name}
     else:
-        raise ValueError(f"decodekit method {name!r} is neither an installed decodekit plugin nor a method allowed when "
-                         f"the engine started ({METHODS_VARIABLE}); available: {sorted(set(plugins) | set(methods))}.")
+        raise ValueError(
+            f"decodekit method {name!r} is neither an installed decodekit plugin nor a method allowed when "
+            f"the engine started ({METHODS_VARIABLE}); available: {sorted(set(plugins) | set(methods))}."
+        )
     request = Request(GenerationConfig(), chosen, method)
     with request.registered():
         known = add_plugin_fields(request.config)
         unknown = sorted(set(fields) - known)
         if unknown:
             close = closest(unknown[0], known)
-            raise ValueError(f"decodekit method {name!r}: unknown field {unknown[0]!r}"
-                             + (f" (did you mean {close!r}?)" if close else "") + ".")
+            raise ValueError(
+                f"decodekit method {name!r}: unknown field {unknown[0]!r}"
+                + (f" (did you mean {close!r}?)" if close else "")
+                + "."
+            )
         request.config.update(**fields)
-        check_chosen(chosen, hook_arguments(model or _StandIn(None, None), request.config, 1, 1, "cpu", max_length=2),
-                     "vLLM", REFUSED, ADVICE)
+        check_chosen(
+            chosen,
+            hook_arguments(model or _StandIn(None, None), request.config, 1, 1, "cpu", max_length=2),
+            "vLLM",
+            REFUSED,
+            ADVICE,
+        )
     return request
 
 
@@ -141,8 +154,9 @@ class _StandIn:
     """What hooks may read of `context.model` in vLLM: config.vocab_size / eos_token_id, device, generation_config."""
 
     def __init__(self, vocab_size, eos_token_id, tokenizer_name=None, max_model_len=None):
-        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id,
-                                      max_position_embeddings=max_model_len)
+        self.config = SimpleNamespace(
+            vocab_size=vocab_size, eos_token_id=eos_token_id, max_position_embeddings=max_model_len
+        )
         self.generation_config = GenerationConfig(eos_token_id=eos_token_id)
         self.device = torch.device("cpu")
         self.tokenizer_name, self._tokenizer = tokenizer_name, None
@@ -178,8 +192,12 @@ class RequestHooks:
 
     def _fail(self, error: BaseException) -> None:
         self.failed = error
-        logger.error("decodekit method %r failed on a request (%s: %s); the request is ended", self.name,
-                     type(error).__name__, error)
+        logger.error(
+            "decodekit method %r failed on a request (%s: %s); the request is ended",
+            self.name,
+            type(error).__name__,
+            error,
+        )
 
     def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         if self.failed is None:
@@ -210,10 +228,16 @@ def _engine_facts(vllm_config) -> tuple[_StandIn, list[int], int]:
     """What hooks may read of the engine's model (a stand-in), its EOS ids and its longest sequence."""
     model_config = vllm_config.model_config
     eos = getattr(getattr(model_config, "hf_config", None), "eos_token_id", None)
-    return (_StandIn(model_config.get_vocab_size(), eos,
-                     getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None),
-                     model_config.max_model_len),
-            [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), model_config.max_model_len)
+    return (
+        _StandIn(
+            model_config.get_vocab_size(),
+            eos,
+            getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None),
+            model_config.max_model_len,
+        ),
+        [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        model_config.max_model_len,
+    )
 
 
 def _max_tokens(params, max_model_len: int) -> int:
@@ -272,8 +296,9 @@ class SlotProcessor(SlotInterface or object):
             hooks = self.hooks.get(slot)
             if hooks is None:
                 request, max_tokens = self.requests[slot]
-                hooks = self.hooks[slot] = RequestHooks(request, self.model, prompt_length,
-                                                        prompt_length + max_tokens, self.eos)
+                hooks = self.hooks[slot] = RequestHooks(
+                    request, self.model, prompt_length, prompt_length + max_tokens, self.eos
+                )
             sequence = self.states.all_token_ids.gpu[slot, :start].tolist()
             for row in rows:
                 sequence.append(fed[row])
@@ -316,8 +341,9 @@ class DecodekitLogitsProcessor(AdapterLogitsProcessor):
         def run(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             hooks = hooks_for_prompt.get("hooks")
             if hooks is None:  # built at the first step, when the prompt's length is known
-                hooks = hooks_for_prompt["hooks"] = RequestHooks(request, self.model, len(prompt_ids),
-                                                                 len(prompt_ids) + max_tokens, self.eos)
+                hooks = hooks_for_prompt["hooks"] = RequestHooks(
+                    request, self.model, len(prompt_ids), len(prompt_ids) + max_tokens, self.eos
+                )
             return hooks(prompt_ids, output_ids, logits)
 
         return run

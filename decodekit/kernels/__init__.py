@@ -65,5 +65,13 @@ def paged_step_ready(model, keys) -> bool:
     return native.ready(keys)
 
 
-__all__ = ["Int8Linear", "Linear", "MAX_ROWS", "PLAIN_WEIGHTS_ROWS", "QUANTIZATIONS", "paged_step_ready", "settle_routes",
-           "step_layout"]
+__all__ = [
+    "Int8Linear",
+    "Linear",
+    "MAX_ROWS",
+    "PLAIN_WEIGHTS_ROWS",
+    "QUANTIZATIONS",
+    "paged_step_ready",
+    "settle_routes",
+    "step_layout",
+]

@@ -26,7 +26,7 @@ SHORT_KEYS = 1024
 
 
 def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) -> str:
-    """"kernel" (decodekit::prefill_attention in float32), "bf16_kernel" (the same in bfloat16 products, offered for
+    """ "kernel" (decodekit::prefill_attention in float32), "bf16_kernel" (the same in bfloat16 products, offered for
     bfloat16 where the CPU has AVX512-BF16, and for the float32 attention of an `int8` model, its q, k, v rounded to
     bfloat16), "int8_kernel" (an `int8` model's float32 attention with int8 scores, where the CPU has AVX512-VNNI)
     or "sdpa" for attention in `dtype` over `keys` keys, measured once per CPU, dtype (int8 models' apart where a
@@ -106,8 +106,9 @@ def by_route(route: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wind
     return kernel(q, k, v, window)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-                     int8: bool = False) -> torch.Tensor | None:
+def prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, int8: bool = False
+) -> torch.Tensor | None:
     """Causal attention of q [H, T, D] over k, v [KV, L, D] (query i at position L - T + i; a sliding `window` or
     None), as [H, T, D] in q's dtype, for a model whose weights are `int8` or not (prompt_attention_route); None
     where the kernel does not apply (off CPU, a dtype it does not take, autograd recording, code being compiled) or

@@ -183,19 +183,29 @@ def choose(name: str, candidates: dict[str, Callable[[], object]], sample: str =
             timings = fastest(candidates)
             taken = _taken_since(before)
             choice = min(timings, key=timings.get)
-            logger.info("%s: chose %s on this CPU (%s); measured %s", name, choice, cpu.describe(),
-                        ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()))
+            logger.info(
+                "%s: chose %s on this CPU (%s); measured %s",
+                name,
+                choice,
+                cpu.describe(),
+                ", ".join(f"{label} {1000 * t:.2f} ms" for label, t in timings.items()),
+            )
             if taken <= DISTURBED:
                 _write(_key(name, candidates, sample), choice)
             else:
-                logger.info("%s: not cached, other work took %.0f%% of this process's CPUs while it was measured; "
-                            "the next process measures again", name, 100 * taken)
+                logger.info(
+                    "%s: not cached, other work took %.0f%% of this process's CPUs while it was measured; "
+                    "the next process measures again",
+                    name,
+                    100 * taken,
+                )
         _made[name] = choice
         return choice
 
 
-def decide(name: str, candidates: Callable[[], dict[str, Callable[[], object]]], otherwise: str,
-           sample: str = "") -> str:
+def decide(
+    name: str, candidates: Callable[[], dict[str, Callable[[], object]]], otherwise: str, sample: str = ""
+) -> str:
     """The choice for `name`: pinned or made already, else the fastest of `candidates()` ({label: a call of a
     representative problem}, built only now), measured in inference mode. `otherwise` where nothing can be measured:
     in code being compiled (a trace cannot time anything; an eager call normally decides first), or where

@@ -70,7 +70,9 @@ def _parse_force(text: str) -> dict[str, bool]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name.strip() not in PROBES or value.strip() not in ("0", "1"):
-            raise ValueError(f"{FORCE_VARIABLE}={text!r}: {item!r} should be PROBE=0 or PROBE=1 with PROBE one of {list(PROBES)}.")
+            raise ValueError(
+                f"{FORCE_VARIABLE}={text!r}: {item!r} should be PROBE=0 or PROBE=1 with PROBE one of {list(PROBES)}."
+            )
         forced[name.strip()] = value.strip() == "1"
     return forced
 
@@ -115,8 +117,9 @@ def signature() -> str:
     libraries (ISA_VARIABLES): measurements cached under it are not reused elsewhere."""
     forced_here = sorted(f"{name}={value}" for name, value in _answers.items() if value != MACHINE[name])
     limits = [f"{name}={os.environ[name]}" for name in ISA_VARIABLES if os.environ.get(name)]
-    key = "\0".join([MODEL_NAME, " ".join(sorted(FLAGS)), torch.__version__, str(torch.get_num_threads()),
-                      *forced_here, *limits])
+    key = "\0".join(
+        [MODEL_NAME, " ".join(sorted(FLAGS)), torch.__version__, str(torch.get_num_threads()), *forced_here, *limits]
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -142,4 +145,6 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
 def describe() -> str:
     """One line for logs and `decodekit bench`: the CPU and the probes' answers."""
     on = [name for name in PROBES if has(name)]
-    return f"{MODEL_NAME or platform.machine()}; {torch.get_num_threads()} threads; " + (", ".join(on) or "no probe true")
+    return f"{MODEL_NAME or platform.machine()}; {torch.get_num_threads()} threads; " + (
+        ", ".join(on) or "no probe true"
+    )

@@ -71,8 +71,16 @@ TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_produ
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
 # The prompt routes of Linear.prompt_route and quantize.Int8Linear.prompt_route as the C++ prompt layers number
 # them (ProductRoute in cpu_kernels.cpp); an int8 weight whose columns are stored interleaved adds INTERLEAVED.
-PROMPT_ROUTES = {"library": 0, "packed": 1, "tiles": 2, "blocks": 3, "wide_blocks": 4, "int8_split": 5, "int8_tiles": 6,
-                 "onednn": 7}
+PROMPT_ROUTES = {
+    "library": 0,
+    "packed": 1,
+    "tiles": 2,
+    "blocks": 3,
+    "wide_blocks": 4,
+    "int8_split": 5,
+    "int8_tiles": 6,
+    "onednn": 7,
+}
 # The routes whose operand is a copy of the weight made once (packed_weight): MKL's packed layout, oneDNN's reordered
 # one. packed_route decides between them, a plain float32 copy (a bfloat16 or int8 weight's, multiplied by the route
 # float32 weights take: FLOAT32_COPY) and the route otherwise taken.
@@ -110,8 +118,10 @@ def packed_memory_share() -> float:
     except ValueError:
         share = -1.0
     if not 0.0 <= share <= 1.0:
-        raise ValueError(f"{SHARE_VARIABLE}={text!r}: expected a number from 0 (no packed copies) to 1 "
-                         f"(the default is {PACKED_MEMORY_SHARE}).")
+        raise ValueError(
+            f"{SHARE_VARIABLE}={text!r}: expected a number from 0 (no packed copies) to 1 "
+            f"(the default is {PACKED_MEMORY_SHARE})."
+        )
     return share
 
 
@@ -165,8 +175,9 @@ def onednn_product(x: torch.Tensor, reordered: torch.Tensor, bias: torch.Tensor 
     return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
 
 
-def packed_weight(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor],
-                  kind: str = "packed"):
+def packed_weight(
+    module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor], kind: str = "packed"
+):
     """`module`'s weight as float32 (`float32()`, computed from `sources`: the weight, and an int8 weight's scales)
     copied once for a copy route (copy_of_weight: `kind` "packed" for MKL, "onednn" for oneDNN, "float32_copy"
     plain), made on first use and again when a source has changed (its data or version); None where the library is
@@ -227,12 +238,15 @@ def row_class(rows: int) -> int:
 def sample_layer(size: int, dtype: torch.dtype) -> list:
     """A prompt of `size` rows and the weights of one default-model-sized layer: q/k/v, o, gate/up and down."""
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
-            for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+    return [
+        (torch.randn(size, k, generator=generator), torch.randn(n, k, generator=generator).to(dtype))
+        for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    ]
 
 
 def _through(route: str, layer: list):
     """A call of `layer`'s products by `route` (one of many_rows_routes())."""
+
     def library():
         for x, weight in layer:
             x @ weight.float().t()
@@ -282,12 +296,17 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
             layer = layer + [(x, weight.clone()) for _ in range(-(-wanted // layer_bytes) - 1) for x, weight in layer]
         return {route: _through(route, layer) for route in many_rows_routes()}
 
-    return choices.decide(f"{str(dtype).removeprefix('torch.')}_rows_{size}", candidates, otherwise="library",
-                          sample=STEP_SAMPLE if from_memory else "")
+    return choices.decide(
+        f"{str(dtype).removeprefix('torch.')}_rows_{size}",
+        candidates,
+        otherwise="library",
+        sample=STEP_SAMPLE if from_memory else "",
+    )
 
 
-def packed_route(dtype: torch.dtype, rows: int, other: str,
-                 problem: Callable[[int], tuple[list, Callable[[], object]]]) -> str | None:
+def packed_route(
+    dtype: torch.dtype, rows: int, other: str, problem: Callable[[int], tuple[list, Callable[[], object]]]
+) -> str | None:
     """The copy route that runs a product of `rows` rows outside a trace faster than `other`, the route otherwise
     chosen for those rows and weights of `dtype` (float32, bfloat16, int8), or None where none does: the weight as
     float32 copied once (packed_weight), "packed" (MKL's packed layout: the library's matmul packs a float32 weight on
@@ -331,6 +350,7 @@ def packed_route(dtype: torch.dtype, rows: int, other: str,
 
 def _tiled_problem(dtype: torch.dtype, other: str) -> Callable[[int], tuple[list, Callable[[], object]]]:
     """packed_route's problem for a float32 or bfloat16 weight whose products otherwise take `other`."""
+
     def problem(size: int):
         layer = sample_layer(size, dtype)
         return [(x, weight.float()) for x, weight in layer], _through(other, layer)
@@ -368,8 +388,9 @@ def kernel_route(route: str, weight: torch.Tensor, ready: bool) -> tuple[str, to
     return "library", weight
 
 
-def copied_route(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor],
-                 copy: str, rows: int) -> tuple[str, torch.Tensor] | None:
+def copied_route(
+    module: nn.Module, sources: tuple[torch.Tensor, ...], float32: Callable[[], torch.Tensor], copy: str, rows: int
+) -> tuple[str, torch.Tensor] | None:
     """(prompt route, operand) for a product of `rows` rows by `module`'s weight copied once for the copy route `copy`
     (packed_weight's arguments): MKL's and oneDNN's copies take their own route, a plain float32 copy (FLOAT32_COPY)
     the one float32 weights take (kernel_route); None where no copy is made."""
@@ -379,8 +400,9 @@ def copied_route(module: nn.Module, sources: tuple[torch.Tensor, ...], float32: 
     return kernel_route(float32_route(rows), operand, True) if copy == FLOAT32_COPY else (copy, operand)
 
 
-def prompt_product(rows: torch.Tensor, route: str, operand: torch.Tensor, out_features: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+def prompt_product(
+    rows: torch.Tensor, route: str, operand: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """rows [M, K] @ W^T (+ bias) by a prompt route that names no int8 kernel, `operand` the weight or its copy
     (Linear.prompt_route): "packed" (decodekit::packed_product; bfloat16 rows widened and the product rounded back a
     block at a time, in cache), "onednn" (onednn_product), "library" (F.linear, the weight widened), "tiles", "blocks"
@@ -441,8 +463,9 @@ class Linear(HoldsPackedCopy, nn.Linear):
         y = prompt_product(x.reshape(rows, -1), route, operand, self.out_features, bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def prompt_route(self, x: torch.Tensor, rows: int,
-                     choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor]:
+    def prompt_route(
+        self, x: torch.Tensor, rows: int, choice: tuple[str, str | None] | None = None
+    ) -> tuple[str, torch.Tensor]:
         """How `rows` rows like `x` (a prompt's, on CPU) are multiplied by this weight, as `choice` (prompt_choice for
         this weight's dtype and the rows, looked up where not given) says: ("packed", MKL's packed copy), ("onednn",
         oneDNN's reordered copy), ("tiles", "blocks" or "wide_blocks", the weight or its plain float32 copy:
@@ -452,4 +475,3 @@ class Linear(HoldsPackedCopy, nn.Linear):
         route, copy = choice or prompt_choice(self.weight.dtype, rows, ready)
         copied = copied_route(self, (self.weight,), self.weight.float, copy, rows) if copy and ready else None
         return copied or kernel_route(route, self.weight, ready)
-

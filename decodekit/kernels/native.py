@@ -162,13 +162,18 @@ def _register_fakes() -> None:
         return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
     torch.library.register_fake("decodekit::tiled_product")(tiled_product)
-    torch.library.register_fake("decodekit::prefill_attention")(lambda q, k, v, window=0, wide=False: torch.empty_like(q))
+    torch.library.register_fake("decodekit::prefill_attention")(
+        lambda q, k, v, window=0, wide=False: torch.empty_like(q)
+    )
     torch.library.register_fake("decodekit::rms_norm")(lambda x, weight, eps: torch.empty_like(x, dtype=torch.float32))
     torch.library.register_fake("decodekit::rotary")(lambda x, cos, sin: torch.empty(x.shape, dtype=torch.float32))
     torch.library.register_fake("decodekit::silu_mul")(
-        lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=torch.float32))
+        lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=torch.float32)
+    )
     torch.library.register_fake("decodekit::split_product")(tiled_product)  # the same shape: [rows, out] float32
     torch.library.register_fake("decodekit::row_product")(row_product)
     torch.library.register_fake("decodekit::row_product_int8")(row_product_int8)
     torch.library.register_fake("decodekit::decode_layers")(decode_layers)
-    torch.library.register_fake("decodekit::paged_attention")(lambda q, *rest: torch.empty_like(q))  # writes keys, values
+    torch.library.register_fake("decodekit::paged_attention")(
+        lambda q, *rest: torch.empty_like(q)
+    )  # writes keys, values

@@ -121,6 +121,7 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
                 layers[0](prompt)
                 for _ in range(64):
                     next(turn)(step)
+
             return call
 
         return {label: typical_call(layers[label]) for label in offered}
@@ -173,8 +174,11 @@ class PackedLinear(nn.Module):
 
     def to_linear(self) -> Linear:
         linear = Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = self.shared_weight if self.shared_weight is not None else nn.Parameter(
-            self.packed.to_dense(), requires_grad=False)
+        linear.weight = (
+            self.shared_weight
+            if self.shared_weight is not None
+            else nn.Parameter(self.packed.to_dense(), requires_grad=False)
+        )
         linear.bias = self.bias
         return linear
 
@@ -212,8 +216,9 @@ def _pack(model: nn.Module) -> bool:
     counts: dict[int, int] = {}
     for _, _, linear in linears:
         counts[id(linear.weight)] = counts.get(id(linear.weight), 0) + 1
-    shared = {id(linear.weight) for _, _, linear in linears
-              if id(linear.weight) in others or counts[id(linear.weight)] > 1}
+    shared = {
+        id(linear.weight) for _, _, linear in linears if id(linear.weight) in others or counts[id(linear.weight)] > 1
+    }
     # "both" keeps every weight beside its packed copy: that copy counts against linear.py's budget of packed copies.
     extra = sum(linear.weight.nbytes for _, _, linear in linears if id(linear.weight) not in shared)
     dtypes = {linear.weight.dtype for _, _, linear in linears}
@@ -230,8 +235,9 @@ def _pack(model: nn.Module) -> bool:
     if "plain" in layouts.values():
         return False
     for parent, name, linear in linears:
-        packed = PackedLinear(linear, keep_weight=id(linear.weight) in shared,
-                              plain_steps=layouts[linear.weight.dtype] == "both")
+        packed = PackedLinear(
+            linear, keep_weight=id(linear.weight) in shared, plain_steps=layouts[linear.weight.dtype] == "both"
+        )
         setattr(parent, name, packed)
     if both:
         weakref.finalize(packed, release_copy, extra)  # the copies go with the packed layers, all at once
@@ -258,8 +264,11 @@ def plain_weights(model: nn.Module):
         # the user may later change in place.
         with torch.inference_mode(False):
             unpack_linears(model)
-        logger.info("linear weights unpacked from oneDNN's layout for a compiled step of few rows "
-                    "(%.0f ms); the next eager call packs them again", 1000 * (time.perf_counter() - start))
+        logger.info(
+            "linear weights unpacked from oneDNN's layout for a compiled step of few rows "
+            "(%.0f ms); the next eager call packs them again",
+            1000 * (time.perf_counter() - start),
+        )
     model._packed_linears = False
     try:
         yield

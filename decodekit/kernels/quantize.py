@@ -120,8 +120,9 @@ class Int8Linear(HoldsPackedCopy):
             flat, interleaved = stored_order(flat), False
         return torch.ops.decodekit.tiled_product(flat.float().contiguous(), operand, self.scales, interleaved)
 
-    def prompt_route(self, x: torch.Tensor, rows: int,
-                     choice: tuple[str, str | None] | None = None) -> tuple[str, torch.Tensor] | None:
+    def prompt_route(
+        self, x: torch.Tensor, rows: int, choice: tuple[str, str | None] | None = None
+    ) -> tuple[str, torch.Tensor] | None:
         """How a prompt's `rows` rows like `x` are multiplied where one of decodekit's kernels does it, scales
         applied, as `choice` (prompt_choice(rows), looked up where not given) says: ("int8_split", the int8 weight:
         decodekit::split_product), ("int8_tiles", the int8 weight: decodekit::tiled_product), ("packed" or
@@ -193,8 +194,9 @@ def stored_order(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1, 4, width // 4).transpose(1, 2).reshape(-1, width)
 
 
-def split_int8_product(rows: torch.Tensor, weight_int8: torch.Tensor, interleaved: bool = False,
-                       scales: torch.Tensor | None = None) -> torch.Tensor:
+def split_int8_product(
+    rows: torch.Tensor, weight_int8: torch.Tensor, interleaved: bool = False, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """rows [M, in] @ weight_int8^T [out, in] as int8 x int8 products (torch._int_mm: oneDNN's VNNI or AMX
     kernels where the CPU has them), in float32 [M, out], times the per-channel `scales` [out] where given;
     `interleaved`: the weight's columns are stored interleaved (interleaved_columns) and the rows are given in the
@@ -243,6 +245,7 @@ def many_rows_route() -> str:
     through memory). Another
     route, converting to bf16 for oneDNN's bf16 matmul, rounds each product to bfloat16: the default
     model's int8 log-likelihood moved 2.1% from fp32 against 1.3% (int8pack), so it is not offered."""
+
     def candidates() -> dict:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(256, 576, generator=generator)  # a prompt of 256 tokens through a default-model-sized layer

@@ -9,4 +9,11 @@ from ..families.llama import LlamaForCausalLM
 from .loading import AutoModelForCausalLM
 from .tokenizer import AutoTokenizer, Tokenizer
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "LlamaForCausalLM", "AutoModelForCausalLM", "AutoTokenizer", "Tokenizer"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ModelConfig",
+    "LlamaForCausalLM",
+    "AutoModelForCausalLM",
+    "AutoTokenizer",
+    "Tokenizer",
+]

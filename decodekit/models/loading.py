@@ -54,11 +54,15 @@ def resolve_dtype(dtype, config_dtype: str | None = None) -> torch.dtype:
 def check_model_name(name_or_path) -> None:
     """ValueError naming the argument for what no directory, file or Hub repo id can be."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ValueError(f"pretrained_model_name_or_path={name_or_path!r} is invalid; expected a model directory, a "
-                         "GGUF file or a Hub repo id 'org/name'.")
+        raise ValueError(
+            f"pretrained_model_name_or_path={name_or_path!r} is invalid; expected a model directory, a "
+            "GGUF file or a Hub repo id 'org/name'."
+        )
     if len(str(name_or_path)) > 4096:
-        raise ValueError(f"pretrained_model_name_or_path is {len(str(name_or_path))} characters long, longer than any "
-                         "path or Hub repo id (at most 4096).")
+        raise ValueError(
+            f"pretrained_model_name_or_path is {len(str(name_or_path))} characters long, longer than any "
+            "path or Hub repo id (at most 4096)."
+        )
 
 
 def resolve_model_dir(
@@ -81,8 +85,15 @@ def resolve_model_dir(
     from ..hub_loader.reach import hub_download
 
     with hub_download(name):
-        return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
-                                      local_files_only=local_files_only, token=token))
+        return Path(
+            snapshot_download(
+                repo_id=name,
+                revision=revision,
+                allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
+                local_files_only=local_files_only,
+                token=token,
+            )
+        )
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -141,7 +152,9 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     try:
         native = to_native(hf_state, config)
     except KeyError as e:
-        raise ValueError(f"Weights are missing tensor {e.args[0]!r} that a {config.model_type} config requires.") from None
+        raise ValueError(
+            f"Weights are missing tensor {e.args[0]!r} that a {config.model_type} config requires."
+        ) from None
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_state_dict(native, strict=True, assign=True)
@@ -150,28 +163,35 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     return model.to(dtype=dtype, device=device).eval()
 
 
-
-
 def check_backend(backend) -> None:
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is invalid; expected one of {list(BACKENDS)} or None (native where "
-                         "decodekit has the architecture, transformers otherwise).")
+        raise ValueError(
+            f"backend={backend!r} is invalid; expected one of {list(BACKENDS)} or None (native where "
+            "decodekit has the architecture, transformers otherwise)."
+        )
 
 
 def choose_backend(backend, model_type, native: bool, label: str) -> str:
     """The backend that loads `label` (whose architecture is `model_type`), with a log line saying why."""
     if backend is None:
         backend = "native" if native else "transformers"
-        why = (f"model_type {model_type!r} is one of decodekit's native families" if native else
-               f"model_type {model_type!r} has no native implementation (native: {sorted(SUPPORTED_MODEL_TYPES)})")
+        why = (
+            f"model_type {model_type!r} is one of decodekit's native families"
+            if native
+            else f"model_type {model_type!r} has no native implementation (native: {sorted(SUPPORTED_MODEL_TYPES)})"
+        )
     else:
         why = f"backend={backend!r} was passed"
         if backend == "native" and not native:
-            raise ValueError(f"{label}: model_type {model_type!r} has no native implementation in decodekit (native: "
-                             f"{sorted(SUPPORTED_MODEL_TYPES)}); load it with backend='transformers' or backend=None.")
+            raise ValueError(
+                f"{label}: model_type {model_type!r} has no native implementation in decodekit (native: "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}); load it with backend='transformers' or backend=None."
+            )
     if backend == "transformers" and not transformers_installed():
-        raise ImportError(f"{label}: {why}, so it loads through transformers, which is not installed; install it "
-                          f"with:\n    {TRANSFORMERS_EXTRA}")
+        raise ImportError(
+            f"{label}: {why}, so it loads through transformers, which is not installed; install it "
+            f"with:\n    {TRANSFORMERS_EXTRA}"
+        )
     logger.info("loading %s with the %s backend: %s", label, backend, why)
     return backend
 
@@ -219,8 +239,10 @@ class AutoModelForCausalLM:
         from ..kernels.quantize import QUANTIZATIONS
 
         if isinstance(name_or_path, (torch.nn.Module, Model)):
-            raise TypeError(f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
-                            f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model).")
+            raise TypeError(
+                f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
+                f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model)."
+            )
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
         check_backend(backend)
@@ -238,12 +260,26 @@ class AutoModelForCausalLM:
         model_type, native, config_fields = _architecture(model_dir, gguf_file)
         label = str(name_or_path) + (f" ({gguf_file})" if gguf_file else "")
         if choose_backend(backend, model_type, native, label) == "transformers":
-            return _load_with_transformers(name_or_path, model_dir, gguf_file, config_fields, label, quantize, dtype,
-                                           device, revision, token, local_files_only, trust_remote_code,
-                                           transformers_kwargs)
+            return _load_with_transformers(
+                name_or_path,
+                model_dir,
+                gguf_file,
+                config_fields,
+                label,
+                quantize,
+                dtype,
+                device,
+                revision,
+                token,
+                local_files_only,
+                trust_remote_code,
+                transformers_kwargs,
+            )
         if transformers_kwargs:
-            raise TypeError(f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
-                            f"takes; {label} loads natively (pass backend='transformers' to load it with transformers).")
+            raise TypeError(
+                f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
+                f"takes; {label} loads natively (pass backend='transformers' to load it with transformers)."
+            )
         if gguf_file is not None:
             model_dir = resolve_model_dir(
                 name_or_path, revision, local_files_only, token, allow_patterns=[gguf_file, "generation_config.json"]
@@ -257,10 +293,13 @@ class AutoModelForCausalLM:
             state = load_safetensors(model_dir)
         gen_path = model_dir / "generation_config.json"
         generation_config = (
-            GenerationConfig.from_file(gen_path, config) if gen_path.is_file() else GenerationConfig.from_model_config(config)
+            GenerationConfig.from_file(gen_path, config)
+            if gen_path.is_file()
+            else GenerationConfig.from_model_config(config)
         )
-        module = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)),
-                             torch.device(device or "cpu"))
+        module = build_model(
+            config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")
+        )
         module.name_or_path = str(name_or_path)
         if quantize is not None:
             from ..kernels.quantize import quantize as quantize_model
@@ -285,24 +324,49 @@ def _stored_tokenizer(model_dir: Path, gguf_file: str | None):
         return None
 
 
-def _load_with_transformers(name_or_path, model_dir: Path, gguf_file, config_fields: dict | None, label: str, quantize,
-                            dtype, device, revision, token, local_files_only, trust_remote_code, transformers_kwargs):
+def _load_with_transformers(
+    name_or_path,
+    model_dir: Path,
+    gguf_file,
+    config_fields: dict | None,
+    label: str,
+    quantize,
+    dtype,
+    device,
+    revision,
+    token,
+    local_files_only,
+    trust_remote_code,
+    transformers_kwargs,
+):
     from .transformers import load_model
 
     if quantize is not None:
-        raise ValueError(f"quantize={quantize!r} applies to decodekit's native models; {label} loads through "
-                         "transformers: pass its quantization_config=... instead.")
+        raise ValueError(
+            f"quantize={quantize!r} applies to decodekit's native models; {label} loads through "
+            "transformers: pass its quantization_config=... instead."
+        )
     config_dtype = (config_fields.get("dtype") or config_fields.get("torch_dtype")) if config_fields else None
     # A local directory is read where it is; a Hub repo goes through transformers' own download (same cache).
     source = model_dir if Path(name_or_path).expanduser().is_dir() or gguf_file else name_or_path
-    module = load_model(source, dtype=resolve_dtype(dtype, config_dtype), device=device, revision=revision, token=token,
-                        local_files_only=local_files_only, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
-                        **transformers_kwargs)
+    module = load_model(
+        source,
+        dtype=resolve_dtype(dtype, config_dtype),
+        device=device,
+        revision=revision,
+        token=token,
+        local_files_only=local_files_only,
+        gguf_file=gguf_file,
+        trust_remote_code=trust_remote_code,
+        **transformers_kwargs,
+    )
     model = Model(module, name_or_path=str(name_or_path))
     model.tokenizer_source = functools.partial(_stored_tokenizer, model_dir, gguf_file)
     snapshot = None
     if gguf_file is None:
-        snapshot = resolve_model_dir(name_or_path, revision, local_files_only, token, allow_patterns=["custom_generate/**"])
+        snapshot = resolve_model_dir(
+            name_or_path, revision, local_files_only, token, allow_patterns=["custom_generate/**"]
+        )
     if snapshot is not None and (snapshot / "custom_generate" / "generate.py").is_file():
         _attach_custom_generate(model, snapshot, str(name_or_path), trust_remote_code)
     return model
@@ -322,4 +386,6 @@ def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_cod
     local = Path(label).expanduser().is_dir()
     # A Hub snapshot lives under snapshots/<commit sha>/: that sha is the revision being trusted.
     source = from_directory(model_dir, label, "local" if local else "hub", revision=None if local else model_dir.name)
-    bind_to_model(model, load(source, trust_remote_code), prepare=lambda fn, kwargs: method_arguments(model, fn, kwargs))
+    bind_to_model(
+        model, load(source, trust_remote_code), prepare=lambda fn, kwargs: method_arguments(model, fn, kwargs)
+    )

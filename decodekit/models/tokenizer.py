@@ -22,8 +22,14 @@ logger = logging.getLogger("decodekit")
 
 _TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 # What transformers' AutoTokenizer reads where tokenizer.json is missing (its config, BPE or SentencePiece files).
-_TRANSFORMERS_TOKENIZER_FILES = ["tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
-                                 "vocab.txt"]
+_TRANSFORMERS_TOKENIZER_FILES = [
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.txt",
+]
 
 
 class BatchEncoding(dict):
@@ -91,9 +97,11 @@ class Tokenizer:
         from tokenizers import Tokenizer as Backend
 
         if not (model_dir / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json; decodekit reads tokenizer.json or a GGUF file, and "
-                                    "transformers (the decodekit[transformers] extra) vocab.json + merges.txt or a "
-                                    "SentencePiece model with tokenizer_config.json.")
+            raise FileNotFoundError(
+                f"{model_dir} has no tokenizer.json; decodekit reads tokenizer.json or a GGUF file, and "
+                "transformers (the decodekit[transformers] extra) vocab.json + merges.txt or a "
+                "SentencePiece model with tokenizer_config.json."
+            )
         backend = Backend.from_file(str(model_dir / "tokenizer.json"))
         config: dict[str, Any] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
@@ -204,8 +212,9 @@ class Tokenizer:
                 raise ValueError("The texts have different lengths; pass padding=True to batch them.")
             ids, masks = self._pad(ids, masks)
         if return_tensors == "pt":
-            return BatchEncoding(input_ids=torch.tensor(ids, dtype=torch.long),
-                                 attention_mask=torch.tensor(masks, dtype=torch.long))
+            return BatchEncoding(
+                input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(masks, dtype=torch.long)
+            )
         if single:
             return BatchEncoding(input_ids=ids[0], attention_mask=masks[0])
         return BatchEncoding(input_ids=ids, attention_mask=masks)
@@ -259,8 +268,12 @@ class Tokenizer:
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dictionaries.")
         text = render_chat_template(
-            template, messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **template_kwargs,
+            template,
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_kwargs,
         )
         if not tokenize:
             return text
@@ -277,7 +290,9 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
     return torch.tensor([chat_ids(tokenizer, [{"role": "user", "content": text}])])
 
 
-def chat_ids(tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False, **template_kwargs) -> list[int]:
+def chat_ids(
+    tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False, **template_kwargs
+) -> list[int]:
     """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply.
 
     With `content_as_text` (a server's untrusted messages), text inside a message that spells a special or added
@@ -297,9 +312,14 @@ def chat_ids(tokenizer, messages: Sequence[dict[str, str]], content_as_text: boo
 def added_token_texts(tokenizer) -> list[str]:
     """The texts of a tokenizer's special and added tokens (decodekit's or a transformers one)."""
     backend = getattr(tokenizer, "backend", None)
-    decoder = (backend.get_added_tokens_decoder() if backend is not None and hasattr(backend, "get_added_tokens_decoder")
-               else getattr(tokenizer, "added_tokens_decoder", {}))
-    return [str(getattr(token, "content", token)) for token in decoder.values() if str(getattr(token, "content", token))]
+    decoder = (
+        backend.get_added_tokens_decoder()
+        if backend is not None and hasattr(backend, "get_added_tokens_decoder")
+        else getattr(tokenizer, "added_tokens_decoder", {})
+    )
+    return [
+        str(getattr(token, "content", token)) for token in decoder.values() if str(getattr(token, "content", token))
+    ]
 
 
 def encode_as_text(tokenizer, text: str) -> list[int]:
@@ -319,7 +339,7 @@ def _chat_ids_content_as_text(tokenizer, messages: list[dict], template_kwargs: 
     pattern = re.compile("|".join(re.escape(mark) for mark in marks))
     ids, at = [], 0
     for found in pattern.finditer(text):
-        ids += tokenizer.encode(text[at:found.start()], add_special_tokens=False) if found.start() > at else []
+        ids += tokenizer.encode(text[at : found.start()], add_special_tokens=False) if found.start() > at else []
         ids += encode_as_text(tokenizer, marks[found.group()])
         at = found.end()
     ids += tokenizer.encode(text[at:], add_special_tokens=False) if at < len(text) else []
@@ -363,7 +383,9 @@ def byte_level_bpe(fields: dict[str, Any]):
     backend.decoder = decoders.ByteLevel()
     # token_type 3 is CONTROL (special), 4 USER_DEFINED: both are matched whole, never split by BPE.
     types = fields.get("token_type") or []
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3])
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
     backend.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])
     bos = fields.get("bos_token_id")
     if fields.get("add_bos_token") and bos is not None:
@@ -380,15 +402,27 @@ class AutoTokenizer:
     AutoTokenizer otherwise (vocab.json + merges.txt, SentencePiece models, ...)."""
 
     @staticmethod
-    def from_pretrained(name_or_path: str | os.PathLike, revision: str | None = None, gguf_file: str | None = None,
-                        local_files_only: bool = False, token: str | bool | None = None, padding_side: str = "left",
-                        backend: str | None = None, **transformers_kwargs):
+    def from_pretrained(
+        name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        gguf_file: str | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        padding_side: str = "left",
+        backend: str | None = None,
+        **transformers_kwargs,
+    ):
         """`backend`: None picks native where decodekit reads the tokenizer; "native" or "transformers" forces one."""
         from .loading import TRANSFORMERS_EXTRA, check_backend, transformers_installed
 
         check_backend(backend)
-        options = dict(revision=revision, gguf_file=gguf_file, local_files_only=local_files_only, token=token,
-                       padding_side=padding_side)
+        options = dict(
+            revision=revision,
+            gguf_file=gguf_file,
+            local_files_only=local_files_only,
+            token=token,
+            padding_side=padding_side,
+        )
         path = Path(name_or_path).expanduser()
         native = gguf_file is not None or path.suffix == ".gguf"
         readable = True  # by transformers, as far as the files tell
@@ -398,15 +432,19 @@ class AutoTokenizer:
             readable = any((files / name).is_file() for name in _TRANSFORMERS_TOKENIZER_FILES)
         if backend == "native" or (backend is None and (native or not readable)):
             if transformers_kwargs:
-                raise TypeError(f"AutoTokenizer.from_pretrained() got {sorted(transformers_kwargs)}, which only the "
-                                "transformers backend takes.")
+                raise TypeError(
+                    f"AutoTokenizer.from_pretrained() got {sorted(transformers_kwargs)}, which only the "
+                    "transformers backend takes."
+                )
             return Tokenizer.from_pretrained(name_or_path, **options)
         if backend is None:
             label, why = str(name_or_path), "no tokenizer.json (decodekit reads tokenizer.json or a GGUF vocabulary)"
             logger.info("loading the tokenizer of %s with transformers: %s", label, why)
             if not transformers_installed():
-                raise FileNotFoundError(f"{label} has {why}; transformers can read its other formats: install it with\n"
-                                        f"    {TRANSFORMERS_EXTRA}")
+                raise FileNotFoundError(
+                    f"{label} has {why}; transformers can read its other formats: install it with\n"
+                    f"    {TRANSFORMERS_EXTRA}"
+                )
         from .transformers import load_tokenizer
 
         return load_tokenizer(name_or_path, **options, **transformers_kwargs)

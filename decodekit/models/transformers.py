@@ -17,15 +17,30 @@ from ..facade.transformers import require_transformers
 logger = logging.getLogger("decodekit")
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype, device, revision=None, token=None,
-               local_files_only: bool = False, gguf_file: str | None = None, trust_remote_code=None,
-               **transformers_kwargs):
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    device,
+    revision=None,
+    token=None,
+    local_files_only: bool = False,
+    gguf_file: str | None = None,
+    trust_remote_code=None,
+    **transformers_kwargs,
+):
     """A transformers AutoModelForCausalLM, in eval mode. `transformers_kwargs` (device_map, quantization_config,
     attn_implementation, ...) go to transformers' from_pretrained. `trust_remote_code` also lets a repository's
     own modeling code run, as it does in transformers."""
     transformers = require_transformers()
-    options = dict(revision=revision, token=token, local_files_only=local_files_only, dtype=dtype,
-                   trust_remote_code=bool(trust_remote_code), **transformers_kwargs)
+    options = dict(
+        revision=revision,
+        token=token,
+        local_files_only=local_files_only,
+        dtype=dtype,
+        trust_remote_code=bool(trust_remote_code),
+        **transformers_kwargs,
+    )
     if gguf_file is not None:
         options["gguf_file"] = gguf_file
     try:
@@ -37,8 +52,16 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype, device, r
     return model.eval()
 
 
-def load_tokenizer(name_or_path: str | os.PathLike, *, revision=None, token=None, local_files_only: bool = False,
-                   gguf_file: str | None = None, padding_side: str = "left", **transformers_kwargs):
+def load_tokenizer(
+    name_or_path: str | os.PathLike,
+    *,
+    revision=None,
+    token=None,
+    local_files_only: bool = False,
+    gguf_file: str | None = None,
+    padding_side: str = "left",
+    **transformers_kwargs,
+):
     """transformers' AutoTokenizer for `name_or_path`, padding on the left as decoder-only generation needs."""
     transformers = require_transformers()
     options = dict(revision=revision, token=token, local_files_only=local_files_only, **transformers_kwargs)

@@ -36,7 +36,13 @@ NEG = -1.0e9
 
 @hookimpl
 def decodekit_config_fields():
-    return {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False, "num_beam_groups": 1, "diversity_penalty": 0.0}
+    return {
+        "num_beams": 1,
+        "length_penalty": 1.0,
+        "early_stopping": False,
+        "num_beam_groups": 1,
+        "diversity_penalty": 0.0,
+    }
 
 
 @hookimpl
@@ -55,11 +61,16 @@ def decodekit_validate_config(generation_config):
         raise bad("num_beam_groups", f"num_beams={nb} must be divisible by num_beam_groups")
     if groups > 1 and gc.do_sample is True:
         raise bad("num_beam_groups", "diverse beam search is deterministic; it cannot be combined with do_sample=True")
-    if not (isinstance(gc.early_stopping, bool) or (isinstance(gc.early_stopping, str) and gc.early_stopping == "never")):
+    if not (
+        isinstance(gc.early_stopping, bool) or (isinstance(gc.early_stopping, str) and gc.early_stopping == "never")
+    ):
         raise bad("early_stopping", "expected True, False or 'never'")
     if gc.number("length_penalty", None) is None or abs(gc.length_penalty) > MAX_LENGTH_PENALTY:
-        raise bad("length_penalty", f"expected a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}] (> 0 favours "
-                  "longer sequences, < 0 shorter ones)")
+        raise bad(
+            "length_penalty",
+            f"expected a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}] (> 0 favours "
+            "longer sequences, < 0 shorter ones)",
+        )
     if gc.number("diversity_penalty", -1) < 0:
         raise bad("diversity_penalty", "expected a number >= 0")
     if groups > 1 and gc.diversity_penalty == 0:
@@ -98,8 +109,17 @@ class _Search:
     0-d tensors for the same reason.
     """
 
-    FIELDS = ("running", "sequences", "running_scores", "scores", "finished", "improvable", "hits",
-              "running_indices", "indices")
+    FIELDS = (
+        "running",
+        "sequences",
+        "running_scores",
+        "scores",
+        "finished",
+        "improvable",
+        "hits",
+        "running_indices",
+        "indices",
+    )
 
     def __init__(self, beams: int, keep: int, T0: torch.Tensor, fields):
         self.beams, self.keep, self.T0 = beams, keep, T0
@@ -117,10 +137,22 @@ class _Search:
         running_scores[:, 1:] = NEG  # all beams start identical: only the first may expand
         # Where each token's beam came from (its row at the step before), by sequence index; -1 in the prompt.
         running_indices = torch.full((items, beams, length), -1, dtype=torch.long, device=dev)
-        return cls(beams, keep, torch.tensor(T0, device=dev), (
-            running, running.clone(), running_scores, torch.full((items, beams), NEG, device=dev),
-            torch.zeros(items, beams, dtype=torch.bool, device=dev), torch.ones(items, 1, dtype=torch.bool, device=dev),
-            torch.zeros(items, keep, dtype=torch.bool, device=dev), running_indices, running_indices.clone()))
+        return cls(
+            beams,
+            keep,
+            torch.tensor(T0, device=dev),
+            (
+                running,
+                running.clone(),
+                running_scores,
+                torch.full((items, beams), NEG, device=dev),
+                torch.zeros(items, beams, dtype=torch.bool, device=dev),
+                torch.ones(items, 1, dtype=torch.bool, device=dev),
+                torch.zeros(items, keep, dtype=torch.bool, device=dev),
+                running_indices,
+                running_indices.clone(),
+            ),
+        )
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.FIELDS)
@@ -164,7 +196,9 @@ class _Search:
 
         length = (max_length if gc.early_stopping == "never" and gc.length_penalty > 0 else cur + 1) - self.T0
         best_running = self.running_scores[:, :1] / _penalty(length, gc.length_penalty)
-        worst_final = torch.where(self.finished, self.scores.min(dim=1, keepdim=True).values, self.scores.new_full((), NEG))
+        worst_final = torch.where(
+            self.finished, self.scores.min(dim=1, keepdim=True).values, self.scores.new_full((), NEG)
+        )
         self.improvable = self.improvable & (best_running > worst_final).any(dim=-1, keepdim=True)
 
     def searching(self, gc) -> torch.Tensor:
@@ -232,18 +266,22 @@ class _Plan:
         if not gc.return_dict_in_generate:
             return seqs
         return GenerateBeamOutput(
-            sequences=seqs, sequences_scores=scores if gc.output_scores else None,
+            sequences=seqs,
+            sequences_scores=scores if gc.output_scores else None,
             scores=tuple(scores_out) if scores_out is not None else None,
             logits=tuple(logits_out) if logits_out is not None else None,
-            beam_indices=indices, past_key_values=cache,
+            beam_indices=indices,
+            past_key_values=cache,
         )
 
 
 def _stopping_hits(stopping, cur: int):
     """hits_of for _Search.step from the pipeline's stopping criteria, which read the sequences so far."""
+
     def hits_of(cand, tokens):
         items, keep, _ = cand.shape
         return stopping(cand[:, :, : cur + 1].reshape(items * keep, cur + 1), None).view(items, keep)
+
     return hits_of
 
 
@@ -273,8 +311,14 @@ class BeamSearch:
         scores_out = [] if gc.output_scores else None
         logits_out = [] if gc.output_logits else None
 
-        out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-                    position_ids=every, **extra)
+        out = model(
+            input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_ids=every,
+            **extra,
+        )
         cur = T0
         while True:
             logits = out.logits[:, -1, :].float()
@@ -299,9 +343,14 @@ class BeamSearch:
             step_ids = search.running[:, :, :cur].reshape(rows, cur)
             if cache is not None:
                 step_ids = step_ids[:, -1:]
-            out = model(step_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=cache is not None,
-                        position_ids=positions if cache is not None else token_positions(model, step_ids, attention_mask),
-                        **extra)
+            out = model(
+                step_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                position_ids=positions if cache is not None else token_positions(model, step_ids, attention_mask),
+                **extra,
+            )
         return plan.output(search, gc, cache, scores_out, logits_out)
 
 
@@ -325,7 +374,9 @@ class FusedBeams(F.FusedLoop):
 
     def kind(self, pipeline, gc) -> tuple:
         G = gc.num_beam_groups
-        name = f"{'beam sampling' if gc.do_sample else 'beam search'}, {gc.num_beams} beams" + (f" in {G} groups" if G > 1 else "")
+        name = f"{'beam sampling' if gc.do_sample else 'beam search'}, {gc.num_beams} beams" + (
+            f" in {G} groups" if G > 1 else ""
+        )
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
         masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
         return (name, settings, F.processors_key(F.step_processors(pipeline)), masked)
@@ -346,8 +397,18 @@ class FusedBeams(F.FusedLoop):
             source = torch.where(go, _at(search.running_indices, slots).reshape(rows), plan.flat_rows.view(rows))
             cache.reorder(source)
             tokens = _at(search.running, slots).reshape(rows, 1)
-            logits = model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           cache_position=slots, logits_to_keep=1).logits[:, -1, :].float()
+            logits = (
+                model(
+                    tokens,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    cache_position=slots,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1, :]
+                .float()
+            )
             logp = torch.log_softmax(logits, dim=-1) + eos_block
             for p in procs:
                 logp = p(tokens, logp)
@@ -375,7 +436,9 @@ class FusedBeams(F.FusedLoop):
         logp = pipeline.processors(input_ids, torch.log_softmax(logits, dim=-1))
         if scores_out is not None:
             scores_out.append(logp)
-        plan.advance(search, logp, torch.tensor(T0, device=dev), _stopping_hits(pipeline.stopping, T0), gc, max_length, noise_key)
+        plan.advance(
+            search, logp, torch.tensor(T0, device=dev), _stopping_hits(pipeline.stopping, T0), gc, max_length, noise_key
+        )
         go = search.searching(gc)
         searching = [go]  # before each compiled step: whether it was a real one
         state = search.fields()
@@ -394,8 +457,18 @@ class FusedBeams(F.FusedLoop):
             eos_block = block if cur < min_length else no_block
             if host:  # the running beams' sequences, in the rows the step computes (state[0]: running)
                 eos_block = eos_block + F.host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
-            state, go, logp = fused(state, go, torch.tensor(cur, device=dev), positions, torch.tensor([slot], device=dev),
-                                    mask, eos_block, noise_key, *lengths, eos_ids)
+            state, go, logp = fused(
+                state,
+                go,
+                torch.tensor(cur, device=dev),
+                positions,
+                torch.tensor([slot], device=dev),
+                mask,
+                eos_block,
+                noise_key,
+                *lengths,
+                eos_ids,
+            )
             fused.compiled_once = True
             searching.append(go)
             if scores_out is not None:

@@ -28,16 +28,22 @@ def decodekit_validate_config(generation_config, context):
         fields = config.to_dict() if callable(getattr(config, "to_dict", None)) else config
         if not isinstance(fields, dict) or set(fields) - set(CACHE_CONFIG_KEYS):
             unknown = sorted(set(fields) - set(CACHE_CONFIG_KEYS)) if isinstance(fields, dict) else None
-            raise gc.invalid("cache_config", f"expected a dict with keys among {list(CACHE_CONFIG_KEYS)}"
-                             + (f"; {unknown} configure cache kinds decodekit does not have" if unknown else ""))
+            raise gc.invalid(
+                "cache_config",
+                f"expected a dict with keys among {list(CACHE_CONFIG_KEYS)}"
+                + (f"; {unknown} configure cache kinds decodekit does not have" if unknown else ""),
+            )
         if fields.get("max_cache_len") is not None and gc.max_cache_len is None:
             gc.max_cache_len = fields["max_cache_len"]
     length = gc.max_cache_len
     positions = getattr(getattr(context.model, "config", None), "max_position_embeddings", None)
     most = max(context.max_length, positions if is_int(positions) else 2**31 - 1)
     if length is not None and (not is_int(length) or not context.max_length <= length <= most):
-        raise gc.invalid("max_cache_len", f"expected an integer from this call's max_length ({context.max_length}: the "
-                         f"prompt and every new token) to the model's context ({most} positions), or None")
+        raise gc.invalid(
+            "max_cache_len",
+            f"expected an integer from this call's max_length ({context.max_length}: the "
+            f"prompt and every new token) to the model's context ({most} positions), or None",
+        )
 
 
 @hookimpl

@@ -36,9 +36,11 @@ def decodekit_validate_config(generation_config, context):
     if not is_number(alpha) or not 0 <= alpha <= 1:
         raise gc.invalid("penalty_alpha", "expected a number in [0, 1]")
     if alpha > 0 and getattr(context.model, "holds_recurrent_state", False):
-        raise ValueError(f"contrastive search scores top_k candidates as extra rows of the batch, and "
-                         f"{type(context.model.module).__name__} keeps its recurrent state in its own layers, sized "
-                         "for the call's batch: use greedy decoding, sampling or beam search.")
+        raise ValueError(
+            f"contrastive search scores top_k candidates as extra rows of the batch, and "
+            f"{type(context.model.module).__name__} keeps its recurrent state in its own layers, sized "
+            "for the call's batch: use greedy decoding, sampling or beam search."
+        )
     if alpha > 0 and gc.number("top_k", 0) <= 1:
         raise ValueError(
             f"generation config: penalty_alpha={alpha} needs top_k > 1 (the number of candidates to compare), "
@@ -46,10 +48,13 @@ def decodekit_validate_config(generation_config, context):
         )
     vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
     if alpha > 0 and vocab is not None and gc.top_k > vocab:
-        raise gc.invalid("top_k", f"contrastive search runs top_k candidates each step; expected at most the "
-                         f"vocabulary, {vocab}")
+        raise gc.invalid(
+            "top_k", f"contrastive search runs top_k candidates each step; expected at most the vocabulary, {vocab}"
+        )
     if alpha > 0 and (gc.do_sample or gc.number("num_beams", 1) > 1):
-        raise ValueError("penalty_alpha (contrastive search) is deterministic; it cannot be combined with do_sample or num_beams > 1.")
+        raise ValueError(
+            "penalty_alpha (contrastive search) is deterministic; it cannot be combined with do_sample or num_beams > 1."
+        )
 
 
 @hookimpl
@@ -58,7 +63,9 @@ def decodekit_decoding_loop(generation_config):
     return ContrastiveSearch() if gc.penalty_alpha is not None and gc.penalty_alpha > 0 and gc.top_k > 1 else None
 
 
-def degeneration_penalty(context: torch.Tensor, candidates: torch.Tensor, context_mask: torch.Tensor | None) -> torch.Tensor:
+def degeneration_penalty(
+    context: torch.Tensor, candidates: torch.Tensor, context_mask: torch.Tensor | None
+) -> torch.Tensor:
     """max over context positions of cos(context [N, T, H], candidate [N, H]); padding positions never count."""
     cos = torch.einsum("nth,nh->nt", F_normalize(context), F_normalize(candidates))
     if context_mask is not None:
@@ -85,8 +92,14 @@ class ContrastiveSearch:
         scores_out = [] if gc.output_scores else None
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        out = model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                    output_hidden_states=True)
+        out = model(
+            input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         hidden = out.hidden_states[-1]  # [B, T, H]
         next_logits = out.logits[:, -1, :].float()
         while True:
@@ -98,8 +111,14 @@ class ContrastiveSearch:
             reorder_rows(cache, expand)
             mask_k = torch.cat((mask[expand], mask.new_ones(B * k, 1)), dim=-1)
             pos_k = positions[expand, -1:] + 1
-            out_k = model(top_ids.reshape(B * k, 1), attention_mask=mask_k, position_ids=pos_k, past_key_values=cache,
-                          use_cache=True, output_hidden_states=True)
+            out_k = model(
+                top_ids.reshape(B * k, 1),
+                attention_mask=mask_k,
+                position_ids=pos_k,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
             cand_hidden = out_k.hidden_states[-1][:, -1, :]  # [B*k, H]
             penalty = degeneration_penalty(hidden[expand], cand_hidden, mask[expand]).view(B, k)
             choice = ((1 - alpha) * top_probs - alpha * penalty).argmax(dim=-1)  # [B]

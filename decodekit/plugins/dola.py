@@ -39,7 +39,11 @@ def candidate_layers(dola_layers, num_layers: int, tied: bool) -> list[int]:
             return [start]
         return list(range(start, num_layers // 2, 2)) if num_layers <= 40 else list(range(start, 20, 2))
     if dola_layers == "high":
-        return list(range(num_layers // 2, num_layers, 2)) if num_layers <= 40 else list(range(num_layers - 20, num_layers, 2))
+        return (
+            list(range(num_layers // 2, num_layers, 2))
+            if num_layers <= 40
+            else list(range(num_layers - 20, num_layers, 2))
+        )
     return [int(i) for i in dola_layers]
 
 
@@ -55,15 +59,24 @@ def decodekit_validate_config(generation_config, context):
     if isinstance(layers, str):
         if layers not in ("low", "high"):
             raise generation_config.invalid("dola_layers", "expected 'low', 'high' or a list of layer indices")
-    elif not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(i, int) and 0 <= i < n for i in layers):
+    elif (
+        not isinstance(layers, (list, tuple))
+        or not layers
+        or not all(isinstance(i, int) and 0 <= i < n for i in layers)
+    ):
         raise generation_config.invalid(
-            "dola_layers", f"a list of layer indices must be non-empty, each in [0, {n}) for this {n}-layer model "
-            "(0 is the embedding output)")
+            "dola_layers",
+            f"a list of layer indices must be non-empty, each in [0, {n}) for this {n}-layer model "
+            "(0 is the embedding output)",
+        )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if isinstance(layers, str) and not candidate_layers(layers, n, tied):
-        raise generation_config.invalid("dola_layers", f"'{layers}' picks no layer of this {n}-layer model"
-                                        + (" (with tied embeddings the first two are skipped)" if tied else "")
-                                        + f"; pass a list of layer indices in [0, {n})")
+        raise generation_config.invalid(
+            "dola_layers",
+            f"'{layers}' picks no layer of this {n}-layer model"
+            + (" (with tied embeddings the first two are skipped)" if tied else "")
+            + f"; pass a list of layer indices in [0, {n})",
+        )
     if generation_config.number("num_beams", 1) > 1:
         raise ValueError("dola_layers is not supported with beam search (num_beams > 1).")
     if generation_config.number("repetition_penalty", 1.0) < 1.2:

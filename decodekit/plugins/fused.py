@@ -30,8 +30,7 @@ import torch
 from ..core import processors as P
 from ..core import stopping as S
 from ..families.cache import StaticCache
-from ..core.compile import (COMPILE_OPTIONS, FusedStep, check_compile_config, compiled_steps, step_options,  # noqa: F401
-                            uses_inductor)
+from ..core.compile import FusedStep, check_compile_config, compiled_steps, step_options
 from ..core.outputs import loop_result
 from ..core.selectors import SamplingSelector, race, selector_declares
 from ..core.processors import declares
@@ -100,8 +99,10 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
             return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
         if not (declares(p, "score_only") or declares(p, "host_mask") or isinstance(p, P.MinLengthLogitsProcessor)):
             name = getattr(p, "__qualname__", type(p).__name__)
-            return (f"the logits processor {name} may read the whole sequence "
-                    "(one that reads only the scores can declare score_only = True: decodekit.core.processors.Processor)")
+            return (
+                f"the logits processor {name} may read the whole sequence "
+                "(one that reads only the scores can declare score_only = True: decodekit.core.processors.Processor)"
+            )
     if not selector_declares(pipeline.selector, "traceable"):
         return f"the token selector {type(pipeline.selector).__name__} does not declare itself traceable"
     for c in pipeline.stopping:
@@ -178,8 +179,9 @@ class FusedLoop:
                 raise
             # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
             compiled_steps(model, "fused")[fused.key] = None
-            logger.info("compile=True falls back to the eager loop: the step did not compile (%s)",
-                        str(e).splitlines()[0])
+            logger.info(
+                "compile=True falls back to the eager loop: the step did not compile (%s)", str(e).splitlines()[0]
+            )
             if streamer is not None:
                 raise
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
@@ -262,8 +264,18 @@ class FusedTokens(FusedLoop):
         sampling = isinstance(pipeline.selector, SamplingSelector)
 
         def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):
-            logits = model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           cache_position=slots, logits_to_keep=1).logits[:, -1, :].float()
+            logits = (
+                model(
+                    tokens,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    cache_position=slots,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1, :]
+                .float()
+            )
             scores = logits + eos_block
             for p in procs:
                 scores = p(tokens, scores)
@@ -312,10 +324,12 @@ class FusedTokens(FusedLoop):
             slots = torch.tensor([slot], device=dev)
             eos_block = block if cur < min_length else no_block
             if host:
-                eos_block = eos_block + host_block(host, torch.cat((input_ids, torch.stack(generated, dim=1)), dim=1),
-                                                   eos_block.shape[-1])
-            nxt, unfinished, scores = fused(nxt[:, None], positions, slots, mask, eos_block,
-                                            noise_key, unfinished, pad, eos_ids)
+                eos_block = eos_block + host_block(
+                    host, torch.cat((input_ids, torch.stack(generated, dim=1)), dim=1), eos_block.shape[-1]
+                )
+            nxt, unfinished, scores = fused(
+                nxt[:, None], positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids
+            )
             fused.compiled_once = True
             generated.append(nxt)
             alive.append(unfinished)

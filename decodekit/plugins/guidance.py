@@ -32,27 +32,45 @@ def decodekit_validate_config(generation_config, context):
     if not is_number(gc.guidance_scale) or gc.guidance_scale < 0:
         raise gc.invalid("guidance_scale", "expected a number >= 0 (1 means no guidance, larger pushes harder)")
     if gc.guidance_scale != 1 and getattr(context.model, "holds_recurrent_state", False):
-        raise ValueError(f"guidance_scale runs a second, unconditional sequence through the model beside the prompt's, "
-                         f"and {type(context.model.module).__name__} keeps its recurrent state in its own layers, so "
-                         "the two would overwrite each other: generate without guidance_scale.")
+        raise ValueError(
+            f"guidance_scale runs a second, unconditional sequence through the model beside the prompt's, "
+            f"and {type(context.model.module).__name__} keeps its recurrent state in its own layers, so "
+            "the two would overwrite each other: generate without guidance_scale."
+        )
     neg = gc.negative_prompt_ids
     if neg is None and gc.negative_prompt_attention_mask is not None:
-        raise ValueError("negative_prompt_attention_mask is the mask of negative_prompt_ids, which is not set; set both "
-                         "or neither.")
+        raise ValueError(
+            "negative_prompt_attention_mask is the mask of negative_prompt_ids, which is not set; set both or neither."
+        )
     if neg is not None:
-        if (not isinstance(neg, torch.Tensor) or neg.dim() != 2 or neg.shape[0] not in (1, context.batch_size)
-                or neg.is_floating_point() or neg.is_complex() or neg.dtype == torch.bool or neg.numel() == 0):
-            raise ValueError("negative_prompt_ids must be an integer tensor [batch or 1, seq] of token ids, got "
-                             + (f"a {neg.dtype} tensor of shape {tuple(neg.shape)}" if isinstance(neg, torch.Tensor)
-                                else type(neg).__name__) + ".")
+        if (
+            not isinstance(neg, torch.Tensor)
+            or neg.dim() != 2
+            or neg.shape[0] not in (1, context.batch_size)
+            or neg.is_floating_point()
+            or neg.is_complex()
+            or neg.dtype == torch.bool
+            or neg.numel() == 0
+        ):
+            raise ValueError(
+                "negative_prompt_ids must be an integer tensor [batch or 1, seq] of token ids, got "
+                + (
+                    f"a {neg.dtype} tensor of shape {tuple(neg.shape)}"
+                    if isinstance(neg, torch.Tensor)
+                    else type(neg).__name__
+                )
+                + "."
+            )
         vocab = getattr(getattr(context.model, "config", None), "vocab_size", None)
         if vocab is not None and (int(neg.min()) < 0 or int(neg.max()) >= vocab):
             raise ValueError(f"negative_prompt_ids holds token ids outside the vocabulary [0, {vocab}).")
         mask = gc.negative_prompt_attention_mask
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != neg.shape):
             got = f"shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"negative_prompt_attention_mask must be a tensor of the shape of negative_prompt_ids "
-                             f"{tuple(neg.shape)}, got {got}.")
+            raise ValueError(
+                f"negative_prompt_attention_mask must be a tensor of the shape of negative_prompt_ids "
+                f"{tuple(neg.shape)}, got {got}."
+            )
     if gc.number("num_beams", 1) > 1:
         raise ValueError("guidance_scale is not supported with beam search (num_beams > 1).")
 
@@ -62,8 +80,11 @@ def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     if gc.guidance_scale is None or gc.guidance_scale == 1:
         return []
-    return [UnbatchedClassifierFreeGuidanceLogitsProcessor(gc.guidance_scale, context.model, gc.negative_prompt_ids,
-                                                           gc.negative_prompt_attention_mask, gc.use_cache)]
+    return [
+        UnbatchedClassifierFreeGuidanceLogitsProcessor(
+            gc.guidance_scale, context.model, gc.negative_prompt_ids, gc.negative_prompt_attention_mask, gc.use_cache
+        )
+    ]
 
 
 class UnbatchedClassifierFreeGuidanceLogitsProcessor:
@@ -76,8 +97,14 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
     accepted for transformers' signature and still keeps one (the scores are the same).
     """
 
-    def __init__(self, guidance_scale: float, model, unconditional_ids=None, unconditional_attention_mask=None,
-                 use_cache: bool = True):
+    def __init__(
+        self,
+        guidance_scale: float,
+        model,
+        unconditional_ids=None,
+        unconditional_attention_mask=None,
+        use_cache: bool = True,
+    ):
         self.scale = self.guidance_scale = float(guidance_scale)
         self.model = model
         self.negative = unconditional_ids
@@ -99,9 +126,10 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             self.ids = torch.cat((self.ids, input_ids[:, -1:]), dim=-1)
             self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=-1)
             feed = self.ids if self.cache is None else input_ids[:, -1:]
-        positions = mask_positions(self.mask)[:, -feed.shape[1]:]
-        out = self.model(feed, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True)
+        positions = mask_positions(self.mask)[:, -feed.shape[1] :]
+        out = self.model(
+            feed, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+        )
         self.cache = returned_cache(out)
         return out.logits[:, -1, :].float()
 
@@ -129,13 +157,17 @@ class ClassifierFreeGuidanceLogitsProcessor:
 
     def __init__(self, guidance_scale: float):
         if not is_number(guidance_scale) or not guidance_scale > 1:
-            raise ValueError(f"guidance_scale={guidance_scale!r} is invalid; this processor needs a number > 1 (the "
-                             "unbatched class takes any scale >= 0).")
+            raise ValueError(
+                f"guidance_scale={guidance_scale!r} is invalid; this processor needs a number > 1 (the "
+                "unbatched class takes any scale >= 0)."
+            )
         self.guidance_scale = float(guidance_scale)
 
     def __call__(self, input_ids, scores):
         if scores.shape[0] != 2 * input_ids.shape[0]:
-            raise ValueError(f"the scores have {scores.shape[0]} rows and input_ids {input_ids.shape[0]}; expected twice "
-                             "as many scores: the conditional rows, then the unconditional ones.")
+            raise ValueError(
+                f"the scores have {scores.shape[0]} rows and input_ids {input_ids.shape[0]}; expected twice "
+                "as many scores: the conditional rows, then the unconditional ones."
+            )
         cond, uncond = scores.split(input_ids.shape[0], dim=0)
         return uncond + (cond - uncond) * self.guidance_scale

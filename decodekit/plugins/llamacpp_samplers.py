@@ -18,27 +18,57 @@ from __future__ import annotations
 
 from ..core import processors as P
 from ..core.config import is_int, is_number
-from ..core.llamacpp_samplers import (DRYLogitsProcessor, chain_active, DynamicTemperatureLogitsWarper, MirostatLogitsProcessor,
-                                      MirostatSelector, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper,
-                                      XTCLogitsWarper, dry_breaker_sequences)
+from ..core.llamacpp_samplers import (
+    DRYLogitsProcessor,
+    chain_active,
+    DynamicTemperatureLogitsWarper,
+    MirostatLogitsProcessor,
+    MirostatSelector,
+    QuadraticSmoothingLogitsWarper,
+    TopNSigmaLogitsWarper,
+    XTCLogitsWarper,
+    dry_breaker_sequences,
+)
 from ..core.selectors import draw_key
 from ..registry import hookimpl
 
 FIELDS = {
     "top_n_sigma": -1.0,
-    "xtc_probability": 0.0, "xtc_threshold": 0.1,
-    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-    "dry_sequence_breakers": ("\n", ":", "\"", "*"),
-    "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
-    "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
-    "smoothing_factor": 0.0, "smoothing_curve": 1.0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": ("\n", ":", '"', "*"),
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
+    "smoothing_factor": 0.0,
+    "smoothing_curve": 1.0,
     "samplers": None,
 }
 ORDER = ("dry", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
-NAMES = {**{name: name for name in ORDER}, "typ_p": "typical_p", "top-n-sigma": "top_n_sigma", "temp": "temperature",
-         "penalties": None}
-LETTERS = {"d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typical_p", "p": "top_p", "m": "min_p", "x": "xtc",
-           "t": "temperature", "e": None}
+NAMES = {
+    **{name: name for name in ORDER},
+    "typ_p": "typical_p",
+    "top-n-sigma": "top_n_sigma",
+    "temp": "temperature",
+    "penalties": None,
+}
+LETTERS = {
+    "d": "dry",
+    "s": "top_n_sigma",
+    "k": "top_k",
+    "y": "typical_p",
+    "p": "top_p",
+    "m": "min_p",
+    "x": "xtc",
+    "t": "temperature",
+    "e": None,
+}
 
 
 # How many distinct DRY sequence breakers a call may give: building them scans the whole vocabulary for each one
@@ -58,13 +88,17 @@ def order(gc) -> list[str]:
         return list(ORDER)
     names = [LETTERS.get(c, c) for c in given] if isinstance(given, str) else given
     if not isinstance(names, (list, tuple)) or not names or any(not isinstance(n, str) for n in names):
-        raise gc.invalid("samplers", f"expected a list of sampler names {list(ORDER)} or llama.cpp's letters, e.g. "
-                                     "'dkypmxt'")
+        raise gc.invalid(
+            "samplers", f"expected a list of sampler names {list(ORDER)} or llama.cpp's letters, e.g. 'dkypmxt'"
+        )
     out = []
     for name in names:
         if name not in NAMES and name not in LETTERS.values():
-            raise gc.invalid("samplers", f"{name!r} is not a sampler; expected names from {list(ORDER)} (or "
-                                         f"'penalties', which always runs first) or the letters {''.join(LETTERS)}")
+            raise gc.invalid(
+                "samplers",
+                f"{name!r} is not a sampler; expected names from {list(ORDER)} (or "
+                f"'penalties', which always runs first) or the letters {''.join(LETTERS)}",
+            )
         resolved = NAMES.get(name, name)
         if resolved is not None and resolved not in out:
             out.append(resolved)
@@ -76,9 +110,19 @@ def decodekit_validate_config(generation_config, context):
     gc = generation_config
     # Upper bounds where a larger value would overflow float32 in the step (NaN scores, an overflow error) and means
     # nothing more than the bound: a temperature spread of 10,000 or a target surprise of 10,000 bits.
-    numbers = {"top_n_sigma": (None, None), "xtc_probability": (0, 1), "xtc_threshold": (0, 1), "dry_multiplier": (0, None),
-               "dry_base": (0, None), "mirostat_tau": (0, 1e4), "mirostat_eta": (0, 1e4), "dynatemp_range": (0, 1e4),
-               "dynatemp_exponent": (0, 1e4), "smoothing_factor": (0, None), "smoothing_curve": (None, None)}
+    numbers = {
+        "top_n_sigma": (None, None),
+        "xtc_probability": (0, 1),
+        "xtc_threshold": (0, 1),
+        "dry_multiplier": (0, None),
+        "dry_base": (0, None),
+        "mirostat_tau": (0, 1e4),
+        "mirostat_eta": (0, 1e4),
+        "dynatemp_range": (0, 1e4),
+        "dynatemp_exponent": (0, 1e4),
+        "smoothing_factor": (0, None),
+        "smoothing_curve": (None, None),
+    }
     for name, (low, high) in numbers.items():
         value = getattr(gc, name)
         if not is_number(value) or (low is not None and value < low) or (high is not None and value > high):
@@ -93,8 +137,9 @@ def decodekit_validate_config(generation_config, context):
     if not isinstance(breakers, (list, tuple)) or not all(isinstance(b, str) for b in breakers):
         raise gc.invalid("dry_sequence_breakers", "expected a list of strings, e.g. ['\\n', ':', '\"', '*']")
     if len(set(breakers)) > MAX_DRY_BREAKERS:  # each is looked for in every token of the vocabulary
-        raise gc.invalid("dry_sequence_breakers", f"expected at most {MAX_DRY_BREAKERS} distinct strings, got "
-                         f"{len(set(breakers))}")
+        raise gc.invalid(
+            "dry_sequence_breakers", f"expected at most {MAX_DRY_BREAKERS} distinct strings, got {len(set(breakers))}"
+        )
     if isinstance(gc.mirostat, bool) or not is_int(gc.mirostat) or gc.mirostat not in (0, 1, 2):
         raise gc.invalid("mirostat", "expected 0 (off), 1 (mirostat) or 2 (mirostat 2.0)")
     if not chain_active(gc):
@@ -121,18 +166,28 @@ def decodekit_logits_processors(generation_config, context):
         if name == "dry" and gc.dry_multiplier > 0 and gc.dry_base >= 1 and gc.dry_penalty_last_n != 0:
             # The call's tokenizer, else the one stored with the model's files (llama.cpp reads the model's own).
             tokenizer = context.tokenizer
-            if tokenizer is None and gc.dry_sequence_breakers and callable(getattr(context.model, "own_tokenizer", None)):
+            if (
+                tokenizer is None
+                and gc.dry_sequence_breakers
+                and callable(getattr(context.model, "own_tokenizer", None))
+            ):
                 tokenizer = context.model.own_tokenizer()
             if gc.dry_sequence_breakers and tokenizer is None:
-                raise ValueError(f"dry_multiplier={gc.dry_multiplier}: DRY's sequence breakers are text, tokenized as "
-                                 "llama.cpp does, and this model was not loaded from files holding a tokenizer: pass "
-                                 "tokenizer= (decodekit serve, the CLI and the vLLM adapter do), or "
-                                 "dry_sequence_breakers=[].")
+                raise ValueError(
+                    f"dry_multiplier={gc.dry_multiplier}: DRY's sequence breakers are text, tokenized as "
+                    "llama.cpp does, and this model was not loaded from files holding a tokenizer: pass "
+                    "tokenizer= (decodekit serve, the CLI and the vLLM adapter do), or "
+                    "dry_sequence_breakers=[]."
+                )
             context_size = getattr(getattr(context.model, "config", None), "max_position_embeddings", None) or 2**31
-            breakers = (dry_breaker_sequences(tokenizer, tuple(gc.dry_sequence_breakers))
-                        if gc.dry_sequence_breakers else {})
-            out.append(DRYLogitsProcessor(gc.dry_multiplier, gc.dry_base, gc.dry_allowed_length, gc.dry_penalty_last_n,
-                                          context_size, breakers))
+            breakers = (
+                dry_breaker_sequences(tokenizer, tuple(gc.dry_sequence_breakers)) if gc.dry_sequence_breakers else {}
+            )
+            out.append(
+                DRYLogitsProcessor(
+                    gc.dry_multiplier, gc.dry_base, gc.dry_allowed_length, gc.dry_penalty_last_n, context_size, breakers
+                )
+            )
         if not gc.do_sample:
             continue  # the rest shape sampling; greedy decoding takes the best token anyway
         if name == "top_n_sigma" and gc.top_n_sigma > 0:

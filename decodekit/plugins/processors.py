@@ -24,21 +24,54 @@ def _top_k_top_p(gc, keep):
 # transformers' order of the sampling warpers, as data: (name, the warper a config asks for or None). `keep` is the
 # tokens a warper always keeps (min_tokens_to_keep).
 WARPER_ORDER = (
-    ("temperature", lambda gc, keep: P.TemperatureLogitsWarper(gc.temperature) if gc.temperature not in (None, 1.0) else None),
+    (
+        "temperature",
+        lambda gc, keep: P.TemperatureLogitsWarper(gc.temperature) if gc.temperature not in (None, 1.0) else None,
+    ),
     ("top_h", lambda gc, keep: P.TopHLogitsWarper(gc.top_h) if gc.top_h is not None else None),
     ("top_k, top_p", _top_k_top_p),
     ("min_p", lambda gc, keep: P.MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep) if gc.min_p else None),
-    ("typical_p", lambda gc, keep: P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep)
-     if gc.typical_p not in (None, 1.0) else None),
-    ("epsilon_cutoff", lambda gc, keep: P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep)
-     if gc.epsilon_cutoff else None),
-    ("eta_cutoff", lambda gc, keep: P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep) if gc.eta_cutoff else None),
+    (
+        "typical_p",
+        lambda gc, keep: (
+            P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep) if gc.typical_p not in (None, 1.0) else None
+        ),
+    ),
+    (
+        "epsilon_cutoff",
+        lambda gc, keep: (
+            P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep) if gc.epsilon_cutoff else None
+        ),
+    ),
+    (
+        "eta_cutoff",
+        lambda gc, keep: P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep) if gc.eta_cutoff else None,
+    ),
 )
 
-FIELDS = ("sequence_bias", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens",
-          "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "remove_invalid_values",
-          "exponential_decay_length_penalty", "renormalize_logits", "temperature", "top_k", "top_p", "min_p",
-          "typical_p", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty")
+FIELDS = (
+    "sequence_bias",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "renormalize_logits",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "encoder_repetition_penalty",
+)
 
 
 @hookimpl
@@ -46,8 +79,13 @@ def decodekit_config_fields():
     # prefix_allowed_tokens_fn is an argument of transformers' generate(), not a config field there; here it is
     # one, so generate(prefix_allowed_tokens_fn=...) reaches this plugin like every other keyword.
     # frequency_penalty and presence_penalty: OpenAI's (and vLLM's and llama.cpp's) penalties on generated tokens.
-    return {**{name: DEFAULTS[name] for name in FIELDS}, "prefix_allowed_tokens_fn": None, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "top_h": None}
+    return {
+        **{name: DEFAULTS[name] for name in FIELDS},
+        "prefix_allowed_tokens_fn": None,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "top_h": None,
+    }
 
 
 @hookimpl
@@ -55,8 +93,10 @@ def decodekit_validate_config(generation_config):
     gc = generation_config
     fn = gc.prefix_allowed_tokens_fn
     if fn is not None and not callable(fn):
-        raise gc.invalid("prefix_allowed_tokens_fn", "expected a function (batch_id, input_ids) -> list of allowed "
-                         "token ids, or None")
+        raise gc.invalid(
+            "prefix_allowed_tokens_fn",
+            "expected a function (batch_id, input_ids) -> list of allowed token ids, or None",
+        )
     if gc.top_h is not None and (not is_number(gc.top_h) or not 0 < gc.top_h <= 1):
         raise gc.invalid("top_h", "expected a number in (0, 1] or None (off)")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -76,8 +116,11 @@ def decodekit_logits_processors(generation_config, context):
         # A left-padded row's pad positions are not its tokens: they are not penalised (transformers 5.x).
         out.append(P.RepetitionPenaltyLogitsProcessor(gc.repetition_penalty, prompt_ignore_length=context.padding))
     if gc.frequency_penalty or gc.presence_penalty:
-        out.append(P.FrequencyPresencePenaltyLogitsProcessor(gc.frequency_penalty or 0.0, gc.presence_penalty or 0.0,
-                                                             context.prompt_length))
+        out.append(
+            P.FrequencyPresencePenaltyLogitsProcessor(
+                gc.frequency_penalty or 0.0, gc.presence_penalty or 0.0, context.prompt_length
+            )
+        )
     if gc.no_repeat_ngram_size:
         out.append(P.NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
     if gc.bad_words_ids:

@@ -29,10 +29,20 @@ SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 @hookimpl
 def decodekit_config_fields():
-    return {"assistant_model": None, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-            "prompt_lookup_num_tokens": None, "max_matching_ngram_size": 2, "assistant_early_exit": None,
-            "assistant_tokenizer": None, "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10,
-            "target_lookbehind": 10, "is_assistant": False, "assistant_ensemble_weight": None}
+    return {
+        "assistant_model": None,
+        "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant",
+        "prompt_lookup_num_tokens": None,
+        "max_matching_ngram_size": 2,
+        "assistant_early_exit": None,
+        "assistant_tokenizer": None,
+        "assistant_confidence_threshold": 0.4,
+        "assistant_lookbehind": 10,
+        "target_lookbehind": 10,
+        "is_assistant": False,
+        "assistant_ensemble_weight": None,
+    }
 
 
 @hookimpl
@@ -43,8 +53,10 @@ def decodekit_validate_config(generation_config, context):
 
     threshold = gc.assistant_confidence_threshold
     if threshold is not None and (not is_number(threshold) or not 0 <= threshold <= 1):
-        raise bad("assistant_confidence_threshold", "expected a number in [0, 1] (0: draft num_assistant_tokens "
-                  "always) or None")
+        raise bad(
+            "assistant_confidence_threshold",
+            "expected a number in [0, 1] (0: draft num_assistant_tokens always) or None",
+        )
     for name in ("assistant_lookbehind", "target_lookbehind"):
         if not is_int(getattr(gc, name)) or getattr(gc, name) < 1:
             raise bad(name, "expected an integer >= 1")
@@ -54,21 +66,29 @@ def decodekit_validate_config(generation_config, context):
     if early is not None:
         layers = getattr(getattr(context.model, "config", None), "num_hidden_layers", None)
         if not is_int(early) or early < 1 or (context.model is not None and (layers is None or early >= layers)):
-            raise bad("assistant_early_exit", f"expected an integer in [1, {layers}) for this {layers}-layer model "
-                      "(the number of layers that draft)")
+            raise bad(
+                "assistant_early_exit",
+                f"expected an integer in [1, {layers}) for this {layers}-layer model (the number of layers that draft)",
+            )
         if assistant is not None or lookup is not None:
-            raise ValueError("assistant_early_exit drafts with the model itself; pass it without assistant_model and "
-                             "prompt_lookup_num_tokens.")
+            raise ValueError(
+                "assistant_early_exit drafts with the model itself; pass it without assistant_model and "
+                "prompt_lookup_num_tokens."
+            )
     _check_assistant_tokenizer(gc, context)
     weight = gc.assistant_ensemble_weight
     if weight is not None:
         if not is_number(weight) or not 0 < weight < 1:
-            raise bad("assistant_ensemble_weight", "expected a number in the open interval (0, 1), or None for "
-                      "lossless speculative decoding")
+            raise bad(
+                "assistant_ensemble_weight",
+                "expected a number in the open interval (0, 1), or None for lossless speculative decoding",
+            )
         if (assistant is None and early is None) or gc.assistant_tokenizer is not None:
-            raise ValueError("assistant_ensemble_weight verifies against a mixture of the model's and the draft's "
-                             "distributions, so it needs a draft that has them: assistant_model (without "
-                             "assistant_tokenizer) or assistant_early_exit, not prompt lookup.")
+            raise ValueError(
+                "assistant_ensemble_weight verifies against a mixture of the model's and the draft's "
+                "distributions, so it needs a draft that has them: assistant_model (without "
+                "assistant_tokenizer) or assistant_early_exit, not prompt lookup."
+            )
     if assistant is None and lookup is None and early is None:
         return
     if assistant is not None and lookup is not None:
@@ -106,12 +126,16 @@ def _check_assistant_tokenizer(gc, context) -> None:
     if gc.assistant_model is None:
         raise ValueError("assistant_tokenizer is the tokenizer of assistant_model; pass assistant_model too.")
     if context.tokenizer is None:
-        raise ValueError("universal assisted decoding (assistant_tokenizer=) needs the model's own tokenizer too: "
-                         "pass tokenizer= to generate().")
+        raise ValueError(
+            "universal assisted decoding (assistant_tokenizer=) needs the model's own tokenizer too: "
+            "pass tokenizer= to generate()."
+        )
     for name, tok in (("tokenizer", context.tokenizer), ("assistant_tokenizer", gc.assistant_tokenizer)):
         if not (callable(getattr(tok, "encode", None)) and callable(getattr(tok, "decode", None))):
-            raise ValueError(f"{name} must be a tokenizer with encode(text, add_special_tokens=...) and decode(ids, "
-                             f"skip_special_tokens=...); got {type(tok).__name__}.")
+            raise ValueError(
+                f"{name} must be a tokenizer with encode(text, add_special_tokens=...) and decode(ids, "
+                f"skip_special_tokens=...); got {type(tok).__name__}."
+            )
 
 
 @hookimpl
@@ -164,7 +188,9 @@ class Translator:
         self.assistant, self.cache, self.theirs, self.ours = assistant, cache, assistant_tokenizer, tokenizer
         self.lookbehind = lookbehind  # target_lookbehind
         self.fed: list[int] = []  # the assistant tokens the cache holds
-        self.ends = set(assistant.generation_config.eos_token_ids or ()) if hasattr(assistant, "generation_config") else set()
+        self.ends = (
+            set(assistant.generation_config.eos_token_ids or ()) if hasattr(assistant, "generation_config") else set()
+        )
 
     def propose(self, input_ids: torch.LongTensor, n: int) -> torch.LongTensor:
         ids = self.theirs.encode(self.ours.decode(input_ids[0], skip_special_tokens=True))
@@ -173,7 +199,9 @@ class Translator:
         crop_to(self.cache, keep)
         held, feed, drafted = ids[:keep], ids[keep:], []
         for _ in range(max(n, 0)):
-            out = self.assistant(torch.tensor([feed], device=input_ids.device), past_key_values=self.cache, use_cache=True)
+            out = self.assistant(
+                torch.tensor([feed], device=input_ids.device), past_key_values=self.cache, use_cache=True
+            )
             held = held + feed
             token = int(out.logits[0, -1].argmax())
             if token in self.ends:
@@ -183,12 +211,12 @@ class Translator:
         self.fed = held
         if not drafted:
             return input_ids[0, :0]
-        tail = self.ours.decode(input_ids[0, -self.lookbehind:], skip_special_tokens=True)
+        tail = self.ours.decode(input_ids[0, -self.lookbehind :], skip_special_tokens=True)
         before = self.ours.encode(tail, add_special_tokens=False)
         after = self.ours.encode(tail + self.theirs.decode(drafted, skip_special_tokens=True), add_special_tokens=False)
         if after[: len(before)] != before:  # the boundary tokenizes differently: no guess this round
             return input_ids[0, :0]
-        return torch.tensor(after[len(before):][:n], dtype=torch.long, device=input_ids.device)
+        return torch.tensor(after[len(before) :][:n], dtype=torch.long, device=input_ids.device)
 
 
 def prompt_lookup_candidates(ids: torch.Tensor, max_ngram: int, num_tokens: int, room: int) -> torch.Tensor:
@@ -209,9 +237,11 @@ def refuse_unless_rolls_back(cache, whose: str = "this model's cache") -> None:
     """ValueError where `cache` cannot be rolled back past rejected tokens (rolls_back is False). A cache with
     linear-attention layers says so only once it has read tokens: this is asked again before each roll-back."""
     if rolls_back(cache) is False:
-        raise ValueError(f"speculative decoding rolls the cache back past rejected tokens, and {whose} "
-                         f"({type(cache).__name__}) holds recurrent states (a state-space or linear-attention layer) "
-                         "that cannot be rolled back: use greedy decoding, sampling or beam search.")
+        raise ValueError(
+            f"speculative decoding rolls the cache back past rejected tokens, and {whose} "
+            f"({type(cache).__name__}) holds recurrent states (a state-space or linear-attention layer) "
+            "that cannot be rolled back: use greedy decoding, sampling or beam search."
+        )
 
 
 class Speculative:
@@ -228,14 +258,18 @@ class Speculative:
         if cache is None:
             raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
         if getattr(model, "holds_recurrent_state", False):  # RecurrentGemma: its states are in its layers
-            raise ValueError(f"speculative decoding rolls the model back past rejected tokens, and "
-                             f"{type(model.module).__name__} keeps recurrent states in its own layers, which cannot be "
-                             "rolled back: use greedy decoding, sampling or beam search.")
+            raise ValueError(
+                f"speculative decoding rolls the model back past rejected tokens, and "
+                f"{type(model.module).__name__} keeps recurrent states in its own layers, which cannot be "
+                "rolled back: use greedy decoding, sampling or beam search."
+            )
         if isinstance(assistant, EarlyExit) and recurrent(cache):
-            raise ValueError("self-speculative decoding (assistant_early_exit) drafts on the first layers of the "
-                             f"model's own cache, and this cache ({type(cache).__name__}) has linear-attention or "
-                             "recurrent layers, whose states record no length a draft could be cropped back to: use an "
-                             "assistant_model, prompt lookup, or greedy decoding.")
+            raise ValueError(
+                "self-speculative decoding (assistant_early_exit) drafts on the first layers of the "
+                f"model's own cache, and this cache ({type(cache).__name__}) has linear-attention or "
+                "recurrent layers, whose states record no length a draft could be cropped back to: use an "
+                "assistant_model, prompt lookup, or greedy decoding."
+            )
         refuse_unless_rolls_back(cache)
         record_past(cache)  # a sliding window keeps what a rejected draft would push out
         a_cache = translator = None
@@ -246,19 +280,27 @@ class Speculative:
         elif assistant is not None:
             from ..core.pipeline import GenerationContext
 
-            a_context = GenerationContext(model=assistant, batch_size=1, prompt_length=context.prompt_length,
-                                          max_length=max_length, device=input_ids.device)
+            a_context = GenerationContext(
+                model=assistant,
+                batch_size=1,
+                prompt_length=context.prompt_length,
+                max_length=max_length,
+                device=input_ids.device,
+            )
             from ..registry.manager import call_first
 
             a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
             if a_cache is not None and rolls_back(a_cache) is False:
-                raise ValueError("the assistant's cache holds recurrent states (a state-space model), which cannot be "
-                                 "rolled back past a rejected draft: use an attention-only assistant.")
+                raise ValueError(
+                    "the assistant's cache holds recurrent states (a state-space model), which cannot be "
+                    "rolled back past a rejected draft: use an attention-only assistant."
+                )
             if a_cache is not None:
                 record_past(a_cache)
             if gc.assistant_tokenizer is not None:
-                translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer,
-                                        gc.target_lookbehind)
+                translator = Translator(
+                    assistant, a_cache, gc.assistant_tokenizer, context.tokenizer, gc.target_lookbehind
+                )
         keep_all = _forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
@@ -269,7 +311,9 @@ class Speculative:
             streamer.put(input_ids.cpu())
         # The target's cache holds every token but the last, which the next forward feeds with the candidates.
         if input_ids.shape[1] > 1:
-            model(input_ids[:, :-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if keep_all else {}))
+            model(
+                input_ids[:, :-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if keep_all else {})
+            )
             refuse_unless_rolls_back(cache)  # a linear-attention layer tells only now
         done = False
         while not done:
@@ -282,12 +326,14 @@ class Speculative:
                 if a_cache is cache:
                     crop_to(cache, cur - 1)  # the draft's entries go; the target's forward writes them again
             else:
-                candidates = prompt_lookup_candidates(input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room)
+                candidates = prompt_lookup_candidates(
+                    input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room
+                )
                 q = None
             K = candidates.shape[0]
             feed = torch.cat((input_ids[:, -1:], candidates[None]), dim=1)
             out = model(feed, past_key_values=cache, use_cache=True, **({"logits_to_keep": K + 1} if keep_all else {}))
-            logits = out.logits[0, -(K + 1):].float()
+            logits = out.logits[0, -(K + 1) :].float()
             accepted = 0
             new_tokens = []
             for j in range(K + 1):
@@ -322,7 +368,9 @@ class Speculative:
             if a_cache is not None and a_cache is not cache and translator is None:  # the translator crops its own
                 crop_to(a_cache, min(cached_length(a_cache), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
-            assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers does
+            assistant.generation_config.num_assistant_tokens = (
+                n_assist  # carried to the next call, as transformers does
+            )
         if streamer is not None:
             streamer.end()
         return loop_result(gc, input_ids, cache, scores_out, logits_out)
@@ -366,7 +414,7 @@ class Speculative:
         threshold = gc.assistant_confidence_threshold or 0
         ids = input_ids
         for _ in range(max(n, 0)):
-            fresh = ids[:, cached_length(a_cache):] if a_cache is not None else ids
+            fresh = ids[:, cached_length(a_cache) :] if a_cache is not None else ids
             out = assistant(fresh, past_key_values=a_cache, use_cache=a_cache is not None)
             scores = pipeline.processors(ids, out.logits[:, -1, :].float())
             if gc.do_sample:

@@ -7,7 +7,9 @@ from ..registry import hookimpl
 
 @hookimpl
 def decodekit_config_fields():
-    return {name: DEFAULTS[name] for name in ("max_length", "max_new_tokens", "eos_token_id", "stop_strings", "max_time")}
+    return {
+        name: DEFAULTS[name] for name in ("max_length", "max_new_tokens", "eos_token_id", "stop_strings", "max_time")
+    }
 
 
 @hookimpl(tryfirst=True)
@@ -18,7 +20,9 @@ def decodekit_stopping_criteria(generation_config, context):
         out.append(S.EosTokenCriteria(gc.eos_token_ids))
     if gc.stop_strings:
         if context.tokenizer is None:
-            raise ValueError("stop_strings needs the tokenizer: call generate(..., stop_strings=..., tokenizer=tokenizer).")
+            raise ValueError(
+                "stop_strings needs the tokenizer: call generate(..., stop_strings=..., tokenizer=tokenizer)."
+            )
         out.append(S.StopStringCriteria(context.tokenizer, gc.stop_strings))
     if gc.max_time is not None:
         out.append(S.MaxTimeCriteria(gc.max_time))

@@ -62,7 +62,9 @@ def decodekit_validate_config(generation_config, context):
     if context.tokenizer is None:
         if context.model is None:
             return  # checked before loading: the grammar is compiled with the tokenizer at the call
-        raise ValueError(f"{field}= needs the model's tokenizer to compile the constraint: pass tokenizer= to generate().")
+        raise ValueError(
+            f"{field}= needs the model's tokenizer to compile the constraint: pass tokenizer= to generate()."
+        )
     try:  # compiled now, into the cache the processor then takes it from
         compiled(llg_tokenizer(context.tokenizer, vocab_size(context), eos_ids(gc)), grammar)
     except GrammarError as error:
@@ -102,6 +104,7 @@ def vocab_size(context) -> int:
 
 
 # ---- the constraint as a grammar -------------------------------------------------------------------------
+
 
 def grammar_for(gc, field: str) -> str | None:
     """llguidance's grammar for the constraint in `field`, or None for response_format={"type": "text"};
@@ -163,8 +166,11 @@ def _schema_dict(gc, value, field: str = "json_schema") -> dict:
     except jsonschema.SchemaError as error:
         raise gc.invalid(field, f"not a valid JSON schema: {error.message}") from None
     if not admits_a_value(value):
-        raise gc.invalid(field, "the schema admits no finite JSON value: a $ref that refers back to itself with "
-                                "nothing else to choose (every value would nest forever), or false")
+        raise gc.invalid(
+            field,
+            "the schema admits no finite JSON value: a $ref that refers back to itself with "
+            "nothing else to choose (every value would nest forever), or false",
+        )
     return value
 
 
@@ -218,8 +224,9 @@ def admits_a_value(schema) -> bool:
         if kinds - {"object", "array"}:
             return True  # a string, number, boolean or null is always there to take
         properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        if ("object" in kinds or not kinds) and not all(value(properties[r]) for r in node.get("required", [])
-                                                         if isinstance(r, str) and r in properties):
+        if ("object" in kinds or not kinds) and not all(
+            value(properties[r]) for r in node.get("required", []) if isinstance(r, str) and r in properties
+        ):
             return "array" in kinds and array_admitted(node)
         return "array" not in kinds or array_admitted(node) or "object" in kinds
 
@@ -294,13 +301,16 @@ def llg_tokenizer(tokenizer, vocab: int, eos: tuple[int, ...] = ()):
     def make():
         backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "backend", None)
         if backend is None or not hasattr(backend, "to_str"):
-            raise ValueError(f"structured output needs a tokenizer backed by the tokenizers library (decodekit's, or a "
-                             f"transformers fast tokenizer); got {type(tokenizer).__name__}.")
+            raise ValueError(
+                f"structured output needs a tokenizer backed by the tokenizers library (decodekit's, or a "
+                f"transformers fast tokenizer); got {type(tokenizer).__name__}."
+            )
         ends = list(eos) or getattr(tokenizer, "eos_token_id", None)
         return tokenizer, engine.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=ends)
 
-    return _kept(_tokenizers, (id(tokenizer), vocab, eos), make, lambda: len(_tokenizers) > KEEP_TOKENIZERS,
-                 _drop_grammars_of)
+    return _kept(
+        _tokenizers, (id(tokenizer), vocab, eos), make, lambda: len(_tokenizers) > KEEP_TOKENIZERS, _drop_grammars_of
+    )
 
 
 class GrammarError(ValueError):
@@ -318,11 +328,16 @@ def compiled(llg_tok, grammar: str):
             raise GrammarError(matcher.get_error())
         return llg_tok, matcher
 
-    return _kept(_grammars, (id(llg_tok), grammar), make,
-                 lambda: len(_grammars) > KEEP_GRAMMARS or _grammar_chars() > KEEP_GRAMMAR_CHARS)
+    return _kept(
+        _grammars,
+        (id(llg_tok), grammar),
+        make,
+        lambda: len(_grammars) > KEEP_GRAMMARS or _grammar_chars() > KEEP_GRAMMAR_CHARS,
+    )
 
 
 # ---- the processor ---------------------------------------------------------------------------------------
+
 
 class GrammarLogitsProcessor(Processor):
     """Tokens the constraint does not allow next get -inf, row by row.
@@ -350,7 +365,7 @@ class GrammarLogitsProcessor(Processor):
 
     def step_mask(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """bool [rows, vocab_size]: the tokens each row of `input_ids` may take next."""
-        return self.allowed(self.advance(input_ids[:, self.prompt_length:].tolist()))
+        return self.allowed(self.advance(input_ids[:, self.prompt_length :].tolist()))
 
     def allowed(self, matchers) -> torch.Tensor:
         """bool [rows, vocab_size]: what each row may take next (everything for a row no longer constrained)."""
@@ -416,14 +431,23 @@ class GrammarLogitsProcessor(Processor):
     def _left_grammar(self, token: int, matcher) -> None:
         if not self.warned:
             self.warned = True
-            logger.warning("structured output: token %d is not allowed by the %s here (forced by another processor or "
-                           "the caller?); that row is no longer constrained (%s)", token, self.field, matcher.get_error())
+            logger.warning(
+                "structured output: token %d is not allowed by the %s here (forced by another processor or "
+                "the caller?); that row is no longer constrained (%s)",
+                token,
+                self.field,
+                matcher.get_error(),
+            )
 
     def complete(self, sequences: torch.LongTensor) -> torch.Tensor:
         """bool [rows]: whether each sequence ends where the constraint allows an end."""
-        self.advance(sequences[:, self.prompt_length:].tolist())
-        return torch.tensor([row.ended or row.matcher.is_stopped() or (row.matcher.is_accepting() and not row.matcher.is_error())
-                             for row in self.states])
+        self.advance(sequences[:, self.prompt_length :].tolist())
+        return torch.tensor(
+            [
+                row.ended or row.matcher.is_stopped() or (row.matcher.is_accepting() and not row.matcher.is_error())
+                for row in self.states
+            ]
+        )
 
     def finish(self, result):
         """generate()'s end: warn about rows cut off before the constraint allowed an end, and put
@@ -433,8 +457,13 @@ class GrammarLogitsProcessor(Processor):
             return
         done = self.complete(sequences)
         if not bool(done.all()):
-            logger.warning("structured output: %d of %d rows ended before the %s allowed an end (max_new_tokens or a "
-                           "stopping criterion); their output is partial", int((~done).sum()), len(done), self.field)
+            logger.warning(
+                "structured output: %d of %d rows ended before the %s allowed an end (max_new_tokens or a "
+                "stopping criterion); their output is partial",
+                int((~done).sum()),
+                len(done),
+                self.field,
+            )
         if hasattr(result, "constraint_complete"):
             result.constraint_complete = done
 

@@ -66,12 +66,16 @@ class WatermarkingConfig:
         else:
             fields = value.to_dict() if hasattr(value, "to_dict") else value
             if not isinstance(fields, dict):
-                raise ValueError(f"watermarking_config={value!r} is invalid; expected a WatermarkingConfig or a dict of its "
-                                 f"fields ({', '.join(cls.__dataclass_fields__)}).")
+                raise ValueError(
+                    f"watermarking_config={value!r} is invalid; expected a WatermarkingConfig or a dict of its "
+                    f"fields ({', '.join(cls.__dataclass_fields__)})."
+                )
             unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
             if unknown:
-                raise ValueError(f"watermarking_config: unknown field {unknown[0]!r}; the fields are "
-                                 f"{list(cls.__dataclass_fields__)}.")
+                raise ValueError(
+                    f"watermarking_config: unknown field {unknown[0]!r}; the fields are "
+                    f"{list(cls.__dataclass_fields__)}."
+                )
             config = cls(**fields)
         config.check()
         return config
@@ -119,7 +123,11 @@ class SynthIDTextWatermarkingConfig:
 
     @classmethod
     def of(cls, value) -> "SynthIDTextWatermarkingConfig":
-        fields = value if isinstance(value, dict) else {k: getattr(value, k) for k in cls.__dataclass_fields__ if hasattr(value, k)}
+        fields = (
+            value
+            if isinstance(value, dict)
+            else {k: getattr(value, k) for k in cls.__dataclass_fields__ if hasattr(value, k)}
+        )
         config = cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
         config.check()
         return config
@@ -142,8 +150,11 @@ class SynthIDTextWatermarkingConfig:
 
 def watermark_config(value):
     """`watermarking_config` checked: a green-list or a SynthID config (ours, a dict, or transformers')."""
-    synthid = isinstance(value, SynthIDTextWatermarkingConfig) or type(value).__name__ == "SynthIDTextWatermarkingConfig" or (
-        isinstance(value, dict) and "keys" in value)
+    synthid = (
+        isinstance(value, SynthIDTextWatermarkingConfig)
+        or type(value).__name__ == "SynthIDTextWatermarkingConfig"
+        or (isinstance(value, dict) and "keys" in value)
+    )
     return SynthIDTextWatermarkingConfig.of(value) if synthid else WatermarkingConfig.of(value)
 
 
@@ -159,11 +170,16 @@ def decodekit_validate_config(generation_config):
         return
     gc.watermarking_config = watermark_config(gc.watermarking_config)
     if isinstance(gc.watermarking_config, SynthIDTextWatermarkingConfig):
-        others = [name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-                  if getattr(gc, name, None) is not None]
+        others = [
+            name
+            for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+            if getattr(gc, name, None) is not None
+        ]
         if gc.number("num_beams", 1) > 1 or others:
-            raise ValueError("SynthID keeps one state per generated token: it runs with greedy decoding or sampling, "
-                             f"not {'beam search' if not others else others[0]}.")
+            raise ValueError(
+                "SynthID keeps one state per generated token: it runs with greedy decoding or sampling, "
+                f"not {'beam search' if not others else others[0]}."
+            )
 
 
 @hookimpl
@@ -200,7 +216,7 @@ class GreenLists:
 
     def seed(self, tokens: torch.LongTensor) -> int:
         """The seed of the green list that follows `tokens` (the last context_width of them count)."""
-        context = tokens[-self.config.context_width:]
+        context = tokens[-self.config.context_width :]
         key = self.config.hashing_key
         if self.config.seeding_scheme == "selfhash":
             a = self.table[context % TABLE_SIZE] + 1
@@ -221,11 +237,25 @@ class WatermarkLogitsProcessor:
     them on the same kind of device); the rest are WatermarkingConfig's fields, with its defaults.
     """
 
-    def __init__(self, vocab_size: int, device=None, greenlist_ratio: float = 0.25, bias: float = 2.0,
-                 hashing_key: int = 15485863, seeding_scheme: str = "lefthash", context_width: int = 1):
-        self.config = config = WatermarkingConfig.of(dict(
-            greenlist_ratio=greenlist_ratio, bias=bias, hashing_key=hashing_key, seeding_scheme=seeding_scheme,
-            context_width=context_width))
+    def __init__(
+        self,
+        vocab_size: int,
+        device=None,
+        greenlist_ratio: float = 0.25,
+        bias: float = 2.0,
+        hashing_key: int = 15485863,
+        seeding_scheme: str = "lefthash",
+        context_width: int = 1,
+    ):
+        self.config = config = WatermarkingConfig.of(
+            dict(
+                greenlist_ratio=greenlist_ratio,
+                bias=bias,
+                hashing_key=hashing_key,
+                seeding_scheme=seeding_scheme,
+                context_width=context_width,
+            )
+        )
         self.green = GreenLists(vocab_size, config, device)
 
     # transformers' attribute names, which code written against its processor (and its tests) reads.
@@ -241,7 +271,11 @@ class WatermarkLogitsProcessor:
             return scores
         out = scores.clone()
         for row, tokens in enumerate(input_ids):
-            green = self._selfhash(tokens, scores[row]) if self.config.seeding_scheme == "selfhash" else self.green.after(tokens)
+            green = (
+                self._selfhash(tokens, scores[row])
+                if self.config.seeding_scheme == "selfhash"
+                else self.green.after(tokens)
+            )
             out[row, green] += self.config.bias
         return out
 
@@ -286,15 +320,18 @@ class WatermarkDetector:
     -> WatermarkDetectorOutput.
     """
 
-    def __init__(self, model_config, device, watermarking_config, ignore_repeated_ngrams: bool = False,
-                 max_cache_size: int = 128):
+    def __init__(
+        self, model_config, device, watermarking_config, ignore_repeated_ngrams: bool = False, max_cache_size: int = 128
+    ):
         self.config = WatermarkingConfig.of(watermarking_config)
         self.bos_token_id = getattr(model_config, "bos_token_id", None)
         self.green = GreenLists(int(model_config.vocab_size), self.config, device)
         self.ignore_repeated_ngrams = ignore_repeated_ngrams
         if not is_int(max_cache_size) or max_cache_size < 1:
-            raise ValueError(f"max_cache_size={max_cache_size!r} is invalid; expected an integer >= 1 (n-grams whose "
-                             "colour is remembered).")
+            raise ValueError(
+                f"max_cache_size={max_cache_size!r} is invalid; expected an integer >= 1 (n-grams whose "
+                "colour is remembered)."
+            )
         self._is_green = lru_cache(maxsize=max_cache_size)(self._green_ngram)
 
     def _green_ngram(self, ngram: tuple[int, ...]) -> bool:
@@ -315,8 +352,10 @@ class WatermarkDetector:
                 input_ids = input_ids[:, 1:]
         n = self.config.context_width + (0 if self.config.seeding_scheme == "selfhash" else 1)
         if input_ids.shape[1] < n:
-            raise ValueError(f"WatermarkDetector needs at least {n} tokens per sequence to score one "
-                             f"(context_width={self.config.context_width}, seeding_scheme={self.config.seeding_scheme!r}).")
+            raise ValueError(
+                f"WatermarkDetector needs at least {n} tokens per sequence to score one "
+                f"(context_width={self.config.context_width}, seeding_scheme={self.config.seeding_scheme!r})."
+            )
         scored, greens = [], []
         for row in input_ids.tolist():
             counts = Counter(tuple(row[i : i + n]) for i in range(len(row) - n + 1))
@@ -332,10 +371,14 @@ class WatermarkDetector:
         if not return_dict:
             return prediction
         return WatermarkDetectorOutput(
-            num_tokens_scored=np.array(scored), num_green_tokens=np.array(greens),
-            green_fraction=np.array([g / t for g, t in zip(greens, scored)]), z_score=np.array(z),
-            p_value=np.array([p_value(v) for v in z]), prediction=prediction,
-            confidence=np.array([1 - p_value(v) for v in z]))
+            num_tokens_scored=np.array(scored),
+            num_green_tokens=np.array(greens),
+            green_fraction=np.array([g / t for g, t in zip(greens, scored)]),
+            z_score=np.array(z),
+            p_value=np.array([p_value(v) for v in z]),
+            prediction=prediction,
+            confidence=np.array([1 - p_value(v) for v in z]),
+        )
 
 
 # ---- SynthID Text ----
@@ -390,12 +433,27 @@ class SynthIDTextWatermarkLogitsProcessor:
     Takes transformers' arguments (SynthIDTextWatermarkingConfig's fields and `device`); `debug_mode` replaces the
     scores by ones first, so only the watermark shows."""
 
-    def __init__(self, ngram_len: int, keys, sampling_table_size: int, sampling_table_seed: int,
-                 context_history_size: int, device=None, skip_first_ngram_calls: bool = False, debug_mode: bool = False):
-        self.config = SynthIDTextWatermarkingConfig.of(dict(
-            keys=list(keys), ngram_len=ngram_len, sampling_table_size=sampling_table_size,
-            sampling_table_seed=sampling_table_seed, context_history_size=context_history_size,
-            skip_first_ngram_calls=skip_first_ngram_calls))
+    def __init__(
+        self,
+        ngram_len: int,
+        keys,
+        sampling_table_size: int,
+        sampling_table_seed: int,
+        context_history_size: int,
+        device=None,
+        skip_first_ngram_calls: bool = False,
+        debug_mode: bool = False,
+    ):
+        self.config = SynthIDTextWatermarkingConfig.of(
+            dict(
+                keys=list(keys),
+                ngram_len=ngram_len,
+                sampling_table_size=sampling_table_size,
+                sampling_table_seed=sampling_table_seed,
+                context_history_size=context_history_size,
+                skip_first_ngram_calls=skip_first_ngram_calls,
+            )
+        )
         self.g = SynthIDGValues(self.config, device)
         self.device, self.debug_mode, self.state = device, debug_mode, None
 
@@ -419,8 +477,9 @@ class SynthIDTextWatermarkLogitsProcessor:
             scores = torch.ones_like(scores)
         state = self.state
         if state is None:
-            state = self.state = SynthIDTextWatermarkState(rows, self.config.ngram_len, self.config.context_history_size,
-                                                           scores.device)
+            state = self.state = SynthIDTextWatermarkState(
+                rows, self.config.ngram_len, self.config.context_history_size, scores.device
+            )
         else:
             state.context = torch.cat((state.context[:, 1:], input_ids[:, -1:]), dim=1)
         state.num_calls += 1
@@ -468,13 +527,18 @@ class SynthIDTextWatermarkDetector:
         keep = self._fresh_contexts(input_ids)
         if self.eos_token_id is not None:
             ended = (input_ids == self.eos_token_id).long().cumsum(dim=1) > 0
-            keep &= ~ended[:, n - 1:]
+            keep &= ~ended[:, n - 1 :]
         depth = g.shape[-1]
         counts = keep.sum(dim=1)
         means = (g * keep[..., None]).sum(dim=(1, 2)) / (counts * depth).clamp(min=1)
         z = [(float(m) - 0.5) / (0.5 / math.sqrt(int(c) * depth)) if c else 0.0 for m, c in zip(means, counts)]
-        return SynthIDDetection(num_ngrams_scored=counts.tolist(), mean_g_value=means.tolist(), z_score=z,
-                                p_value=[p_value(v) for v in z], prediction=[v > z_threshold for v in z])
+        return SynthIDDetection(
+            num_ngrams_scored=counts.tolist(),
+            mean_g_value=means.tolist(),
+            z_score=z,
+            p_value=[p_value(v) for v in z],
+            prediction=[v > z_threshold for v in z],
+        )
 
     def _fresh_contexts(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """bool [B, N]: the n-grams whose context was not seen among the previous context_history_size."""

@@ -73,8 +73,13 @@ def _block(row: tuple[str, ...], width: int) -> str:
     lines = textwrap.wrap(f"{name} ({kind}) {source}", width, subsequent_indent="    ", break_on_hyphens=False)
     for label, text in (("hooks", hooks), ("kwargs", kwargs), ("", description)):
         if text and text != "-":
-            lines += textwrap.wrap(f"{label}: {text}" if label else text, width, initial_indent="  ",
-                                   subsequent_indent="    ", break_on_hyphens=False)
+            lines += textwrap.wrap(
+                f"{label}: {text}" if label else text,
+                width,
+                initial_indent="  ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
     return "\n".join(lines)
 
 

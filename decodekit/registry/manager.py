@@ -78,8 +78,15 @@ class PluginRecord:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "source": self.source, "description": self.description,
-                "hooks": self.hooks, "kwargs": self.kwargs, "error": self.error}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "source": self.source,
+            "description": self.description,
+            "hooks": self.hooks,
+            "kwargs": self.kwargs,
+            "error": self.error,
+        }
 
 
 class PluginLoadError(RuntimeError):
@@ -174,13 +181,18 @@ def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None, fo
     registered = pm.register(plugin, name=name)
     if registered is None:  # pluggy returns None for a plugin blocked by name
         raise PluginError(f"plugin {name!r} is blocked from registering.")
-    impls = {caller.name: [i for i in caller.get_hookimpls() if i.plugin is plugin]
-             for caller in pm.get_hookcallers(plugin) or ()}
+    impls = {
+        caller.name: [i for i in caller.get_hookimpls() if i.plugin is plugin]
+        for caller in pm.get_hookcallers(plugin) or ()
+    }
     problems = _problems(impls)
     if problems:
         pm.unregister(plugin)
-        raise PluginError(f"plugin {registered!r} was not registered: " + "; ".join(problems) +
-                          f". decodekit's hooks are {_spec_names()}.")
+        raise PluginError(
+            f"plugin {registered!r} was not registered: "
+            + "; ".join(problems)
+            + f". decodekit's hooks are {_spec_names()}."
+        )
     for hook_name, own in impls.items():
         for impl in own:
             # pluggy calls impl.function with the arguments its original signature named (impl.argnames).
@@ -258,9 +270,11 @@ def before_loading():
 
 # The methods active in this context: ((name, module), ...), and the plugin manager their hook calls use.
 _call_plugins: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
-    "decodekit_call_plugins", default=())
+    "decodekit_call_plugins", default=()
+)
 _call_manager: contextvars.ContextVar[pluggy.PluginManager | None] = contextvars.ContextVar(
-    "decodekit_call_manager", default=None)
+    "decodekit_call_manager", default=None
+)
 # Per-call managers by method set, valid while the process's plugins stay as they were (_changed clears them).
 _call_managers: dict[tuple, pluggy.PluginManager] = {}
 CALL_MANAGERS_KEPT = 32
@@ -309,8 +323,9 @@ def plugins_for_call(plugin: Any, name: str):
 # Set while a served request's own step runs (continuous batching): a plugin's processor, selector or criterion that
 # fails there fails that request alone and stays registered. One client's bad field used to disable the plugin for
 # every later client, whose requests then named its fields unknown.
-_requests_fail_alone: contextvars.ContextVar[bool] = contextvars.ContextVar("decodekit_requests_fail_alone",
-                                                                            default=False)
+_requests_fail_alone: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "decodekit_requests_fail_alone", default=False
+)
 
 
 @contextlib.contextmanager
@@ -350,7 +365,9 @@ def described(kind: str, code, owner: str | None) -> str:
     """How an error names plugin code: "the logits processor NAME of plugin 'x'" (or "of stopping_criteria (passed
     to generate)" for an owner that says where it came from)."""
     name = getattr(code, "__name__", None) or type(code).__name__
-    return f"the {kind} {name}" + (f" of {owner}" if owner and "(" in owner else f" of plugin {owner!r}" if owner else "")
+    return f"the {kind} {name}" + (
+        f" of {owner}" if owner and "(" in owner else f" of plugin {owner!r}" if owner else ""
+    )
 
 
 def plugin_failure(error: BaseException, owner: str | None, what: str, where: str) -> BaseException:
@@ -433,7 +450,9 @@ def register(plugin: Any, name: str | None = None, *, scope: str = "process") ->
         if scope == "call":
             _propagating.add(registered)
         else:
-            _record(registered, plugin, "runtime", getattr(plugin, "__module__", None) or getattr(plugin, "__name__", ""))
+            _record(
+                registered, plugin, "runtime", getattr(plugin, "__module__", None) or getattr(plugin, "__name__", "")
+            )
     return registered
 
 
@@ -448,9 +467,11 @@ def unregister(name: str) -> None:
                 del _records[name]
                 return
             disabled = sorted(n for n, r in _records.items() if r.error is not None)
-            raise ValueError(f"No plugin named {name!r} is registered; registered: "
-                             f"{sorted(n for n, _ in pm.list_name_plugin())}"
-                             + (f", disabled after failing: {disabled}." if disabled else "."))
+            raise ValueError(
+                f"No plugin named {name!r} is registered; registered: "
+                f"{sorted(n for n, _ in pm.list_name_plugin())}"
+                + (f", disabled after failing: {disabled}." if disabled else ".")
+            )
         pm.unregister(name=name)
         _changed()
         _records.pop(name, None)
@@ -469,7 +490,9 @@ def _declared_fields() -> dict[str, dict[str, Any]]:
             out[name] = dict(declared)
         except (TypeError, ValueError) as error:
             if name in _propagating or _strict():
-                raise PluginError(f"plugin {name!r}: decodekit_config_fields returned {declared!r}, not a dict") from error
+                raise PluginError(
+                    f"plugin {name!r}: decodekit_config_fields returned {declared!r}, not a dict"
+                ) from error
             _disable(get_plugin_manager(), name, "decodekit_config_fields", error)
     return out
 

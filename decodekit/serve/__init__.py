@@ -40,8 +40,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as error:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error} (is the port in use, or the address "
-                      "not this machine's?).") from None
+        raise OSError(
+            f"cannot listen on {host}:{port}: {error.strerror or error} (is the port in use, or the address "
+            "not this machine's?)."
+        ) from None
     return sock
 
 
@@ -49,8 +51,15 @@ class Server:
     """The HTTP server of `manager` on host:port (port 0: a free one, read back from `port` after start()), or
     on `sock`, a socket bind() made."""
 
-    def __init__(self, manager, tokenizer, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-                 sock: socket.socket | None = None):
+    def __init__(
+        self,
+        manager,
+        tokenizer,
+        settings: ServerSettings,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        sock: socket.socket | None = None,
+    ):
         self.manager = manager
         self.app = create_app(manager, tokenizer, settings)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")

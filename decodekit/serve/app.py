@@ -30,8 +30,21 @@ from ..batching.request import GenerationOutput
 from ..core.config import is_int
 from ..models.tokenizer import chat_ids
 from . import playground
-from .protocol import (CHAT, COMPLETIONS, INFRASTRUCTURE_PLUGINS, BadRequest, ServerSettings, boolean, chat_messages,
-                       check_fields, check_text, completion_prompt, logprob_fields, merged_request, stream_options)
+from .protocol import (
+    CHAT,
+    COMPLETIONS,
+    INFRASTRUCTURE_PLUGINS,
+    BadRequest,
+    ServerSettings,
+    boolean,
+    chat_messages,
+    check_fields,
+    check_text,
+    completion_prompt,
+    logprob_fields,
+    merged_request,
+    stream_options,
+)
 from .tools import ToolPlan, messages_with_tools, plan_tools
 
 # Answered without the API key: a load balancer's and a scraper's, and the playground page (static; the page sends
@@ -57,10 +70,14 @@ class Guard:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
             error = None
-            if self.expected is not None and scope["path"] not in OPEN_PATHS and not secrets.compare_digest(
-                    headers.get(b"authorization", b""), self.expected):
-                error = BadRequest("A valid API key is required: Authorization: Bearer <key>.", None, 401,
-                                   "authentication_error")
+            if (
+                self.expected is not None
+                and scope["path"] not in OPEN_PATHS
+                and not secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+            ):
+                error = BadRequest(
+                    "A valid API key is required: Authorization: Bearer <key>.", None, 401, "authentication_error"
+                )
             length = headers.get(b"content-length", b"")
             if error is None and length.isdigit() and int(length) > self.settings.max_request_bytes:
                 error = too_large(int(length), self.settings)
@@ -72,8 +89,12 @@ class Guard:
 
 
 def too_large(size: int, settings: ServerSettings) -> BadRequest:
-    return BadRequest(f"The request body has {size} bytes or more; this server takes at most "
-                      f"{settings.max_request_bytes} (--max-request-bytes).", None, 413)
+    return BadRequest(
+        f"The request body has {size} bytes or more; this server takes at most "
+        f"{settings.max_request_bytes} (--max-request-bytes).",
+        None,
+        413,
+    )
 
 
 PIECE_CHARS = 32_768  # a long text is counted in pieces this long: each piece's encoding is a few MB at most
@@ -96,8 +117,11 @@ def tokens_within(tokenizer, texts: list[str], limit: int) -> None:
             count += len(tokenizer.encode(text[at:end], add_special_tokens=False))
             at = end
             if count > 2 * limit:
-                raise BadRequest(f"The prompt has more than {2 * limit} tokens; the model's context is {limit} positions "
-                                 "(max_position_embeddings).", "prompt")
+                raise BadRequest(
+                    f"The prompt has more than {2 * limit} tokens; the model's context is {limit} positions "
+                    "(max_position_embeddings).",
+                    "prompt",
+                )
 
 
 def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
@@ -121,8 +145,10 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "decodekit"}]}
+        return {
+            "object": "list",
+            "data": [{"id": settings.model_name, "object": "model", "created": created, "owned_by": "decodekit"}],
+        }
 
     async def body_of(request: Request, served: set[str]) -> dict:
         raw = bytearray()
@@ -142,8 +168,12 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         check_fields(body, served)
         model = body.get("model")
         if model is not None and model != settings.model_name:
-            raise BadRequest(f"model={model!r} is not served here; this server serves {settings.model_name!r}.", "model", 404,
-                             "not_found_error")
+            raise BadRequest(
+                f"model={model!r} is not served here; this server serves {settings.model_name!r}.",
+                "model",
+                404,
+                "not_found_error",
+            )
         return body
 
     def plugins() -> set[str]:
@@ -160,8 +190,10 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
         fields = merged_request(body, settings, settings.default_max_tokens if chat else 16, plugins(), vocab, eos)
         if plan is not None and plan.forced:
             if "response_format" in fields:
-                raise BadRequest("response_format and a tool_choice that forces a call both constrain the output; "
-                                 "pass one of them.", "response_format")
+                raise BadRequest(
+                    "response_format and a tool_choice that forces a call both constrain the output; pass one of them.",
+                    "response_format",
+                )
             fields["json_schema"] = plan.constraint()
         job = Job(manager, tokenizer, body, settings, fields, chat, plan)
         await job.add(prompt_of)
@@ -187,6 +219,7 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
                         return prompt
                     tokens_within(tokenizer, [prompt], context)
                     return tokenizer.encode(prompt)
+
             return await answer(request, body, chat, prompt_of)
         except BadRequest as error:
             metrics.reject(error.status)
@@ -196,7 +229,9 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
     async def tokenize(request: Request):
         """vLLM's: {"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
         try:
-            body = await body_of(request, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+            body = await body_of(
+                request, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+            )
             if "messages" in body:
                 messages = chat_messages(body)
 
@@ -210,7 +245,7 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
                     tokens_within(tokenizer, [prompt], context)  # what no request could use is not encoded whole
                     return tokenizer.encode(prompt, special)
             else:
-                raise BadRequest("tokenize takes {\"prompt\": \"...\"} or {\"messages\": [...]}.", "prompt")
+                raise BadRequest('tokenize takes {"prompt": "..."} or {"messages": [...]}.', "prompt")
             ids = await run_in_threadpool(encode)
             return {"tokens": ids, "count": len(ids), "max_model_len": context}
         except BadRequest as error:
@@ -223,8 +258,11 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
             body = await body_of(request, {"model", "tokens"})
             tokens = body.get("tokens")
             if isinstance(tokens, list) and len(tokens) > 2 * context:
-                raise BadRequest(f"tokens has {len(tokens)} ids; this server decodes at most {2 * context} (twice the "
-                                 "model's context).", "tokens")
+                raise BadRequest(
+                    f"tokens has {len(tokens)} ids; this server decodes at most {2 * context} (twice the "
+                    "model's context).",
+                    "tokens",
+                )
 
             def decode():  # checked and decoded in a worker thread: the event loop answers meanwhile
                 if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
@@ -238,10 +276,16 @@ def create_app(manager, tokenizer, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         """Not offered: a 404 that says so, where a client would otherwise get a bare "Not Found"."""
-        return error_response(BadRequest(
-            "/v1/embeddings is not offered by decodekit serve: it serves generation (/v1/completions, "
-            "/v1/chat/completions) for causal language models, whose hidden states are no trained embedding; use an "
-            "embedding model's own server.", None, 404, "not_found_error"))
+        return error_response(
+            BadRequest(
+                "/v1/embeddings is not offered by decodekit serve: it serves generation (/v1/completions, "
+                "/v1/chat/completions) for causal language models, whose hidden states are no trained embedding; use an "
+                "embedding model's own server.",
+                None,
+                404,
+                "not_found_error",
+            )
+        )
 
     @app.get("/")
     async def playground_page():
@@ -297,8 +341,11 @@ class Job:
     def __init__(self, manager, tokenizer, body, settings, fields, chat: bool, plan: ToolPlan | None = None):
         self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, chat, plan
         self.skip_special = boolean(body, "skip_special_tokens", True)
-        self.eos = set(fields["eos_token_id"] or []) if "eos_token_id" in fields else \
-            set(manager.model.generation_config.eos_token_ids)
+        self.eos = (
+            set(fields["eos_token_id"] or [])
+            if "eos_token_id" in fields
+            else set(manager.model.generation_config.eos_token_ids)
+        )
         self.stream = boolean(body, "stream")
         self.include_usage = stream_options(body, self.stream)
         wanted = logprob_fields(body, chat)
@@ -324,8 +371,9 @@ class Job:
         def add():
             try:
                 self.prompt_ids = prompt_of()
-                self.manager.add_request(self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener,
-                                         **self.fields)
+                self.manager.add_request(
+                    self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener, **self.fields
+                )
             except QueueFull as error:
                 return BadRequest(str(error), None, 429, "rate_limit_error")
             except BadRequest as error:
@@ -334,9 +382,16 @@ class Job:
                 return BadRequest(str(error))
             except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
                 method = self.fields.get("custom_generate")
-                label = getattr(getattr(method, "source", None), "label", None) or self.body.get("decodekit", {}).get("method")
-                return BadRequest(f"The request failed while it was prepared{f' by method {label!r}' if label else ''}: "
-                                  f"{type(error).__name__}: {error}", None, 500, "server_error")
+                label = getattr(getattr(method, "source", None), "label", None) or self.body.get("decodekit", {}).get(
+                    "method"
+                )
+                return BadRequest(
+                    f"The request failed while it was prepared{f' by method {label!r}' if label else ''}: "
+                    f"{type(error).__name__}: {error}",
+                    None,
+                    500,
+                    "server_error",
+                )
             return None
 
         error = await run_in_threadpool(add)
@@ -354,14 +409,17 @@ class Job:
             reason, ended = output.finish_reason, output.is_finished()
             cuts = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
             if cuts:
-                text, reason, ended = text[:min(cuts)], "stop", True
+                text, reason, ended = text[: min(cuts)], "stop", True
             rows.append((text, reason, ended))
         return rows
 
     def usage(self, output: GenerationOutput) -> dict:
         generated = sum(len(r) for r in output.sequences) if output.sequences else len(output.generated_tokens)
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": generated,
-                "total_tokens": len(self.prompt_ids) + generated}
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": generated,
+            "total_tokens": len(self.prompt_ids) + generated,
+        }
 
     def logprobs_of(self, output: GenerationOutput, start: int):
         """The OpenAI logprobs object of the first row's tokens from `start` on (a stream sends each token once)."""
@@ -369,20 +427,30 @@ class Job:
         chosen = [word([t]) for t in output.generated_tokens[start:]]
         tops = (output.top_logprobs or [])[start:]
         if self.chat:
+
             def entry(token, logprob):
                 return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(word([i]), v) for i, v in top]}
-                                for t, lp, top in zip(chosen, output.logprobs[start:], tops or [[]] * len(chosen))]}
+            return {
+                "content": [
+                    {**entry(t, lp), "top_logprobs": [entry(word([i]), v) for i, v in top]}
+                    for t, lp, top in zip(chosen, output.logprobs[start:], tops or [[]] * len(chosen))
+                ]
+            }
         offsets, at = [], len(self.tokenizer.decode(output.generated_tokens[:start])) if start else 0
         for token in chosen:
             offsets.append(at)
             at += len(token)
-        return {"tokens": chosen, "token_logprobs": output.logprobs[start:], "text_offset": offsets,
-                "top_logprobs": [{word([i]): v for i, v in top} for top in tops] if output.top_logprobs else None}
+        return {
+            "tokens": chosen,
+            "token_logprobs": output.logprobs[start:],
+            "text_offset": offsets,
+            "top_logprobs": [{word([i]): v for i, v in top} for top in tops] if output.top_logprobs else None,
+        }
 
-    def choice(self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool,
-               start: int = 0) -> dict:
+    def choice(
+        self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool, start: int = 0
+    ) -> dict:
         logprobs = None
         if self.logprobs and output.logprobs is not None:
             logprobs = self.logprobs_of(output, start)
@@ -392,8 +460,11 @@ class Job:
             if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
                 content, calls = self.plan.tool_calls(text)
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [{**c, "index": i} if delta else c for i, c in enumerate(calls)]}
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [{**c, "index": i} if delta else c for i, c in enumerate(calls)],
+                    }
                     reason = "tool_calls" if reason == "stop" else reason  # cut off by max_tokens: "length"
             return {"index": index, key: message, "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
@@ -423,10 +494,12 @@ class Job:
         if output.status == RequestStatus.FAILED:
             return error_response(BadRequest(output.error or "generation failed", None, 500, "server_error"))
         if output.status == RequestStatus.CANCELLED:
-            return error_response(BadRequest("The request was cancelled (the server is stopping).", None, 503,
-                                             "server_error"))
-        choices = [self.choice(i, text, reason, output, delta=False)
-                   for i, (text, reason, _) in enumerate(self.texts(output))]
+            return error_response(
+                BadRequest("The request was cancelled (the server is stopping).", None, 503, "server_error")
+            )
+        choices = [
+            self.choice(i, text, reason, output, delta=False) for i, (text, reason, _) in enumerate(self.texts(output))
+        ]
         return JSONResponse({**self.envelope(choices, chunk=False), "usage": self.usage(output)})
 
     async def events(self):
@@ -449,15 +522,23 @@ class Job:
                     if i in closed:
                         continue
                     before = sent.get(i, "")
-                    piece = text[len(before):] if text.startswith(before) else ""
+                    piece = text[len(before) :] if text.startswith(before) else ""
                     if piece.endswith("\ufffd") and not ended:  # a character whose bytes are not all out yet
                         continue
                     if self.plan is not None and not ended:  # with tools a row's text goes out whole, parsed
                         continue
                     if piece or ended:
                         sent[i] = text
-                        choices.append(self.choice(i, piece, reason if ended else None, output, delta=True,
-                                                   start=tokens_sent if i == 0 else 0))
+                        choices.append(
+                            self.choice(
+                                i,
+                                piece,
+                                reason if ended else None,
+                                output,
+                                delta=True,
+                                start=tokens_sent if i == 0 else 0,
+                            )
+                        )
                         if i == 0:
                             tokens_sent = len(output.generated_tokens)
                     if ended:

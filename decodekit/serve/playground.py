@@ -28,8 +28,10 @@ def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> l
     from ..registry.manager import call_hooks
 
     declared = {name: dict(fields) for name, fields in call_hooks("decodekit_config_fields")}
-    offered = [{"name": name, "kind": "plugin", "fields": jsonable(declared.get(name, {}))}
-               for name in sorted(plugins - infrastructure)]
+    offered = [
+        {"name": name, "kind": "plugin", "fields": jsonable(declared.get(name, {}))}
+        for name in sorted(plugins - infrastructure)
+    ]
     for name, method in sorted(settings.methods.items()):
         with registered_for_call(method):
             own = dict(call_hooks("decodekit_config_fields")).get(method.plugin_name, {})
@@ -39,6 +41,7 @@ def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> l
 
 def jsonable(fields: dict) -> dict:
     """The defaults a page can show: numbers, strings, booleans, None and lists of them; others as their repr."""
+
     def plain(value):
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
@@ -57,8 +60,14 @@ def top_tokens(scores: torch.Tensor, tokenizer, k: int = TOP_TOKENS) -> list[dic
     out = []
     for token in best:
         score = float(scores[token])
-        out.append({"id": token, "text": tokenizer.decode([token]), "score": score if score > float("-inf") else None,
-                    "prob": float(probs[token]) if torch.isfinite(probs[token]) else 0.0})
+        out.append(
+            {
+                "id": token,
+                "text": tokenizer.decode([token]),
+                "score": score if score > float("-inf") else None,
+                "prob": float(probs[token]) if torch.isfinite(probs[token]) else 0.0,
+            }
+        )
     return out
 
 
@@ -75,14 +84,26 @@ def explain_step(model, tokenizer, ids: list[int], arguments: dict) -> dict:
     steps: list[dict] = []
 
     def observe(what: str, before: torch.Tensor, after: torch.Tensor) -> None:
-        steps.append({"processor": what, "before": top_tokens(before[0], tokenizer),
-                      "after": top_tokens(after[0], tokenizer)})
+        steps.append(
+            {"processor": what, "before": top_tokens(before[0], tokenizer), "after": top_tokens(after[0], tokenizer)}
+        )
 
     registered = registered_for_call(method) if isinstance(method, LoadedMethod) else contextlib.nullcontext()
     with registered, observe_processors(observe):
-        out = model.generate(torch.tensor([ids], device=model.device), tokenizer=tokenizer, seed=arguments.get("seed"),
-                             return_dict_in_generate=True, output_logits=True, output_scores=True, **fields)
+        out = model.generate(
+            torch.tensor([ids], device=model.device),
+            tokenizer=tokenizer,
+            seed=arguments.get("seed"),
+            return_dict_in_generate=True,
+            output_logits=True,
+            output_scores=True,
+            **fields,
+        )
     chosen = int(out.sequences[0, -1])
-    return {"prompt_tokens": len(ids), "logits": top_tokens(out.logits[0][0], tokenizer), "processors": steps,
-            "scores": top_tokens(out.scores[0][0], tokenizer),
-            "chosen": {"id": chosen, "text": tokenizer.decode([chosen])}}
+    return {
+        "prompt_tokens": len(ids),
+        "logits": top_tokens(out.logits[0][0], tokenizer),
+        "processors": steps,
+        "scores": top_tokens(out.scores[0][0], tokenizer),
+        "chosen": {"id": chosen, "text": tokenizer.decode([chosen])},
+    }

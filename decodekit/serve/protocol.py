@@ -40,21 +40,66 @@ class BadRequest(Exception):
 # Fields served on both endpoints, and on each. `decodekit` is this server's own object (the openai client's
 # extra_body): a method and its fields.
 # vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body.
-LLAMACPP = {"top_n_sigma", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
-            "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range",
-            "dynatemp_exponent", "smoothing_factor", "smoothing_curve", "samplers"}  # checked by their plugin
-EXTRAS = {"top_k", "min_p", "repetition_penalty", "typical_p", "min_tokens", "ignore_eos", "stop_token_ids",
-          "skip_special_tokens"} | LLAMACPP
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-          "logprobs", "decodekit", "best_of", "frequency_penalty", "presence_penalty", "logit_bias",
-          "response_format"} | EXTRAS
+LLAMACPP = {
+    "top_n_sigma",
+    "xtc_probability",
+    "xtc_threshold",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "smoothing_factor",
+    "smoothing_curve",
+    "samplers",
+}  # checked by their plugin
+EXTRAS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "typical_p",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+} | LLAMACPP
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "user",
+    "logprobs",
+    "decodekit",
+    "best_of",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "response_format",
+} | EXTRAS
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETIONS = COMMON | {"prompt"}
 
 # OpenAI fields not served, with the value at which each changes nothing (accepted).
 UNSERVED = {
-    "functions": [], "function_call": "none", "echo": False, "suffix": "", "store": False, "metadata": {},
-    "service_tier": "auto", "modalities": ["text"],
+    "functions": [],
+    "function_call": "none",
+    "echo": False,
+    "suffix": "",
+    "store": False,
+    "metadata": {},
+    "service_tier": "auto",
+    "modalities": ["text"],
 }
 # Built-in plugins that are machinery, not decoding methods a request would name: left out of the choices shown.
 INFRASTRUCTURE_PLUGINS = frozenset({"caches", "fused", "stopping"})
@@ -88,12 +133,17 @@ def check_schema_depth(schema, where: str) -> None:
     """BadRequest naming `where` for a schema nested past MAX_SCHEMA_DEPTH or longer than MAX_SCHEMA_CHARS as JSON
     (the depth first: the JSON encoder recurses)."""
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise BadRequest(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels; this server takes schemas of at most "
-                         f"{MAX_SCHEMA_DEPTH}.", where)
+        raise BadRequest(
+            f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels; this server takes schemas of at most "
+            f"{MAX_SCHEMA_DEPTH}.",
+            where,
+        )
     size = len(json.dumps(schema)) if schema is not None else 0
     if size > MAX_SCHEMA_CHARS:
-        raise BadRequest(f"{where} is {size} characters of JSON; this server takes schemas of at most "
-                         f"{MAX_SCHEMA_CHARS}.", where)
+        raise BadRequest(
+            f"{where} is {size} characters of JSON; this server takes schemas of at most {MAX_SCHEMA_CHARS}.", where
+        )
+
 
 # decodekit fields a request may not set: Python objects (no JSON value is one), what only the operator decides,
 # and what the OpenAI fields already say (set those instead).
@@ -126,8 +176,11 @@ def check_text(value, where: str = "body") -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as error:
-                raise BadRequest(f"{path} holds a lone surrogate ({item[error.start:error.end]!r} at character "
-                                 f"{error.start}); strings must be valid Unicode.", path) from None
+                raise BadRequest(
+                    f"{path} holds a lone surrogate ({item[error.start : error.end]!r} at character "
+                    f"{error.start}); strings must be valid Unicode.",
+                    path,
+                ) from None
         elif isinstance(item, dict):
             stack.extend((v, f"{path}.{k}") for k, v in item.items())
             stack.extend((k, f"{path} key") for k in item)
@@ -141,13 +194,20 @@ def check_fields(body: dict, served: set[str]) -> None:
         if name in served or value is None:
             continue
         if name in UNSERVED:
-            if value == UNSERVED[name] or (isinstance(UNSERVED[name], (dict, list)) and value == type(UNSERVED[name])()):
+            if value == UNSERVED[name] or (
+                isinstance(UNSERVED[name], (dict, list)) and value == type(UNSERVED[name])()
+            ):
                 continue
-            raise BadRequest(f"{name}={value!r} is not supported by this server (decodekit serve); see docs/serve.md "
-                             "for the fields it serves.", name)
+            raise BadRequest(
+                f"{name}={value!r} is not supported by this server (decodekit serve); see docs/serve.md "
+                "for the fields it serves.",
+                name,
+            )
         close = difflib.get_close_matches(name, sorted(served | set(UNSERVED)), n=1)
-        raise BadRequest(f"Unrecognized request argument supplied: {name}"
-                         + (f" (did you mean {close[0]!r}?)" if close else ""), name)
+        raise BadRequest(
+            f"Unrecognized request argument supplied: {name}" + (f" (did you mean {close[0]!r}?)" if close else ""),
+            name,
+        )
 
 
 def number(body: dict, name: str, low: float, high: float, default, integer: bool = False):
@@ -188,8 +248,9 @@ def stream_options(body: dict, stream: bool) -> bool:
     if not stream:
         raise BadRequest("stream_options is only allowed when stream is true.", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-        raise BadRequest(f"stream_options={options!r} is invalid; expected {{\"include_usage\": true|false}}.",
-                         "stream_options")
+        raise BadRequest(
+            f'stream_options={options!r} is invalid; expected {{"include_usage": true|false}}.', "stream_options"
+        )
     return boolean(options, "include_usage")
 
 
@@ -205,8 +266,11 @@ def generation_fields(body: dict, settings: ServerSettings, default_max_tokens: 
     n = number(body, "n", 1, settings.max_n, 1, True)
     best_of = number(body, "best_of", 1, settings.max_n, None, True)
     if best_of is not None and best_of != n:
-        raise BadRequest(f"best_of={best_of} is not supported (this server returns every sequence it generates); "
-                         f"leave it out or set it to n={n}.", "best_of")
+        raise BadRequest(
+            f"best_of={best_of} is not supported (this server returns every sequence it generates); "
+            f"leave it out or set it to n={n}.",
+            "best_of",
+        )
     seed = number(body, "seed", 0, 2**63 - 1, None, True)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -232,8 +296,11 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     bias = body.get("logit_bias")
     if bias:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-            raise BadRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> bias "
-                             "in [-100, 100].", "logit_bias")
+            raise BadRequest(
+                f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> bias "
+                "in [-100, 100].",
+                "logit_bias",
+            )
         sequence_bias = {}
         for key, value in bias.items():
             token = int(key) if isinstance(key, str) and TOKEN_KEY.fullmatch(key) else None
@@ -245,13 +312,19 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
-            raise BadRequest(f"response_format={response_format!r} is invalid; expected {{\"type\": \"text\"}}, "
-                             '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
-                             '"schema": {...}}}.', "response_format")
+            raise BadRequest(
+                f'response_format={response_format!r} is invalid; expected {{"type": "text"}}, '
+                '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+                '"schema": {...}}}.',
+                "response_format",
+            )
         unknown = sorted(set(response_format) - RESPONSE_FORMAT_FIELDS)
         if unknown:
-            raise BadRequest(f"response_format has fields this server does not know: {unknown}; it takes "
-                             f"{sorted(RESPONSE_FORMAT_FIELDS)}.", "response_format")
+            raise BadRequest(
+                f"response_format has fields this server does not know: {unknown}; it takes "
+                f"{sorted(RESPONSE_FORMAT_FIELDS)}.",
+                "response_format",
+            )
         if kind == "json_schema":
             check_json_schema(response_format.get("json_schema"))
         if kind != "text":
@@ -270,11 +343,16 @@ def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
         fields["min_new_tokens"] = min_tokens
     stop_ids = body.get("stop_token_ids")
     if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise BadRequest(f"stop_token_ids has {len(stop_ids)} entries; this server takes at most {MAX_STOP_TOKEN_IDS}.",
-                         "stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)):
-        raise BadRequest(f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).",
-                         "stop_token_ids")
+        raise BadRequest(
+            f"stop_token_ids has {len(stop_ids)} entries; this server takes at most {MAX_STOP_TOKEN_IDS}.",
+            "stop_token_ids",
+        )
+    if stop_ids is not None and (
+        not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)
+    ):
+        raise BadRequest(
+            f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).", "stop_token_ids"
+        )
     if stop_ids:
         stop_ids = sorted(set(stop_ids))  # one tokenizer view per distinct set for structured output, not per order
     ignore_eos = boolean(body, "ignore_eos")
@@ -292,8 +370,9 @@ def check_json_schema(spec) -> None:
         raise BadRequest(f'{where} must be an object {{"name": ..., "schema": {{...}}}}, got {spec!r}.', where)
     unknown = sorted(set(spec) - JSON_SCHEMA_FIELDS)
     if unknown:
-        raise BadRequest(f"{where} has fields this server does not know: {unknown}; it takes "
-                         f"{sorted(JSON_SCHEMA_FIELDS)}.", where)
+        raise BadRequest(
+            f"{where} has fields this server does not know: {unknown}; it takes {sorted(JSON_SCHEMA_FIELDS)}.", where
+        )
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise BadRequest(f"{where}.strict={spec['strict']!r} is invalid; expected true or false.", f"{where}.strict")
     for name in ("name", "description"):
@@ -322,42 +401,63 @@ def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> di
     elif name not in plugins:
         offered = sorted((plugins - INFRASTRUCTURE_PLUGINS) | set(settings.methods))
         close = difflib.get_close_matches(name, offered, n=1)
-        raise BadRequest(f"decodekit method {name!r} is neither a registered decodekit plugin nor a method allowed when "
-                         f"the server started" + (f" (did you mean {close[0]!r}?)" if close else "")
-                         + f"; available: {offered}.", "decodekit.method")
+        raise BadRequest(
+            f"decodekit method {name!r} is neither a registered decodekit plugin nor a method allowed when "
+            f"the server started" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; available: {offered}.",
+            "decodekit.method",
+        )
     return fields
 
 
-def merged_request(body: dict, settings: ServerSettings, default_max_tokens: int, plugins: set[str], vocab: int,
-                   eos: list[int]) -> dict[str, Any]:
+def merged_request(
+    body: dict, settings: ServerSettings, default_max_tokens: int, plugins: set[str], vocab: int, eos: list[int]
+) -> dict[str, Any]:
     """add_request's arguments of a body (OpenAI fields, then the decodekit object over them), with the server's
     limits held on the merged values."""
-    arguments = {**generation_fields(body, settings, default_max_tokens), **sampling_extras(body, vocab, eos),
-                 **method_fields(body, settings, plugins)}
+    arguments = {
+        **generation_fields(body, settings, default_max_tokens),
+        **sampling_extras(body, vocab, eos),
+        **method_fields(body, settings, plugins),
+    }
     max_new = arguments.get("max_new_tokens")
     if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
-        raise BadRequest(f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
-                         f"[1, {settings.max_tokens_limit}] (this server's --max-tokens-limit).", "decodekit.max_new_tokens")
+        raise BadRequest(
+            f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
+            f"[1, {settings.max_tokens_limit}] (this server's --max-tokens-limit).",
+            "decodekit.max_new_tokens",
+        )
     least = arguments.get("min_new_tokens")
     if is_int(least) and least > max_new:
-        raise BadRequest(f"min_tokens={least} is more than max_tokens={max_new}; expected min_tokens <= max_tokens.",
-                         "min_tokens")
+        raise BadRequest(
+            f"min_tokens={least} is more than max_tokens={max_new}; expected min_tokens <= max_tokens.", "min_tokens"
+        )
     rows = arguments.get("num_return_sequences")
     if not is_int(rows) or not 1 <= rows <= settings.max_n:
-        raise BadRequest(f"decodekit.num_return_sequences={rows!r} is invalid; expected an integer in "
-                         f"[1, {settings.max_n}] (n's limit here).", "decodekit.num_return_sequences")
+        raise BadRequest(
+            f"decodekit.num_return_sequences={rows!r} is invalid; expected an integer in "
+            f"[1, {settings.max_n}] (n's limit here).",
+            "decodekit.num_return_sequences",
+        )
     own = arguments.get("stop_strings")
     if own is not None and not (isinstance(own, list) or isinstance(own, str)):
-        raise BadRequest(f"decodekit.stop_strings={own!r} is invalid; expected a string or a list of strings.",
-                         "decodekit.stop_strings")
+        raise BadRequest(
+            f"decodekit.stop_strings={own!r} is invalid; expected a string or a list of strings.",
+            "decodekit.stop_strings",
+        )
     stops = stop_list(body) + ([own] if isinstance(own, str) else list(own or []))
     if len(stops) > settings.max_stop:
-        raise BadRequest(f"{len(stops)} stop strings are too many (stop and decodekit.stop_strings together); this "
-                         f"server takes at most {settings.max_stop}.", "stop")
+        raise BadRequest(
+            f"{len(stops)} stop strings are too many (stop and decodekit.stop_strings together); this "
+            f"server takes at most {settings.max_stop}.",
+            "stop",
+        )
     for stop in stops:
         if not isinstance(stop, str) or not stop or len(stop) > settings.max_stop_chars:
-            raise BadRequest(f"stop string {stop!r} is invalid; expected a non-empty string of at most "
-                             f"{settings.max_stop_chars} characters.", "stop")
+            raise BadRequest(
+                f"stop string {stop!r} is invalid; expected a non-empty string of at most "
+                f"{settings.max_stop_chars} characters.",
+                "stop",
+            )
     if stops:
         arguments["stop_strings"] = stops
     else:
@@ -387,16 +487,27 @@ def chat_messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise BadRequest(f'{where} must be an object with a role in {list(ROLES)}, got {message!r}.', where)
+            raise BadRequest(f"{where} must be an object with a role in {list(ROLES)}, got {message!r}.", where)
         extra = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
         if extra:
             raise BadRequest(f"{where} has fields this server does not serve: {sorted(extra)}.", where)
         calls = message.get("tool_calls")
-        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments"), str) for c in calls)):
-            raise BadRequest(f"{where}.tool_calls is invalid; an assistant's earlier calls are a list of {{\"id\": ..., "
-                             '"type": "function", "function": {"name": ..., "arguments": "..."}}.', f"{where}.tool_calls")
+        if calls is not None and (
+            message["role"] != "assistant"
+            or not isinstance(calls, list)
+            or not all(
+                isinstance(c, dict)
+                and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str)
+                for c in calls
+            )
+        ):
+            raise BadRequest(
+                f'{where}.tool_calls is invalid; an assistant\'s earlier calls are a list of {{"id": ..., '
+                '"type": "function", "function": {"name": ..., "arguments": "..."}}.',
+                f"{where}.tool_calls",
+            )
         content = message.get("content")
         if content is None and calls:
             content = ""
@@ -404,15 +515,24 @@ def chat_messages(body: dict) -> list[dict]:
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f'{where}.content[{j}] is invalid; this server takes text parts only: '
-                                     '{"type": "text", "text": "..."}.', f"{where}.content")
+                    raise BadRequest(
+                        f"{where}.content[{j}] is invalid; this server takes text parts only: "
+                        '{"type": "text", "text": "..."}.',
+                        f"{where}.content",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string or a list of text parts, got {content!r}.",
-                             f"{where}.content")
-        out.append({"role": message["role"], "content": content,
-                    **{k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k) is not None}})
+            raise BadRequest(
+                f"{where}.content must be a string or a list of text parts, got {content!r}.", f"{where}.content"
+            )
+        out.append(
+            {
+                "role": message["role"],
+                "content": content,
+                **{k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k) is not None},
+            }
+        )
     return out
 
 

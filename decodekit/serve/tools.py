@@ -24,10 +24,12 @@ from .protocol import BadRequest, check_schema_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
-SYSTEM = ("You may call one or more functions to help with the user's request. The functions are described, as "
-          "JSON schemas, inside <tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with a JSON "
-          'object of its name and arguments inside <tool_call></tool_call>: <tool_call>{{"name": <function name>, '
-          '"arguments": <arguments object>}}</tool_call>')
+SYSTEM = (
+    "You may call one or more functions to help with the user's request. The functions are described, as "
+    "JSON schemas, inside <tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with a JSON "
+    'object of its name and arguments inside <tool_call></tool_call>: <tool_call>{{"name": <function name>, '
+    '"arguments": <arguments object>}}</tool_call>'
+)
 
 
 @dataclass
@@ -45,9 +47,17 @@ class ToolPlan:
         if self.choice == "auto":
             return None
         if self.choice == "required":
-            return {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _params(f)},
-                               "required": ["name", "arguments"], "additionalProperties": False}
-                              for f in self.functions]}
+            return {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": f["name"]}, "arguments": _params(f)},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                    for f in self.functions
+                ]
+            }
         return _params(next(f for f in self.functions if f["name"] == self.choice))
 
     def tool_calls(self, text: str) -> tuple[str | None, list[dict]]:
@@ -86,7 +96,7 @@ def call_spans(text: str) -> list[tuple[int, int, str]]:
         end = text.find(CLOSE, start + len(OPEN))
         if end == -1:
             break
-        spans.append((start, end + len(CLOSE), text[start + len(OPEN):end].strip()))
+        spans.append((start, end + len(CLOSE), text[start + len(OPEN) : end].strip()))
         at = end + len(CLOSE)
     return spans
 
@@ -108,15 +118,20 @@ def plan_tools(body: dict) -> ToolPlan | None:
             raise BadRequest("tool_choice needs tools: pass the functions the model may call.", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise BadRequest("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., ...}}.", "tools")
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}.', "tools")
     if len(tools) > MAX_TOOLS:
-        raise BadRequest(f"tools has {len(tools)} functions; this server takes at most {MAX_TOOLS}, as OpenAI.", "tools")
+        raise BadRequest(
+            f"tools has {len(tools)} functions; this server takes at most {MAX_TOOLS}, as OpenAI.", "tools"
+        )
     functions = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise BadRequest(f"tools[{i}] is invalid; expected {{\"type\": \"function\", \"function\": {{\"name\": "
-                             "\"...\", \"description\": \"...\", \"parameters\": {...JSON schema...}}}.", f"tools[{i}]")
+            raise BadRequest(
+                f'tools[{i}] is invalid; expected {{"type": "function", "function": {{"name": '
+                '"...", "description": "...", "parameters": {...JSON schema...}}}.',
+                f"tools[{i}]",
+            )
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object.", f"tools[{i}]")
         check_schema_depth(function.get("parameters"), f"tools[{i}].function.parameters")
@@ -134,8 +149,11 @@ def plan_tools(body: dict) -> ToolPlan | None:
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or name not in names:
-        raise BadRequest(f"tool_choice={choice!r} is invalid; expected \"none\", \"auto\", \"required\" or "
-                         f'{{"type": "function", "function": {{"name": NAME}}}} with NAME one of {names}.', "tool_choice")
+        raise BadRequest(
+            f'tool_choice={choice!r} is invalid; expected "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": NAME}}}} with NAME one of {names}.',
+            "tool_choice",
+        )
     return ToolPlan(functions, name)
 
 
@@ -155,8 +173,10 @@ def messages_with_tools(messages: list[dict], plan: ToolPlan | None, tokenizer) 
     for message in messages:
         content = message.get("content") or ""
         if message.get("tool_calls"):
-            content += "".join(f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _json(c['function']['arguments'])})}</tool_call>"
-                               for c in message["tool_calls"])
+            content += "".join(
+                f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _json(c['function']['arguments'])})}</tool_call>"
+                for c in message["tool_calls"]
+            )
         if message["role"] == "tool":
             content = f"<tool_response>{content}</tool_response>"
         out.append({"role": message["role"], "content": content})

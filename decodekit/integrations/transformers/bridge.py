@@ -22,8 +22,10 @@ from ...registry.hookspecs import LOOP_ONLY_HOOKS
 from ..hooks import check_chosen, chosen_hooks, hook_arguments
 from ...facade.transformers import generation_config_from
 
-REFUSAL_ADVICE = ("only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
-                  "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...).")
+REFUSAL_ADVICE = (
+    "only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
+    "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...)."
+)
 
 
 class TransformersHooks(NamedTuple):
@@ -48,9 +50,12 @@ class _Pipeline:
         L = input_ids.shape[1]
         # Within one call each step adds one token (criteria see it one call early), rows keep their prompt,
         # and beams reorder only among the beams of one prompt.
-        same_call = (self.prompt is not None and L in (self.length, self.length + 1)
-                     and input_ids.shape[0] == self.prompt.shape[0]
-                     and torch.equal(input_ids[:, : self.prompt.shape[1]], self.prompt))
+        same_call = (
+            self.prompt is not None
+            and L in (self.length, self.length + 1)
+            and input_ids.shape[0] == self.prompt.shape[0]
+            and torch.equal(input_ids[:, : self.prompt.shape[1]], self.prompt)
+        )
         if not same_call:
             self.build(input_ids[:, : L - 1] if appended else input_ids)
         self.length = L
@@ -91,8 +96,16 @@ class HookStoppingCriteria(transformers.StoppingCriteria):
         return self.pipeline.current(input_ids, appended=True).criteria(input_ids, scores)
 
 
-def to_transformers(model, *, method=None, plugins: list[str] | None = None, trust_remote_code=None,
-                    generation_config=None, revision: str | None = None, **fields) -> TransformersHooks:
+def to_transformers(
+    model,
+    *,
+    method=None,
+    plugins: list[str] | None = None,
+    trust_remote_code=None,
+    generation_config=None,
+    revision: str | None = None,
+    **fields,
+) -> TransformersHooks:
     """decodekit plugins as transformers' logits_processor and stopping_criteria for `model`.
 
     model: the transformers model they will run in (hooks see it as context.model; its generation config
@@ -106,12 +119,20 @@ def to_transformers(model, *, method=None, plugins: list[str] | None = None, tru
     """
     from ..hooks import choose
 
-    chosen, loaded = choose(method, plugins, trust_remote_code, revision, "run it as transformers' own custom_generate "
-                            f"instead: model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True).")
+    chosen, loaded = choose(
+        method,
+        plugins,
+        trust_remote_code,
+        revision,
+        "run it as transformers' own custom_generate "
+        f"instead: model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True).",
+    )
     return hooks_for(model, loaded, generation_config, fields, chosen)
 
 
-def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None) -> TransformersHooks:
+def hooks_for(
+    model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None
+) -> TransformersHooks:
     """The processors and criteria of `chosen` plugins (default: the method alone), `method` being (module,
     plugin name) registered while hooks are called, or None."""
     from ...core.config import add_plugin_fields, closest
@@ -124,15 +145,24 @@ def hooks_for(model, method, generation_config, fields: dict[str, Any], chosen: 
         if unknown:
             close = closest(unknown[0], known)
             hint = f" (did you mean {close!r}?)" if close else ""
-            raise ValueError(f"to_transformers() got unknown fields {unknown}{hint}; it accepts decodekit's generation "
-                             "config fields and those the registered plugins declare (`decodekit list` shows them).")
+            raise ValueError(
+                f"to_transformers() got unknown fields {unknown}{hint}; it accepts decodekit's generation "
+                "config fields and those the registered plugins declare (`decodekit list` shows them)."
+            )
         gc.update(**fields)
         # Checked now, so a bad value fails before generate(); checked again with the call's shapes at its first step.
-        check_chosen(chosen, hook_arguments(model, gc, 1, 1, model.device), "transformers' generate()", LOOP_ONLY_HOOKS,
-                     REFUSAL_ADVICE)
+        check_chosen(
+            chosen,
+            hook_arguments(model, gc, 1, 1, model.device),
+            "transformers' generate()",
+            LOOP_ONLY_HOOKS,
+            REFUSAL_ADVICE,
+        )
     pipeline = _Pipeline(model, gc, chosen, method)
-    return TransformersHooks(transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
-                             transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]))
+    return TransformersHooks(
+        transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
+        transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]),
+    )
 
 
 def config_for(model, generation_config):
@@ -143,5 +173,7 @@ def config_for(model, generation_config):
         return generation_config.copy()
     if generation_config is None or isinstance(generation_config, transformers.GenerationConfig):
         return generation_config_from(generation_config or getattr(model, "generation_config", None), model.config)
-    raise TypeError(f"generation_config must be a decodekit or transformers GenerationConfig, got "
-                    f"{type(generation_config).__name__}.")
+    raise TypeError(
+        f"generation_config must be a decodekit or transformers GenerationConfig, got "
+        f"{type(generation_config).__name__}."
+    )

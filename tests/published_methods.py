@@ -219,3 +219,15 @@ def generate(model, input_ids, generation_config=None, sink=2, window=8, **kwarg
     assert cache.get_seq_length() <= window
     return input_ids
 """
+
+# Prepares its own inputs, then lets the model's generate() do the rest, as many small published methods do.
+REENTERS_GENERATE = """
+def generate(model, input_ids, **kwargs):
+    prefix = input_ids[:, :1].repeat(1, 2)
+    return model.generate(
+        torch.cat([prefix, input_ids], dim=-1), max_new_tokens=kwargs.get("max_new_tokens", 5), repetition_penalty=1.3,
+        eos_token_id=None, do_sample=False)
+
+
+import torch  # noqa: E402
+"""

@@ -13,7 +13,15 @@ import torch
 from decodekit import AutoModelForCausalLM
 from helpers import write_tiny_model
 from methods import HOOK_METHOD, TRANSFORMERS_INTERNALS, TRANSFORMERS_STYLE_GREEDY, write_method
-from published_methods import BEAM_LOOP, CONTRASTIVE, ENCODER_DECODER, ROLLBACK, SINK_CACHE, TOP_N_SIGMA
+from published_methods import (
+    BEAM_LOOP,
+    CONTRASTIVE,
+    ENCODER_DECODER,
+    REENTERS_GENERATE,
+    ROLLBACK,
+    SINK_CACHE,
+    TOP_N_SIGMA,
+)
 from tiny_transformers import PAD, transformers
 
 PROMPT = torch.tensor([[5, 9, 13, 2, 7]])
@@ -44,6 +52,7 @@ def repos(tmp_path_factory):
         internals=TRANSFORMERS_INTERNALS,
         contrastive=CONTRASTIVE,
         sink=SINK_CACHE,
+        reenters=REENTERS_GENERATE,
         encoder_decoder=ENCODER_DECODER,
         hooks=HOOK_METHOD,
         greedy=TRANSFORMERS_STYLE_GREEDY,
@@ -92,6 +101,7 @@ CASES = {
         ),
     ),
     "sink cache": ("sink", dict(input_ids=PROMPT, max_new_tokens=12, sink=2, window=8)),
+    "re-enters generate()": ("reenters", dict(input_ids=PROMPT, max_new_tokens=6)),
     "internals loop": (
         "internals",
         dict(input_ids=PROMPT, max_new_tokens=6, repetition_penalty=1.3, eos_token_id=None, pad_token_id=PAD),

@@ -56,6 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="log what decodekit does (loading, compiling)",
     )
 
+    gen = _add_generate(sub, verbose)
+    chat = _add_chat(sub, verbose)
+    _add_list(sub, verbose)
+    _add_new(sub, verbose)
+    _add_check(sub, verbose)
+    _add_download(sub, verbose)
+    bat = _add_batch(sub, verbose)
+    srv = _add_serve(sub, verbose)
+    for command in (gen, chat, bat, srv):
+        command.add_argument(
+            "--config",
+            metavar="FILE",
+            help="read flags from FILE (YAML, TOML or JSON): a mapping of flag names, spelt as on the "
+            "command line or with underscores, to values (true for a switch, a list for a "
+            "repeatable flag, a mapping for --arg); flags given on the command line win",
+        )
+    parser.commands = {"generate": gen, "chat": chat, "batch": bat, "serve": srv}  # for --config (with_config)
+    _add_completion(sub, verbose)
+    return parser
+
+
+def _add_generate(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit generate`."""
     gen = sub.add_parser(
         "generate",
         parents=[verbose],
@@ -82,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _method_flags(gen)
     gen.set_defaults(func=cmd_generate)
+    return gen
 
+
+def _add_chat(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit chat`."""
     chat = sub.add_parser(
         "chat",
         parents=[verbose],
@@ -103,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     _decoding_flags(chat)
     _method_flags(chat)
     chat.set_defaults(func=cmd_chat, prompt=None, compile=False)
+    return chat
 
+
+def _add_list(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit list`."""
     lst = sub.add_parser(
         "list",
         help="show the installed decoders",
@@ -119,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="one full-width row per decoder, whatever the terminal's width",
     )
     lst.set_defaults(func=cmd_list)
+    return lst
 
+
+def _add_new(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit new`."""
     new = sub.add_parser(
         "new",
         parents=[verbose],
@@ -144,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="write into an existing project folder, overwriting its files"
     )
     new.set_defaults(func=cmd_new)
+    return new
 
+
+def _add_check(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit check`."""
     chk = sub.add_parser(
         "check",
         parents=[verbose],
@@ -155,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chk.add_argument("directory", help="the repository folder (the one that holds custom_generate/)")
     chk.set_defaults(func=cmd_check)
+    return chk
 
+
+def _add_download(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit download`."""
     down = sub.add_parser(
         "download",
         parents=[verbose],
@@ -171,7 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--gguf-file", help="only this .gguf file of the repo (and generation_config.json)")
     down.add_argument("--method", action="store_true", help="a custom_generate method repo rather than a model")
     down.set_defaults(func=cmd_download)
+    return down
 
+
+def _add_batch(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit batch`."""
     bat = sub.add_parser(
         "batch",
         parents=[verbose],
@@ -196,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
     bat.set_defaults(func=cmd_batch)
+    return bat
 
+
+def _add_serve(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit serve`."""
     srv = sub.add_parser(
         "serve",
         parents=[verbose],
@@ -270,15 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
         "inductor's cache holds it (default: on; --no-compile runs them eagerly)",
     )
     srv.set_defaults(func=cmd_serve)
-    for command in (gen, chat, bat, srv):
-        command.add_argument(
-            "--config",
-            metavar="FILE",
-            help="read flags from FILE (YAML, TOML or JSON): a mapping of flag names, spelt as on the "
-            "command line or with underscores, to values (true for a switch, a list for a "
-            "repeatable flag, a mapping for --arg); flags given on the command line win",
-        )
-    parser.commands = {"generate": gen, "chat": chat, "batch": bat, "serve": srv}  # for --config (with_config)
+    return srv
+
+
+def _add_completion(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit completion`."""
     done = sub.add_parser(
         "completion",
         help="print the shell code that completes decodekit's commands and flags",
@@ -288,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     done.add_argument("shell", nargs="?", default="bash", choices=["bash", "zsh", "fish", "tcsh", "powershell"])
     done.set_defaults(func=cmd_completion)
-    return parser
+    return done
 
 
 def cmd_completion(args) -> int:

@@ -439,17 +439,7 @@ class GenerationMixin:
         )
         context, max_length, loop_owner = call.context, call.max_length, call.loop_owner
         loop = checked_loop(loop_owner, call.loop)
-        inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
-        if inner and loop is not None:
-            raise ValueError(
-                f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
-                "runs another strategy's loop" + (" (compile=True's fused step)" if gc.compile else "") + "."
-            )
-        if gc.output_attentions and getattr(self, "returns_attentions", True) is False:
-            raise ValueError(
-                "output_attentions=True needs a model that returns attention weights: decodekit's native "
-                "models do not; a transformers model through decodekit.wrap (attn_implementation='eager') does."
-            )
+        check_inner_outputs(self, gc, loop)
         rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
         check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
         input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
@@ -467,22 +457,10 @@ class GenerationMixin:
                 pipeline, run_loop(loop_owner, loop, self, input_ids, attention_mask, pipeline, gc, streamer, context)
             )
         if custom_generate is not None:
-            # The callable gets what transformers' decoding methods get: prepared ids, processors, criteria, config.
-            if "token_selector" in inspect.signature(custom_generate).parameters:
-                method_extras["token_selector"] = pipeline.selector
             return finished(
                 pipeline,
-                custom_generate(
-                    self,
-                    input_ids,
-                    pipeline.processors,
-                    pipeline.stopping,
-                    prepared_config(gc, context.prompt_length, context.max_length),
-                    streamer=streamer,
-                    attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
-                    past_key_values=pipeline.cache,
-                    use_cache=gc.use_cache,
-                    **method_extras,
+                run_callable(
+                    custom_generate, self, input_ids, attention_mask, pipeline, gc, context, streamer, method_extras
                 ),
             )
         return finished(pipeline, decode(self, input_ids, attention_mask, pipeline, gc, streamer))
@@ -507,6 +485,41 @@ class GenerationMixin:
         tokens = sequences[:, sequences.shape[1] - length :]
         step = torch.arange(length, device=steps.device)[None, :].expand_as(rows)
         return torch.where(valid, steps[step, rows, tokens], torch.zeros((), dtype=steps.dtype, device=steps.device))
+
+
+def check_inner_outputs(model, gc: GenerationConfig, loop) -> None:
+    """ValueError where the call asks for hidden states or attention weights that its loop or model cannot give."""
+    inner = [name for name in ("output_hidden_states", "output_attentions") if getattr(gc, name)]
+    if inner and loop is not None:
+        raise ValueError(
+            f"{inner[0]}=True is supported by greedy decoding and sampling (the core loop); this call "
+            "runs another strategy's loop" + (" (compile=True's fused step)" if gc.compile else "") + "."
+        )
+    if gc.output_attentions and getattr(model, "returns_attentions", True) is False:
+        raise ValueError(
+            "output_attentions=True needs a model that returns attention weights: decodekit's native "
+            "models do not; a transformers model through decodekit.wrap (attn_implementation='eager') does."
+        )
+
+
+def run_callable(fn, model, input_ids, attention_mask, pipeline: Pipeline, gc, context, streamer, extras: dict):
+    """custom_generate given as a callable: it gets what transformers' decoding methods get (prepared ids, processors,
+    criteria, the call's config with both lengths set), the token selector where it declares `token_selector`, and
+    the keywords it declares that the call passed (`extras`)."""
+    if "token_selector" in inspect.signature(fn).parameters:
+        extras = {**extras, "token_selector": pipeline.selector}
+    return fn(
+        model,
+        input_ids,
+        pipeline.processors,
+        pipeline.stopping,
+        prepared_config(gc, context.prompt_length, context.max_length),
+        streamer=streamer,
+        attention_mask=attention_mask if attention_mask is not None else torch.ones_like(input_ids),
+        past_key_values=pipeline.cache,
+        use_cache=gc.use_cache,
+        **extras,
+    )
 
 
 def finished(pipeline: Pipeline, result):

@@ -255,3 +255,19 @@ def test_without_transformers_a_method_importing_it_names_the_extra(checkpoint, 
     assert result.returncode == 0, result.stderr[-2000:]
     assert "refused:" in result.stdout and "pip install 'decodekit[transformers]'" in result.stdout
     assert "equal: True hooks: True" in result.stdout
+
+
+def test_a_sliding_window_model_gives_transformers_tokens(tmp_path, repos):
+    """Mistral with a 4-token window over a 7-token prompt: transformers' caches slide, the view's keep every position
+    and the native model masks the window; the tokens agree."""
+    path = write_tiny_model(tmp_path / "mistral", "mistral", sliding_window=4)
+    native = AutoModelForCausalLM.from_pretrained(path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path)
+    prompt = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
+    for name, options in (
+        ("top_n_sigma", dict(max_new_tokens=10, eos_token_id=None)),
+        ("beams", dict(max_new_tokens=6, num_beams=2)),
+        ("rollback", dict(max_new_tokens=10, cache_kind="static", max_rollbacks=0)),
+    ):
+        theirs_out, ours = both((native, theirs), repos[name], input_ids=prompt, **options)
+        assert torch.equal(ours, theirs_out), name

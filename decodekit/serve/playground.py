@@ -17,6 +17,13 @@ import contextlib
 from pathlib import Path
 
 import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..models.tokenizer import chat_ids
+from .protocol import CHAT, INFRASTRUCTURE_PLUGINS, BadRequest, chat_messages, merged_request
+from .served import Served, tokens_within
 
 PAGE = Path(__file__).with_name("playground.html")
 TOP_TOKENS = 8  # tokens shown per distribution
@@ -107,3 +114,38 @@ def explain_step(model, tokenizer, ids: list[int], arguments: dict) -> dict:
         "scores": top_tokens(out.scores[0][0], tokenizer),
         "chosen": {"id": chosen, "text": tokenizer.decode([chosen])},
     }
+
+
+def router(served: Served) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.get("/")
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @routes.get("/playground/methods")
+    async def methods():
+        offered = await run_in_threadpool(offered_methods, served.settings, served.plugins(), INFRASTRUCTURE_PLUGINS)
+        return {"model": served.settings.model_name, "methods": offered}
+
+    @routes.post("/playground/step")
+    async def step(request: Request):
+        """A chat completions body -> the next token explained."""
+        try:
+            body = await served.body_of(request, CHAT)
+            messages = chat_messages(body)
+            fields = merged_request(body, served.settings, 1, served.plugins(), served.vocab, served.eos)  # one token
+
+            def explain():
+                tokens_within(served.tokenizer, [m["content"] for m in messages], served.context)
+                ids = chat_ids(served.tokenizer, messages, content_as_text=True)
+                try:
+                    return explain_step(served.manager.model, served.tokenizer, ids, fields)
+                except (ValueError, TypeError) as error:  # the call's own values, as add_request would say
+                    raise BadRequest(str(error)) from None
+
+            return await run_in_threadpool(explain)
+        except BadRequest as error:
+            return served.refused(error)
+
+    return routes

@@ -1,0 +1,318 @@
+"""/v1/completions and /v1/chat/completions: a body checked (serve/protocol.py), its prompt made, the request added to
+the manager, and its outputs answered as they come (a Job), streamed or whole."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..batching import QueueFull, RequestStatus
+from ..batching.request import GenerationOutput
+from ..models.tokenizer import chat_ids
+from .protocol import (
+    CHAT,
+    COMPLETIONS,
+    BadRequest,
+    boolean,
+    chat_messages,
+    completion_prompt,
+    logprob_fields,
+    merged_request,
+    stream_options,
+)
+from .served import Served, error_response, tokens_within
+from .tools import ToolPlan, messages_with_tools, plan_tools
+
+
+def router(served: Served) -> APIRouter:
+    routes = APIRouter()
+    manager, tokenizer, settings = served.manager, served.tokenizer, served.settings
+
+    async def answer(request: Request, body: dict, chat: bool, prompt_of, plan: ToolPlan | None = None):
+        """Checks the body's sampling fields, then prompt_of() (the token ids) and add_request in a worker thread."""
+        default_max = settings.default_max_tokens if chat else 16
+        fields = merged_request(body, settings, default_max, served.plugins(), served.vocab, served.eos)
+        if plan is not None and plan.forced:
+            if "response_format" in fields:
+                raise BadRequest(
+                    "response_format and a tool_choice that forces a call both constrain the output; pass one of them.",
+                    "response_format",
+                )
+            fields["json_schema"] = plan.constraint()
+        job = Job(manager, tokenizer, body, settings, fields, chat, plan)
+        await job.add(prompt_of)
+        return await job.respond(request)
+
+    async def endpoint(request: Request, chat: bool):
+        try:
+            body = await served.body_of(request, CHAT if chat else COMPLETIONS)
+            if chat:
+                plan = plan_tools(body)
+                messages, template = messages_with_tools(chat_messages(body), plan, tokenizer)
+
+                def prompt_of():
+                    tokens_within(tokenizer, [m["content"] for m in messages], served.context)
+                    return chat_ids(tokenizer, messages, content_as_text=True, **template)
+
+                return await answer(request, body, chat, prompt_of, plan)
+            prompt = completion_prompt(body)
+
+            def prompt_of():
+                if isinstance(prompt, list):
+                    return prompt
+                tokens_within(tokenizer, [prompt], served.context)
+                return tokenizer.encode(prompt)
+
+            return await answer(request, body, chat, prompt_of)
+        except BadRequest as error:
+            return served.refused(error)
+
+    @routes.post("/v1/completions")
+    async def completions(request: Request):
+        return await endpoint(request, chat=False)
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await endpoint(request, chat=True)
+
+    return routes
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is read by then: receive() only waits for the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Job:
+    """One HTTP request's generation: added to the manager, then answered whole or streamed. The manager hands
+    its outputs to `self.outputs` on the event loop (add_request's listener)."""
+
+    def __init__(self, manager, tokenizer, body, settings, fields, chat: bool, plan: ToolPlan | None = None):
+        self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, chat, plan
+        self.skip_special = boolean(body, "skip_special_tokens", True)
+        self.eos = (
+            set(fields["eos_token_id"] or [])
+            if "eos_token_id" in fields
+            else set(manager.model.generation_config.eos_token_ids)
+        )
+        self.stream = boolean(body, "stream")
+        self.include_usage = stream_options(body, self.stream)
+        wanted = logprob_fields(body, chat)
+        self.logprobs = wanted["logprobs"]
+        if self.logprobs and fields["num_return_sequences"] > 1:
+            raise BadRequest("logprobs are returned for n=1 only.", "logprobs")
+        self.stops = fields.get("stop_strings", [])
+        self.fields = {**fields, **wanted, "tokenizer": tokenizer}
+        self.model = settings.model_name
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+        self.prompt_ids: list[int] = []
+
+    async def add(self, prompt_of) -> None:
+        """The prompt's ids and add_request, in a worker thread: tokenizing a long prompt and the method's own
+        validation must not hold the event loop, and nothing they raise may reach it."""
+        loop = asyncio.get_running_loop()
+
+        def listener(output):
+            loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+        def add():
+            try:
+                self.prompt_ids = prompt_of()
+                self.manager.add_request(
+                    self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener, **self.fields
+                )
+            except QueueFull as error:
+                return BadRequest(str(error), None, 429, "rate_limit_error")
+            except BadRequest as error:
+                return error
+            except (ValueError, TypeError) as error:
+                return BadRequest(str(error))
+            except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
+                method = self.fields.get("custom_generate")
+                label = getattr(getattr(method, "source", None), "label", None) or self.body.get("decodekit", {}).get(
+                    "method"
+                )
+                return BadRequest(
+                    f"The request failed while it was prepared{f' by method {label!r}' if label else ''}: "
+                    f"{type(error).__name__}: {error}",
+                    None,
+                    500,
+                    "server_error",
+                )
+            return None
+
+        error = await run_in_threadpool(add)
+        if error is not None:
+            raise error
+
+    # ---- text ----
+    def texts(self, output: GenerationOutput) -> list[tuple[str, str | None, bool]]:
+        """(text, finish_reason, ended) of each row: the text is cut before the first stop string, and a row ends
+        there or when the request does."""
+        rows = []
+        for row in output.sequences or [output.generated_tokens]:
+            ended_on_eos = bool(row) and row[-1] in self.eos  # the stop token is not part of the text, as vLLM's
+            text = self.tokenizer.decode(row[:-1] if ended_on_eos else row, skip_special_tokens=self.skip_special)
+            reason, ended = output.finish_reason, output.is_finished()
+            cuts = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+            if cuts:
+                text, reason, ended = text[: min(cuts)], "stop", True
+            rows.append((text, reason, ended))
+        return rows
+
+    def usage(self, output: GenerationOutput) -> dict:
+        generated = sum(len(r) for r in output.sequences) if output.sequences else len(output.generated_tokens)
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": generated,
+            "total_tokens": len(self.prompt_ids) + generated,
+        }
+
+    def logprobs_of(self, output: GenerationOutput, start: int):
+        """The OpenAI logprobs object of the first row's tokens from `start` on (a stream sends each token once)."""
+        word = self.tokenizer.decode
+        chosen = [word([t]) for t in output.generated_tokens[start:]]
+        tops = (output.top_logprobs or [])[start:]
+        if self.chat:
+
+            def entry(token, logprob):
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {
+                "content": [
+                    {**entry(t, lp), "top_logprobs": [entry(word([i]), v) for i, v in top]}
+                    for t, lp, top in zip(chosen, output.logprobs[start:], tops or [[]] * len(chosen))
+                ]
+            }
+        offsets, at = [], len(self.tokenizer.decode(output.generated_tokens[:start])) if start else 0
+        for token in chosen:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": chosen,
+            "token_logprobs": output.logprobs[start:],
+            "text_offset": offsets,
+            "top_logprobs": [{word([i]): v for i, v in top} for top in tops] if output.top_logprobs else None,
+        }
+
+    def choice(
+        self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool, start: int = 0
+    ) -> dict:
+        logprobs = None
+        if self.logprobs and output.logprobs is not None:
+            logprobs = self.logprobs_of(output, start)
+        if self.chat:
+            key = "delta" if delta else "message"
+            message = {"role": "assistant", "content": text}
+            if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
+                content, calls = self.plan.tool_calls(text)
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [{**c, "index": i} if delta else c for i, c in enumerate(calls)],
+                    }
+                    reason = "tool_calls" if reason == "stop" else reason  # cut off by max_tokens: "length"
+            return {"index": index, key: message, "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    # ---- answers ----
+    async def respond(self, request: Request):
+        if self.stream:
+            return StreamingResponse(self.events(), media_type="text/event-stream")
+        result = asyncio.ensure_future(self.outputs.get())
+        gone = asyncio.ensure_future(until_disconnect(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not result.done():  # the client went away, or this handler was cancelled
+                self.manager.cancel_request(self.id, keep_result=False)
+            result.cancel()
+            gone.cancel()
+        if not result.done() or result.cancelled():
+            return Response(status_code=499)
+        return self.whole(result.result())
+
+    def whole(self, output: GenerationOutput):
+        if output.status == RequestStatus.FAILED:
+            return error_response(BadRequest(output.error or "generation failed", None, 500, "server_error"))
+        if output.status == RequestStatus.CANCELLED:
+            return error_response(
+                BadRequest("The request was cancelled (the server is stopping).", None, 503, "server_error")
+            )
+        choices = [
+            self.choice(i, text, reason, output, delta=False) for i, (text, reason, _) in enumerate(self.texts(output))
+        ]
+        return JSONResponse({**self.envelope(choices, chunk=False), "usage": self.usage(output)})
+
+    async def events(self):
+        """Server-sent events; Starlette cancels this generator when the client goes away, and `finally` then
+        cancels the request."""
+        sent: dict[int, str] = {}
+        closed: set[int] = set()
+        tokens_sent = 0  # of the first row, whose logprobs a chunk carries
+        finished = False
+        try:
+            while not finished:
+                output = await self.outputs.get()
+                finished = output.is_finished()
+                if output.status == RequestStatus.FAILED:
+                    yield _sse({"error": {"message": output.error, "type": "server_error", "code": 500}})
+                    break
+                texts = self.texts(output)
+                choices = []
+                for i, (text, reason, ended) in enumerate(texts):
+                    if i in closed:
+                        continue
+                    before = sent.get(i, "")
+                    piece = text[len(before) :] if text.startswith(before) else ""
+                    if piece.endswith("\ufffd") and not ended:  # a character whose bytes are not all out yet
+                        continue
+                    if self.plan is not None and not ended:  # with tools a row's text goes out whole, parsed
+                        continue
+                    if piece or ended:
+                        sent[i] = text
+                        choices.append(
+                            self.choice(
+                                i,
+                                piece,
+                                reason if ended else None,
+                                output,
+                                delta=True,
+                                start=tokens_sent if i == 0 else 0,
+                            )
+                        )
+                        if i == 0:
+                            tokens_sent = len(output.generated_tokens)
+                    if ended:
+                        closed.add(i)
+                if choices:
+                    yield _sse(self.envelope(choices, chunk=True))
+                if len(closed) == len(texts):
+                    if not finished:  # stop strings ended every row: free the blocks
+                        self.manager.cancel_request(self.id, keep_result=False)
+                        finished = True
+                    if self.include_usage:
+                        yield _sse({**self.envelope([], chunk=True), "usage": self.usage(output)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (or the stream broke): free the request's blocks
+                self.manager.cancel_request(self.id, keep_result=False)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

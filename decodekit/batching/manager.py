@@ -178,8 +178,8 @@ class ContinuousBatchingManager:
                 type(model).__name__,
             )
         self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
-        # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V]
-        # (22 ms a step of 32 rows of the default model); compiled, one.
+        # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V];
+        # compiled, one.
         # Every guard kept: with the steps' filter (argument_guards_only, which knows none of race_rows' argument
         # names) a graph specialised to one sampled row was replayed for several and inductor raised.
         self._race = (
@@ -219,8 +219,8 @@ class ContinuousBatchingManager:
 
         On CPU this is the fast way: OpenMP keeps a pool of worker threads per thread that starts parallel regions,
         and where a second pool joins the first on a machine with few cores, libgomp stops spinning and every
-        parallel region pays a sleep and wake (a [32, 1536] SiLU took 72-95 us in a second thread against 11 us in
-        the first, on 2 cores). generate_batch and `decodekit serve` run the steps in the main thread."""
+        parallel region pays a sleep and wake (several times the region's own time for a step's small operations;
+        docs/performance.md). generate_batch and `decodekit serve` run the steps in the main thread."""
         self._owner = threading.current_thread()
         self._until_idle = until_idle
         self._interrupted = False

@@ -88,7 +88,7 @@ STEP_ARGUMENTS = (
 
 def argument_guards_only(entries) -> list[bool]:
     """Keeps dynamo's guards on the step's arguments and the rotary table, drops those on the model's
-    weights and the step's own cache: thousands for a 30-layer model, about 0.8 ms of each step to check.
+    weights and the step's own cache: thousands for a 30-layer model, checked at every step.
 
     A step is keyed by everything the dropped guards would catch (batch, cache bucket, processors, dtype,
     device, packed or quantized weights), so they could fail only where a new step is made anyway. The
@@ -107,11 +107,10 @@ def argument_guards_only(entries) -> list[bool]:
 
 # Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A
 # one-row matmul written as a broadcast multiply and a sum (linear.one_row, llama.one_query_attention)
-# would then recompute its input once per output row: the int8 default model took 15.7 ms a token with
-# inductor's default (12 reads on CPU) against 6.1 ms with 1. At 1, though, every product of two tensors is
-# stored, the attention's too: q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read
-# back, twice a layer. 3 keeps the norms stored and the attention products fused; against 1, paired runs
-# measured 0.88 (int8), 0.95 (fp32) and 0.95 (bf16) of the time a token, and 5 was 1.45x slower than 3.
+# would then recompute its input once per output row (inductor's CPU default of 12 reads made the int8 default
+# model's token 2.5x slower than 1). At 1, though, every product of two tensors is stored, the attention's too:
+# q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read back, twice a layer. 3 keeps the
+# norms stored and the attention products fused, faster than 1 and than 5 (docs/performance.md).
 # A norm has three reads, so it was still recomputed in the inner loop of the product after it: for bf16
 # three conversions to float32 per weight vector instead of one. realize_opcount_threshold 8 (CPU default
 # 50) stores any elementwise result of more than 8 operations, the norms among them.

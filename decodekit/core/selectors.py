@@ -66,8 +66,8 @@ def race_noise(key: torch.Tensor, position, rows: int, vocab: int) -> torch.Tens
     tensor ops, the noise is computed inside the compiled step, fused with the softmax and the argmax and
     spread over the threads, and the eager sampler computes the same uniforms (the log may differ in its
     last bit, as the softmax does): one seed, one text, compiled or not, unless two candidates tie to
-    1e-7. Drawing from a torch.Generator instead cost 0.19 ms a token for a 49k vocabulary, on one core
-    and outside the step; the hash adds 0.07 ms to the step's softmax and argmax.
+    1e-7. Drawing from a torch.Generator instead runs on one core and outside the step, and cost about three times
+    what the hash adds to the step's softmax and argmax (docs/performance.md).
     U = (2m + 1) / 2**24 for the hash's top 23 bits m: exact in float32, never 0 or 1.
     """
     device = key.device

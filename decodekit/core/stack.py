@@ -3,9 +3,8 @@
 CPython (3.11 on) keeps Python frames in per-thread chunks and frees a chunk (munmap) as soon as the
 frame that opened it returns. When a decode loop's frames happen to sit just short of a chunk's end,
 every call the step makes below that point opens and frees a chunk of its own: a page fault each time.
-Measured on the bench machine: up to 33 faults a token in the eager loop on a tiny model, ~150 a token
-(one per operator, 4 ms, a quarter of the token) in the compiled step on the default model, decided only
-by how deep the user's code happened to call generate().
+In the compiled step on the default model that was one fault per operator, a quarter of the token
+(docs/performance.md), decided only by how deep the user's code happened to call generate().
 
 `@stack_room` runs the function inside a frame sized so that it always opens a fresh chunk and leaves
 about 64 KiB of it free for what the function calls; the chunk is opened once per call, not per token.

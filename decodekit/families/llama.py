@@ -51,8 +51,8 @@ def one_query_attention(q, k, v, mask):
     """Attention of one query position per row, in float32: bf16/fp16 caches on CPU, and every compiled step on CPU.
 
     q [B, H, 1, D]; k, v [B, KV, L, D]; mask boolean [B or 1, 1, 1, L] or None. The CPU kernels of
-    scaled_dot_product_attention for bf16 are slow for a single query (on the bench CPU, 30 layers over a
-    256-slot cache: 130-140 us a layer against 35-50 us here), and float32 scores are at least as precise
+    scaled_dot_product_attention for bf16 are slow for a single query (about three times this function's time a
+    layer; docs/performance.md), and float32 scores are at least as precise
     as the fused kernel's. In a compiled step both products are written as a broadcast multiply and a sum,
     which inductor fuses into the step's own loops instead of calling SDPA or bmm once per layer.
     """
@@ -158,8 +158,7 @@ class Block(nn.Module):
         and the norms; None where a product is none of those the calls take: a Linear of x's dtype computed in
         float32 (float32 weights; bfloat16 ones on a CPU without bfloat16 matrix instructions), or, for float32 rows,
         an Int8Linear whose route is one of decodekit's kernels. `decided` keeps the routes' choices, the same for
-        every layer (filled on first need: looking them up for each of a model's products cost a 128-token prefill
-        1-2 ms)."""
+        every layer (filled on first need, not looked up for each of a model's products)."""
         attn, mlp = self.attn, self.mlp
         products = []
         for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):

@@ -20,8 +20,8 @@ vLLM and is refused when the request is validated, with the message decodekit gi
 by the method's own validation, so a bad value is a 400 with decodekit's message.
 
 Each request's processors run on its own row. Running requests that share score-only processors as one tensor
-of their rows was tried and measured slower on CPU (32 rows of a 49,152-token vocabulary: 5.1 ms a step
-against 2.0 ms row by row; engine throughput 0.86-0.91x of plain against 0.977x), so it is not done.
+of their rows was tried and measured slower on CPU than row by row, at the step and in the engine's throughput
+(docs/performance.md), so it is not done.
 
 The V2 model runner (the default where Triton is installed, i.e. vLLM's GPU builds) has a slot-keyed processor
 API and refuses entry-point classes without it; `DecodekitLogitsProcessor` serves both runners (a

@@ -4,8 +4,8 @@ Each returns None where the fused kernel does not apply (off CPU, a dtype other 
 of two dtypes, autograd recording, code being compiled: inductor fuses those passes itself), and the caller computes
 the same values with the library's operations. Prompts take them, and so do eager float32 decode steps: for a row
 or a few, what counts is the number of operations each token calls (the library's RMSNorm on CPU is six, the rotary
-embedding eight), and an eager float32 decode token of the default model went from 35.2 to 32.3 ms with them on the
-AMX bench machine (2 cores); a fixed-shape step runs the C++ layer stack instead. A bfloat16 model's values are
+embedding eight), and an eager float32 decode token of the default model is about a tenth faster with them
+(docs/performance.md); a fixed-shape step runs the C++ layer stack instead. A bfloat16 model's values are
 computed in float32 and rounded once, in the kernel, where the library's passes round after each operation (the
 results differ in the last bit, as the C++ layer stack's do); its decode steps keep the library's passes, whose
 roundings its eager and compiled tokens were measured to agree with.

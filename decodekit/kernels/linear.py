@@ -3,9 +3,8 @@
 A compiled decode step of one token multiplies a single row by every weight matrix. Written as a
 broadcast multiply and a sum, inductor turns that into one loop that reads each weight row once,
 converts it in registers (bfloat16 or int8 to float32) and accumulates in float32. On the 2-core
-bench machine this beats calling oneDNN from the step (`packed_linear`) for every weight format:
-paired runs of the default model's compiled step measured 0.81-0.93x the time a token in float32 and
-0.83x in bfloat16, and the int8 step went from 8.3 to 6.9 ms a token against torch._weight_int8pack_mm.
+bench machine this beats calling oneDNN from the step (`packed_linear`) for every weight format, and
+torch._weight_int8pack_mm for int8 (docs/performance.md, "Measurements behind the code's choices").
 It is the step's own code, so the activation after it fuses in. Eager float32 calls keep the library kernels.
 int8 weights stored interleaved use a form of their own (quantize.one_row_int8): inductor loads 8 int8
 or bf16 values a vector on AVX2 through a stack buffer, which made this form 20x slower for int8 there.
@@ -35,11 +34,9 @@ def one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # Rows from which a bf16/fp16 product on a CPU without matrix instructions for them is computed in float32.
-# There F.linear runs one matrix-vector product per row (time linear in the rows: 0.21 ms a row for the
-# default model's 3072 x 576 up-projection on the AVX2 bench machine); converting the weight to float32
-# first costs about 1.2 ms there and then rows are nearly free (64 rows: 2.7 ms against 14.3 ms).
-# Measured crossovers: 8-10 rows for the layers, more for the 49152-row lm_head, which a prefill runs on
-# its last position only. How the float32 product runs is many_rows_route's choice.
+# There F.linear runs one matrix-vector product per row (time linear in the rows); converting the weight to
+# float32 first costs about six rows' time and then rows are nearly free. Measured crossovers: 8-10 rows for the
+# layers, more for the 49152-row lm_head, which a prefill runs on its last position only (docs/performance.md). How the float32 product runs is many_rows_route's choice.
 FLOAT32_FROM_ROWS = 16
 
 

@@ -3,9 +3,9 @@
 A decode step multiplies a handful of rows (1 token, a few beams, a dozen speculative candidates) by
 every weight matrix, so its speed is how fast the weights stream from memory. PyTorch's default CPU
 matmul re-packs the weight on every call; oneDNN's linear with a weight reordered once into its
-blocked layout reads it at close to memory speed. On the 2-core bench machine the default model's
-linear layers take 8-14 ms per token packed against 30-34 ms unpacked for 1 to 11 rows, in float32
-and bfloat16 alike (bench/bench_generate.py measures the whole token).
+blocked layout reads it at close to memory speed: two to four times faster for 1 to 11 rows, in float32 and
+bfloat16 alike (docs/performance.md, "Measurements behind the code's choices"; bench/bench_generate.py measures
+the whole token).
 
 `pack_linears(model)` replaces each nn.Linear by a PackedLinear holding the packed copy; a weight
 shared with another module (a tied lm_head) stays as well, so the tie survives `unpack_linears`.
@@ -16,7 +16,7 @@ second copy fits the budget of packed copies (linear.reserve_copy): its steps ta
 
 A compiled step of up to 16 rows multiplies plain weights faster itself (the C++ layer stack and row
 products, linear.one_row), so it holds the model unpacked while it runs (`plain_weights`); the next
-eager call packs again. Switching costs a copy of the weights (65-440 ms for the default model in float32).
+eager call packs again. Switching costs a copy of the weights.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ ROWS_HINT = 4
 
 # An operator of our own so that torch.compile treats the oneDNN call and its opaque weight as one node
 # (inductor cannot lower mkldnn._linear_pointwise on an input it did not pack itself). Defined with the
-# low-level Library API: its dispatch costs about 3 us a call against about 15 us for torch.library.custom_op,
-# which adds up over the 121 linear layers of a token.
+# low-level Library API: its dispatch costs a fifth of torch.library.custom_op's, which adds up over the 121 linear
+# layers of a token.
 _LIBRARY = torch.library.Library("decodekit", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 
@@ -92,9 +92,8 @@ def eager_layout(dtype: torch.dtype, both: bool = False) -> str:
     while a bfloat16 one on a CPU with bf16 instructions runs the library's matmul, as here.
 
     The steps go round copies of the layer that overflow the last-level cache (CACHE_MULTIPLE): on one layer, which
-    stays in cache, oneDNN's packed bfloat16 product won on the AVX512-BF16 EPYC of 2026-11-26 (4.06 against 4.30 ms)
-    while the whole model decoded 1.35x faster on plain weights (21 against 28.7 ms a token), and its prompts ran
-    1.1-1.3x faster packed: the case for both."""
+    stays in cache, oneDNN's packed bfloat16 product won on an AVX512-BF16 EPYC while the whole model decoded faster
+    on plain weights, and its prompts ran faster packed: the case for both (docs/performance.md)."""
     from . import choices, native
 
     offered = LAYOUTS if both and dtype == torch.bfloat16 else LAYOUTS[:2]

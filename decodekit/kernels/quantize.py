@@ -54,7 +54,7 @@ class Int8Linear(HoldsPackedCopy):
 
     When `in` is a multiple of 4 the weight columns are stored interleaved (interleaved_columns), for the
     compiled one-row product, which reads them through `lanes`, a float32 view of the same bytes kept
-    beside the buffer (made in the step, the view was a wrapper call per layer and step: 0.4 ms a token);
+    beside the buffer (made in the step, the view was a wrapper call per layer and step, measurable per token);
     the other paths permute their input's columns to match (`input_order`). `dequantized()` gives the
     weight in the input's order.
     """

@@ -29,7 +29,16 @@ from ..core.outputs import GenerateBeamOutput
 from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
 from ..registry import hookimpl
-from . import fused as F
+from .fused import (
+    FusedLoop,
+    SYNC_EVERY,
+    eos_blocks,
+    eos_tensor,
+    host_block,
+    min_length_of,
+    processors_key,
+    step_processors,
+)
 
 NEG = -1.0e9
 
@@ -354,7 +363,7 @@ class BeamSearch:
         return plan.output(search, gc, cache, scores_out, logits_out)
 
 
-class FusedBeams(F.FusedLoop):
+class FusedBeams(FusedLoop):
     """Beam search with compile=True: the eager first step after the prefill, then one compiled step per token.
 
     The step takes the search state, reorders the static cache by where the chosen beams came from, runs
@@ -379,10 +388,10 @@ class FusedBeams(F.FusedLoop):
         )
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
         masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
-        return (name, settings, F.processors_key(F.step_processors(pipeline)), masked)
+        return (name, settings, processors_key(step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
-        procs = F.step_processors(pipeline)
+        procs = step_processors(pipeline)
         plan = _Plan(cache.keys[0].shape[0], gc, model.device)
         if model.runs_native_layers(plan.rows, cache):
             # reorder() then permutes a [rows, slots] index instead of copying every layer's buffers. Not for
@@ -442,21 +451,21 @@ class FusedBeams(F.FusedLoop):
         go = search.searching(gc)
         searching = [go]  # before each compiled step: whether it was a real one
         state = search.fields()
-        eos_ids = F.eos_tensor(gc, dev)
-        no_block, block = F.eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
-        min_length = F.min_length_of(pipeline)
+        eos_ids = eos_tensor(gc, dev)
+        no_block, block = eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
+        min_length = min_length_of(pipeline)
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
         host = [p for p in pipeline.processors if declares(p, "host_mask")]
         cur = T0 + 1
         while cur < max_length:
-            if (cur - T0) % F.SYNC_EVERY == 0 and not bool(go):
+            if (cur - T0) % SYNC_EVERY == 0 and not bool(go):
                 break
             slot = cur - 1
             mask[:, slot] = 1
             positions = positions + 1
             eos_block = block if cur < min_length else no_block
             if host:  # the running beams' sequences, in the rows the step computes (state[0]: running)
-                eos_block = eos_block + F.host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
+                eos_block = eos_block + host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
             state, go, logp = fused(
                 state,
                 go,

@@ -27,8 +27,8 @@ import types
 
 import torch
 
-from ..core import processors as P
-from ..core import stopping as S
+from ..core.processors import MinLengthLogitsProcessor
+from ..core.stopping import EosTokenCriteria, MaxLengthCriteria
 from ..families.cache import StaticCache
 from ..core.compile import FusedStep, check_compile_config, compiled_steps, step_options
 from ..core.outputs import loop_result
@@ -97,7 +97,7 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
         if declares(p, "host_mask") and not takes_host_masks:
             name = getattr(p, "__qualname__", type(p).__name__)
             return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
-        if not (declares(p, "score_only") or declares(p, "host_mask") or isinstance(p, P.MinLengthLogitsProcessor)):
+        if not (declares(p, "score_only") or declares(p, "host_mask") or isinstance(p, MinLengthLogitsProcessor)):
             name = getattr(p, "__qualname__", type(p).__name__)
             return (
                 f"the logits processor {name} may read the whole sequence "
@@ -106,7 +106,7 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
     if not selector_declares(pipeline.selector, "traceable"):
         return f"the token selector {type(pipeline.selector).__name__} does not declare itself traceable"
     for c in pipeline.stopping:
-        if not isinstance(c, (S.MaxLengthCriteria, S.EosTokenCriteria)):
+        if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
             return f"the stopping criterion {type(c).__name__} needs the host every step"
     if gc.output_logits:
         return "output_logits needs the raw logits every step"
@@ -236,7 +236,7 @@ def eos_tensor(gc, device) -> torch.Tensor:
 
 
 def min_length_of(pipeline) -> int:
-    return max([p.min_length for p in pipeline.processors if isinstance(p, P.MinLengthLogitsProcessor)] or [0])
+    return max([p.min_length for p in pipeline.processors if isinstance(p, MinLengthLogitsProcessor)] or [0])
 
 
 class FusedTokens(FusedLoop):

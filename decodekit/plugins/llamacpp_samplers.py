@@ -16,7 +16,7 @@ state following each beam (core.llamacpp_samplers.MirostatLogitsProcessor).
 
 from __future__ import annotations
 
-from ..core import processors as P
+from ..core.processors import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
 from ..core.config import is_int, is_number
 from ..core.llamacpp_samplers import (
     DRYLogitsProcessor,
@@ -193,13 +193,13 @@ def decodekit_logits_processors(generation_config, context):
         if name == "top_n_sigma" and gc.top_n_sigma > 0:
             out.append(TopNSigmaLogitsWarper(gc.top_n_sigma))
         elif name == "top_k" and gc.top_k:
-            out.append(P.TopKLogitsWarper(gc.top_k))
+            out.append(TopKLogitsWarper(gc.top_k))
         elif name == "typical_p" and gc.typical_p not in (None, 1.0):
-            out.append(P.TypicalLogitsWarper(gc.typical_p))
+            out.append(TypicalLogitsWarper(gc.typical_p))
         elif name == "top_p" and gc.top_p not in (None, 1.0):
-            out.append(P.TopPLogitsWarper(gc.top_p))
+            out.append(TopPLogitsWarper(gc.top_p))
         elif name == "min_p" and gc.min_p:
-            out.append(P.MinPLogitsWarper(gc.min_p))
+            out.append(MinPLogitsWarper(gc.min_p))
         elif name == "xtc" and gc.xtc_probability > 0:
             out.append(XTCLogitsWarper(gc.xtc_probability, gc.xtc_threshold, draw_key(context.generator)))
         elif name == "temperature":

@@ -6,7 +6,32 @@ processors (the watermark's, after the warpers as in transformers), and renormal
 hook of this plugin).
 """
 
-from ..core import processors as P
+from ..core.processors import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    FrequencyPresencePenaltyLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopKTopPLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from ..core.config import DEFAULTS, is_number
 from ..core.llamacpp_samplers import chain_active
 from ..registry import hookimpl
@@ -15,10 +40,10 @@ from ..registry import hookimpl
 def _top_k_top_p(gc, keep):
     top_p = gc.top_p not in (None, 1.0)
     if gc.top_k and top_p:
-        return P.TopKTopPLogitsWarper(gc.top_k, gc.top_p, min_tokens_to_keep=keep)
+        return TopKTopPLogitsWarper(gc.top_k, gc.top_p, min_tokens_to_keep=keep)
     if gc.top_k:
-        return P.TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep)
-    return P.TopPLogitsWarper(gc.top_p, min_tokens_to_keep=keep) if top_p else None
+        return TopKLogitsWarper(gc.top_k, min_tokens_to_keep=keep)
+    return TopPLogitsWarper(gc.top_p, min_tokens_to_keep=keep) if top_p else None
 
 
 # transformers' order of the sampling warpers, as data: (name, the warper a config asks for or None). `keep` is the
@@ -26,26 +51,24 @@ def _top_k_top_p(gc, keep):
 WARPER_ORDER = (
     (
         "temperature",
-        lambda gc, keep: P.TemperatureLogitsWarper(gc.temperature) if gc.temperature not in (None, 1.0) else None,
+        lambda gc, keep: TemperatureLogitsWarper(gc.temperature) if gc.temperature not in (None, 1.0) else None,
     ),
-    ("top_h", lambda gc, keep: P.TopHLogitsWarper(gc.top_h) if gc.top_h is not None else None),
+    ("top_h", lambda gc, keep: TopHLogitsWarper(gc.top_h) if gc.top_h is not None else None),
     ("top_k, top_p", _top_k_top_p),
-    ("min_p", lambda gc, keep: P.MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep) if gc.min_p else None),
+    ("min_p", lambda gc, keep: MinPLogitsWarper(gc.min_p, min_tokens_to_keep=keep) if gc.min_p else None),
     (
         "typical_p",
         lambda gc, keep: (
-            P.TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep) if gc.typical_p not in (None, 1.0) else None
+            TypicalLogitsWarper(gc.typical_p, min_tokens_to_keep=keep) if gc.typical_p not in (None, 1.0) else None
         ),
     ),
     (
         "epsilon_cutoff",
-        lambda gc, keep: (
-            P.EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep) if gc.epsilon_cutoff else None
-        ),
+        lambda gc, keep: EpsilonLogitsWarper(gc.epsilon_cutoff, min_tokens_to_keep=keep) if gc.epsilon_cutoff else None,
     ),
     (
         "eta_cutoff",
-        lambda gc, keep: P.EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep) if gc.eta_cutoff else None,
+        lambda gc, keep: EtaLogitsWarper(gc.eta_cutoff, min_tokens_to_keep=keep) if gc.eta_cutoff else None,
     ),
 )
 
@@ -111,40 +134,40 @@ def decodekit_logits_processors(generation_config, context):
     eos = gc.eos_token_ids
     out = []
     if gc.sequence_bias:
-        out.append(P.SequenceBiasLogitsProcessor(gc.sequence_bias))
+        out.append(SequenceBiasLogitsProcessor(gc.sequence_bias))
     if gc.repetition_penalty not in (None, 1.0):
         # A left-padded row's pad positions are not its tokens: they are not penalised (transformers 5.x).
-        out.append(P.RepetitionPenaltyLogitsProcessor(gc.repetition_penalty, prompt_ignore_length=context.padding))
+        out.append(RepetitionPenaltyLogitsProcessor(gc.repetition_penalty, prompt_ignore_length=context.padding))
     if gc.frequency_penalty or gc.presence_penalty:
         out.append(
-            P.FrequencyPresencePenaltyLogitsProcessor(
+            FrequencyPresencePenaltyLogitsProcessor(
                 gc.frequency_penalty or 0.0, gc.presence_penalty or 0.0, context.prompt_length
             )
         )
     if gc.no_repeat_ngram_size:
-        out.append(P.NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
+        out.append(NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
     if gc.bad_words_ids:
-        out.append(P.NoBadWordsLogitsProcessor(gc.bad_words_ids, eos))
+        out.append(NoBadWordsLogitsProcessor(gc.bad_words_ids, eos))
     if eos and gc.min_length > context.prompt_length:
-        out.append(P.MinLengthLogitsProcessor(gc.min_length, eos))
+        out.append(MinLengthLogitsProcessor(gc.min_length, eos))
     if eos and gc.min_new_tokens:
-        out.append(P.MinNewTokensLengthLogitsProcessor(context.prompt_length, gc.min_new_tokens, eos))
+        out.append(MinNewTokensLengthLogitsProcessor(context.prompt_length, gc.min_new_tokens, eos))
     if gc.prefix_allowed_tokens_fn is not None:
-        out.append(P.PrefixConstrainedLogitsProcessor(gc.prefix_allowed_tokens_fn, gc.number("num_beams", 1)))
+        out.append(PrefixConstrainedLogitsProcessor(gc.prefix_allowed_tokens_fn, gc.number("num_beams", 1)))
     if gc.forced_bos_token_id is not None:
-        out.append(P.ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id))
+        out.append(ForcedBOSTokenLogitsProcessor(gc.forced_bos_token_id))
     if gc.forced_eos_token_id is not None:
-        out.append(P.ForcedEOSTokenLogitsProcessor(context.max_length, gc.forced_eos_token_id))
+        out.append(ForcedEOSTokenLogitsProcessor(context.max_length, gc.forced_eos_token_id))
     if gc.remove_invalid_values:
-        out.append(P.InfNanRemoveLogitsProcessor())
+        out.append(InfNanRemoveLogitsProcessor())
     if gc.exponential_decay_length_penalty is not None and eos:
-        out.append(P.ExponentialDecayLengthPenalty(gc.exponential_decay_length_penalty, eos, context.prompt_length))
+        out.append(ExponentialDecayLengthPenalty(gc.exponential_decay_length_penalty, eos, context.prompt_length))
     if gc.suppress_tokens:
-        out.append(P.SuppressTokensLogitsProcessor(gc.suppress_tokens))
+        out.append(SuppressTokensLogitsProcessor(gc.suppress_tokens))
     if gc.begin_suppress_tokens:
         # As transformers: a one-token prompt followed by a forced BOS starts one position later.
         begin = context.prompt_length + (1 if context.prompt_length == 1 and gc.forced_bos_token_id is not None else 0)
-        out.append(P.SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
+        out.append(SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin))
     if gc.do_sample and not chain_active(gc):
         # Warpers shape the sampling distribution; for greedy decoding they cannot change the argmax. Beam sampling
         # keeps one token more than there are EOS ids, so a beam can always go on (transformers' rule).
@@ -155,4 +178,4 @@ def decodekit_logits_processors(generation_config, context):
 
 @hookimpl(trylast=True, specname="decodekit_logits_processors")
 def renormalize_last(generation_config):
-    return [P.LogitNormalization()] if generation_config.renormalize_logits else []
+    return [LogitNormalization()] if generation_config.renormalize_logits else []

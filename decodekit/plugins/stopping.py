@@ -1,6 +1,6 @@
 """Built-in stopping criteria: max length, EOS ids, stop strings, max time."""
 
-from ..core import stopping as S
+from ..core.stopping import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria
 from ..core.config import DEFAULTS
 from ..registry import hookimpl
 
@@ -15,15 +15,15 @@ def decodekit_config_fields():
 @hookimpl(tryfirst=True)
 def decodekit_stopping_criteria(generation_config, context):
     gc = generation_config
-    out = [S.MaxLengthCriteria(context.max_length)]
+    out = [MaxLengthCriteria(context.max_length)]
     if gc.eos_token_ids:
-        out.append(S.EosTokenCriteria(gc.eos_token_ids))
+        out.append(EosTokenCriteria(gc.eos_token_ids))
     if gc.stop_strings:
         if context.tokenizer is None:
             raise ValueError(
                 "stop_strings needs the tokenizer: call generate(..., stop_strings=..., tokenizer=tokenizer)."
             )
-        out.append(S.StopStringCriteria(context.tokenizer, gc.stop_strings))
+        out.append(StopStringCriteria(context.tokenizer, gc.stop_strings))
     if gc.max_time is not None:
-        out.append(S.MaxTimeCriteria(gc.max_time))
+        out.append(MaxTimeCriteria(gc.max_time))
     return out

@@ -239,6 +239,20 @@ class GenerationConfig:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field, its value and what is accepted."""
+        self._check_lengths()
+        self._check_sampling()
+        if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:
+            raise self.invalid(
+                "num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True"
+            )
+        if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
+            raise self.invalid("cache_implementation", f"expected one of {list(self._cache_names())} or None")
+        self._check_token_fields()
+        self._check_switches()
+        if vocab_size is not None:
+            self._check_token_ids(vocab_size)
+
+    def _check_lengths(self) -> None:
         bad = self.invalid
 
         def int_at_least(name: str, low: int, optional: bool = False) -> None:
@@ -260,6 +274,9 @@ class GenerationConfig:
             raise bad("max_time", "expected a number of seconds > 0 or None")
         if not isinstance(self.do_sample, bool):
             raise bad("do_sample", "expected True or False")
+
+    def _check_sampling(self) -> None:
+        bad = self.invalid
         if self.temperature is not None:
             if not is_number(self.temperature) or self.temperature < 0:
                 raise bad("temperature", "expected a number > 0")
@@ -304,10 +321,9 @@ class GenerationConfig:
                 "it penalises tokens of an encoder's input, and decodekit runs "
                 "decoder-only models; use repetition_penalty",
             )
-        if self.num_return_sequences > 1 and not self.do_sample and self.number("num_beams", 1) == 1:
-            raise bad("num_return_sequences", "greedy decoding returns one sequence per prompt; set do_sample=True")
-        if self.cache_implementation is not None and self.cache_implementation not in self._cache_names():
-            raise bad("cache_implementation", f"expected one of {list(self._cache_names())} or None")
+
+    def _check_token_fields(self) -> None:
+        bad = self.invalid
         for name in ("eos_token_id", "pad_token_id", "bos_token_id", "forced_bos_token_id", "forced_eos_token_id"):
             v = getattr(self, name)
             ok = (
@@ -344,6 +360,9 @@ class GenerationConfig:
                 or not all(isinstance(s, str) and s for s in strings)
             ):
                 raise bad("stop_strings", "expected a non-empty string or a list of them")
+
+    def _check_switches(self) -> None:
+        bad = self.invalid
         for name in (
             "return_dict_in_generate",
             "output_scores",
@@ -357,8 +376,6 @@ class GenerationConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "expected True or False")
-        if vocab_size is not None:
-            self._check_token_ids(vocab_size)
 
     def _check_token_ids(self, vocab_size: int) -> None:
         ids: list[tuple[str, int]] = [("eos_token_id", t) for t in self.eos_token_ids]

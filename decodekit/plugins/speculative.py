@@ -244,6 +244,28 @@ def refuse_unless_rolls_back(cache, whose: str = "this model's cache") -> None:
         )
 
 
+def refuse_what_cannot_roll_back(model, assistant, cache) -> None:
+    """ValueError where speculative decoding could not roll back past rejected tokens: no cache, a model that keeps
+    recurrent states in its own layers, a draft of the model's own first layers over linear-attention or recurrent
+    layers, or a cache that cannot be cropped."""
+    if cache is None:
+        raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
+    if getattr(model, "holds_recurrent_state", False):  # RecurrentGemma: its states are in its layers
+        raise ValueError(
+            f"speculative decoding rolls the model back past rejected tokens, and "
+            f"{type(model.module).__name__} keeps recurrent states in its own layers, which cannot be "
+            "rolled back: use greedy decoding, sampling or beam search."
+        )
+    if isinstance(assistant, EarlyExit) and recurrent(cache):
+        raise ValueError(
+            "self-speculative decoding (assistant_early_exit) drafts on the first layers of the "
+            f"model's own cache, and this cache ({type(cache).__name__}) has linear-attention or "
+            "recurrent layers, whose states record no length a draft could be cropped back to: use an "
+            "assistant_model, prompt lookup, or greedy decoding."
+        )
+    refuse_unless_rolls_back(cache)
+
+
 class Speculative:
     def rows_per_prompt(self, gc) -> int:
         return 1
@@ -255,22 +277,7 @@ class Speculative:
         if gc.assistant_early_exit is not None:
             assistant = EarlyExit(model, gc.assistant_early_exit)
         cache, max_length = pipeline.cache, context.max_length
-        if cache is None:
-            raise ValueError("speculative decoding needs use_cache=True: rejected tokens are cropped from the cache.")
-        if getattr(model, "holds_recurrent_state", False):  # RecurrentGemma: its states are in its layers
-            raise ValueError(
-                f"speculative decoding rolls the model back past rejected tokens, and "
-                f"{type(model.module).__name__} keeps recurrent states in its own layers, which cannot be "
-                "rolled back: use greedy decoding, sampling or beam search."
-            )
-        if isinstance(assistant, EarlyExit) and recurrent(cache):
-            raise ValueError(
-                "self-speculative decoding (assistant_early_exit) drafts on the first layers of the "
-                f"model's own cache, and this cache ({type(cache).__name__}) has linear-attention or "
-                "recurrent layers, whose states record no length a draft could be cropped back to: use an "
-                "assistant_model, prompt lookup, or greedy decoding."
-            )
-        refuse_unless_rolls_back(cache)
+        refuse_what_cannot_roll_back(model, assistant, cache)
         record_past(cache)  # a sliding window keeps what a rejected draft would push out
         a_cache = translator = None
         if isinstance(assistant, EarlyExit):

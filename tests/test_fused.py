@@ -8,7 +8,7 @@ import torch
 
 from decodekit.kernels import native
 from decodekit.core.compile import argument_guards_only, compiled_steps
-from decodekit.plugins.fused import bucket
+from decodekit.core.fused_loop import bucket
 from decodekit.testing import tiny_model
 
 

@@ -29,7 +29,7 @@ from ..core.outputs import GenerateBeamOutput
 from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
 from ..registry import hookimpl
-from .fused import (
+from ..core.fused_loop import (
     FusedLoop,
     SYNC_EVERY,
     eos_blocks,

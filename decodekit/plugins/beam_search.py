@@ -37,6 +37,7 @@ from ..core.fused_loop import (
     host_block,
     min_length_of,
     processors_key,
+    step_logits,
     step_processors,
 )
 
@@ -406,18 +407,7 @@ class FusedBeams(FusedLoop):
             source = torch.where(go, _at(search.running_indices, slots).reshape(rows), plan.flat_rows.view(rows))
             cache.reorder(source)
             tokens = _at(search.running, slots).reshape(rows, 1)
-            logits = (
-                model(
-                    tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    cache_position=slots,
-                    logits_to_keep=1,
-                )
-                .logits[:, -1, :]
-                .float()
-            )
+            logits = step_logits(model, tokens, mask, positions, cache, slots)
             logp = torch.log_softmax(logits, dim=-1) + eos_block
             for p in procs:
                 logp = p(tokens, logp)

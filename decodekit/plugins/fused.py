@@ -35,6 +35,7 @@ from ..core.fused_loop import (
     host_block,
     min_length_of,
     processors_key,
+    step_logits,
     step_processors,
 )
 from ..core.outputs import loop_result
@@ -102,18 +103,7 @@ class FusedTokens(FusedLoop):
         sampling = isinstance(pipeline.selector, SamplingSelector)
 
         def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):
-            logits = (
-                model(
-                    tokens,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    cache_position=slots,
-                    logits_to_keep=1,
-                )
-                .logits[:, -1, :]
-                .float()
-            )
+            logits = step_logits(model, tokens, mask, positions, cache, slots)
             scores = logits + eos_block
             for p in procs:
                 scores = p(tokens, scores)

@@ -43,9 +43,8 @@ def transformers_config(config):
 
     Every layer is described as full attention: the caches transformers builds from this config then keep every
     position, and the native model applies sliding windows itself, by its masks."""
-    fields = {
-        name: value for name, value in config.to_dict().items() if value is not None
-    }  # None: transformers' default
+    # A field decodekit leaves None takes transformers' default (its configs refuse None for some, use_sliding_window).
+    fields = {name: value for name, value in config.to_dict().items() if value is not None}
     theirs = AutoConfig.for_model(fields.pop("model_type"), **fields)
     theirs.layer_types = ["full_attention"] * theirs.num_hidden_layers
     return theirs
@@ -97,7 +96,7 @@ def check_method_file(path: Path, module) -> None:
     asked = asks_for_another_model(path.read_text(encoding="utf-8"), str(path))
     if asked:
         raise ValueError(
-            f"{path.parent.name}/{path.name} asks the model for {'; '.join(asked)}. decodekit's "
+            f"the method's custom_generate/generate.py asks the model for {'; '.join(asked)}. decodekit's "
             f"{type(module).__name__} is a decoder-only text model that runs attention fused: run the method on a "
             "transformers model (AutoModelForCausalLM.from_pretrained(..., backend='transformers', "
             "attn_implementation='eager') or decodekit.wrap(a transformers model))."

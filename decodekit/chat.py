@@ -27,7 +27,8 @@ COMMANDS = {
 class ChatSession:
     """The conversation with `model` through `tokenizer`'s chat template. `fields`: generate() keywords of every
     reply; `method`: a custom_generate method for the replies, run with trust_remote_code=`trust_for(method)`;
-    `check(fields, method)` raises ValueError for what the command line would refuse; `out`: where replies go."""
+    `check(fields, method)` raises ValueError for what the command line would refuse; `out`: where replies go;
+    `seed`: each reply's sampling seed (generate(seed=))."""
 
     def __init__(
         self,
@@ -39,8 +40,9 @@ class ChatSession:
         trust_for: Callable[[str], object] = lambda method: None,
         check: Callable[[dict, str | None], None] = lambda fields, method: None,
         out=None,
+        seed: int | None = None,
     ):
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.seed = model, tokenizer, seed
         self.fields, self.system, self.method = dict(fields), system, method
         self.trust_for, self.check = trust_for, check
         self.out = out or sys.stdout
@@ -73,6 +75,7 @@ class ChatSession:
                 attention_mask=torch.ones_like(ids),
                 streamer=streamer,
                 tokenizer=self.tokenizer,
+                seed=self.seed,
                 **method,
                 **self.fields,
             )

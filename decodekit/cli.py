@@ -1078,9 +1078,17 @@ def cmd_chat(args) -> int:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
         pass
-    return ChatSession(
-        model, tokenizer, fields, system=args.system, method=args.custom_generate, trust_for=trust_for, check=check
-    ).run()
+    session = ChatSession(
+        model,
+        tokenizer,
+        fields,
+        system=args.system,
+        method=args.custom_generate,
+        trust_for=trust_for,
+        check=check,
+        seed=args.seed,
+    )
+    return session.run()
 
 
 def cmd_generate(args) -> int:

@@ -130,3 +130,18 @@ def test_a_refused_setting_leaves_the_session_as_it_was():
         parse_setting("no equals sign")
     assert parse_setting('stop_strings=["\\n"]') == ("stop_strings", ["\n"])
     assert session.command("/exit") is False
+
+
+def test_a_seeded_chat_samples_the_same_reply_again(default_model):
+    model, tokenizer = default_model
+    replies = []
+    for _ in range(2):
+        session = ChatSession(
+            model, tokenizer, {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5}, out=io.StringIO(), seed=7
+        )
+        replies.append(session.reply("Tell me a word."))
+    assert replies[0] == replies[1]
+    other = ChatSession(
+        model, tokenizer, {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5}, out=io.StringIO(), seed=8
+    ).reply("Tell me a word.")
+    assert other != replies[0]

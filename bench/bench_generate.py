@@ -175,6 +175,15 @@ def random_checkpoint(path: Path, shape: dict, dtype: torch.dtype = torch.float3
     return path
 
 
+def report(args, started: float, **fields) -> int:
+    """Writes a bench's result on stdout as JSON: the run's settings (threads, torch, rounds, new tokens), how many
+    seconds it took since `started` (time.perf_counter()), then `fields`; returns the exit status, 0."""
+    settings = {"threads": args.threads, "torch": torch.__version__, "runs": args.runs, "new_tokens": args.new_tokens}
+    json.dump({**settings, "seconds": round(time.perf_counter() - started, 1), **fields}, sys.stdout, indent=2)
+    print()
+    return 0
+
+
 def bench_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
     """The options every bench script takes: rounds, tokens, threads, and whether to run transformers beside."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

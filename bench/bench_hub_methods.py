@@ -13,7 +13,6 @@ median of per-round ratios (bench_generate.Timings).
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import PROMPT, bench_parser, bench_setup, interleaved
+from bench_generate import PROMPT, bench_parser, bench_setup, interleaved, report
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from methods import write_method  # noqa: E402
@@ -74,20 +73,7 @@ def main() -> int:
             f"{ratio:.3f}x",
             file=sys.stderr,
         )
-    json.dump(
-        {
-            "threads": args.threads,
-            "torch": torch.__version__,
-            "runs": args.runs,
-            "new_tokens": args.new_tokens,
-            "seconds": round(time.perf_counter() - start, 1),
-            "rows": rows,
-        },
-        sys.stdout,
-        indent=2,
-    )
-    print()
-    return 0
+    return report(args, start, rows=rows)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ one JSON object.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import torch
 
-from bench_generate import PROMPT, bench_parser, interleaved, bench_setup
+from bench_generate import PROMPT, bench_parser, bench_setup, interleaved, report
 
 
 def prefill_job(model, ids):
@@ -134,18 +133,7 @@ def main() -> int:
         )
         value = row.get("ms_per_token", row.get("ms"))
         print(f"{name:36s} {value:9.2f} {'ms/token' if 'ms_per_token' in row else 'ms'}{extra}", file=sys.stderr)
-    result = {
-        "paths": paths,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "runs": args.runs,
-        "new_tokens": args.new_tokens,
-        "seconds": round(time.perf_counter() - start, 1),
-        "rows": rows,
-    }
-    json.dump(result, sys.stdout, indent=2)
-    print()
-    return 0
+    return report(args, start, paths=paths, rows=rows)
 
 
 if __name__ == "__main__":

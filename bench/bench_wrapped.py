@@ -10,13 +10,12 @@ per-round ratios (see bench_generate.Timings).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import torch
 
-from bench_generate import PROMPT, bench_parser, interleaved, bench_setup
+from bench_generate import PROMPT, bench_parser, bench_setup, interleaved, report
 
 BATCH_PROMPTS = [
     PROMPT,
@@ -36,7 +35,7 @@ def main() -> int:
     from decodekit import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, backend="transformers")  # decodekit.wrap of transformers' model
-    hf = model.model
+    hf = model.module
     hf.generation_config.pad_token_id = tok.pad_token_id
     one = tok(PROMPT, return_tensors="pt")
     eight = tok(BATCH_PROMPTS, return_tensors="pt", padding=True)
@@ -66,20 +65,7 @@ def main() -> int:
             f"{ratio:.3f}x",
             file=sys.stderr,
         )
-    json.dump(
-        {
-            "threads": args.threads,
-            "torch": torch.__version__,
-            "runs": args.runs,
-            "new_tokens": n,
-            "seconds": round(time.perf_counter() - start, 1),
-            "rows": rows,
-        },
-        sys.stdout,
-        indent=2,
-    )
-    print()
-    return 0
+    return report(args, start, rows=rows)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
-    from decodekit.batch import BatchSettings, RowGenerator
+    from decodekit.batch_job import BatchSettings, RowGenerator
     from decodekit.kernels import cpu
-    from decodekit.models.default import load_default
+    from decodekit.loading.default import load_default
 
     model, tokenizer = load_default()
     prompts = [f"Write a story about the number {i}." for i in range(args.rows)]

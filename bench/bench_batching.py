@@ -222,7 +222,7 @@ def main() -> int:
         parser.error(f"--repeat must be 1 or more, not {args.repeat}")
     import torch
 
-    from decodekit.models.default import load_model
+    from decodekit.loading.default import load_model
 
     model, tokenizer = load_model(
         dtype=torch.bfloat16 if args.weights == "bfloat16" else None,

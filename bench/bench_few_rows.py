@@ -33,7 +33,7 @@ def main() -> int:
 
     import decodekit.kernels as kernels
     from decodekit import AutoModelForCausalLM, AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)

@@ -207,7 +207,7 @@ def bench_setup(parser: argparse.ArgumentParser):
         return args, random_checkpoint(directory, DEFAULT_SHAPE), None
 
     from decodekit import AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     path = default_model_path()
     return args, path, AutoTokenizer.from_pretrained(path)

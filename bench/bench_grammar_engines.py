@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     from decodekit import AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     backend, eos = tok.backend, tok.eos_token_id

@@ -74,7 +74,7 @@ def main() -> int:
     args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=64))
 
     from decodekit import AutoModelForCausalLM
-    from decodekit.models.tokenizer import prompt_ids
+    from decodekit.loading.tokenizer import prompt_ids
 
     ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
     ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)

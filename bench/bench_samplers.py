@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     from decodekit import AutoModelForCausalLM, AutoTokenizer
     from decodekit.kernels import cpu
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     torch.set_num_threads(2)
     path = default_model_path()

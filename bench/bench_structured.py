@@ -25,7 +25,7 @@ from bench_grammar_engines import SCHEMA
 def main() -> int:
     args, path, tok = bench_setup(bench_parser(__doc__, new_tokens=0))
     from decodekit import AutoModelForCausalLM
-    from decodekit.models.tokenizer import prompt_ids
+    from decodekit.loading.tokenizer import prompt_ids
     from decodekit.plugins import structured
 
     eager = AutoModelForCausalLM.from_pretrained(path)

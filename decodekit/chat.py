@@ -59,7 +59,7 @@ class ChatSession:
         is raised for the caller to say so."""
         import torch
 
-        from .models.tokenizer import chat_ids
+        from .loading.tokenizer import chat_ids
 
         self.turns.append({"role": "user", "content": text})
         try:

@@ -422,7 +422,7 @@ def with_config(parser: argparse.ArgumentParser, argv: list[str], command: str, 
 
 
 def cmd_serve(args) -> int:
-    from .models.default import DEFAULT_MODEL_NAME
+    from .loading.default import DEFAULT_MODEL_NAME
     from .serve import Server, ServerSettings, allowed_methods, bind
 
     try:
@@ -547,7 +547,7 @@ def _device(value: str) -> str:
 def load_model_of(args, say: bool = False):
     """(model, tokenizer) that the _model_flags in `args` choose. `say`: on a terminal, a turning mark says that the
     model is loading (a download, a GGUF conversion and int8 packing can take a while), cleared when it is done."""
-    from .models.default import DEFAULT_MODEL_NAME, load_model
+    from .loading.default import DEFAULT_MODEL_NAME, load_model
 
     spinner = None
     if say and sys.stderr.isatty():
@@ -664,7 +664,7 @@ def _method_flags(parser) -> None:
 
 
 def cmd_batch(args) -> int:
-    from .batch import BatchSettings, run_batch
+    from .batch_job import BatchSettings, run_batch
 
     extra = parse_method_args(args.arg)
     generation = {"max_new_tokens": args.max_new_tokens, **extra}
@@ -774,8 +774,8 @@ def cmd_download(args) -> int:
     elif args.gguf_file:
         patterns = [args.gguf_file, "generation_config.json"]
     else:
-        from .models.loading import MODEL_FILE_PATTERNS
-        from .models.tokenizer import _TOKENIZER_FILES, _TRANSFORMERS_TOKENIZER_FILES
+        from .loading.pretrained import MODEL_FILE_PATTERNS
+        from .loading.tokenizer import _TOKENIZER_FILES, _TRANSFORMERS_TOKENIZER_FILES
 
         patterns = [*MODEL_FILE_PATTERNS, *_TOKENIZER_FILES, *_TRANSFORMERS_TOKENIZER_FILES]
     with hub_download(args.repo, "method" if args.method else "model"):
@@ -1069,7 +1069,7 @@ def cmd_chat(args) -> int:
         check_method_args(args.custom_generate, trust_for(args.custom_generate), parse_method_args(args.arg), fields)
     model, tokenizer = load_model_of(args, say=True)
     if args.assistant:
-        from .models import AutoModelForCausalLM
+        from .loading import AutoModelForCausalLM
 
         fields["assistant_model"] = AutoModelForCausalLM.from_pretrained(
             args.assistant, dtype=args.dtype, device=args.device
@@ -1097,8 +1097,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from .core.streamers import TextStreamer
-    from .models import AutoModelForCausalLM
-    from .models.tokenizer import prompt_ids
+    from .loading import AutoModelForCausalLM
+    from .loading.tokenizer import prompt_ids
 
     kwargs = generation_kwargs(args)
     stream = not args.no_stream
@@ -1221,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
         if args.func not in (cmd_new, cmd_completion):  # the others load models or list plugins: torch, tokenizers...
             with interrupt_deferred():
-                from . import models  # noqa: F401
+                from . import loading  # noqa: F401
         return args.func(args)
     except KeyboardInterrupt:
         print("\ndecodekit: stopped (Ctrl-C)", file=sys.stderr)

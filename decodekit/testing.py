@@ -111,7 +111,7 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, shard
 
 def tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides):
     """A loaded tiny model, its checkpoint written under `directory`."""
-    from .models import AutoModelForCausalLM
+    from .loading import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
         write_tiny_model(Path(directory) / f"tiny-{model_type}", model_type, seed, **overrides)
@@ -144,7 +144,7 @@ def default_model_as_transformers(path: Path) -> Path:
     its GGUF Q4 file nor decodekit's (vLLM). Needs transformers, accelerate and gguf."""
     import transformers
 
-    from .models.default import default_model_path
+    from .loading.default import default_model_path
 
     gguf = default_model_path()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from decodekit.models.default import DefaultModelMissing, default_model_path
+from decodekit.loading.default import DefaultModelMissing, default_model_path
 
 torch.set_num_threads(2)
 

@@ -1,4 +1,4 @@
-"""`decodekit batch` and decodekit.batch: every row equals generate() on its prompt alone, with built-in fields,
+"""`decodekit batch` and decodekit.batch_job: every row equals generate() on its prompt alone, with built-in fields,
 a hook-only method and a full-loop method; an interrupted run goes on where it stopped and loses nothing; bad
 input names the file and line."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decodekit.batch import OUTPUT_KEYS, BatchSettings, RowGenerator, run_batch
+from decodekit.batch_job import OUTPUT_KEYS, BatchSettings, RowGenerator, run_batch
 from decodekit.cli import main
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method

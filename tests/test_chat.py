@@ -107,7 +107,7 @@ def test_the_conversation_goes_through_the_chat_template_turn_by_turn(default_mo
     assert [m["role"] for m in session.messages()] == ["system", "user", "assistant", "user", "assistant"]
     assert session.messages()[2]["content"] == first.strip() and "Paris" in first
     # The second reply is what generate() gives for the whole conversation through the template.
-    from decodekit.models.tokenizer import chat_ids
+    from decodekit.loading.tokenizer import chat_ids
 
     ids = torch.tensor([chat_ids(tokenizer, session.messages()[:4])])
     expected = model.generate(ids, max_new_tokens=10)[0, ids.shape[1] :].tolist()

@@ -14,8 +14,8 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the command line was checked")
 
-    monkeypatch.setattr(decodekit.models.AutoModelForCausalLM, "from_pretrained", staticmethod(refuse))
-    monkeypatch.setattr(decodekit.models.AutoTokenizer, "from_pretrained", staticmethod(refuse))
+    monkeypatch.setattr(decodekit.loading.AutoModelForCausalLM, "from_pretrained", staticmethod(refuse))
+    monkeypatch.setattr(decodekit.loading.AutoTokenizer, "from_pretrained", staticmethod(refuse))
 
 
 def test_version(capsys):
@@ -216,17 +216,17 @@ def test_device_names_a_device_this_torch_has(no_model_loads, command, capsys):
 
 def test_generate_and_batch_load_the_model_on_the_device_given(default_model, monkeypatch, capsys):
     """The flag reaches from_pretrained for the model, an assistant and batch's rows."""
-    from decodekit.batch import BatchSettings, RowGenerator
-    from decodekit.models.default import default_model_path
+    from decodekit.batch_job import BatchSettings, RowGenerator
+    from decodekit.loading.default import default_model_path
 
     seen = []
-    load = decodekit.models.AutoModelForCausalLM.from_pretrained
+    load = decodekit.loading.AutoModelForCausalLM.from_pretrained
 
     def recording(*args, **kwargs):
         seen.append(kwargs.get("device"))
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(decodekit.models.AutoModelForCausalLM, "from_pretrained", staticmethod(recording))
+    monkeypatch.setattr(decodekit.loading.AutoModelForCausalLM, "from_pretrained", staticmethod(recording))
     path = str(default_model_path())
     assert main(["generate", "Hi", "--assistant", path, "--device", "cpu", "--max-new-tokens", "2", "--no-stream"]) == 0
     assert seen == ["cpu", "cpu"]

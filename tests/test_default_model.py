@@ -5,7 +5,7 @@ import torch
 
 from decodekit import TextIteratorStreamer, TextStreamer
 from decodekit.cli import main
-from decodekit.models import default as default_module
+from decodekit.loading import default as default_module
 
 
 def test_greedy_says_paris(default_model):

@@ -19,7 +19,7 @@ import torch
 
 from tiny_transformers import ARCHITECTURES, COMMON, PAD, oracle_arguments, tiny_transformers_model, transformers
 
-from decodekit.facade.transformers import OWN_GENERATION_INPUTS  # noqa: E402  (after the importorskip)
+from decodekit.facade.transformers_model import OWN_GENERATION_INPUTS  # noqa: E402  (after the importorskip)
 from decodekit.integrations.transformers import wrap  # noqa: E402
 
 # A generic tiny config: each field set where the architecture's config has it (by name or through its attribute_map).

@@ -8,7 +8,7 @@ import decodekit
 from decodekit import AutoModelForCausalLM, Model
 from decodekit.families.config import ModelConfig
 from decodekit.families.llama import LlamaForCausalLM
-from decodekit.models.loading import to_native
+from decodekit.loading.pretrained import to_native
 from decodekit.testing import tiny_config, tiny_state_dict, write_tiny_model
 
 PROMPT = torch.tensor([[3, 17, 42, 7]])

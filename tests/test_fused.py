@@ -274,7 +274,7 @@ def test_real_model_compiled_equals_eager(default_model):
 
 def test_real_model_int8_compiled_equals_eager(default_model):
     from decodekit import AutoModelForCausalLM
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     tok = default_model[1]
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), quantize="int8")  # the C++ stack's int8 path

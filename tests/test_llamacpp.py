@@ -67,7 +67,7 @@ def logits():
 def gguf():
     from pathlib import Path
 
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     found = Path(default_model_path())
     path = found if found.suffix == ".gguf" else next(found.glob("*.gguf"))
@@ -108,7 +108,7 @@ def test_xtc_removes_the_same_top_choices(threshold):
 
 def test_dry_penalises_the_same_tokens_by_the_same_amounts(gguf):
     from decodekit import AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     llm, _ = gguf
     tok = AutoTokenizer.from_pretrained(default_model_path())

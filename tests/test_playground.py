@@ -82,7 +82,7 @@ def test_step_shows_each_processor_in_order_and_the_token_generate_chooses(serve
     assert step["processors"][0]["before"] == step["logits"] and step["processors"][-1]["after"] == step["scores"]
     assert all(after.get(i, float("-inf")) <= s for i, s in before.items())
     model, tok = default_model
-    from decodekit.models.tokenizer import chat_ids
+    from decodekit.loading.tokenizer import chat_ids
 
     ids = torch.tensor([chat_ids(tok, MESSAGES)])
     first = model.generate(ids, max_new_tokens=1, repetition_penalty=1.5)[0, -1].item()

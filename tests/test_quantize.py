@@ -102,7 +102,7 @@ ATTENTION = [
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_int8_keeps_the_log_likelihood_within_two_percent(default_model, attention):
     fp32, tok = default_model
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     int8 = AutoModelForCausalLM.from_pretrained(default_model_path(), quantize="int8")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

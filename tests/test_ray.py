@@ -7,7 +7,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed: `make test-ray` installs it and runs these tests")
 
-from decodekit.batch import BatchSettings, RowGenerator, run_batch  # noqa: E402
+from decodekit.batch_job import BatchSettings, RowGenerator, run_batch  # noqa: E402
 from decodekit.integrations.ray import BatchGenerator, on_ray  # noqa: E402
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method  # noqa: E402

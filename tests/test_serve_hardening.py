@@ -21,7 +21,7 @@ pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve] (m
 pytest.importorskip("prometheus_client", reason="decodekit serve needs decodekit[serve] (make test installs it)")
 
 from decodekit.hub_loader.source import resolve  # noqa: E402
-from decodekit.models.tokenizer import chat_ids  # noqa: E402
+from decodekit.loading.tokenizer import chat_ids  # noqa: E402
 
 from methods import FAULT_METHOD, write_method  # noqa: E402
 

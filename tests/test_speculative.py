@@ -208,7 +208,7 @@ def char_tokenizer(chars: str, extra: int = 0):
     """A character tokenizer: token i is chars[i], then `extra` tokens no text maps to."""
     from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
 
-    from decodekit.models.tokenizer import Tokenizer
+    from decodekit.loading.tokenizer import Tokenizer
 
     vocab = {c: i for i, c in enumerate(chars)} | {f"<x{j}>": len(chars) + j for j in range(extra)}
     backend = Backend(models.WordLevel(vocab, unk_token=chars[0]))

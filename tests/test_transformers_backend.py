@@ -11,7 +11,7 @@ from decodekit import AutoModelForCausalLM
 
 from tiny_transformers import ARCHITECTURES, EOS, PAD, oracle_arguments, tiny_transformers_model, transformers
 
-from decodekit.facade.transformers import masks_prompt_only  # noqa: E402
+from decodekit.facade.transformers_model import masks_prompt_only  # noqa: E402
 from decodekit.integrations.transformers import wrap  # noqa: E402  (after the importorskip)
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])

@@ -161,7 +161,7 @@ def test_hub_methods_run_on_a_wrapped_model(hf, hub, tmp_path):
 
 
 def test_the_default_model_through_transformers_equals_transformers_greedy(default_model):
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     _, tokenizer = default_model
     model = decodekit.AutoModelForCausalLM.from_pretrained(default_model_path(), backend="transformers")

@@ -43,7 +43,7 @@ def engine(tmp_path_factory):
 
 def ours(prompt, tokens=8, **kwargs):
     from decodekit import AutoModelForCausalLM, AutoTokenizer
-    from decodekit.models.default import default_model_path
+    from decodekit.loading.default import default_model_path
 
     ours.model = getattr(ours, "model", None) or AutoModelForCausalLM.from_pretrained(default_model_path())
     ours.tok = getattr(ours, "tok", None) or AutoTokenizer.from_pretrained(default_model_path())
@@ -130,7 +130,7 @@ def test_llama_cpps_samplers_per_request(engine):
     "extra, message",
     [
         ({"method": "nope"}, "decodekit method 'nope' is neither an installed decodekit plugin nor a method allowed"),
-        ({"method": "BAN", "bannedtoken": 3}, "unknown field 'bannedtoken' (did you mean 'banned_token'?)"),
+        ({"method": "BAN", "bannedtoken": 3}, "got unknown fields ['bannedtoken'] (did you mean 'banned_token'?)"),
         (
             {"method": "CACHE", "own_cache": True},
             "implements decodekit_cache (the KV cache) for this configuration, which vLLM cannot take",
@@ -224,7 +224,7 @@ def test_ray_data_llm_processor_applies_a_method_to_every_row(engine, chat):
     # decodekit processor attached through the entry point and the method allowed through the runtime env.
     ray = pytest.importorskip("ray", reason="ray is not installed in vLLM's environment: `make test-vllm` installs it")
     from decodekit.integrations.ray import vllm_processor
-    from decodekit.models.tokenizer import prompt_ids
+    from decodekit.loading.tokenizer import prompt_ids
 
     _, methods, model = engine
     allowed = [f"{methods['ban']}@{resolve(methods['ban']).revision}"]

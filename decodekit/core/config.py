@@ -86,6 +86,30 @@ def closest(name: str, names) -> str | None:
     return found[0] if found else None
 
 
+def reject_unknown(given, known, *, caller: str, noun: str = "fields", accepts: str) -> None:
+    """The one check of names a caller passes: ValueError naming `caller`, the names it does not know (with the
+    closest known one to the first) and what it `accepts`."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        close = closest(unknown[0], known)
+        hint = f" (did you mean {close!r}?)" if close else ""
+        raise ValueError(f"{caller} got unknown {noun} {unknown}{hint}; it accepts {accepts}.")
+
+
+def apply_fields(gc: "GenerationConfig", fields: dict[str, Any], *, caller: str, also_known=()) -> None:
+    """`fields` set on `gc`, each a generation config field (built-in or a registered plugin's); a name in
+    `also_known` is passed over (the caller uses it), any other is refused (reject_unknown)."""
+    known = add_plugin_fields(gc)
+    reject_unknown(
+        fields,
+        known | set(also_known),
+        caller=caller,
+        accepts="decodekit's generation config fields and those the registered plugins declare (`decodekit list` "
+        f"shows them): {sorted(known)}",
+    )
+    gc.update(**{k: v for k, v in fields.items() if k in known})
+
+
 def _is_object(v: Any) -> bool:
     import torch
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..families.cache import cached_length, recurrent
-from .config import GenerationConfig, accepted_fields, add_plugin_fields, closest, is_int
+from .config import GenerationConfig, accepted_fields, add_plugin_fields, apply_fields, is_int, reject_unknown
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
@@ -41,15 +41,15 @@ def merge_config(model, generation_config: GenerationConfig | None, kwargs: dict
     gc = base.copy() if base is not None else GenerationConfig()
     known = add_plugin_fields(gc)
     model_kwargs = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
-    unknown = sorted(k for k in kwargs if k not in known)
-    if unknown:
-        close = closest(unknown[0], known | set(MODEL_INPUTS))
-        hint = f" (did you mean {close!r}?)" if close else ""
-        raise ValueError(
-            f"generate() got unknown arguments {unknown}{hint}. It accepts the model inputs {list(MODEL_INPUTS)}, the "
-            f"generation config fields {sorted(known)}, and generation_config, logits_processor, stopping_criteria, "
-            "streamer, tokenizer, seed, generator, custom_generate, trust_remote_code."
-        )
+    reject_unknown(
+        kwargs,
+        known | set(MODEL_INPUTS),
+        caller="generate()",
+        noun="arguments",
+        accepts=f"the model inputs {list(MODEL_INPUTS)}, the generation config fields {sorted(known)}, and "
+        "generation_config, logits_processor, stopping_criteria, streamer, tokenizer, seed, generator, "
+        "custom_generate, trust_remote_code",
+    )
     gc.update(**kwargs)
     if gc.max_new_tokens is not None and gc.max_length is not None and "max_length" in kwargs:
         logger.warning(
@@ -69,16 +69,7 @@ def preflight(fields: dict[str, Any], also_known: set[str] = frozenset()) -> Gen
     from ..registry.manager import before_loading
 
     gc = GenerationConfig()
-    known = add_plugin_fields(gc)
-    unknown = sorted(set(fields) - known - set(also_known) - set(MODEL_INPUTS))
-    if unknown:
-        close = closest(unknown[0], known)
-        raise ValueError(
-            f"{unknown[0]!r} is not a generation config field or a keyword of an installed plugin"
-            + (f" (did you mean {close!r}?)" if close else "")
-            + "."
-        )
-    gc.update(**{k: v for k, v in fields.items() if k in known})
+    apply_fields(gc, fields, caller="the command line", also_known=set(also_known) | set(MODEL_INPUTS))
     gc.validate(None)
     with before_loading():
         prepare_call(None, gc, prompt_length=1, batch_size=1, device=torch.device("cpu"), choose_loop=False)
@@ -187,6 +178,7 @@ class PreparedCall:
     generator: torch.Generator | None
     loop_owner: str | None = None
     loop: Any = None
+    plugins: set[str] | None = None
 
 
 def configured(model, generation_config: GenerationConfig | None, fields: dict[str, Any]):
@@ -212,14 +204,20 @@ def prepare_call(
     tokenizer=None,
     before_hooks=None,
     choose_loop: bool = True,
+    plugins: set[str] | None = None,
+    engine_max_length: int | None = None,
 ) -> PreparedCall:
     """The one preparation every entry point shares, after configured(): the call's limits (nothing to generate, an
     invalid seed: ValueError), `before_hooks(max_length)` (the caller's own checks that must come before any plugin
     runs: a request's admission), the hooks' context, every plugin's decodekit_validate_config, and the decoding
-    loop a plugin claims (where `choose_loop`)."""
+    loop a plugin claims (where `choose_loop`). `plugins`: the names whose hooks run (None: every registered one);
+    `engine_max_length`: the length at which another engine, which keeps its own limits, ends the call."""
     from ..registry.manager import call_first, call_hooks
 
-    max_length, generator = call_limits(model, gc, prompt_length, seed, generator)
+    if engine_max_length is None:
+        max_length, generator = call_limits(model, gc, prompt_length, seed, generator)
+    else:
+        max_length = engine_max_length
     if before_hooks is not None:
         before_hooks(max_length)
     context = GenerationContext(
@@ -232,11 +230,13 @@ def prepare_call(
         generator=generator,
     )
     # Plugins validate their fields before any of them is used to pick a loop.
-    call_hooks("decodekit_validate_config", generation_config=gc, context=context)
+    call_hooks("decodekit_validate_config", only=plugins, generation_config=gc, context=context)
     owner, loop = (
-        call_first("decodekit_decoding_loop", generation_config=gc, context=context) if choose_loop else (None, None)
+        call_first("decodekit_decoding_loop", only=plugins, generation_config=gc, context=context)
+        if choose_loop
+        else (None, None)
     )
-    return PreparedCall(gc, context, max_length, generator, owner, loop)
+    return PreparedCall(gc, context, max_length, generator, owner, loop, plugins)
 
 
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..core.config import GenerationConfig, add_plugin_fields, closest
+from ..core.config import GenerationConfig, add_plugin_fields, reject_unknown
 from ..core.generate import GenerationMixin
-from . import transformers as hf
+from . import transformers_model as hf
 
 BACKENDS = ("native", "transformers")
 
@@ -110,7 +110,7 @@ class Model(GenerationMixin):
             raise TypeError(
                 f"wrap() takes a transformers causal LM (a PreTrainedModel, e.g. from transformers.AutoModelForCausalLM) "
                 f"or a torch.nn.Module with decodekit's forward contract and a .config (one of decodekit's model "
-                f"families, decodekit.models.LlamaForCausalLM), got {type(module).__name__}."
+                f"families, decodekit.loading.LlamaForCausalLM), got {type(module).__name__}."
             )
         if not isinstance(generation_config, GenerationConfig):
             raise TypeError(
@@ -264,15 +264,13 @@ class Model(GenerationMixin):
             base = generation_config if generation_config is not None else self.generation_config
             generation_config = base.copy()
             known = add_plugin_fields(generation_config)
-            unknown = sorted(set(fields) - known)
-            if unknown:
-                close = closest(unknown[0], known | set(MANAGER_OPTIONS))
-                raise ValueError(
-                    f"init_continuous_batching() got unknown options {unknown}"
-                    + (f" (did you mean {close!r}?)" if close else "")
-                    + f"; it accepts generation_config, "
-                    f"{', '.join(MANAGER_OPTIONS)}, methods, and generation config fields."
-                )
+            reject_unknown(
+                fields,
+                known | set(MANAGER_OPTIONS),
+                caller="init_continuous_batching()",
+                noun="options",
+                accepts=f"generation_config, {', '.join(MANAGER_OPTIONS)}, methods, and generation config fields",
+            )
             generation_config.update(**fields)
             generation_config.validate(getattr(self.config, "vocab_size", None))
         return ContinuousBatchingManager(self, generation_config, **options)
@@ -307,7 +305,7 @@ def wrap(model: Any) -> Model:
     """decodekit's generation on a model that stays as it is (weights shared, not copied).
 
     `model`: a decoder-only transformers PreTrainedModel with a language-modelling head (on any device and dtype,
-    quantized or spread with device_map), or one of decodekit's model families (decodekit.models.LlamaForCausalLM).
+    quantized or spread with device_map), or one of decodekit's model families (decodekit.loading.LlamaForCausalLM).
     Returns a Model; wrapping one again returns it."""
     if isinstance(model, Model):
         return model

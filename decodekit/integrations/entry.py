@@ -36,7 +36,8 @@ def hooks_entry_point(module_name: str) -> Callable[..., Any]:
             with registered_module(module, name):
                 return model.generate(prompt, **kwargs)
         from ..facade import wrap
-        from .transformers.bridge import config_for, hooks_for
+        from .hooks import Chosen
+        from .transformers import config_for, hooks_for
 
         if any(hasattr(module, hook) for hook in LOOP_ONLY_HOOKS):
             # transformers' loop cannot take these: decodekit's loop runs on the transformers model.
@@ -47,7 +48,7 @@ def hooks_entry_point(module_name: str) -> Callable[..., Any]:
                 return wrap(model).generate(prompt, **kwargs)
         declared = module.decodekit_config_fields() if hasattr(module, "decodekit_config_fields") else {}
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in declared}
-        hooks = hooks_for(model, (module, name), kwargs.get("generation_config"), fields)
+        hooks = hooks_for(model, Chosen({name}, (module, name)), kwargs.get("generation_config"), fields)
         # As in decodekit's loop, the caller's own processors and criteria run after the method's.
         hooks.logits_processor.extend(kwargs.pop("logits_processor", None) or [])
         hooks.stopping_criteria.extend(kwargs.pop("stopping_criteria", None) or [])

@@ -1,34 +1,127 @@
-"""decodekit's hook points inside another engine's loop (transformers' generate(), vLLM): the hooks' arguments
-for a call, and the refusal of the hook points that engine cannot take. Imports no engine."""
+"""decodekit's hook points inside another engine's loop (transformers' generate(), vLLM, llama.cpp): which plugins
+run, their config, and each call's hooks, prepared by core.generate.prepare_call as every other call is. An engine
+takes some hook points and refuses the rest, naming them. Imports no engine."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+from typing import Any, NamedTuple
 
-from ..core.pipeline import GenerationContext
+import torch
+
+from ..core.config import GenerationConfig, apply_fields
+from ..core.generate import PreparedCall, prepare_call
 from ..core.processors import LogitsProcessorList
 from ..core.stopping import StoppingCriteriaList
-from ..registry.manager import call_hooks
+from ..registry.manager import call_first, call_hooks
 
 
-def hook_arguments(
-    model, gc, batch_size: int, prompt_length: int, device, max_length: int | None = None
-) -> dict[str, Any]:
-    """The keyword arguments every hook gets (generation_config, context) for a call of this shape."""
-    context = GenerationContext(
-        model=model,
-        batch_size=batch_size,
-        prompt_length=prompt_length,
-        max_length=max_length or gc.max_length_for(prompt_length),
-        device=device,
-    )
-    return dict(generation_config=gc, context=context)
+class Engine(NamedTuple):
+    """An engine whose loop runs decodekit's hooks: its name in messages, the hook points it cannot take ({hook: what
+    it replaces}), and what to do instead (the end of a refusal)."""
+
+    name: str
+    refused: dict[str, str]
+    advice: str
 
 
-def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) -> tuple[set[str], tuple | None]:
-    """(the plugin names whose hooks run, (module, plugin name) of a method or None) for an engine's adapter: one
-    hook-only `method` loaded through the trust gate, else `plugins` (registered names), else every registered outside
-    plugin. `full_loop_advice` ends the refusal of a method that replaces the whole loop."""
+# What vLLM and llama.cpp keep for themselves; each takes logits processors, a selector and stopping criteria.
+OWN_LOOP_HOOKS = {
+    "decodekit_cache": "the KV cache",
+    "decodekit_decoding_loop": "the decoding loop",
+    "decodekit_next_token_logits": "how next-token logits are read",
+}
+
+
+class CallHooks(NamedTuple):
+    """One call's hooks inside an engine: the processors (each tagged with its plugin), the stopping criteria, the
+    token selector (None where no chosen plugin gives one) and the prepared call they came from."""
+
+    processors: LogitsProcessorList
+    criteria: StoppingCriteriaList
+    selector: Any
+    prepared: PreparedCall
+
+
+@dataclasses.dataclass
+class Chosen:
+    """The plugins an adapter runs: their names, a method (module, plugin name) registered while their hooks are
+    called (None: installed plugins), and the generation config their fields live in."""
+
+    plugins: set[str]
+    method: tuple | None = None
+    config: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+
+    def registered(self):
+        """The method registered for the block (only for the hook calls made in it); nothing to do without one."""
+        from ..hub_loader.method import registered_module
+
+        return registered_module(*self.method) if self.method is not None else contextlib.nullcontext()
+
+    def configure(self, fields: dict[str, Any], caller: str, model, engine: Engine, device=None) -> Chosen:
+        """`fields` applied (an unknown name is refused, naming `caller`), then checked as a one-token call on
+        `model` (validation, and the refusal of a hook point `engine` cannot take), so a bad value fails now rather
+        than at the engine's first step."""
+        with self.registered():
+            apply_fields(self.config, fields, caller=caller)
+            self._checked(model, engine, prompt_length=1, max_length=2, batch_size=1, device=device, tokenizer=None)
+        return self
+
+    def prepare(
+        self,
+        model,
+        engine: Engine,
+        *,
+        prompt_length: int,
+        max_length: int,
+        batch_size: int = 1,
+        device=None,
+        tokenizer=None,
+    ) -> CallHooks:
+        """The hooks of one call of `batch_size` rows on a `prompt_length`-token prompt that the engine ends at
+        `max_length`: the call checked (_checked), then the chosen plugins' processors, criteria and selector."""
+        with self.registered():
+            prepared = self._checked(model, engine, prompt_length, max_length, batch_size, device, tokenizer)
+            args = dict(generation_config=prepared.config, context=prepared.context)
+            processors = LogitsProcessorList()
+            for owner, contributed in call_hooks("decodekit_logits_processors", only=self.plugins, **args):
+                processors.extend_from(owner, contributed)
+            criteria = StoppingCriteriaList()
+            for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.plugins, **args):
+                criteria.extend(contributed)
+            selector = call_first("decodekit_token_selector", only=self.plugins, **args)[1]
+        return CallHooks(processors, criteria, selector, prepared)
+
+    def _checked(self, model, engine, prompt_length, max_length, batch_size, device, tokenizer) -> PreparedCall:
+        """prepare_call for the chosen plugins (each one's validation), then the refusal of a hook point the
+        engine cannot take, naming the plugin and the hook."""
+        prepared = prepare_call(
+            model,
+            self.config,
+            prompt_length=prompt_length,
+            batch_size=batch_size,
+            device=device if device is not None else torch.device("cpu"),
+            tokenizer=tokenizer,
+            plugins=self.plugins,
+            engine_max_length=max_length,
+            choose_loop=False,
+        )
+        for hook, replaces in engine.refused.items():
+            for owner, _ in call_hooks(
+                hook, only=self.plugins, generation_config=prepared.config, context=prepared.context
+            ):
+                raise ValueError(
+                    f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine.name} "
+                    f"cannot take: {engine.advice}"
+                )
+        return prepared
+
+
+def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) -> Chosen:
+    """The plugins an engine's adapter runs: one hook-only `method` loaded through the trust gate, else `plugins`
+    (registered names), else every registered outside plugin. `full_loop_advice` ends the refusal of a method that
+    replaces the whole loop."""
     from ..hub_loader.method import load_method
     from ..registry.manager import outside_plugins
 
@@ -41,7 +134,7 @@ def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) 
                 f"method {method!r} replaces the whole decoding loop (its generate.py defines generate()), "
                 f"so it has no hooks to give; {full_loop_advice}"
             )
-        return {loaded.plugin_name}, (loaded.module, loaded.plugin_name)
+        return Chosen({loaded.plugin_name}, (loaded.module, loaded.plugin_name))
     registered = outside_plugins()
     if plugins is not None:
         missing = sorted(set(plugins) - registered)
@@ -50,28 +143,5 @@ def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) 
                 f"plugins={list(plugins)!r}: {missing} are not registered; the registered outside plugins "
                 f"are {sorted(registered)}."
             )
-        return set(plugins), None
-    return registered, None
-
-
-def check_chosen(chosen: set[str], args: dict[str, Any], engine: str, refused: dict[str, str], advice: str) -> None:
-    """The chosen plugins' own validation, then the refusal of the hook points in `refused` ({hook: what it
-    replaces}), which `engine` cannot take; `advice` ends the message (what to do instead)."""
-    call_hooks("decodekit_validate_config", only=chosen, **args)
-    for hook, replaces in refused.items():
-        for owner, _ in call_hooks(hook, only=chosen, **args):
-            raise ValueError(
-                f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine} "
-                f"cannot take: {advice}"
-            )
-
-
-def chosen_hooks(chosen: set[str], args: dict[str, Any]) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
-    """The logits processors (each tagged with its plugin) and stopping criteria the `chosen` plugins contribute."""
-    processors = LogitsProcessorList()
-    for owner, contributed in call_hooks("decodekit_logits_processors", only=chosen, **args):
-        processors.extend_from(owner, contributed)
-    criteria = StoppingCriteriaList()
-    for _, contributed in call_hooks("decodekit_stopping_criteria", only=chosen, **args):
-        criteria.extend(contributed)
-    return processors, criteria
+        return Chosen(set(plugins))
+    return Chosen(registered)

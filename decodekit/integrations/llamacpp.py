@@ -20,31 +20,28 @@ Imports llama_cpp only here (`make test-llamacpp` builds it from source).
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..core.config import GenerationConfig, add_plugin_fields, closest
-from ..registry.manager import call_first
-from .hooks import check_chosen, choose, chosen_hooks, hook_arguments
+from ..core.config import GenerationConfig
+from .hooks import OWN_LOOP_HOOKS, Chosen, Engine, choose
 
-REFUSED = {
-    "decodekit_cache": "the KV cache",
-    "decodekit_decoding_loop": "the decoding loop",
-    "decodekit_next_token_logits": "how next-token logits are read",
-}
-ADVICE = "llama.cpp keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+LLAMACPP = Engine(
+    "llama.cpp",
+    OWN_LOOP_HOOKS,
+    "llama.cpp keeps the cache and runs the loop itself; run this method with decodekit's own generate().",
+)
 
 
 class LlamaCppHooks:
     """`logits_processor` and `stopping_criteria` (llama-cpp-python's lists) running decodekit hooks."""
 
-    def __init__(self, llm, chosen: set[str], method: tuple | None, config: GenerationConfig, tokenizer=None):
+    def __init__(self, llm, chosen: Chosen, tokenizer=None):
         import llama_cpp
 
-        self.chosen, self.method, self.config, self.tokenizer = chosen, method, config, tokenizer
+        self.chosen, self.tokenizer = chosen, tokenizer
         eos = llm.token_eos()
         self.eos = [] if eos is None or eos < 0 else [int(eos)]
         self.model = SimpleNamespace(
@@ -60,20 +57,16 @@ class LlamaCppHooks:
         self.logits_processor = llama_cpp.LogitsProcessorList([self._process])
         self.stopping_criteria = llama_cpp.StoppingCriteriaList([self._stop])
 
-    def registered(self):
-        from ..hub_loader.method import registered_module
-
-        return registered_module(*self.method) if self.method is not None else contextlib.nullcontext()
-
     def _start(self, prompt_length: int) -> None:
         self.prompt_length = prompt_length
-        with self.registered():
-            args = hook_arguments(
-                self.model, self.config, 1, prompt_length, "cpu", max_length=self.model.config.max_position_embeddings
-            )
-            args["context"].tokenizer = self.tokenizer
-            self.processors, self.criteria = chosen_hooks(self.chosen, args)
-            self.selector = call_first("decodekit_token_selector", only=self.chosen, **args)[1]
+        hooks = self.chosen.prepare(
+            self.model,
+            LLAMACPP,
+            prompt_length=prompt_length,
+            max_length=self.model.config.max_position_embeddings,
+            tokenizer=self.tokenizer,
+        )
+        self.processors, self.criteria, self.selector = hooks.processors, hooks.criteria, hooks.selector
 
     def _ids(self, input_ids) -> torch.Tensor:
         ids = torch.as_tensor(list(input_ids), dtype=torch.long)[None]
@@ -117,7 +110,7 @@ def hooks(
     outside plugin; `fields` are the config fields they read (a method's own keywords). `tokenizer`: a decodekit or
     transformers tokenizer, for hooks that read text (stop strings). ValueError, with decodekit's message, for an
     unknown field or a plugin llama.cpp cannot take."""
-    chosen, loaded = choose(
+    chosen = choose(
         method,
         plugins,
         trust_remote_code,
@@ -125,19 +118,6 @@ def hooks(
         "llama.cpp runs hook-only methods (logits "
         "processors, a selector, stopping criteria): run it with decodekit's generate().",
     )
-    out = LlamaCppHooks(llm, chosen, loaded, GenerationConfig(), tokenizer)
-    with out.registered():
-        known = add_plugin_fields(out.config)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            close = closest(unknown[0], known)
-            raise ValueError(
-                f"unknown field {unknown[0]!r}"
-                + (f" (did you mean {close!r}?)" if close else "")
-                + f"; the fields are {sorted(known)}."
-            )
-        out.config.update(**fields)
-        check_chosen(
-            chosen, hook_arguments(out.model, out.config, 1, 1, "cpu", max_length=2), "llama.cpp", REFUSED, ADVICE
-        )
+    out = LlamaCppHooks(llm, chosen, tokenizer)
+    chosen.configure(fields, "hooks()", out.model, LLAMACPP)
     return out

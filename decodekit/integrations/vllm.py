@@ -31,33 +31,28 @@ runner needs Triton, which this project's CPU machines lack, so no V2 engine has
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from ..core.config import GenerationConfig, add_plugin_fields, closest
-from ..registry.manager import call_first, outside_plugins
-from .hooks import check_chosen, chosen_hooks, hook_arguments
+from ..core.config import GenerationConfig
+from ..registry.manager import outside_plugins
+from .hooks import OWN_LOOP_HOOKS, Chosen, Engine
 
 logger = logging.getLogger("decodekit")
 
 METHODS_VARIABLE = "DECODEKIT_VLLM_METHODS"
 KEY = "decodekit"
-REFUSED = {
-    "decodekit_cache": "the KV cache",
-    "decodekit_decoding_loop": "the decoding loop",
-    "decodekit_next_token_logits": "how next-token logits are read",
-}
-ADVICE = (
-    "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate()."
+VLLM = Engine(
+    "vLLM",
+    OWN_LOOP_HOOKS,
+    "vLLM selects tokens, keeps the cache and runs the loop itself; run this method with decodekit's own generate().",
 )
 # Built-in plugins a request may name too: llama.cpp's samplers, which vLLM does not have.
 BUILT_IN = {"llamacpp_samplers"}
@@ -84,22 +79,7 @@ def allowed_methods() -> dict[str, Any]:
         return _allowed
 
 
-@dataclass
-class Request:
-    """A request's choice: the generation config with its fields, the plugin names chosen, the method (module,
-    name) to register while hooks are called (None for an installed plugin)."""
-
-    config: GenerationConfig
-    chosen: set[str]
-    method: tuple | None
-
-    def registered(self):
-        from ..hub_loader.method import registered_module
-
-        return registered_module(*self.method) if self.method is not None else contextlib.nullcontext()
-
-
-def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request | None:
+def parse(params, model=None, methods: dict[str, Any] | None = None) -> Chosen | None:
     """The decodekit choice of a request's SamplingParams, validated (ValueError with decodekit's message), or None;
     `methods` are the allowed ones (the engine's, from $DECODEKIT_VLLM_METHODS, unless given)."""
     extra = getattr(params, "extra_args", None) or {}
@@ -119,35 +99,15 @@ def parse(params, model=None, methods: dict[str, Any] | None = None) -> Request 
     name, plugins = spec["method"], outside_plugins() | BUILT_IN
     methods = allowed_methods() if methods is None else methods
     if name in methods:
-        method = (methods[name].module, methods[name].plugin_name)
-        chosen = {methods[name].plugin_name}
+        chosen = Chosen({methods[name].plugin_name}, (methods[name].module, methods[name].plugin_name))
     elif name in plugins:
-        method, chosen = None, {name}
+        chosen = Chosen({name})
     else:
         raise ValueError(
             f"decodekit method {name!r} is neither an installed decodekit plugin nor a method allowed when "
             f"the engine started ({METHODS_VARIABLE}); available: {sorted(set(plugins) | set(methods))}."
         )
-    request = Request(GenerationConfig(), chosen, method)
-    with request.registered():
-        known = add_plugin_fields(request.config)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            close = closest(unknown[0], known)
-            raise ValueError(
-                f"decodekit method {name!r}: unknown field {unknown[0]!r}"
-                + (f" (did you mean {close!r}?)" if close else "")
-                + "."
-            )
-        request.config.update(**fields)
-        check_chosen(
-            chosen,
-            hook_arguments(model or _StandIn(None, None), request.config, 1, 1, "cpu", max_length=2),
-            "vLLM",
-            REFUSED,
-            ADVICE,
-        )
-    return request
+    return chosen.configure(fields, f"decodekit method {name!r}", model or _StandIn(None, None), VLLM)
 
 
 class _StandIn:
@@ -178,15 +138,15 @@ class RequestHooks:
     is logged once and the request is ended (its row takes EOS; with ignore_eos it stops at max_tokens), since an
     exception out of a logits processor stops vLLM's engine for every request."""
 
-    def __init__(self, request: Request, model: _StandIn, prompt_length: int, max_length: int, eos: list[int]):
+    def __init__(self, request: Chosen, model: _StandIn, prompt_length: int, max_length: int, eos: list[int]):
         self.eos, self.failed = eos, None
-        self.name = sorted(request.chosen)[0] if request.chosen else "?"
+        self.name = sorted(request.plugins)[0] if request.plugins else "?"
         try:
-            with request.registered():
-                args = hook_arguments(model, request.config, 1, prompt_length, "cpu", max_length=max_length)
-                args["context"].tokenizer = model.tokenizer()  # for hooks that read text (DRY's breakers)
-                self.processors, self.criteria = chosen_hooks(request.chosen, args)
-                self.selector = call_first("decodekit_token_selector", only=request.chosen, **args)[1]
+            # The tokenizer is for hooks that read text (DRY's breakers).
+            hooks = request.prepare(
+                model, VLLM, prompt_length=prompt_length, max_length=max_length, tokenizer=model.tokenizer()
+            )
+            self.processors, self.criteria, self.selector = hooks.processors, hooks.criteria, hooks.selector
         except BaseException as error:  # noqa: BLE001 - see the class's docstring
             self._fail(error)
 
@@ -260,7 +220,7 @@ class SlotProcessor(SlotInterface or object):
     def __init__(self, vllm_config, req_states):
         self.states = req_states
         self.model, self.eos, self.max_model_len = _engine_facts(vllm_config)
-        self.requests: dict[int, tuple[Request, int]] = {}
+        self.requests: dict[int, tuple[Chosen, int]] = {}
         self.hooks: dict[int, RequestHooks] = {}
         allowed_methods()
 

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
-from ..models.tokenizer import chat_ids
+from ..loading.tokenizer import chat_ids
 from .protocol import (
     CHAT,
     COMPLETIONS,

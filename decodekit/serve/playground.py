@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..models.tokenizer import chat_ids
+from ..loading.tokenizer import chat_ids
 from .protocol import CHAT, INFRASTRUCTURE_PLUGINS, BadRequest, chat_messages, merged_request
 from .served import Served, tokens_within
 

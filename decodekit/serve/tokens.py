@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from ..core.config import is_int
-from ..models.tokenizer import chat_ids
+from ..loading.tokenizer import chat_ids
 from .protocol import BadRequest, boolean, chat_messages
 from .served import Served, error_response, tokens_within
 

@@ -45,7 +45,7 @@ def load_default(dtype=None, device=None):
 def load_model(source=None, dtype=None, quantize=None, device=None, revision=None, gguf_file=None, backend=None):
     """(model, tokenizer) from `source` (a model directory, a Hub repo id or a .gguf file; the default model when
     None), with from_pretrained's options: what the command line and batch jobs load."""
-    from .loading import AutoModelForCausalLM
+    from .pretrained import AutoModelForCausalLM
     from .tokenizer import AutoTokenizer
 
     path = source or default_model_path()

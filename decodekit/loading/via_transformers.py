@@ -1,6 +1,6 @@
 """Loading through transformers: the models and tokenizers decodekit does not build natively.
 
-decodekit.AutoModelForCausalLM and AutoTokenizer decide the backend (loading.py); this module does the
+decodekit.AutoModelForCausalLM and AutoTokenizer decide the backend (pretrained.py); this module does the
 transformers side, so that the Hub download, the dtype rules and the trust gate for a
 repository's custom_generate/ are the same whichever backend loads the weights.
 """
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..facade.transformers import require_transformers
+from ..facade.transformers_model import require_transformers
 
 logger = logging.getLogger("decodekit")
 

@@ -1,7 +1,7 @@
 """Finding and loading weights: a local directory, a Hub repository (through huggingface_hub) or a GGUF file.
 
 Loading sits above the model families (decodekit.families) and the facade (decodekit.facade): it builds a family's
-module from the files, or has transformers build one (transformers.py), and hands it to a facade Model with the
+module from the files, or has transformers build one (via_transformers.py), and hands it to a facade Model with the
 generation config the files carry and the repository's custom_generate/ method where trusted."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..facade import BACKENDS, Model
-from ..facade.transformers import TRANSFORMERS_EXTRA
-from ..facade.transformers import installed as transformers_installed
+from ..facade.transformers_model import TRANSFORMERS_EXTRA
+from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 logger = logging.getLogger("decodekit")
@@ -339,7 +339,7 @@ def _load_with_transformers(
     trust_remote_code,
     transformers_kwargs,
 ):
-    from .transformers import load_model
+    from .via_transformers import load_model
 
     if quantize is not None:
         raise ValueError(

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .loading import resolve_model_dir
+from .pretrained import resolve_model_dir
 
 logger = logging.getLogger("decodekit")
 
@@ -413,7 +413,7 @@ class AutoTokenizer:
         **transformers_kwargs,
     ):
         """`backend`: None picks native where decodekit reads the tokenizer; "native" or "transformers" forces one."""
-        from .loading import TRANSFORMERS_EXTRA, check_backend, transformers_installed
+        from .pretrained import TRANSFORMERS_EXTRA, check_backend, transformers_installed
 
         check_backend(backend)
         options = dict(
@@ -445,6 +445,6 @@ class AutoTokenizer:
                     f"{label} has {why}; transformers can read its other formats: install it with\n"
                     f"    {TRANSFORMERS_EXTRA}"
                 )
-        from .transformers import load_tokenizer
+        from .via_transformers import load_tokenizer
 
         return load_tokenizer(name_or_path, **options, **transformers_kwargs)

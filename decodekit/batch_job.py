@@ -58,7 +58,7 @@ class RowGenerator:
     "generated_token_ids"}`, and `generator.many(prompts)` for several."""
 
     def __init__(self, settings: BatchSettings):
-        from .models.default import load_model
+        from .loading.default import load_model
 
         model, tokenizer = load_model(
             settings.model,
@@ -89,7 +89,7 @@ class RowGenerator:
         return {"tokenizer": self.tokenizer, **method, **s.generation}
 
     def _ids(self, prompt: str):
-        from .models.tokenizer import prompt_ids
+        from .loading.tokenizer import prompt_ids
 
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("the prompt is empty")

@@ -1,30 +1,44 @@
-"""decodekit hooks inside transformers' own generate(): `to_transformers(...)`.
+"""transformers as a backend, both ways.
 
-The logits and stopping hook points map one to one onto transformers' `logits_processor` and
-`stopping_criteria`, which take the same `(input_ids, scores)` protocol. The other hook points have no
-place in transformers' loop (it selects tokens and makes caches itself), so a plugin that contributes to
-them for the given config is refused, naming the hook; run such a method with decodekit's loop on the
-model instead (`decodekit.wrap(model).generate(...)`).
+- `wrap(model)`: decodekit's generate() (every hook point, strategy and custom_generate method) on a transformers
+  causal LM the user already holds; the model itself is not changed (decodekit.facade).
+- `to_transformers(model, ...)`: registered decodekit plugins, or one hook-only method, as the logits_processor and
+  stopping_criteria of transformers' own generate().
 
-Hooks see the real call: the pipeline is built at the first step, when the batch size and prompt length
-are known, and built again when the same lists serve a later generate() call.
+The logits and stopping hook points map one to one onto transformers' `logits_processor` and `stopping_criteria`,
+which take the same `(input_ids, scores)` protocol. The other hook points have no place in transformers' loop (it
+selects tokens and makes caches itself), so a plugin that contributes to them for the given config is refused,
+naming the hook; run such a method with decodekit's loop on the model instead (`decodekit.wrap(model).generate(...)`).
+
+Hooks see the real call: the pipeline is built at the first step, when the batch size and prompt length are known,
+and built again when the same lists serve a later generate() call.
+
+Needs the `transformers` extra: pip install 'decodekit[transformers]'.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, NamedTuple
+from ..facade.transformers_model import require_transformers
 
-import torch
-import transformers
+require_transformers()  # an ImportError here names the extra to install
 
-from ...registry.hookspecs import LOOP_ONLY_HOOKS
-from ..hooks import check_chosen, chosen_hooks, hook_arguments
-from ...facade.transformers import generation_config_from
+from typing import Any, NamedTuple  # noqa: E402
 
-REFUSAL_ADVICE = (
-    "only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it "
-    "with decodekit's loop on the model instead: decodekit.wrap(model).generate(...)."
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from ..facade import wrap  # noqa: E402
+from ..facade.transformers_model import generation_config_from, is_transformers_model  # noqa: E402
+from ..registry.hookspecs import LOOP_ONLY_HOOKS  # noqa: E402
+from .hooks import Chosen, Engine, choose  # noqa: E402
+
+__all__ = ["TransformersHooks", "is_transformers_model", "to_transformers", "wrap"]
+
+TRANSFORMERS = Engine(
+    "transformers' generate()",
+    LOOP_ONLY_HOOKS,
+    "only the logits and stopping hook points become its logits_processor and stopping_criteria. Run it with "
+    "decodekit's loop on the model instead: decodekit.wrap(model).generate(...).",
 )
 
 
@@ -38,8 +52,8 @@ class TransformersHooks(NamedTuple):
 class _Pipeline:
     """The chosen plugins' processors and criteria for the current generate() call, built at its first step."""
 
-    def __init__(self, model, generation_config, chosen: set[str], method):
-        self.model, self.gc, self.chosen, self.method = model, generation_config, chosen, method
+    def __init__(self, model, chosen: Chosen):
+        self.model, self.chosen = model, chosen
         self.length = 0
         self.prompt = None
         self.processors = self.criteria = None
@@ -62,18 +76,19 @@ class _Pipeline:
         return self
 
     def build(self, prompt: torch.LongTensor) -> None:
-        with _registered(self.method):
-            args = hook_arguments(self.model, self.gc, prompt.shape[0], prompt.shape[1], prompt.device)
-            check_chosen(self.chosen, args, "transformers' generate()", LOOP_ONLY_HOOKS, REFUSAL_ADVICE)
-            self.processors, self.criteria = chosen_hooks(self.chosen, args)
+        batch_size, prompt_length = prompt.shape
+        # transformers keeps the call's real limit; the config's is what hooks can know of it.
+        max_length = max(self.chosen.config.max_length_for(prompt_length), prompt_length + 1)
+        hooks = self.chosen.prepare(
+            self.model,
+            TRANSFORMERS,
+            prompt_length=prompt_length,
+            max_length=max_length,
+            batch_size=batch_size,
+            device=prompt.device,
+        )
+        self.processors, self.criteria = hooks.processors, hooks.criteria
         self.prompt = prompt.clone()
-
-
-def _registered(method):
-    """`method` (module, plugin name) registered for the block; nothing to do without one."""
-    from ...hub_loader.method import registered_module
-
-    return registered_module(*method) if method is not None else contextlib.nullcontext()
 
 
 class HookLogitsProcessor(transformers.LogitsProcessor):
@@ -117,9 +132,7 @@ def to_transformers(
     generation_config / **fields: the decodekit config fields the plugins read (e.g. a method's own keywords).
     Refuses a plugin that would select tokens, make the cache or run its own loop for this configuration.
     """
-    from ..hooks import choose
-
-    chosen, loaded = choose(
+    chosen = choose(
         method,
         plugins,
         trust_remote_code,
@@ -127,38 +140,15 @@ def to_transformers(
         "run it as transformers' own custom_generate "
         f"instead: model.generate(..., custom_generate={str(method)!r}, trust_remote_code=True).",
     )
-    return hooks_for(model, loaded, generation_config, fields, chosen)
+    return hooks_for(model, chosen, generation_config, fields)
 
 
-def hooks_for(
-    model, method, generation_config, fields: dict[str, Any], chosen: set[str] | None = None
-) -> TransformersHooks:
-    """The processors and criteria of `chosen` plugins (default: the method alone), `method` being (module,
-    plugin name) registered while hooks are called, or None."""
-    from ...core.config import add_plugin_fields, closest
-
-    chosen = chosen if chosen is not None else {method[1]}
-    with _registered(method):
-        gc = config_for(model, generation_config)
-        known = add_plugin_fields(gc)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            close = closest(unknown[0], known)
-            hint = f" (did you mean {close!r}?)" if close else ""
-            raise ValueError(
-                f"to_transformers() got unknown fields {unknown}{hint}; it accepts decodekit's generation "
-                "config fields and those the registered plugins declare (`decodekit list` shows them)."
-            )
-        gc.update(**fields)
-        # Checked now, so a bad value fails before generate(); checked again with the call's shapes at its first step.
-        check_chosen(
-            chosen,
-            hook_arguments(model, gc, 1, 1, model.device),
-            "transformers' generate()",
-            LOOP_ONLY_HOOKS,
-            REFUSAL_ADVICE,
-        )
-    pipeline = _Pipeline(model, gc, chosen, method)
+def hooks_for(model, chosen: Chosen, generation_config, fields: dict[str, Any]) -> TransformersHooks:
+    """The processors and criteria of the `chosen` plugins with `fields` set on `generation_config` (or the
+    model's); a bad field or value, or a hook point transformers' loop cannot take, fails here, before generate()."""
+    chosen.config = config_for(model, generation_config)
+    chosen.configure(fields, "to_transformers()", model, TRANSFORMERS, device=model.device)
+    pipeline = _Pipeline(model, chosen)
     return TransformersHooks(
         transformers.LogitsProcessorList([HookLogitsProcessor(pipeline)]),
         transformers.StoppingCriteriaList([HookStoppingCriteria(pipeline)]),
@@ -167,7 +157,7 @@ def hooks_for(
 
 def config_for(model, generation_config):
     """A decodekit GenerationConfig: the one given, one made from a transformers GenerationConfig given, or the model's."""
-    from ...core.config import GenerationConfig
+    from ..core.config import GenerationConfig
 
     if isinstance(generation_config, GenerationConfig):
         return generation_config.copy()

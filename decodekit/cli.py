@@ -1091,6 +1091,18 @@ def cmd_chat(args) -> int:
     return session.run()
 
 
+def checked_method(args, kwargs: dict):
+    """--custom-generate's trust (True, or the revision trusted before) with the method and its --arg fields checked
+    before the model loads; None without a method."""
+    if not args.custom_generate:
+        return None
+    from .hub_loader import trusted_revision
+
+    trust = True if args.trust_remote_code else trusted_revision(args.custom_generate)
+    check_method_args(args.custom_generate, trust, parse_method_args(args.arg), kwargs)
+    return trust
+
+
 def cmd_generate(args) -> int:
     import time
 
@@ -1110,12 +1122,7 @@ def cmd_generate(args) -> int:
         )
         stream = False
     began = time.perf_counter()
-    trust = None
-    if args.custom_generate:  # the method and its --arg fields, checked before the model loads
-        from .hub_loader import trusted_revision
-
-        trust = True if args.trust_remote_code else trusted_revision(args.custom_generate)
-        check_method_args(args.custom_generate, trust, parse_method_args(args.arg), kwargs)
+    trust = checked_method(args, kwargs)
     model, tokenizer = load_model_of(args, say=True)
     if args.assistant:
         kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(
@@ -1168,14 +1175,20 @@ def cmd_generate(args) -> int:
         text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
         print(text if args.chat else args.prompt + text)
     if args.stats:
-        new = int(out.shape[1] - input_ids.shape[1])
-        line = f"stats: load {loaded - began:.2f} s; {new} tokens in {done - loaded:.2f} s ({new / max(done - loaded, 1e-9):.1f} tokens/s)"
-        if stats is not None and stats.first is not None:
-            line += f"; first token after {stats.first - loaded:.2f} s"
-            if stats.tokens > 1:
-                line += f", then {(stats.tokens - 1) / max(stats.last - stats.first, 1e-9):.1f} tokens/s"
-        print(line, file=sys.stderr)
+        print(stats_line(int(out.shape[1] - input_ids.shape[1]), began, loaded, done, stats), file=sys.stderr)
     return 0
+
+
+def stats_line(new: int, began: float, loaded: float, done: float, stats) -> str:
+    """--stats: the load time, the tokens and their rate, and where a stream was watched, the first token's wait
+    and the rate after it."""
+    line = f"stats: load {loaded - began:.2f} s; {new} tokens in {done - loaded:.2f} s"
+    line += f" ({new / max(done - loaded, 1e-9):.1f} tokens/s)"
+    if stats is not None and stats.first is not None:
+        line += f"; first token after {stats.first - loaded:.2f} s"
+        if stats.tokens > 1:
+            line += f", then {(stats.tokens - 1) / max(stats.last - stats.first, 1e-9):.1f} tokens/s"
+    return line
 
 
 def stopped() -> int:

@@ -259,6 +259,33 @@ def check_context(model, prompt_length: int, max_length: int) -> None:
         )
 
 
+def check_logprobs(logprobs, top) -> None:
+    """ValueError for a logprobs that is not a bool, or a top_logprobs outside [0, MAX_TOP_LOGPROBS] or without it."""
+    if not isinstance(logprobs, bool):
+        raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
+    if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
+        raise ValueError(
+            f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], with logprobs=True."
+        )
+
+
+def refuse_unbatchable(call) -> None:
+    """ValueError for what continuous batching cannot run: a decoding loop that does not declare one token per row
+    and step (hookspecs), and outputs other than token ids and logprobs."""
+    if call.loop is not None and getattr(call.loop, "one_token_per_row", False) is not True:
+        raise ValueError(
+            f"Continuous batching runs one token per row and step; the decoding loop of plugin {call.loop_owner!r} "
+            "(beam search, contrastive search, assisted or self-speculative decoding, prompt lookup, DoLa or a "
+            "method's own loop) cannot share the step with other requests. Run it with generate()."
+        )
+    for name in ("output_hidden_states", "output_attentions", "return_dict_in_generate"):
+        if getattr(call.config, name, False):
+            raise ValueError(
+                f"{name}=True is not available with continuous batching (its results are token ids, "
+                "and logprobs=True); use generate()."
+            )
+
+
 def prepare_request(
     model,
     input_ids,
@@ -289,13 +316,7 @@ def prepare_request(
             check_context(model, len(prompt), max_length)
             if fits is not None:
                 fits(rows, len(prompt), max_length)
-            if not isinstance(logprobs, bool):
-                raise ValueError(f"logprobs={logprobs!r} is invalid; expected True or False.")
-            if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS or (top and not logprobs):
-                raise ValueError(
-                    f"top_logprobs={top!r} is invalid; expected an integer in [0, {MAX_TOP_LOGPROBS}], "
-                    "with logprobs=True."
-                )
+            check_logprobs(logprobs, top)
 
         call = prepare_call(
             model,
@@ -307,22 +328,10 @@ def prepare_request(
             tokenizer=extras.get("tokenizer"),
             before_hooks=admissible,
         )
-        context, max_length, owner, loop = call.context, call.max_length, call.loop_owner, call.loop
-        if loop is not None and getattr(loop, "one_token_per_row", False) is not True:  # declared (hookspecs)
-            raise ValueError(
-                f"Continuous batching runs one token per row and step; the decoding loop of plugin {owner!r} "
-                "(beam search, contrastive search, assisted or self-speculative decoding, prompt lookup, DoLa or a "
-                "method's own loop) cannot share the step with other requests. Run it with generate()."
-            )
-        for name in ("output_hidden_states", "output_attentions", "return_dict_in_generate"):
-            if getattr(gc, name, False):
-                raise ValueError(
-                    f"{name}=True is not available with continuous batching (its results are token ids, "
-                    "and logprobs=True); use generate()."
-                )
+        refuse_unbatchable(call)
         # The batch's paged cache (or the runner's) serves every request: none is made for the request alone.
         pipeline = build_pipeline(
-            gc, context, extras.get("logits_processor"), extras.get("stopping_criteria"), make_cache=False
+            gc, call.context, extras.get("logits_processor"), extras.get("stopping_criteria"), make_cache=False
         )
     if pipeline.next_token_logits is not last_position_logits:
         raise ValueError(
@@ -335,7 +344,7 @@ def prepare_request(
         prompt=prompt,
         config=gc,
         pipeline=pipeline,
-        max_length=max_length,
+        max_length=call.max_length,
         streaming=streaming,
         logprobs=logprobs,
         top_logprobs=top,

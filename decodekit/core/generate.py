@@ -239,6 +239,24 @@ def prepare_call(
     return PreparedCall(gc, context, max_length, generator, owner, loop, plugins)
 
 
+def shaped_for_call(model, gc: GenerationConfig, call: PreparedCall, loop, input_ids, attention_mask, tokenizer):
+    """(input_ids, attention_mask, context) as the loop runs them: each prompt repeated for its rows
+    (num_return_sequences, or what the claimed loop asks), the call's size checked, the prompt healed (token_healing,
+    the length counted again from the healed prompt), and the context saying the batch and its left padding."""
+    context, max_length = call.context, call.max_length
+    rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
+    check_call_size(model, gc, input_ids.shape[0], rows, input_ids.shape[1], max_length)
+    input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
+    if gc.token_healing:
+        from .healing import heal_tokens
+
+        input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer)
+        max_length = call_limits(model, gc, input_ids.shape[1], None, None)[0]
+        context = dataclasses.replace(context, prompt_length=input_ids.shape[1], max_length=max_length)
+    padding = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
+    return input_ids, attention_mask, dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
+
+
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
@@ -399,17 +417,10 @@ class GenerationMixin:
         return_dict_in_generate=True.
         """
         if isinstance(custom_generate, (str, os.PathLike)):
-            arguments = dict(
-                inputs=inputs,
-                generation_config=generation_config,
-                logits_processor=logits_processor,
-                stopping_criteria=stopping_criteria,
-                streamer=streamer,
-                tokenizer=tokenizer,
-                seed=seed,
-                generator=generator,
-            )
-            return run_method(self, custom_generate, trust_remote_code, arguments, kwargs)
+            given = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor)
+            given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer)
+            given.update(seed=seed, generator=generator)
+            return run_method(self, custom_generate, trust_remote_code, given, kwargs)
         if custom_generate is not None and not callable(custom_generate):
             raise ValueError(
                 f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
@@ -425,11 +436,10 @@ class GenerationMixin:
         input_ids, attention_mask = prepare_inputs(
             self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask")
         )
-        prompt_length = input_ids.shape[1]
         call = prepare_call(
             self,
             gc,
-            prompt_length=prompt_length,
+            prompt_length=input_ids.shape[1],
             batch_size=input_ids.shape[0],
             device=input_ids.device,
             seed=seed,
@@ -437,33 +447,19 @@ class GenerationMixin:
             tokenizer=tokenizer,
             choose_loop=custom_generate is None,
         )
-        context, max_length, loop_owner = call.context, call.max_length, call.loop_owner
-        loop = checked_loop(loop_owner, call.loop)
+        loop = checked_loop(call.loop_owner, call.loop)
         check_inner_outputs(self, gc, loop)
-        rows = loop.rows_per_prompt(gc) if loop is not None else gc.num_return_sequences
-        check_call_size(self, gc, input_ids.shape[0], rows, prompt_length, max_length)
-        input_ids, attention_mask = expand_rows(input_ids, attention_mask, rows)
-        if gc.token_healing:
-            from .healing import heal_tokens
-
-            input_ids, attention_mask = heal_tokens(self, input_ids, tokenizer)
-            max_length = call_limits(self, gc, input_ids.shape[1], None, None)[0]  # counted from the healed prompt
-            context = dataclasses.replace(context, prompt_length=input_ids.shape[1], max_length=max_length)
-        padding = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
-        context = dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
+        input_ids, attention_mask, context = shaped_for_call(self, gc, call, loop, input_ids, attention_mask, tokenizer)
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
         if loop is not None:
-            return finished(
-                pipeline, run_loop(loop_owner, loop, self, input_ids, attention_mask, pipeline, gc, streamer, context)
+            result = run_loop(call.loop_owner, loop, self, input_ids, attention_mask, pipeline, gc, streamer, context)
+        elif custom_generate is not None:
+            result = run_callable(
+                custom_generate, self, input_ids, attention_mask, pipeline, gc, context, streamer, method_extras
             )
-        if custom_generate is not None:
-            return finished(
-                pipeline,
-                run_callable(
-                    custom_generate, self, input_ids, attention_mask, pipeline, gc, context, streamer, method_extras
-                ),
-            )
-        return finished(pipeline, decode(self, input_ids, attention_mask, pipeline, gc, streamer))
+        else:
+            result = decode(self, input_ids, attention_mask, pipeline, gc, streamer)
+        return finished(pipeline, result)
 
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
@@ -597,6 +593,25 @@ def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
         return model.generate(**arguments, **kwargs)
 
 
+def prefill_in_chunks(model, step_ids, step_positions, attention_mask, cache, cached: int, chunk: int, keep_one: bool):
+    """The prompt's tokens past `cached` fed `chunk` at a time, less memory for their activations, until at most one
+    chunk is left: (what is left, its positions) for the first step, whose logits decide as before. Not for a
+    recurrent (state-space) cache: transformers' Mamba reads a multi-token input as a new prompt."""
+    while step_ids.shape[1] > chunk:
+        cached += chunk
+        model(
+            step_ids[:, :chunk],
+            attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,
+            position_ids=step_positions[:, :chunk] if step_positions is not None else None,
+            past_key_values=cache,
+            use_cache=True,
+            **({"logits_to_keep": 1} if keep_one else {}),
+        )
+        step_ids = step_ids[:, chunk:]
+        step_positions = step_positions[:, chunk:] if step_positions is not None else None
+    return step_ids, step_positions
+
+
 def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationConfig, streamer=None):
     """The decode loop: forward, processors, selector, stopping, until every row is done."""
     B = input_ids.shape[0]
@@ -624,20 +639,9 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     step_positions = every[:, cached:] if every is not None else None
     chunk = gc.prefill_chunk_size
     if chunk and use_cache and not recurrent(cache) and not (gc.output_hidden_states or gc.output_attentions):
-        # The prompt in pieces: less memory for its activations; the logits of the last piece decide as before.
-        # Not for a recurrent (state-space) cache: transformers' Mamba reads a multi-token input as a new prompt.
-        while step_ids.shape[1] > chunk:
-            cached += chunk
-            model(
-                step_ids[:, :chunk],
-                attention_mask=attention_mask[:, :cached] if attention_mask is not None else None,
-                position_ids=step_positions[:, :chunk] if step_positions is not None else None,
-                past_key_values=cache,
-                use_cache=True,
-                **({"logits_to_keep": 1} if "logits_to_keep" in extra else {}),
-            )
-            step_ids = step_ids[:, chunk:]
-            step_positions = step_positions[:, chunk:] if step_positions is not None else None
+        step_ids, step_positions = prefill_in_chunks(
+            model, step_ids, step_positions, attention_mask, cache, cached, chunk, "logits_to_keep" in extra
+        )
     while True:
         out = model(
             step_ids,

@@ -123,6 +123,28 @@ INPUT = "decodekit_input."
 LIGHT_CPUS = 0.25
 
 
+def _checked_choice(method, fields, allowed, device, cpus) -> str | None:
+    """vllm_processor's arguments checked with decodekit's messages before any engine starts: the method's choice
+    as the JSON text every row's SamplingParams carries (None without a method)."""
+    from types import SimpleNamespace
+
+    from .vllm import KEY, load_allowed, parse
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}; got {device!r}.")
+    if not is_int(cpus) or cpus < 1:
+        raise ValueError(f"cpus must be a positive integer; got {cpus!r}.")
+    if isinstance(allowed, str):
+        raise TypeError(f"allowed must be a list of SPEC@REVISION entries, not one string; got {allowed!r}.")
+    if fields and method is None:
+        raise ValueError("fields are a method's fields: give the method they belong to as method=.")
+    if method is None:
+        return None
+    choice = json.dumps({"method": method, **(fields or {})})
+    parse(SimpleNamespace(extra_args={KEY: choice}), methods=load_allowed(list(allowed), source="allowed"))
+    return choice
+
+
 def vllm_processor(
     model: str,
     method: str | None = None,
@@ -147,21 +169,9 @@ def vllm_processor(
     `chat` applies the model's chat template to the prompt as a user message; `device` "cpu" gives each engine
     `cpus` CPUs, "cuda" one GPU. The output rows are the input rows with "generated_text" and
     "generated_token_ids". `engine_kwargs` go to vLLM, other keywords to vLLMEngineProcessorConfig."""
-    from types import SimpleNamespace
+    from .vllm import KEY, METHODS_VARIABLE
 
-    from .vllm import KEY, METHODS_VARIABLE, load_allowed, parse
-
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}; got {device!r}.")
-    if not is_int(cpus) or cpus < 1:
-        raise ValueError(f"cpus must be a positive integer; got {cpus!r}.")
-    if isinstance(allowed, str):
-        raise TypeError(f"allowed must be a list of SPEC@REVISION entries, not one string; got {allowed!r}.")
-    if fields and method is None:
-        raise ValueError("fields are a method's fields: give the method they belong to as method=.")
-    choice = None if method is None else json.dumps({"method": method, **(fields or {})})
-    if choice is not None:
-        parse(SimpleNamespace(extra_args={KEY: choice}), methods=load_allowed(list(allowed), source="allowed"))
+    choice = _checked_choice(method, fields, allowed, device, cpus)
     require_ray()
     try:
         from ray.data.llm import build_processor, vLLMEngineProcessorConfig

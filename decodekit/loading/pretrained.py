@@ -212,6 +212,32 @@ def _architecture(model_dir: Path, gguf_file: str | None) -> tuple[str | None, b
     return model_type, model_type in SUPPORTED_MODEL_TYPES, fields
 
 
+def _native_files(name_or_path, gguf_file, config_fields, revision, local_files_only, token):
+    """(the model's directory, its ModelConfig, its weights, its GenerationConfig) for a native load: the GGUF file
+    (and a generation_config.json beside it), else the safetensors checkpoint."""
+    from ..core.config import GenerationConfig
+    from .gguf_file import open_gguf
+
+    if gguf_file is not None:
+        model_dir = resolve_model_dir(
+            name_or_path, revision, local_files_only, token, allow_patterns=[gguf_file, "generation_config.json"]
+        )
+        gguf = open_gguf(model_dir / gguf_file)
+        config = ModelConfig(**gguf.config())
+        state = gguf.state_dict()
+    else:
+        model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
+        config = ModelConfig(**config_fields)
+        state = load_safetensors(model_dir)
+    gen_path = model_dir / "generation_config.json"
+    generation_config = (
+        GenerationConfig.from_file(gen_path, config)
+        if gen_path.is_file()
+        else GenerationConfig.from_model_config(config)
+    )
+    return model_dir, config, state, generation_config
+
+
 class AutoModelForCausalLM:
     """Loads a causal LM the way transformers' class of the same name does: decodekit's own model for the Llama
     families, a wrapped transformers model (decodekit.wrap) for every other architecture."""
@@ -247,9 +273,6 @@ class AutoModelForCausalLM:
             raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
         check_backend(backend)
         check_model_name(name_or_path)
-        from ..core.config import GenerationConfig
-        from .gguf_file import open_gguf
-
         path = Path(name_or_path).expanduser()
         if gguf_file is None and path.is_file() and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name
@@ -280,22 +303,8 @@ class AutoModelForCausalLM:
                 f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
                 f"takes; {label} loads natively (pass backend='transformers' to load it with transformers)."
             )
-        if gguf_file is not None:
-            model_dir = resolve_model_dir(
-                name_or_path, revision, local_files_only, token, allow_patterns=[gguf_file, "generation_config.json"]
-            )
-            gguf = open_gguf(model_dir / gguf_file)
-            config = ModelConfig(**gguf.config())
-            state = gguf.state_dict()
-        else:
-            model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
-            config = ModelConfig(**config_fields)
-            state = load_safetensors(model_dir)
-        gen_path = model_dir / "generation_config.json"
-        generation_config = (
-            GenerationConfig.from_file(gen_path, config)
-            if gen_path.is_file()
-            else GenerationConfig.from_model_config(config)
+        model_dir, config, state, generation_config = _native_files(
+            name_or_path, gguf_file, config_fields, revision, local_files_only, token
         )
         module = build_model(
             config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")

@@ -273,41 +273,8 @@ class Speculative:
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
         if attention_mask is not None:
             raise ValueError("speculative decoding needs an unpadded prompt (batch size 1, attention_mask all ones).")
-        assistant = gc.assistant_model
-        if gc.assistant_early_exit is not None:
-            assistant = EarlyExit(model, gc.assistant_early_exit)
         cache, max_length = pipeline.cache, context.max_length
-        refuse_what_cannot_roll_back(model, assistant, cache)
-        record_past(cache)  # a sliding window keeps what a rejected draft would push out
-        a_cache = translator = None
-        if isinstance(assistant, EarlyExit):
-            # The draft's layers are the target's first layers: it drafts on the target's cache, whose entries for
-            # those layers it would compute alike, and the drafted positions are cropped before the target verifies.
-            a_cache = cache
-        elif assistant is not None:
-            from ..core.pipeline import GenerationContext
-
-            a_context = GenerationContext(
-                model=assistant,
-                batch_size=1,
-                prompt_length=context.prompt_length,
-                max_length=max_length,
-                device=input_ids.device,
-            )
-            from ..registry.manager import call_first
-
-            a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
-            if a_cache is not None and rolls_back(a_cache) is False:
-                raise ValueError(
-                    "the assistant's cache holds recurrent states (a state-space model), which cannot be "
-                    "rolled back past a rejected draft: use an attention-only assistant."
-                )
-            if a_cache is not None:
-                record_past(a_cache)
-            if gc.assistant_tokenizer is not None:
-                translator = Translator(
-                    assistant, a_cache, gc.assistant_tokenizer, context.tokenizer, gc.target_lookbehind
-                )
+        assistant, a_cache, translator = self._drafter(model, cache, gc, context, input_ids.device)
         keep_all = _forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
@@ -340,32 +307,22 @@ class Speculative:
             K = candidates.shape[0]
             feed = torch.cat((input_ids[:, -1:], candidates[None]), dim=1)
             out = model(feed, past_key_values=cache, use_cache=True, **({"logits_to_keep": K + 1} if keep_all else {}))
-            logits = out.logits[0, -(K + 1) :].float()
-            accepted = 0
-            new_tokens = []
-            for j in range(K + 1):
-                prefix = torch.cat((input_ids, candidates[None, :j]), dim=1)
-                raw = logits[j : j + 1]
-                scores = pipeline.processors(prefix, raw.clone())
-                token, keep = self._judge(scores, candidates, q, j, K, gc, context.generator)
-                if logits_out is not None:
-                    logits_out.append(raw.clone())
-                if scores_out is not None:
-                    scores_out.append(scores)
-                new_tokens.append(token)
-                sequence = torch.cat((prefix, token.view(1, 1)), dim=1)
-                if bool(pipeline.stopping(sequence, scores).all()):
-                    done = True
-                    break
-                if not keep:
-                    break
-                accepted += 1
+            step, accepted, done = self._verify(
+                out.logits[0, -(K + 1) :].float(),
+                input_ids,
+                candidates,
+                q,
+                pipeline,
+                gc,
+                context,
+                scores_out,
+                logits_out,
+            )
             if assistant is not None and gc.num_assistant_tokens_schedule != "constant":
                 n_assist = n_assist + 2 if accepted == K else max(1, n_assist - 1)
             refuse_unless_rolls_back(cache)  # (a one-token prompt: known after the first verification)
             if a_cache is not None and a_cache is not cache:
                 refuse_unless_rolls_back(a_cache, "the assistant's cache")
-            step = torch.stack(new_tokens).view(1, -1)
             input_ids = torch.cat((input_ids, step), dim=1)
             if streamer is not None:
                 for t in step[0]:
@@ -375,12 +332,71 @@ class Speculative:
             if a_cache is not None and a_cache is not cache and translator is None:  # the translator crops its own
                 crop_to(a_cache, min(cached_length(a_cache), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
-            assistant.generation_config.num_assistant_tokens = (
-                n_assist  # carried to the next call, as transformers does
-            )
+            assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers
         if streamer is not None:
             streamer.end()
         return loop_result(gc, input_ids, cache, scores_out, logits_out)
+
+    @staticmethod
+    def _drafter(model, cache, gc, context, device):
+        """(the assistant drafting candidates or None for prompt lookup, its cache, the translator between two
+        tokenizers or None), each refused where it could not roll back past a rejected draft."""
+        assistant = gc.assistant_model
+        if gc.assistant_early_exit is not None:
+            assistant = EarlyExit(model, gc.assistant_early_exit)
+        refuse_what_cannot_roll_back(model, assistant, cache)
+        record_past(cache)  # a sliding window keeps what a rejected draft would push out
+        if isinstance(assistant, EarlyExit):
+            # The draft's layers are the target's first layers: it drafts on the target's cache, whose entries for
+            # those layers it would compute alike, and the drafted positions are cropped before the target verifies.
+            return assistant, cache, None
+        if assistant is None:
+            return None, None, None
+        from ..core.pipeline import GenerationContext
+        from ..registry.manager import call_first
+
+        a_context = GenerationContext(
+            model=assistant,
+            batch_size=1,
+            prompt_length=context.prompt_length,
+            max_length=context.max_length,
+            device=device,
+        )
+        a_cache = call_first("decodekit_cache", generation_config=gc, context=a_context)[1]
+        if a_cache is not None and rolls_back(a_cache) is False:
+            raise ValueError(
+                "the assistant's cache holds recurrent states (a state-space model), which cannot be "
+                "rolled back past a rejected draft: use an attention-only assistant."
+            )
+        if a_cache is not None:
+            record_past(a_cache)
+        translator = None
+        if gc.assistant_tokenizer is not None:
+            translator = Translator(assistant, a_cache, gc.assistant_tokenizer, context.tokenizer, gc.target_lookbehind)
+        return assistant, a_cache, translator
+
+    def _verify(self, logits, input_ids, candidates, q, pipeline, gc, context, scores_out, logits_out):
+        """The target's judgement of K candidates from its K + 1 logits rows: (the tokens kept [1, n], how many
+        candidates were accepted, whether a stopping criterion ended the call). Each position's scores go through
+        the call's processors; the first rejected candidate is replaced by the target's own token."""
+        K = candidates.shape[0]
+        accepted, new_tokens = 0, []
+        for j in range(K + 1):
+            prefix = torch.cat((input_ids, candidates[None, :j]), dim=1)
+            raw = logits[j : j + 1]
+            scores = pipeline.processors(prefix, raw.clone())
+            token, keep = self._judge(scores, candidates, q, j, K, gc, context.generator)
+            if logits_out is not None:
+                logits_out.append(raw.clone())
+            if scores_out is not None:
+                scores_out.append(scores)
+            new_tokens.append(token)
+            if bool(pipeline.stopping(torch.cat((prefix, token.view(1, 1)), dim=1), scores).all()):
+                return torch.stack(new_tokens).view(1, -1), accepted, True
+            if not keep:
+                break
+            accepted += 1
+        return torch.stack(new_tokens).view(1, -1), accepted, False
 
     @staticmethod
     def _judge(scores, candidates, q, j, K, gc, generator):

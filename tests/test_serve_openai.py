@@ -15,6 +15,7 @@ openai = pytest.importorskip("openai", reason="the server's tests use the openai
 pydantic = pytest.importorskip("pydantic", reason="openai's parse takes pydantic models")
 
 from decodekit.serve import Server, ServerSettings  # noqa: E402
+from decodekit.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest  # noqa: E402
 from decodekit.serve.tools import ToolPlan, plan_tools  # noqa: E402
 
 NAME = "smol"
@@ -158,7 +159,7 @@ def test_a_tool_result_goes_back_to_the_model(client):
 
 
 def test_auto_parses_hermes_tool_calls_and_keeps_other_text():
-    plan = plan_tools({"tools": [WEATHER]})
+    plan = plan_tools(ChatCompletionRequest.of({"messages": [], "tools": [WEATHER]}))
     assert isinstance(plan, ToolPlan) and plan.choice == "auto" and plan.constraint() is None
     content, calls = plan.tool_calls(
         'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -177,7 +178,7 @@ def test_auto_parses_hermes_tool_calls_and_keeps_other_text():
 def test_parsing_tool_calls_of_a_long_adversarial_output_is_one_scan():
     # A regular expression with whitespace around a lazy group backtracked cubically on this (most of a minute on the
     # event loop for a 40-token output); a scan is linear. 200,000 characters finish at once; the cubic did not.
-    plan = plan_tools({"tools": [WEATHER]})
+    plan = plan_tools(ChatCompletionRequest.of({"messages": [], "tools": [WEATHER]}))
     text = ("<tool_call>" + " " * 1000) * 200
     assert plan.tool_calls(text) == (text, [])
     many = '<tool_call> {"name": "get_weather", "arguments": {"city": "Oslo"}} </tool_call>\n' * 2000
@@ -309,10 +310,75 @@ def test_an_unknown_method_lists_methods_not_machinery_and_suggests_the_closest(
     settings = ServerSettings(model_name="m", methods={"ban-method": object()})
     with pytest.raises(BadRequest) as caught:
         method_fields(
-            {"decodekit": {"method": "ban-metod"}},
+            {"method": "ban-metod"},
             settings,
             {"processors", "caches", "fused", "stopping", "beam_search"},
         )
     message = str(caught.value)
     assert "(did you mean 'ban-method'?)" in message
     assert "available: ['ban-method', 'beam_search', 'processors']" in message  # not caches, fused or stopping
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "Hi", "temperature": "hot"}, "temperature='hot' is invalid; expected a number in [0, 2]."),
+        ({"prompt": "Hi", "top_p": 0}, "top_p=0 is invalid; expected a number in (0, 1]."),
+        ({"prompt": "Hi", "n": True}, "n=True is invalid; expected an integer >= 1."),
+        ({"prompt": "Hi", "stop": ["a", 3]}, "stop=['a', 3] is invalid; expected a string or a list of strings."),
+        ({"prompt": "Hi", "logprobs": 6}, "logprobs=6 is invalid; expected an integer in [0, 5]."),
+        ({"messages": [], "logprobs": 1}, "logprobs=1 is invalid; expected true or false."),
+        ({"messages": [], "top_logprobs": 21}, "top_logprobs=21 is invalid; expected an integer in [0, 20]."),
+        ({"prompt": "Hi", "decodekit": [1]}, "decodekit=[1] is invalid; expected an object."),
+    ],
+    ids=[
+        "number",
+        "open-range",
+        "bool-is-no-count",
+        "list-item",
+        "completions-logprobs",
+        "chat-logprobs",
+        "top",
+        "obj",
+    ],
+)
+def test_each_field_is_held_to_its_declared_type_and_range(body, message):
+
+    schema = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(BadRequest) as caught:
+        schema.of(body)
+    assert str(caught.value) == message
+    assert caught.value.param == message.split("=", 1)[0]  # the field, for the client's error.param
+
+
+def test_a_body_is_read_into_its_endpoints_model_and_to_fields_gives_add_requests_arguments():
+
+    settings = ServerSettings(model_name="m", max_tokens_limit=64, max_n=4)
+    body = ChatCompletionRequest.of(
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 9,
+            "max_completion_tokens": 5,
+            "temperature": 0.5,
+            "top_k": -1,
+            "stop": "x",
+            "stop_token_ids": [7, 3, 7],
+            "logit_bias": {"4": -100},
+            "echo": False,  # OpenAI's, not served: accepted at the value that changes nothing
+        }
+    )
+    fields = body.to_fields(settings, {"processors"}, vocab=10, eos=[2], default_max_tokens=256)
+    assert fields == {
+        "max_new_tokens": 5,  # max_completion_tokens wins, as OpenAI's
+        "num_return_sequences": 1,
+        "do_sample": True,
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "top_k": 0,
+        "sequence_bias": {(4,): -100.0},
+        "eos_token_id": [3, 7, 2],
+        "stop_strings": ["x"],
+    }
+    assert CompletionRequest.of({"prompt": "Hi"}).to_fields(settings, set(), 10, [2], 16)["max_new_tokens"] == 16
+    with pytest.raises(BadRequest, match=r"max_completion_tokens=65 is invalid; expected an integer in \[1, 64\]"):
+        ChatCompletionRequest.of({"messages": [], "max_completion_tokens": 65}).to_fields(settings, set(), 10, [2], 1)

@@ -16,15 +16,12 @@ from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
 from ..loading.tokenizer import chat_ids
 from .protocol import (
-    CHAT,
-    COMPLETIONS,
     BadRequest,
-    boolean,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
     chat_messages,
     completion_prompt,
-    logprob_fields,
-    merged_request,
-    stream_options,
 )
 from .served import Served, error_response, tokens_within
 from .tools import ToolPlan, messages_with_tools, plan_tools
@@ -34,10 +31,10 @@ def router(served: Served) -> APIRouter:
     routes = APIRouter()
     manager, tokenizer, settings = served.manager, served.tokenizer, served.settings
 
-    async def answer(request: Request, body: dict, chat: bool, prompt_of, plan: ToolPlan | None = None):
+    async def answer(request: Request, body: GenerationRequest, prompt_of, plan: ToolPlan | None = None):
         """Checks the body's sampling fields, then prompt_of() (the token ids) and add_request in a worker thread."""
-        default_max = settings.default_max_tokens if chat else 16
-        fields = merged_request(body, settings, default_max, served.plugins(), served.vocab, served.eos)
+        default_max = settings.default_max_tokens if body.chat else 16
+        fields = body.to_fields(settings, served.plugins(), served.vocab, served.eos, default_max)
         if plan is not None and plan.forced:
             if "response_format" in fields:
                 raise BadRequest(
@@ -45,23 +42,23 @@ def router(served: Served) -> APIRouter:
                     "response_format",
                 )
             fields["json_schema"] = plan.constraint()
-        job = Job(manager, tokenizer, body, settings, fields, chat, plan)
+        job = Job(manager, tokenizer, body, settings, fields, plan)
         await job.add(prompt_of)
         return await job.respond(request)
 
     async def endpoint(request: Request, chat: bool):
         try:
-            body = await served.body_of(request, CHAT if chat else COMPLETIONS)
+            body = await served.body_of(request, ChatCompletionRequest if chat else CompletionRequest)
             if chat:
                 plan = plan_tools(body)
-                messages, template = messages_with_tools(chat_messages(body), plan, tokenizer)
+                messages, template = messages_with_tools(chat_messages(body.messages), plan, tokenizer)
 
                 def prompt_of():
                     tokens_within(tokenizer, [m["content"] for m in messages], served.context)
                     return chat_ids(tokenizer, messages, content_as_text=True, **template)
 
-                return await answer(request, body, chat, prompt_of, plan)
-            prompt = completion_prompt(body)
+                return await answer(request, body, prompt_of, plan)
+            prompt = completion_prompt(body.prompt)
 
             def prompt_of():
                 if isinstance(prompt, list):
@@ -69,7 +66,7 @@ def router(served: Served) -> APIRouter:
                 tokens_within(tokenizer, [prompt], served.context)
                 return tokenizer.encode(prompt)
 
-            return await answer(request, body, chat, prompt_of)
+            return await answer(request, body, prompt_of)
         except BadRequest as error:
             return served.refused(error)
 
@@ -94,24 +91,24 @@ class Job:
     """One HTTP request's generation: added to the manager, then answered whole or streamed. The manager hands
     its outputs to `self.outputs` on the event loop (add_request's listener)."""
 
-    def __init__(self, manager, tokenizer, body, settings, fields, chat: bool, plan: ToolPlan | None = None):
-        self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, chat, plan
-        self.skip_special = boolean(body, "skip_special_tokens", True)
+    def __init__(self, manager, tokenizer, body: GenerationRequest, settings, fields, plan: ToolPlan | None = None):
+        self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, body.chat, plan
+        self.skip_special = body.skip_special_tokens is not False
         self.eos = (
             set(fields["eos_token_id"] or [])
             if "eos_token_id" in fields
             else set(manager.model.generation_config.eos_token_ids)
         )
-        self.stream = boolean(body, "stream")
-        self.include_usage = stream_options(body, self.stream)
-        wanted = logprob_fields(body, chat)
+        self.stream = bool(body.stream)
+        self.include_usage = body.include_usage()
+        wanted = body.logprob_fields()
         self.logprobs = wanted["logprobs"]
         if self.logprobs and fields["num_return_sequences"] > 1:
             raise BadRequest("logprobs are returned for n=1 only.", "logprobs")
         self.stops = fields.get("stop_strings", [])
         self.fields = {**fields, **wanted, "tokenizer": tokenizer}
         self.model = settings.model_name
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         self.prompt_ids: list[int] = []
@@ -138,7 +135,7 @@ class Job:
                 return BadRequest(str(error))
             except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
                 method = self.fields.get("custom_generate")
-                label = getattr(getattr(method, "source", None), "label", None) or self.body.get("decodekit", {}).get(
+                label = getattr(getattr(method, "source", None), "label", None) or (self.body.decodekit or {}).get(
                     "method"
                 )
                 return BadRequest(

@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..loading.tokenizer import chat_ids
-from .protocol import CHAT, INFRASTRUCTURE_PLUGINS, BadRequest, chat_messages, merged_request
+from .protocol import INFRASTRUCTURE_PLUGINS, BadRequest, ChatCompletionRequest, chat_messages
 from .served import Served, tokens_within
 
 PAGE = Path(__file__).with_name("playground.html")
@@ -132,9 +132,9 @@ def router(served: Served) -> APIRouter:
     async def step(request: Request):
         """A chat completions body -> the next token explained."""
         try:
-            body = await served.body_of(request, CHAT)
-            messages = chat_messages(body)
-            fields = merged_request(body, served.settings, 1, served.plugins(), served.vocab, served.eos)  # one token
+            body = await served.body_of(request, ChatCompletionRequest)
+            messages = chat_messages(body.messages)
+            fields = body.to_fields(served.settings, served.plugins(), served.vocab, served.eos, 1)  # one token
 
             def explain():
                 tokens_within(served.tokenizer, [m["content"] for m in messages], served.context)

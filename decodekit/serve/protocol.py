@@ -1,10 +1,13 @@
-"""OpenAI request bodies -> the arguments of ContinuousBatchingManager.add_request, checked as OpenAI checks them.
+"""OpenAI request bodies, as pydantic models, -> the arguments of ContinuousBatchingManager.add_request.
 
-Every field of a body is either served, accepted at the value that changes nothing (`logit_bias: {}`), or a 400
-naming it: nothing is silently ignored. Types are strict (`stream: "false"` is an error, not a truthy string).
-Limits apply to the final request, the OpenAI fields and the `decodekit` object merged: `max_new_tokens` there is
-held to --max-tokens-limit like `max_tokens`, and so on. What a request's size decides (context, cache) is checked
-by add_request before anything is allocated.
+Each body is a model (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest) declaring every
+field it serves with its JSON type, strictly (`stream: "false"` is an error, not a truthy string), and its fixed
+range; the names a body may use are the model's fields, and OpenAI's fields this server does not serve are accepted
+only at the value that changes nothing (`logit_bias: {}`), else a 400 naming them: nothing is silently ignored.
+`to_fields()` checks what depends on the server (--max-tokens-limit, n's limit, the vocabulary) or spans fields,
+with the limits held on the final request, the OpenAI fields and the `decodekit` object merged (`max_new_tokens`
+there is held to --max-tokens-limit like `max_tokens`). What a request's size decides (context, cache) is checked by
+add_request before anything is allocated.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import difflib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Union, get_args, get_origin
+
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..core.config import is_int
 
@@ -37,10 +43,9 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-# Fields served on both endpoints, and on each. `decodekit` is this server's own object (the openai client's
-# extra_body): a method and its fields.
-# vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body.
-LLAMACPP = {
+# vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body; any JSON value
+# here, checked by their plugin.
+LLAMACPP = (
     "top_n_sigma",
     "xtc_probability",
     "xtc_threshold",
@@ -57,38 +62,260 @@ LLAMACPP = {
     "smoothing_factor",
     "smoothing_curve",
     "samplers",
-}  # checked by their plugin
-EXTRAS = {
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "typical_p",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-} | LLAMACPP
-COMMON = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "stream_options",
-    "stop",
-    "seed",
-    "user",
-    "logprobs",
-    "decodekit",
-    "best_of",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "response_format",
-} | EXTRAS
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
-COMPLETIONS = COMMON | {"prompt"}
+)
+LONGEST = 2**31 - 1
+
+
+class Body(BaseModel):
+    """A request body: its fields declared with their JSON types and fixed ranges (Body.of reads one)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+
+    @classmethod
+    def of(cls, body: dict):
+        """The body as this model: BadRequest for a name it does not serve (with the closest one), an OpenAI field
+        not served here at a value that would matter, or a value of the wrong type or range (naming the field and
+        what it accepts)."""
+        check_fields(body, set(cls.model_fields))
+        try:
+            return cls.model_validate({k: v for k, v in body.items() if k in cls.model_fields})
+        except ValidationError as error:
+            name = str(error.errors()[0]["loc"][0])
+            raise BadRequest(
+                f"{name}={body[name]!r} is invalid; expected {accepted(cls.model_fields[name])}.", name
+            ) from None
+
+    def given(self) -> dict[str, Any]:
+        """The fields the body set, as JSON values."""
+        return self.model_dump(exclude_none=True)
+
+
+class GenerationRequest(Body):
+    """The fields both generation endpoints serve: OpenAI's, vLLM's and llama.cpp's sampling fields, and decodekit's
+    own object (the openai client's extra_body): a method and its fields."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    user: str | None = None
+    decodekit: dict[str, Any] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_k: int | None = Field(None, ge=-1, le=LONGEST)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    typical_p: float | None = Field(None, gt=0, le=1)
+    min_tokens: int | None = Field(None, ge=0, le=LONGEST)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Any] | None = None
+    skip_special_tokens: bool | None = None
+    top_n_sigma: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    smoothing_factor: Any = None
+    smoothing_curve: Any = None
+    samplers: Any = None
+
+    chat: ClassVar[bool] = False
+
+    def to_fields(
+        self, settings: ServerSettings, plugins: set[str], vocab: int, eos: list[int], default_max_tokens: int
+    ) -> dict[str, Any]:
+        """add_request's arguments: the OpenAI fields, then the decodekit object over them, with the server's limits
+        held on the merged values; `plugins` are the registered plugins' names, `vocab` and `eos` the model's."""
+        arguments = {
+            **self.sampling(settings, default_max_tokens),
+            **self.extras(vocab, eos),
+            **method_fields(self.decodekit, settings, plugins),
+        }
+        held_to_limits(arguments, settings)
+        own = arguments.get("stop_strings")
+        if own is not None and not isinstance(own, (list, str)):
+            raise BadRequest(
+                f"decodekit.stop_strings={own!r} is invalid; expected a string or a list of strings.",
+                "decodekit.stop_strings",
+            )
+        stops = ([self.stop] if isinstance(self.stop, str) else list(self.stop or [])) + (
+            [own] if isinstance(own, str) else list(own or [])
+        )
+        check_stops(stops, settings)
+        if stops:
+            arguments["stop_strings"] = stops
+        else:
+            arguments.pop("stop_strings", None)
+        return arguments
+
+    def sampling(self, settings: ServerSettings, default_max_tokens: int) -> dict[str, Any]:
+        """The generation config fields of OpenAI's length and sampling fields."""
+        name, max_tokens = self.longest()
+        if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+            raise BadRequest(
+                f"{name}={max_tokens!r} is invalid; expected an integer in [1, {settings.max_tokens_limit}] (this "
+                "server's --max-tokens-limit).",
+                name,
+            )
+        n = 1 if self.n is None else self.n
+        for name, value in (("n", n), ("best_of", self.best_of)):
+            if value is not None and value > settings.max_n:
+                raise BadRequest(f"{name}={value} is invalid; expected an integer in [1, {settings.max_n}].", name)
+        if self.best_of is not None and self.best_of != n:
+            raise BadRequest(
+                f"best_of={self.best_of} is not supported (this server returns every sequence it generates); "
+                f"leave it out or set it to n={n}.",
+                "best_of",
+            )
+        fields: dict[str, Any] = {"max_new_tokens": max_tokens or default_max_tokens, "num_return_sequences": n}
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature > 0:
+            top_p = 1.0 if self.top_p is None else self.top_p
+            fields.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        else:
+            fields["do_sample"] = False
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        return fields
+
+    def longest(self) -> tuple[str, int | None]:
+        """(the field that sets the most tokens to generate, its value)."""
+        return "max_tokens", self.max_tokens
+
+    def extras(self, vocab: int, eos: list[int]) -> dict[str, Any]:
+        """Generation config fields of OpenAI's penalties and logit_bias, response_format, and vLLM's and llama.cpp's
+        extra sampling fields."""
+        fields: dict[str, Any] = {}
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                fields[name] = getattr(self, name)
+        if self.logit_bias:
+            fields["sequence_bias"] = sequence_bias(self.logit_bias, vocab)
+        if self.response_format is not None:
+            check_response_format(self.response_format)
+            if self.response_format.get("type") != "text":
+                fields["response_format"] = self.response_format
+        if self.top_k is not None:
+            fields["top_k"] = max(self.top_k, 0)  # -1 and 0: off, as vLLM and llama.cpp
+        for name in ("min_p", "typical_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.min_tokens:
+            fields["min_new_tokens"] = self.min_tokens
+        stop_ids = checked_stop_ids(self.stop_token_ids, vocab)
+        if self.ignore_eos or stop_ids:  # the tokens that end a row: stop_token_ids, and EOS unless ignored; none: None
+            fields["eos_token_id"] = list(stop_ids or []) + ([] if self.ignore_eos else list(eos)) or None
+        fields.update({name: getattr(self, name) for name in LLAMACPP if getattr(self, name) is not None})
+        return fields
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
+        options = self.stream_options
+        if options is None:
+            return False
+        if not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true.", "stream_options")
+        usage = options.get("include_usage")
+        if set(options) - {"include_usage", "include_obfuscation"} or not isinstance(usage, (bool, type(None))):
+            raise BadRequest(
+                f'stream_options={options!r} is invalid; expected {{"include_usage": true|false}}.', "stream_options"
+            )
+        return bool(usage)
+
+
+class CompletionRequest(GenerationRequest):
+    """/v1/completions: a prompt (text or token ids); logprobs is the number of alternatives shown (0..5)."""
+
+    prompt: Any = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """/v1/chat/completions: messages, tools; logprobs true/false with top_logprobs 0..20."""
+
+    messages: Any = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    chat: ClassVar[bool] = True
+
+    def longest(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name for max_tokens, which it wins over
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().longest()
+
+    def logprob_fields(self) -> dict[str, Any]:
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true.", "top_logprobs")
+        return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: {"prompt": text} or {"messages": [...]}."""
+
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(Body):
+    """vLLM's /detokenize: {"tokens": [ids]}."""
+
+    tokens: Any = None
+
+
+def accepted(info) -> str:
+    """What a field accepts, in words, from its declared type and range: "an integer in [1, 8]", "true or false"."""
+    text = " or ".join(_kinds(info.annotation))
+    bounds = {type(m).__name__: m for m in info.metadata if isinstance(m, annotated_types.BaseMetadata)}
+    low, high = bounds.get("Ge") or bounds.get("Gt"), bounds.get("Le") or bounds.get("Lt")
+    if low is not None and high is not None:
+        low_text = f"[{low.ge}" if "Ge" in bounds else f"({low.gt}"
+        high_text = f"{high.le}]" if "Le" in bounds else f"{high.lt})"
+        text += f" in {low_text}, {high_text}"
+    elif low is not None:
+        text += f" >= {low.ge}" if "Ge" in bounds else f" > {low.gt}"
+    return text
+
+
+ONE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+MANY = {int: "integers", float: "numbers", bool: "booleans", str: "strings"}
+
+
+def _kinds(annotation) -> list[str]:
+    if get_origin(annotation) is Union or type(annotation).__name__ == "UnionType":
+        return [word for member in get_args(annotation) if member is not type(None) for word in _kinds(member)]
+    origin = get_origin(annotation) or annotation
+    if origin is list:
+        items = get_args(annotation)
+        return ["a list" + (f" of {MANY[items[0]]}" if items and items[0] in MANY else "")]
+    return [ONE.get(origin, "a JSON value")]
+
 
 # OpenAI fields not served, with the value at which each changes nothing (accepted).
 UNSERVED = {
@@ -210,157 +437,101 @@ def check_fields(body: dict, served: set[str]) -> None:
         )
 
 
-def number(body: dict, name: str, low: float, high: float, default, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
-        what = "an integer" if integer else "a number"
-        raise BadRequest(f"{name}={value!r} is invalid; expected {what} in [{low}, {high}].", name)
-    return value
-
-
-def boolean(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name}={value!r} is invalid; expected true or false.", name)
-    return value
-
-
-def stop_list(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest(f"stop={stop!r} is invalid; expected a non-empty string or a list of them.", "stop")
-    return stops
-
-
-def stream_options(body: dict, stream: bool) -> bool:
-    """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise BadRequest("stream_options is only allowed when stream is true.", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+def sequence_bias(bias, vocab: int) -> dict[tuple[int], float]:
+    """logit_bias ({token id as a string: bias in [-100, 100]}) as the sequence_bias field."""
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
         raise BadRequest(
-            f'stream_options={options!r} is invalid; expected {{"include_usage": true|false}}.', "stream_options"
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> bias in [-100, 100].",
+            "logit_bias",
         )
-    return boolean(options, "include_usage")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and TOKEN_KEY.fullmatch(key) else None
+        if token is None or not 0 <= token < vocab:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest(f"bias={value!r} is invalid; expected a number in [-100, 100].", "logit_bias")
+        out[(token,)] = float(value)
+    return out
 
 
-def generation_fields(body: dict, settings: ServerSettings, default_max_tokens: int) -> dict[str, Any]:
-    """The generation config fields of an OpenAI body's sampling fields."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        number(body, name, 1, settings.max_tokens_limit, None, True)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    temperature = number(body, "temperature", 0, 2, 1.0)
-    top_p = number(body, "top_p", 0, 1, 1.0)
-    if top_p == 0:
-        raise BadRequest("top_p=0 is invalid; expected a number in (0, 1].", "top_p")
-    n = number(body, "n", 1, settings.max_n, 1, True)
-    best_of = number(body, "best_of", 1, settings.max_n, None, True)
-    if best_of is not None and best_of != n:
+def check_response_format(response_format: dict) -> None:
+    """response_format as OpenAI defines it: text, json_object, or json_schema with its schema."""
+    kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
         raise BadRequest(
-            f"best_of={best_of} is not supported (this server returns every sequence it generates); "
-            f"leave it out or set it to n={n}.",
-            "best_of",
+            f'response_format={response_format!r} is invalid; expected {{"type": "text"}}, '
+            '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
+            '"schema": {...}}}.',
+            "response_format",
         )
-    seed = number(body, "seed", 0, 2**63 - 1, None, True)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise BadRequest(f"user={user!r} is invalid; expected a string.", "user")
-    fields: dict[str, Any] = {"max_new_tokens": max_tokens or default_max_tokens, "num_return_sequences": n}
-    if temperature > 0:
-        fields.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        fields["do_sample"] = False
-    if seed is not None:
-        fields["seed"] = seed
-    return fields
+    unknown = sorted(set(response_format) - RESPONSE_FORMAT_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"response_format has fields this server does not know: {unknown}; it takes "
+            f"{sorted(RESPONSE_FORMAT_FIELDS)}.",
+            "response_format",
+        )
+    if kind == "json_schema":
+        check_json_schema(response_format.get("json_schema"))
 
 
-def sampling_extras(body: dict, vocab: int, eos: list[int]) -> dict[str, Any]:
-    """Generation config fields of OpenAI's penalties and logit_bias, response_format, and vLLM's and llama.cpp's
-    extra sampling fields; `vocab` and `eos` are the model's (for logit_bias and stop_token_ids)."""
-    fields: dict[str, Any] = {}
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = number(body, name, -2, 2, 0)
-        if value:
-            fields[name] = value
-    bias = body.get("logit_bias")
-    if bias:
-        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-            raise BadRequest(
-                f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> bias "
-                "in [-100, 100].",
-                "logit_bias",
-            )
-        sequence_bias = {}
-        for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and TOKEN_KEY.fullmatch(key) else None
-            if token is None or not 0 <= token < vocab:
-                raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
-            sequence_bias[(token,)] = float(number({"bias": value}, "bias", -100, 100, 0))
-        fields["sequence_bias"] = sequence_bias
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind not in ("text", "json_object", "json_schema"):
-            raise BadRequest(
-                f'response_format={response_format!r} is invalid; expected {{"type": "text"}}, '
-                '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., '
-                '"schema": {...}}}.',
-                "response_format",
-            )
-        unknown = sorted(set(response_format) - RESPONSE_FORMAT_FIELDS)
-        if unknown:
-            raise BadRequest(
-                f"response_format has fields this server does not know: {unknown}; it takes "
-                f"{sorted(RESPONSE_FORMAT_FIELDS)}.",
-                "response_format",
-            )
-        if kind == "json_schema":
-            check_json_schema(response_format.get("json_schema"))
-        if kind != "text":
-            fields["response_format"] = response_format
-    top_k = number(body, "top_k", -1, 2**31 - 1, None, True)
-    if top_k is not None:
-        fields["top_k"] = max(top_k, 0)  # -1 and 0: off, as vLLM and llama.cpp
-    for name, low, high in (("min_p", 0, 1), ("typical_p", 0, 1), ("repetition_penalty", 0, 10)):
-        value = number(body, name, low, high, None)
-        if value is not None:
-            if value == 0 and name != "min_p":
-                raise BadRequest(f"{name}=0 is invalid; expected a number in (0, {high}].", name)
-            fields[name] = value
-    min_tokens = number(body, "min_tokens", 0, 2**31 - 1, None, True)
-    if min_tokens:
-        fields["min_new_tokens"] = min_tokens
-    stop_ids = body.get("stop_token_ids")
-    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+def checked_stop_ids(stop_ids, vocab: int) -> list[int] | None:
+    """stop_token_ids checked (token ids of the vocabulary, at most MAX_STOP_TOKEN_IDS), sorted and deduplicated:
+    one tokenizer view per distinct set for structured output, not per order."""
+    if stop_ids is None:
+        return None
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(
             f"stop_token_ids has {len(stop_ids)} entries; this server takes at most {MAX_STOP_TOKEN_IDS}.",
             "stop_token_ids",
         )
-    if stop_ids is not None and (
-        not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab for t in stop_ids)
-    ):
+    if not all(is_int(t) and 0 <= t < vocab for t in stop_ids):
         raise BadRequest(
             f"stop_token_ids={stop_ids!r} is invalid; expected a list of token ids in [0, {vocab}).", "stop_token_ids"
         )
-    if stop_ids:
-        stop_ids = sorted(set(stop_ids))  # one tokenizer view per distinct set for structured output, not per order
-    ignore_eos = boolean(body, "ignore_eos")
-    if ignore_eos or stop_ids:  # the tokens that end a row: stop_token_ids, and EOS unless ignored; none: None
-        fields["eos_token_id"] = list(stop_ids or []) + ([] if ignore_eos else list(eos)) or None
-    boolean(body, "skip_special_tokens", True)  # checked here; applied when the text is decoded
-    fields.update({name: body[name] for name in LLAMACPP if body.get(name) is not None})
-    return fields
+    return sorted(set(stop_ids))
+
+
+def held_to_limits(arguments: dict[str, Any], settings: ServerSettings) -> None:
+    """The server's limits on the merged request (the decodekit object may set the same fields again)."""
+    max_new = arguments.get("max_new_tokens")
+    if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
+        raise BadRequest(
+            f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
+            f"[1, {settings.max_tokens_limit}] (this server's --max-tokens-limit).",
+            "decodekit.max_new_tokens",
+        )
+    least = arguments.get("min_new_tokens")
+    if is_int(least) and least > max_new:
+        raise BadRequest(
+            f"min_tokens={least} is more than max_tokens={max_new}; expected min_tokens <= max_tokens.", "min_tokens"
+        )
+    rows = arguments.get("num_return_sequences")
+    if not is_int(rows) or not 1 <= rows <= settings.max_n:
+        raise BadRequest(
+            f"decodekit.num_return_sequences={rows!r} is invalid; expected an integer in "
+            f"[1, {settings.max_n}] (n's limit here).",
+            "decodekit.num_return_sequences",
+        )
+
+
+def check_stops(stops: list, settings: ServerSettings) -> None:
+    """A request's stop strings (stop and decodekit.stop_strings together): at most max_stop, each non-empty and at
+    most max_stop_chars long."""
+    if len(stops) > settings.max_stop:
+        raise BadRequest(
+            f"{len(stops)} stop strings are too many (stop and decodekit.stop_strings together); this "
+            f"server takes at most {settings.max_stop}.",
+            "stop",
+        )
+    for stop in stops:
+        if not isinstance(stop, str) or not stop or len(stop) > settings.max_stop_chars:
+            raise BadRequest(
+                f"stop string {stop!r} is invalid; expected a non-empty string of at most "
+                f"{settings.max_stop_chars} characters.",
+                "stop",
+            )
 
 
 def check_json_schema(spec) -> None:
@@ -381,14 +552,11 @@ def check_json_schema(spec) -> None:
     check_schema_depth(spec.get("schema"), f"{where}.schema")
 
 
-def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> dict[str, Any]:
+def method_fields(spec: dict | None, settings: ServerSettings, plugins: set[str]) -> dict[str, Any]:
     """The `decodekit` object of a body: {"method": NAME, ...fields} -> add_request arguments; `plugins`: the names
     of the registered decodekit plugins."""
-    spec = body.get("decodekit")
     if spec is None:
         return {}
-    if not isinstance(spec, dict):
-        raise BadRequest(f'"decodekit" must be an object {{"method": NAME, ...fields}}, got {spec!r}.', "decodekit")
     fields = dict(spec)
     for name, why in DECODEKIT_FORBIDDEN.items():
         if name in fields:
@@ -409,78 +577,9 @@ def method_fields(body: dict, settings: ServerSettings, plugins: set[str]) -> di
     return fields
 
 
-def merged_request(
-    body: dict, settings: ServerSettings, default_max_tokens: int, plugins: set[str], vocab: int, eos: list[int]
-) -> dict[str, Any]:
-    """add_request's arguments of a body (OpenAI fields, then the decodekit object over them), with the server's
-    limits held on the merged values."""
-    arguments = {
-        **generation_fields(body, settings, default_max_tokens),
-        **sampling_extras(body, vocab, eos),
-        **method_fields(body, settings, plugins),
-    }
-    max_new = arguments.get("max_new_tokens")
-    if not is_int(max_new) or not 1 <= max_new <= settings.max_tokens_limit:
-        raise BadRequest(
-            f"decodekit.max_new_tokens={max_new!r} is invalid; expected an integer in "
-            f"[1, {settings.max_tokens_limit}] (this server's --max-tokens-limit).",
-            "decodekit.max_new_tokens",
-        )
-    least = arguments.get("min_new_tokens")
-    if is_int(least) and least > max_new:
-        raise BadRequest(
-            f"min_tokens={least} is more than max_tokens={max_new}; expected min_tokens <= max_tokens.", "min_tokens"
-        )
-    rows = arguments.get("num_return_sequences")
-    if not is_int(rows) or not 1 <= rows <= settings.max_n:
-        raise BadRequest(
-            f"decodekit.num_return_sequences={rows!r} is invalid; expected an integer in "
-            f"[1, {settings.max_n}] (n's limit here).",
-            "decodekit.num_return_sequences",
-        )
-    own = arguments.get("stop_strings")
-    if own is not None and not (isinstance(own, list) or isinstance(own, str)):
-        raise BadRequest(
-            f"decodekit.stop_strings={own!r} is invalid; expected a string or a list of strings.",
-            "decodekit.stop_strings",
-        )
-    stops = stop_list(body) + ([own] if isinstance(own, str) else list(own or []))
-    if len(stops) > settings.max_stop:
-        raise BadRequest(
-            f"{len(stops)} stop strings are too many (stop and decodekit.stop_strings together); this "
-            f"server takes at most {settings.max_stop}.",
-            "stop",
-        )
-    for stop in stops:
-        if not isinstance(stop, str) or not stop or len(stop) > settings.max_stop_chars:
-            raise BadRequest(
-                f"stop string {stop!r} is invalid; expected a non-empty string of at most "
-                f"{settings.max_stop_chars} characters.",
-                "stop",
-            )
-    if stops:
-        arguments["stop_strings"] = stops
-    else:
-        arguments.pop("stop_strings", None)
-    return arguments
-
-
-def logprob_fields(body: dict, chat: bool) -> dict[str, Any]:
-    """logprobs (chat: true/false, with top_logprobs 0..20; completions: the number of alternatives, 0..5) as
-    add_request's logprobs and top_logprobs."""
-    if chat:
-        wanted, top = boolean(body, "logprobs"), number(body, "top_logprobs", 0, 20, 0, True)
-        if top and not wanted:
-            raise BadRequest("top_logprobs needs logprobs=true.", "top_logprobs")
-        return {"logprobs": wanted, "top_logprobs": top}
-    top = number(body, "logprobs", 0, 5, None, True)
-    return {"logprobs": top is not None, "top_logprobs": top or 0}
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """The messages of a chat body as {"role", "content"} with text content (parts of type text joined), an
-    assistant's earlier `tool_calls` and a tool result's `tool_call_id` kept."""
-    messages = body.get("messages")
+def chat_messages(messages) -> list[dict]:
+    """A chat body's messages as {"role", "content"} with text content (parts of type text joined), an assistant's
+    earlier `tool_calls` and a tool result's `tool_call_id` kept."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest('messages must be a non-empty list of {"role": ..., "content": ...} objects.', "messages")
     out = []
@@ -536,9 +635,8 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def completion_prompt(body: dict):
+def completion_prompt(prompt):
     """A completions body's prompt: a string, or token ids (one prompt per request)."""
-    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):

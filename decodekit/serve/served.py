@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .protocol import BadRequest, ServerSettings, check_fields, check_text
+from .protocol import BadRequest, Body, ServerSettings, check_text
 
 
 def error_response(error: BadRequest) -> JSONResponse:
@@ -71,9 +71,9 @@ class Served:
         self.vocab = model.config.vocab_size
         self.eos = list(model.generation_config.eos_token_ids)
 
-    async def body_of(self, request: Request, served: set[str]) -> dict:
-        """The JSON object of a request, read in pieces and cut at --max-request-bytes, its text and field names
-        checked, and its `model` the one served (BadRequest otherwise)."""
+    async def body_of(self, request: Request, schema: type[Body]):
+        """The JSON object of a request as `schema` (a protocol.Body model), read in pieces and cut at
+        --max-request-bytes, its text and fields checked, and its `model` the one served (BadRequest otherwise)."""
         settings = self.settings
         raw = bytearray()
         async for piece in request.stream():  # cut as it comes: a chunked body declares no length
@@ -89,16 +89,15 @@ class Served:
         if not isinstance(body, dict):
             raise BadRequest("The request body must be a JSON object.")
         check_text(body)
-        check_fields(body, served)
-        model = body.get("model")
-        if model is not None and model != settings.model_name:
+        parsed = schema.of(body)
+        if parsed.model is not None and parsed.model != settings.model_name:
             raise BadRequest(
-                f"model={model!r} is not served here; this server serves {settings.model_name!r}.",
+                f"model={parsed.model!r} is not served here; this server serves {settings.model_name!r}.",
                 "model",
                 404,
                 "not_found_error",
             )
-        return body
+        return parsed
 
     def plugins(self) -> set[str]:
         """The names of the registered decodekit plugins."""

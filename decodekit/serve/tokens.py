@@ -7,7 +7,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..core.config import is_int
 from ..loading.tokenizer import chat_ids
-from .protocol import BadRequest, boolean, chat_messages
+from .protocol import BadRequest, DetokenizeRequest, TokenizeRequest, chat_messages
 from .served import Served, error_response, tokens_within
 
 
@@ -19,17 +19,15 @@ def router(served: Served) -> APIRouter:
     async def tokenize(request: Request):
         """{"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
         try:
-            body = await served.body_of(
-                request, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-            )
-            if "messages" in body:
-                messages = chat_messages(body)
+            body = await served.body_of(request, TokenizeRequest)
+            if body.messages is not None:
+                messages = chat_messages(body.messages)
 
                 def encode():  # in a worker thread, as every long text's encoding: the event loop answers meanwhile
                     tokens_within(tokenizer, [m["content"] for m in messages], context)
                     return chat_ids(tokenizer, messages, True)
-            elif isinstance(body.get("prompt"), str):
-                special, prompt = boolean(body, "add_special_tokens", True), body["prompt"]
+            elif body.prompt is not None:
+                special, prompt = body.add_special_tokens is not False, body.prompt
 
                 def encode():
                     tokens_within(tokenizer, [prompt], context)  # what no request could use is not encoded whole
@@ -45,8 +43,7 @@ def router(served: Served) -> APIRouter:
     async def detokenize(request: Request):
         """{"tokens": [ids]} -> {"prompt": text}."""
         try:
-            body = await served.body_of(request, {"model", "tokens"})
-            tokens = body.get("tokens")
+            tokens = (await served.body_of(request, DetokenizeRequest)).tokens
             if isinstance(tokens, list) and len(tokens) > 2 * context:
                 raise BadRequest(
                     f"tokens has {len(tokens)} ids; this server decodes at most {2 * context} (twice the "

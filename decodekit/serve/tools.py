@@ -110,9 +110,9 @@ def _call(name: str, arguments) -> dict:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def plan_tools(body: dict) -> ToolPlan | None:
-    """The request's tools and tool_choice, checked; None when no tool may be called."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+def plan_tools(request) -> ToolPlan | None:
+    """A ChatCompletionRequest's tools and tool_choice, checked; None when no tool may be called."""
+    tools, choice = request.tools, request.tool_choice
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools: pass the functions the model may call.", "tool_choice")
@@ -136,7 +136,7 @@ def plan_tools(body: dict) -> ToolPlan | None:
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object.", f"tools[{i}]")
         check_schema_depth(function.get("parameters"), f"tools[{i}].function.parameters")
         functions.append(function)
-    parallel = body.get("parallel_tool_calls")
+    parallel = request.parallel_tool_calls
     if parallel is not None and not isinstance(parallel, bool):
         raise BadRequest(f"parallel_tool_calls={parallel!r} is invalid; expected true or false.", "parallel_tool_calls")
     names = [f["name"] for f in functions]

@@ -382,3 +382,70 @@ def test_a_body_is_read_into_its_endpoints_model_and_to_fields_gives_add_request
     assert CompletionRequest.of({"prompt": "Hi"}).to_fields(settings, set(), 10, [2], 16)["max_new_tokens"] == 16
     with pytest.raises(BadRequest, match=r"max_completion_tokens=65 is invalid; expected an integer in \[1, 64\]"):
         ChatCompletionRequest.of({"messages": [], "max_completion_tokens": 65}).to_fields(settings, set(), 10, [2], 1)
+
+
+def validated(model_type, data: dict):
+    """`data` validated as `model_type` (one of the openai client's response types), with no field anywhere in it that
+    the type does not declare: the client builds its objects without validating and keeps unknown fields, so only
+    this catches a misspelt or misplaced one."""
+    parsed = model_type.model_validate(data)
+
+    def undeclared(obj, path: str) -> list[str]:
+        if isinstance(obj, pydantic.BaseModel):
+            found = [f"{path}.{name}" for name in obj.model_extra or {}]
+            return found + [
+                x for name in type(obj).model_fields for x in undeclared(getattr(obj, name), f"{path}.{name}")
+            ]
+        if isinstance(obj, list):
+            return [x for i, item in enumerate(obj) for x in undeclared(item, f"{path}[{i}]")]
+        return []
+
+    assert undeclared(parsed, model_type.__name__) == []
+    return parsed
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
+def test_responses_validate_against_openais_own_types(server, stream):
+    """Each response body (and each streamed chunk) of both endpoints, with logprobs, n=2 and tool calls, validates
+    against the openai package's own pydantic types, nested fields it does not declare refused."""
+    import httpx
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    bodies = [
+        ("completions", {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 2}, Completion, Completion),
+        ("completions", {"prompt": "Hi", "max_tokens": 4, "n": 2, "seed": 1}, Completion, Completion),
+        (
+            "chat/completions",
+            {"messages": ASK, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+            ChatCompletion,
+            ChatCompletionChunk,
+        ),
+        (
+            "chat/completions",
+            {"messages": ASK, "max_tokens": 60, "temperature": 0, "tools": [WEATHER], "tool_choice": "required"},
+            ChatCompletion,
+            ChatCompletionChunk,
+        ),
+    ]
+    for path, body, whole_type, chunk_type in bodies:
+        body = {
+            "model": NAME,
+            **body,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
+        }
+        response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        if not stream:
+            validated(whole_type, response.json())
+            continue
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        for event in events[:-1]:
+            chunk = json.loads(event)
+            if chunk_type is Completion:
+                # OpenAI's own streamed completions carry finish_reason null until the last chunk, which the client's
+                # Completion type (one for whole and streamed answers) does not admit.
+                for choice in chunk["choices"]:
+                    choice["finish_reason"] = choice["finish_reason"] or "stop"
+            validated(chunk_type, chunk)

@@ -238,7 +238,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server, client):
     while manager.free_blocks != manager.total_blocks and time.monotonic() < deadline:
         time.sleep(0.05)
     assert manager.free_blocks == manager.total_blocks and manager.counts["cancelled"] == cancelled + 1
-    assert not manager._results and not manager._streams  # nothing kept for a client that went away
+    assert not manager._outputs and not manager._finished  # nothing kept for a client that went away
 
 
 def test_thirty_two_concurrent_streaming_clients(default_model, client):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -33,6 +32,7 @@ from ..core.selectors import race_rows
 from ..core.compile import compile_own
 from ..registry.manager import failures_fail_the_request_alone
 from ..sizes import human_size
+from .outputs import RequestOutputs
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request, select_together
 from .runner import CacheRunner, PagedRunner, supports_paged
 from .scheduler import Scheduler
@@ -191,14 +191,13 @@ class ContinuousBatchingManager:
         self._discard: set[str] = set()  # cancelled by a client that went away: nobody collects the result
         self.counts = {s.value: 0 for s in DONE}  # requests ended, by status
         self._active: set[str] = set()  # added, not yet published as done
-        self._results: dict[str, GenerationOutput] = {}
-        self._order: deque[str] = deque()
-        self._streams: dict[str, queue.Queue] = {}
+        # Every request's outputs, from add_request until its reader has them all (request_id_iter, get_result).
+        self._outputs: dict[str, RequestOutputs] = {}
+        self._finished: deque[str] = deque()  # ended requests that get_result hands out, in the order they ended
         self._thread: threading.Thread | None = None
         self._owner: threading.Thread | None = None  # the thread running the steps
         self._until_idle = False
         self._stopping = False
-        self._listeners: dict[str, Any] = {}  # request id -> its listener (add_request's listener=)
         self._interrupted = False  # a real Ctrl-C arrived (run() in the main thread), as opposed to a request's own
         self.on_end = None  # called with each request's final GenerationOutput, in the stepping thread
         self.steps = 0
@@ -334,7 +333,7 @@ class ContinuousBatchingManager:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("The manager is stopped; start() it again before adding requests.")
-            if request_id in self._active or request_id in self._results:
+            if request_id in self._outputs:
                 raise ValueError(f"request_id={request_id!r} is already in use.")
             # Requests that free running slots will take at the next step do not wait: a burst arriving between two
             # steps was refused while slots were free.
@@ -342,10 +341,7 @@ class ContinuousBatchingManager:
             waiting = max(0, len(self._incoming) + len(self.scheduler.waiting) - free)
             if self.max_queue_size and waiting >= self.max_queue_size:
                 raise QueueFull(f"{waiting} requests are waiting (max_queue_size={self.max_queue_size}); retry later.")
-            if listener is not None:
-                self._listeners[request_id] = listener
-            elif streaming:
-                self._streams[request_id] = queue.Queue()
+            self._outputs[request_id] = RequestOutputs(streaming, listener)
             self._active.add(request_id)
             self._incoming.append(request)
             self._cv.notify_all()
@@ -376,39 +372,40 @@ class ContinuousBatchingManager:
         """The result of `request_id` (or of whichever request finishes first, without one), waiting up to
         `timeout` seconds (None: as long as it takes); None on timeout. Streaming requests end in their stream
         (request_id_iter), not here."""
-        if request_id is not None and request_id in self._streams:
+        outputs = self._outputs.get(request_id) if request_id is not None else None
+        if outputs is not None and outputs.streaming:
             raise ValueError(f"Request {request_id!r} streams: read its outputs with request_id_iter().")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
-                if request_id is None and self._order:
-                    return self._results.pop(self._order.popleft())
-                if request_id is not None and request_id in self._results:
-                    self._order.remove(request_id)
-                    return self._results.pop(request_id)
+                if request_id is None and self._finished:
+                    return self._outputs.pop(self._finished.popleft()).queue.get_nowait()
+                if request_id is not None and request_id in self._finished:
+                    self._finished.remove(request_id)
+                    return self._outputs.pop(request_id).queue.get_nowait()
                 if request_id is not None and request_id not in self._active:
                     raise KeyError(f"No request {request_id!r} is running or waiting to be collected.")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                if not self.is_running() and not self._incoming and not self._order:
+                if not self.is_running() and not self._incoming and not self._finished:
                     return None
                 self._cv.wait(left if left is not None else 0.5)
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """The outputs of a streaming request as its tokens come (each with every token so far), the last one
         finished; of a request added without streaming, only its result."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        outputs = self._outputs.get(request_id)
+        if outputs is None or not outputs.streaming:
             result = self.get_result(request_id)
             if result is not None:
                 yield result
             return
         while True:
-            output = stream.get()
+            output = outputs.queue.get()
             if output.is_finished():
                 with self._cv:
-                    self._streams.pop(request_id, None)
+                    self._outputs.pop(request_id, None)
                 yield output
                 return
             yield output
@@ -495,19 +492,8 @@ class ContinuousBatchingManager:
         return logits
 
     def _publish(self, request: Request) -> None:
-        """A streaming request's output so far, to its listener or stream."""
-        listener = self._listeners.get(request.id)
-        if listener is not None:
-            self._tell(listener, request.output())
-        else:
-            self._streams[request.id].put(request.output())
-
-    @staticmethod
-    def _tell(listener, output: GenerationOutput) -> None:
-        try:
-            listener(output)
-        except Exception:  # a listener's fault must not stop the steps
-            logger.exception("continuous batching: the listener of request %s raised", output.request_id)
+        """A streaming request's output so far."""
+        self._outputs[request.id].put(request.output())
 
     def _fail(self, request: Request, error: BaseException) -> None:
         # The notes name the plugin or method whose code raised (processors.py, stopping.py add them).
@@ -518,6 +504,7 @@ class ContinuousBatchingManager:
         self._end(request, RequestStatus.FAILED)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
+        """The request's final output, to its reader (nobody's, for a client that went away), then to on_end."""
         self.scheduler.remove(request)
         request.status = status
         request.finished_time = time.monotonic()
@@ -525,20 +512,21 @@ class ContinuousBatchingManager:
         with self._cv:
             self.counts[status.value] += 1
             self._active.discard(request.id)
-            stream = self._streams.get(request.id)
-            listener = self._listeners.pop(request.id, None)
+            outputs = self._outputs.get(request.id)
             if request.id in self._discard:
                 self._discard.discard(request.id)
-                self._streams.pop(request.id, None)
-                stream = listener = None
-            elif stream is None and listener is None:  # a streaming request's result is the last item of its stream
-                self._results[request.id] = output
-                self._order.append(request.id)
+                self._outputs.pop(request.id, None)
+                outputs = None
+            elif outputs is not None and outputs.listener is not None:
+                self._outputs.pop(request.id)  # the listener has it all once called, outside the lock
+            elif outputs is not None:
+                outputs.put(output)  # under the lock: get_result finds the output with the id
+                if not outputs.streaming:
+                    self._finished.append(request.id)
+                outputs = None
             self._cv.notify_all()
-        if listener is not None:
-            self._tell(listener, output)
-        if stream is not None:
-            stream.put(output)
+        if outputs is not None:
+            outputs.put(output)
         if self.on_end is not None:
             self.on_end(output)
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.config import GenerationConfig, is_int
-from ..core.generate import configured, prepare_call
+from ..core.generate import check_prompt_ids, configured, prepare_call
 from ..core.processors import check_scores, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
@@ -234,12 +234,7 @@ def prompt_list(model, input_ids) -> list[int]:
             )
             + "."
         )
-    if not input_ids:
-        raise ValueError("input_ids is empty; a prompt needs at least one token, e.g. the BOS token.")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and not all(0 <= t < vocab for t in input_ids):
-        bad = next(t for t in input_ids if not 0 <= t < vocab)
-        raise ValueError(f"input_ids contains the token id {bad}, outside the vocabulary [0, {vocab}).")
+    check_prompt_ids(model, input_ids)
     return [int(t) for t in input_ids]
 
 

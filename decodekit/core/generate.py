@@ -257,6 +257,25 @@ def shaped_for_call(model, gc: GenerationConfig, call: PreparedCall, loop, input
     return input_ids, attention_mask, dataclasses.replace(context, batch_size=input_ids.shape[0], padding=padding)
 
 
+def check_prompt_ids(model, input_ids) -> None:
+    """The check every prompt meets, in generate() (a tensor) and in a continuous-batching request (a list of ints): at
+    least one token, each inside the model's vocabulary (ValueError naming the first that is not)."""
+    tensor = isinstance(input_ids, torch.Tensor)
+    if (input_ids.numel() if tensor else len(input_ids)) == 0:
+        shape = f" (shape {tuple(input_ids.shape)})" if tensor else ""
+        raise ValueError(f"input_ids is empty{shape}; a prompt needs at least one token, e.g. the BOS token.")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        return
+    if tensor:
+        outside = (input_ids < 0) | (input_ids >= vocab)
+        bad = int(input_ids[outside].flatten()[0]) if bool(outside.any()) else None
+    else:
+        bad = next((t for t in input_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"input_ids contains the token id {bad}, outside the vocabulary [0, {vocab}).")
+
+
 def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
     """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
     if input_ids is None:
@@ -277,14 +296,7 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
             f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}; "
             "for a single prompt use input_ids[None]."
         )
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids is empty (shape {tuple(input_ids.shape)}); the prompt needs at least one token, "
-            "e.g. the BOS token."
-        )
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-        raise ValueError(f"input_ids contains token ids outside the vocabulary [0, {vocab}).")
+    check_prompt_ids(model, input_ids)
     input_ids = input_ids.to(model.device, torch.long, copy=True)  # a processor that writes into it writes into ours
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):

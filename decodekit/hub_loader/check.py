@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .importer import absolute_self_imports
 from .requirements import parse_lines, read_requirements, unmet_requirements
-from .source import METHOD_DIR
+from .source import METHOD_DIR, layout_problem
 
 
 @dataclass
@@ -63,22 +63,8 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def _check_layout(root: Path) -> list[Problem]:
-    if (root / METHOD_DIR / "generate.py").is_file():
-        return []
-    for candidate in root.iterdir():
-        if candidate.is_dir() and (candidate / "generate.py").is_file():
-            return [
-                Problem(
-                    _rel(candidate, root),
-                    None,
-                    f"the method folder must be named exactly {METHOD_DIR}/ (the Hub looks for that path); rename it",
-                )
-            ]
-    if (root / "generate.py").is_file():
-        return [Problem("generate.py", None, f"move it into a folder named {METHOD_DIR}/")]
-    return [
-        Problem(f"{METHOD_DIR}/generate.py", None, "missing; create it with a generate(model, input_ids, ...) function")
-    ]
+    problem = layout_problem(root)
+    return [] if problem is None else [Problem(problem[0], None, problem[1])]
 
 
 def _check_generate(path: Path, root: Path) -> list[Problem]:
@@ -108,24 +94,13 @@ def _check_generate(path: Path, root: Path) -> list[Problem]:
 
 def _check_hook_names(functions: dict, name: str) -> list[Problem]:
     """Functions named like a hook (decodekit_...) that no hookspec has: generate() would refuse the method."""
-    import difflib
+    from ..registry.hookspecs import unknown_hook
 
-    from ..registry import hookspecs
-
-    specs = sorted(n for n in dir(hookspecs) if n.startswith("decodekit_"))
-    problems = []
-    for function, node in functions.items():
-        if function.startswith("decodekit_") and function not in specs:
-            close = difflib.get_close_matches(function, specs, n=1)
-            problems.append(
-                Problem(
-                    name,
-                    node.lineno,
-                    f"{function} is not a decodekit hook"
-                    + (f" (did you mean {close[0]}?)" if close else f"; the hooks are {specs}"),
-                )
-            )
-    return problems
+    return [
+        Problem(name, node.lineno, unknown_hook(function))
+        for function, node in functions.items()
+        if function.startswith("decodekit_") and unknown_hook(function) is not None
+    ]
 
 
 def _check_relative_imports(method: Path, root: Path) -> list[Problem]:

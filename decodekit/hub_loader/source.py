@@ -28,16 +28,30 @@ class MethodSource:
         return self.snapshot
 
 
-def _check_layout(root: Path, label: str) -> None:
+def layout_problem(root: Path) -> tuple[str, str] | None:
+    """(the path at fault, what to do) where `root` does not hold custom_generate/generate.py; None where it does.
+    The one layout check: loading a method refuses it, `decodekit check` lists it."""
     if (root / METHOD_DIR / "generate.py").is_file():
-        return
+        return None
+    for candidate in sorted(root.iterdir()):
+        if candidate.is_dir() and (candidate / "generate.py").is_file():
+            return (
+                candidate.name,
+                f"the method folder must be named exactly {METHOD_DIR}/ (the Hub looks for that path); rename it",
+            )
     if (root / "generate.py").is_file():
-        hint = "generate.py is at the top level; it must be inside a folder named custom_generate/"
-    elif any(p.is_dir() and p.name.lower() != METHOD_DIR and (p / "generate.py").is_file() for p in root.iterdir()):
-        hint = "the folder holding generate.py must be named exactly custom_generate/"
-    else:
-        hint = "a method needs custom_generate/generate.py (and optionally custom_generate/requirements.txt)"
-    raise FileNotFoundError(f"`{label}` has no {METHOD_DIR}/generate.py: {hint}.")
+        return "generate.py", f"it is at the top level; move it into a folder named {METHOD_DIR}/"
+    return (
+        f"{METHOD_DIR}/generate.py",
+        "missing; create it with a generate(model, input_ids, ...) function or decodekit hooks (optionally "
+        f"beside {METHOD_DIR}/requirements.txt)",
+    )
+
+
+def _check_layout(root: Path, label: str) -> None:
+    problem = layout_problem(root)
+    if problem is not None:
+        raise FileNotFoundError(f"`{label}` has no {METHOD_DIR}/generate.py: {problem[0]}: {problem[1]}.")
 
 
 def from_directory(root: Path, label: str, kind: str, revision: str | None = None) -> MethodSource:

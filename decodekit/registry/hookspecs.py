@@ -89,3 +89,20 @@ LOOP_ONLY_HOOKS = {
     "decodekit_decoding_loop": "the decoding loop",
     "decodekit_next_token_logits": "how next-token logits are read",
 }
+
+
+def hook_names() -> list[str]:
+    """Every hook point's name, sorted."""
+    return sorted(name for name, value in globals().items() if name.startswith("decodekit_") and callable(value))
+
+
+def unknown_hook(name: str) -> str | None:
+    """What is wrong with a function `name` offered as a hook implementation (no hook point has that name, with the
+    closest one), or None: the one check, for a registered plugin and for `decodekit check` of a method."""
+    import difflib
+
+    names = hook_names()
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"{name} is not a decodekit hook" + (f" (did you mean {close[0]}?)" if close else f"; the hooks are {names}")

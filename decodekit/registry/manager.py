@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import functools
 import importlib
 import inspect
@@ -41,6 +40,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .hookspecs import hook_names, unknown_hook
 
 logger = logging.getLogger("decodekit")
 
@@ -165,9 +165,8 @@ def _problems(hooks: dict[str, Any]) -> list[str]:
     hookspec has (with the closest one), wrappers."""
     problems = []
     for hook, impls in hooks.items():
-        if hook not in _spec_names():
-            close = difflib.get_close_matches(hook, _spec_names(), n=1)
-            problems.append(f"{hook} is not a decodekit hook" + (f" (did you mean {close[0]}?)" if close else ""))
+        if unknown_hook(hook) is not None:
+            problems.append(unknown_hook(hook))
         elif any(i.hookwrapper or i.wrapper for i in impls):
             problems.append(f"{hook} is a hook wrapper, which decodekit does not call")
     return problems
@@ -191,7 +190,7 @@ def checked_register(pm: pluggy.PluginManager, plugin: Any, name: str | None, fo
         raise PluginError(
             f"plugin {registered!r} was not registered: "
             + "; ".join(problems)
-            + f". decodekit's hooks are {_spec_names()}."
+            + f". decodekit's hooks are {hook_names()}."
         )
     for hook_name, own in impls.items():
         for impl in own:
@@ -228,10 +227,6 @@ def _guarded(name: str, hook_name: str, function, for_call: bool):
         return None if result is None else (name, result)
 
     return guarded
-
-
-def _spec_names() -> list[str]:
-    return sorted(n for n in dir(hookspecs) if n.startswith("decodekit_"))
 
 
 def _owner(pm: pluggy.PluginManager, impl) -> str:

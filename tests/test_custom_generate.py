@@ -101,7 +101,9 @@ def test_bad_method_modules(model, tmp_path, code, error, message):
 def test_layout_errors(model, tmp_path):
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "generate.py").write_text("def generate(model, input_ids): pass\n")
-    with pytest.raises(FileNotFoundError, match="generate.py: it is at the top level; move it into a folder named custom_generate/"):
+    with pytest.raises(
+        FileNotFoundError, match="generate.py: it is at the top level; move it into a folder named custom_generate/"
+    ):
         model.generate(PROMPT, custom_generate=str(tmp_path / "flat"), trust_remote_code=True)
     with pytest.raises(ValueError, match="neither an existing local directory nor a Hub repo id"):
         model.generate(PROMPT, custom_generate="./does/not/exist", trust_remote_code=True)

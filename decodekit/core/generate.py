@@ -16,6 +16,7 @@ from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
 from .processors import check_scores, declares
+from .rows import Rows
 from .stack import stack_room
 
 logger = logging.getLogger("decodekit")
@@ -638,10 +639,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     logits_out: list[torch.Tensor] | None = [] if gc.output_logits else None
     hidden_out: list | None = [] if gc.output_hidden_states else None
     attentions_out: list | None = [] if gc.output_attentions else None
-    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-    pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=input_ids.device)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
+    rows = Rows(input_ids, gc, streamer)
 
     # Positions follow the real tokens of each row, wherever the forward takes them (token_positions).
     every = token_positions(model, input_ids, attention_mask)
@@ -672,15 +670,12 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
         if logits_out is not None:
             logits_out.append(scores.clone())
         scores = pipeline.processors(input_ids, scores)
-        check_scores(pipeline.processors, scores, unfinished, input_ids.shape[1])
+        check_scores(pipeline.processors, scores, rows.unfinished, input_ids.shape[1])
         if scores_out is not None:
             scores_out.append(scores.clone())
-        next_tokens = torch.where(unfinished, pipeline.selector(input_ids, scores), pad)
+        next_tokens = rows.chosen(pipeline.selector(input_ids, scores))
         input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
-        if streamer is not None:
-            streamer.put(next_tokens.cpu())
-        unfinished = unfinished & ~pipeline.stopping(input_ids, scores)
-        if not bool(unfinished.any()):
+        if not rows.advance(next_tokens, pipeline.stopping(input_ids, scores)):
             break
         if attention_mask is not None:
             attention_mask = torch.cat((attention_mask, attention_mask.new_ones(B, 1)), dim=-1)
@@ -691,6 +686,5 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
         else:
             step_ids = input_ids
             step_positions = token_positions(model, input_ids, attention_mask) if positions is not None else None
-    if streamer is not None:
-        streamer.end()
+    rows.end()
     return loop_result(gc, input_ids, cache, scores_out, logits_out, hidden_out, attentions_out)

@@ -15,6 +15,7 @@ from ..families.cache import grows, new_cache, reorder_rows
 from ..core.config import is_number
 from ..core.generate import mask_positions
 from ..core.outputs import loop_result
+from ..core.rows import Rows
 from ..registry import hookimpl
 
 
@@ -87,11 +88,8 @@ class ContrastiveSearch:
         cache = pipeline.cache if grows(pipeline.cache) else new_cache(model, "dynamic", B, context.max_length)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         positions = mask_positions(mask)
-        unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
-        pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=input_ids.device)
         scores_out = [] if gc.output_scores else None
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
+        progress = Rows(input_ids, gc, streamer)
         out = model(
             input_ids,
             attention_mask=mask,
@@ -124,17 +122,13 @@ class ContrastiveSearch:
             choice = ((1 - alpha) * top_probs - alpha * penalty).argmax(dim=-1)  # [B]
             rows = torch.arange(B, device=input_ids.device) * k + choice
             reorder_rows(cache, rows)
-            next_tokens = torch.where(unfinished, top_ids.gather(1, choice[:, None])[:, 0], pad)
+            next_tokens = progress.chosen(top_ids.gather(1, choice[:, None])[:, 0])
             input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
             mask = torch.cat((mask, mask.new_ones(B, 1)), dim=-1)
             positions = torch.cat((positions, positions[:, -1:] + 1), dim=-1)
             hidden = torch.cat((hidden, cand_hidden[rows][:, None, :]), dim=1)
             next_logits = out_k.logits[rows, -1, :].float()
-            if streamer is not None:
-                streamer.put(next_tokens.cpu())
-            unfinished = unfinished & ~pipeline.stopping(input_ids, scores)
-            if not bool(unfinished.any()):
+            if not progress.advance(next_tokens, pipeline.stopping(input_ids, scores)):
                 break
-        if streamer is not None:
-            streamer.end()
+        progress.end()
         return loop_result(gc, input_ids, cache, scores_out)

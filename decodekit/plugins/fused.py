@@ -39,6 +39,7 @@ from ..core.fused_loop import (
     step_processors,
 )
 from ..core.outputs import loop_result
+from ..core.rows import Rows
 from ..core.selectors import SamplingSelector, race
 from ..core.processors import declares
 from ..registry import hookimpl
@@ -125,8 +126,8 @@ class FusedTokens(FusedLoop):
         first = pipeline.processors(input_ids, logits)
         eos = gc.eos_token_ids
         eos_ids = eos_tensor(gc, dev)
-        pad = torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=dev)
-        unfinished = torch.ones(B, dtype=torch.bool, device=dev)
+        progress = Rows(input_ids, gc, streamer)
+        pad, unfinished = progress.pad, progress.unfinished
         scores_out = [] if gc.output_scores else None
         sampling = isinstance(pipeline.selector, SamplingSelector)
         noise_key = pipeline.selector.key.to(dev) if sampling else None
@@ -139,9 +140,7 @@ class FusedTokens(FusedLoop):
         host = [p for p in pipeline.processors if declares(p, "host_mask")]
         generated = [nxt]
         alive = [unfinished]
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-            streamer.put(nxt.cpu())
+        progress.stream(nxt)
         cur = T0 + 1
         while cur < max_length:
             if (cur - T0) % SYNC_EVERY == 0 and not bool(unfinished.any()):
@@ -163,14 +162,12 @@ class FusedTokens(FusedLoop):
             alive.append(unfinished)
             if scores_out is not None:
                 scores_out.append(scores.clone())
-            if streamer is not None:
-                streamer.put(nxt.cpu())
+            progress.stream(nxt)  # the compiled step keeps `unfinished` itself, so the rows are not advanced here
             cur += 1
         # Keep the steps up to the one after which every row was finished, as the eager loop stops there.
         done_after = ~torch.stack(alive).any(dim=1)
         keep = int(done_after.nonzero()[0]) + 1 if bool(done_after.any()) else len(generated)
         cache.lengths = [T0 + keep - 1] * len(cache.lengths)
-        if streamer is not None:
-            streamer.end()
+        progress.end()
         sequences = torch.cat((input_ids, torch.stack(generated[:keep], dim=1)), dim=1)
         return loop_result(gc, sequences, cache, scores_out[:keep] if scores_out is not None else None)

@@ -21,6 +21,7 @@ from ..families.cache import cached_length, crop_to, record_past, recurrent, rol
 from ..core.config import is_int, is_number
 from ..core.generate import _forward_accepts
 from ..core.outputs import loop_result
+from ..core.rows import Rows
 from ..core.tokens import common_prefix
 from ..registry import hookimpl
 
@@ -281,8 +282,7 @@ class Speculative:
             n_assist = getattr(assistant.generation_config, "num_assistant_tokens", n_assist)
         scores_out = [] if gc.output_scores else None
         logits_out = [] if gc.output_logits else None
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
+        progress = Rows(input_ids, gc, streamer)
         # The target's cache holds every token but the last, which the next forward feeds with the candidates.
         if input_ids.shape[1] > 1:
             model(
@@ -324,17 +324,15 @@ class Speculative:
             if a_cache is not None and a_cache is not cache:
                 refuse_unless_rolls_back(a_cache, "the assistant's cache")
             input_ids = torch.cat((input_ids, step), dim=1)
-            if streamer is not None:
-                for t in step[0]:
-                    streamer.put(t.view(1).cpu())
+            for t in step[0]:
+                progress.stream(t.view(1))
             # Keep what the target saw and agreed with: all but the newest token.
             crop_to(cache, input_ids.shape[1] - 1)
             if a_cache is not None and a_cache is not cache and translator is None:  # the translator crops its own
                 crop_to(a_cache, min(cached_length(a_cache), input_ids.shape[1] - 1))
         if assistant is not None and gc.num_assistant_tokens_schedule == "heuristic":
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers
-        if streamer is not None:
-            streamer.end()
+        progress.end()
         return loop_result(gc, input_ids, cache, scores_out, logits_out)
 
     @staticmethod

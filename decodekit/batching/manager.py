@@ -151,32 +151,7 @@ class ContinuousBatchingManager:
         self.max_queue_size = max_queue_size
         self.methods = methods or MethodCache()
         compile_options = step_compile_options(model, generation_config)
-        if supports_paged(model):
-            per_block = bytes_per_position(model) * block_size
-            budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
-            if not is_int(budget) or budget < per_block:
-                raise ValueError(
-                    f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
-                    f"takes {per_block} bytes for this model."
-                )
-            self.runner = PagedRunner(model, budget // per_block, block_size, compile_options)
-            logger.info(
-                "continuous batching: paged cache of %d blocks of %d positions (%s)",
-                budget // per_block,
-                block_size,
-                human_size(budget // per_block * per_block),
-            )
-        else:
-            if compile_options is not None:
-                logger.info(
-                    "continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__
-                )
-            self.runner = CacheRunner(model, max_running)
-            logger.info(
-                "continuous batching: %s has no paged path; each request keeps a cache of its own and runs "
-                "its own forward each step",
-                type(model).__name__,
-            )
+        self.runner = make_runner(model, block_size, max_cache_bytes, max_running, compile_options)
         self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
         # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V];
         # compiled, one.
@@ -529,6 +504,34 @@ class ContinuousBatchingManager:
             outputs.put(output)
         if self.on_end is not None:
             self.on_end(output)
+
+
+def make_runner(model, block_size: int, max_cache_bytes, max_running: int, compile_options):
+    """The runner of the batch's forwards: a paged cache of `max_cache_bytes` (default_cache_bytes where None) in
+    blocks of `block_size` positions where the model has a paged path, else a cache per request."""
+    if supports_paged(model):
+        per_block = bytes_per_position(model) * block_size
+        budget = max_cache_bytes if max_cache_bytes is not None else default_cache_bytes(model, max_running)
+        if not is_int(budget) or budget < per_block:
+            raise ValueError(
+                f"max_cache_bytes={max_cache_bytes!r} is invalid; one block of {block_size} positions "
+                f"takes {per_block} bytes for this model."
+            )
+        logger.info(
+            "continuous batching: paged cache of %d blocks of %d positions (%s)",
+            budget // per_block,
+            block_size,
+            human_size(budget // per_block * per_block),
+        )
+        return PagedRunner(model, budget // per_block, block_size, compile_options)
+    if compile_options is not None:
+        logger.info("continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__)
+    logger.info(
+        "continuous batching: %s has no paged path; each request keeps a cache of its own and runs its own forward "
+        "each step",
+        type(model).__name__,
+    )
+    return CacheRunner(model, max_running)
 
 
 def default_cache_bytes(model, max_running: int) -> int:

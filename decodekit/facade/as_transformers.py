@@ -21,6 +21,9 @@ from transformers import AutoConfig, Cache, DynamicCache
 from transformers import GenerationMixin as TransformersGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+# The output's cache field: `past_key_values` in transformers 5.16-5.23 (the oldest the extra takes), `cache` after.
+OUTPUT_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 # Inputs only other kinds of model take: a method that passes one asks for a model decodekit does not have.
 OTHER_MODELS_INPUTS = {
@@ -282,7 +285,7 @@ class TransformersView(TransformersGeneration):
             logits_to_keep=logits_to_keep,
         )
         return CausalLMOutputWithPast(
-            logits=out.logits, cache=cache if use_cache else None, hidden_states=out.hidden_states
+            logits=out.logits, hidden_states=out.hidden_states, **{OUTPUT_CACHE: cache if use_cache else None}
         )
 
     def _refuse_other_inputs(self, kwargs: dict) -> None:

@@ -211,6 +211,26 @@ def test_continuous_batching_on_the_device_equals_generate(llama, compile):
         assert out.generated_tokens == alone[0, len(prompt) :].tolist()
 
 
+def test_continuous_batching_steps_run_compiled_as_cuda_graphs_on_the_device(llama):
+    """The manager's compiled decode step on CUDA: torch attention over the block tables, replayed as CUDA graphs per
+    row bucket (warm_up records them), each request's tokens those of generate() alone."""
+    from decodekit.batching import RequestStatus
+
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    manager = model.init_continuous_batching(compile=True, block_size=4, max_running=6)
+    compiled = manager.runner.compiled
+    assert compiled.graphs and manager.warm_up() == [2, 4, 8]
+    prompts = [[5, 9, 14, 3, 7], [4, 5, 6], list(range(10, 40)), [11, 12, 13], [7] * 9]
+    ids = [manager.add_request(p, max_new_tokens=3 + 4 * i, eos_token_id=None) for i, p in enumerate(prompts)]
+    manager.run(until_idle=True)
+    for i, (prompt, rid) in enumerate(zip(prompts, ids)):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=3 + 4 * i, eos_token_id=None)
+        assert out.generated_tokens == alone[0, len(prompt) :].tolist()
+    assert compiled.broken is None and compiled.steps > 10
+
+
 def test_methods_run_on_the_device(tmp_path, llama):
     """A hook-only method and a transformers-style loop (which makes its tensors on model.device) run there."""
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)

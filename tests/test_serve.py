@@ -305,11 +305,8 @@ def test_serve_compiles_the_step_before_listening_unless_told_not_to(
 ):
     import decodekit.cli as cli
     import decodekit.serve as serve
-    from decodekit.kernels import cpu
     from decodekit.testing import tiny_model
 
-    if not cpu.has("native_kernels"):
-        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
     order = []
 
     class Listening:  # stands in for the HTTP server: records what was ready when it would start

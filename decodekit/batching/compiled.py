@@ -8,8 +8,11 @@ token runs as one torch.compile'd forward, compiled once for every row count.
 - The step reads no Python number that changes between steps: tokens, positions, cache slots and block tables
   are tensors; the block table's width (which grows with the longest row) is a dynamic dimension too, read only
   by decodekit::paged_attention, so longer contexts do not recompile.
-- Steps with prompt chunks run eagerly (their shapes change with every chunk), and so does everything the
-  compiled path cannot take: a model off the CPU or without decodekit's C++ kernels, or a step that does not
+- Attention goes through decodekit's C++ paged kernel on the CPU where it is built, else through torch operations
+  (paged.decode_attention: the rows' blocks gathered, one SDPA call), which run on any device: on CUDA the step is
+  compiled with mode="reduce-overhead" (core.compile.step_options) and replayed as CUDA graphs, one per row-count
+  bucket (powers of two) and block-table width bucket, the rows and the table padded up to them.
+- Steps with prompt chunks run eagerly (their shapes change with every chunk), and so does a step that does not
   compile (logged once on the `decodekit` logger, then eager for good).
 
 Measured on the default model (docs/performance.md); the step takes tens of seconds to compile on 2 CPU threads, so
@@ -23,12 +26,18 @@ import logging
 import torch
 
 from .. import kernels
-from ..core.compile import compile_own, compiled_steps
+from ..core.compile import compile_own, compiled_steps, replays_graphs, step_options
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 
 logger = logging.getLogger("decodekit")
 
 MIN_SIZE = 2  # of a dynamic dimension: one of size 1 would be specialised by the compiler
+
+
+def bucket(n: int) -> int:
+    """The power of two a dimension of `n` (at least MIN_SIZE) is padded up to where each size replays a graph of its
+    own."""
+    return max(MIN_SIZE, 1 << (n - 1).bit_length())
 
 
 class CompiledDecode:
@@ -38,23 +47,24 @@ class CompiledDecode:
 
     def __init__(self, model, cache: PagedCache, options: dict | None, max_length: int):
         self.model, self.cache = model, cache
-        self.options = {"fullgraph": True, "dynamic": False, **(options or {})}
+        keys = cache.keys[0]
+        self.options = step_options(options, keys.device)
+        self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
         self.broken: str | None = None
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
-        keys = cache.keys[0]
         if not kernels.paged_step_ready(model, keys):
             logger.info(
-                "continuous batching: decode steps run eagerly: the compiled step attends through decodekit's "
-                "C++ paged kernel, which takes a float32 or bfloat16 cache on the CPU with the kernels built "
+                "continuous batching: compiled decode steps attend through torch operations (decode_attention): "
+                "decodekit's C++ paged kernel takes a float32 or bfloat16 cache on the CPU with the kernels built "
                 "(here a %s cache on %s)",
                 str(keys.dtype).removeprefix("torch."),
                 keys.device,
             )
 
     def usable(self) -> bool:
-        return self.broken is None and kernels.paged_step_ready(self.model, self.cache.keys[0])
+        return self.broken is None
 
     def __call__(self, tokens: list[int], tables: list[list[int]], positions: list[int]) -> torch.Tensor | None:
         """Logits [rows, V] of one decode step (row i: token tokens[i] at positions[i] of the row whose blocks
@@ -62,10 +72,11 @@ class CompiledDecode:
         if not self.usable():
             return None
         rows = len(tokens)
-        size = max(MIN_SIZE, rows)
+        size = bucket(rows) if self.graphs else max(MIN_SIZE, rows)
         pad = size - rows
         kernels.settle_routes(self.model, size)  # before the step is traced for this many rows
         width = max(MIN_SIZE, max(len(t) for t in tables))
+        width = bucket(width) if self.graphs else width
         bs, device = self.cache.block_size, self.cache.keys[0].device
         table = torch.tensor(
             [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, dtype=torch.long
@@ -73,17 +84,24 @@ class CompiledDecode:
         ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
         position = torch.tensor(positions + [0] * pad, dtype=torch.long)
         slots = slots_of(table, torch.arange(size), position, bs)
+        kernel = kernels.paged_step_ready(self.model, self.cache.keys[0])
+        if not kernel:  # decode_attention indexes on the cache's device; the C++ kernel reads them on the CPU
+            table, position, slots = table.to(device), position.to(device), slots.to(device)
         for tensor, dim in ((ids, 1), (position, 0), (slots, 0), (table, 0), (table, 1)):
             torch._dynamo.mark_dynamic(tensor, dim)
         try:
-            logits = self._step()(ids, position, slots, table, self.cache.keys, self.cache.values)
+            step = self._step(kernel)
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = step(ids, position, slots, table, self.cache.keys, self.cache.values)
         except Exception as error:  # not only dynamo's: inductor raises AssertionErrors and the like
             # The eager step that follows raises again where the fault is the step's inputs, and fails only the
             # requests concerned; a compiled graph that raised once is not run again.
             self.broken = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
             logger.warning("continuous batching: the compiled decode step failed (%s); steps run eagerly", self.broken)
             return None
-        return logits[:rows]
+        # A graph's outputs live in its memory, which the next replay overwrites: the step's logits are copied out.
+        return logits[:rows].clone() if self.graphs else logits[:rows]
 
     def warm_up(self, max_rows: int) -> list[int]:
         """Compiles the step now instead of at the first decode step, and runs it at one row and at `max_rows`
@@ -91,6 +109,8 @@ class CompiledDecode:
         of each product route class below `max_rows` (kernels.linear.ROW_CLASSES: the traced code differs on
         either side); returns those row counts ([] where steps cannot run compiled)."""
         sizes = sorted({1, max_rows, *(most for most, _ in kernels.linear.ROW_CLASSES if most < max_rows)})
+        if self.graphs:  # a graph per row bucket, each recorded now rather than at a request's step
+            sizes = sorted({min(bucket(n), bucket(max_rows)) for n in range(1, max_rows + 1)})
         with torch.inference_mode():  # as the manager's steps run: the compiled code is specialised to it
             # One eager forward first, as a prefill would: the model's first call prepares what the traced code
             # reads (packed weights, loaded kernels) and cannot be traced itself.
@@ -102,19 +122,26 @@ class CompiledDecode:
                     return []
         return sizes
 
-    def _step(self):
+    def _step(self, kernel: bool):
         # Kept on the model, like generate()'s fused steps: a later manager with a cache of the same shape
         # (another generate_batch call, say) reuses what an earlier one compiled. The step's guards check its
         # arguments only (core.compile.argument_guards_only), so the pools' shape is part of the key.
         steps = compiled_steps(self.model, "paged decode", limit=None)
         pool = self.cache.keys[0]
-        key = (self.cache.block_size, tuple(pool.shape), pool.dtype, repr(sorted(self.options.items())))
+        key = (
+            self.cache.block_size,
+            tuple(pool.shape),
+            pool.dtype,
+            pool.device,
+            kernel,
+            repr(sorted(self.options.items())),
+        )
         step = steps.get(key)
         if step is None:
             model, bs = self.model, self.cache.block_size
 
             def decode(ids, positions, slots, tables, keys, values):
-                rows = DecodeRows(keys, values, slots, tables, positions, bs)
+                rows = DecodeRows(keys, values, slots, tables, positions, bs, kernel=kernel)
                 return model(ids, position_ids=positions[None], past_key_values=rows, use_cache=True).logits[0]
 
             step = steps[key] = compile_own(decode, self.options)

@@ -101,16 +101,38 @@ class Segment:
     first: int
 
 
+def decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions, block_size: int, window):
+    """Decode rows' attention in torch operations alone (any device; what the compiled step runs where decodekit's
+    C++ kernel does not, CUDA first): each token's key and value written at its slot, then its query [N, H, D]
+    attends positions 0..position of its row (within `window`) through the row's block table, gathered whole.
+    Returns [N, H, D]. The gather reads every block of the table's width, so the step's cost follows its longest
+    row, as one SDPA call over all rows needs."""
+    keys.index_copy_(0, slots, k)
+    values.index_copy_(0, slots, v)
+    rows = tables.index_select(0, owner)  # [N, width]
+    offsets = torch.arange(block_size, device=rows.device)
+    gathered = (rows[:, :, None] * block_size + offsets).flatten(1)  # [N, width * block_size]
+    key_rows = keys[gathered].transpose(1, 2).to(tokens.dtype)  # [N, KV, L, D]
+    value_rows = values[gathered].transpose(1, 2).to(tokens.dtype)
+    span = torch.arange(gathered.shape[1], device=rows.device)
+    mask = visible(positions[:, None], span[None, :], window)[:, None, None, :]  # [N, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        tokens[:, :, None, :], key_rows, value_rows, attn_mask=mask, enable_gqa=key_rows.shape[1] != tokens.shape[1]
+    )
+    return out[:, :, 0, :]
+
+
 class DecodeRows:
     """Attention for tokens that each decode one row (tensor-only, so the compiler can trace it; PagedBatch uses it
-    for its decode rows): decodekit::paged_attention writes each token's key and value at its slot and attends
-    through its row's block table in place. `owner` [N]: each token's row of `tables` (default: token i, row i)."""
+    for its decode rows): each token's key and value written at its slot, and its attention through its row's block
+    table, by decodekit::paged_attention in place (`kernel`, the CPU's) or decode_attention. `owner` [N]: each
+    token's row of `tables` (default: token i, row i)."""
 
     paged = True
 
-    def __init__(self, keys, values, slots, tables, positions, block_size: int, owner=None):
+    def __init__(self, keys, values, slots, tables, positions, block_size: int, owner=None, kernel: bool = True):
         self.keys, self.values, self.slots, self.tables = keys, values, slots, tables
-        self.positions, self.block_size = positions, block_size
+        self.positions, self.block_size, self.kernel = positions, block_size, kernel
         self.owner = torch.arange(positions.shape[0], device=positions.device) if owner is None else owner
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -122,6 +144,21 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
+        if not self.kernel:
+            out = decode_attention(
+                tokens,
+                k,
+                v,
+                keys,
+                values,
+                self.slots,
+                self.tables,
+                self.owner,
+                self.positions,
+                self.block_size,
+                window or None,
+            )
+            return out.transpose(0, 1)[None]
         out = torch.ops.decodekit.paged_attention(
             tokens,
             k,

@@ -388,3 +388,33 @@ def test_a_step_on_cuda_replays_graphs_unless_compile_config_chooses_otherwise()
     ):
         options = step_options(own, cuda)
         assert "reduce-overhead" not in options.values() and not replays_graphs(options)
+
+
+def test_the_cpu_instruction_check_is_made_once_per_machine_and_then_read(tmp_path, monkeypatch):
+    # inductor builds and loads a test library per vector instruction set at every process's first compile; decodekit
+    # records the answer in torch's cache folder, and a later process reads it instead of checking again.
+    import platform
+    import sys
+
+    from torch._inductor import cpu_vec_isa
+
+    from decodekit.core import compile as steps
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("the record is made on x86-64 Linux only; elsewhere inductor checks as it does")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(steps.cpu_isa_checked, "answer", None)
+    checked = steps.cpu_isa_checked()
+    (record,) = tmp_path.glob("decodekit-cpu-isa-*")
+    assert record.read_text() == ("passed" if checked else "failed")
+    assert ("cpp.vec_isa_ok" in steps.compile_arguments({})["options"]) is checked
+
+    def no_check(self):
+        raise AssertionError("the check ran again")
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "__bool__", no_check)
+    monkeypatch.setattr(steps.cpu_isa_checked, "answer", None)  # as a new process starts
+    assert steps.cpu_isa_checked() is checked
+    record.write_text("failed")  # a machine whose check failed: inductor checks at each compile, as it would
+    monkeypatch.setattr(steps.cpu_isa_checked, "answer", None)
+    assert steps.cpu_isa_checked() is False and "cpp.vec_isa_ok" not in steps.compile_arguments({})["options"]

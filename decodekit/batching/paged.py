@@ -106,7 +106,7 @@ def decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions
     C++ kernel does not, CUDA first): each token's key and value written at its slot, then its query [N, H, D]
     attends positions 0..position of its row (within `window`) through the row's block table, gathered whole.
     Returns [N, H, D]. The gather reads every block of the table's width, so the step's cost follows its longest
-    row, as one SDPA call over all rows needs."""
+    row, as one SDPA call over all rows needs. `window` 0 or None: none (the kernel's 0)."""
     keys.index_copy_(0, slots, k)
     values.index_copy_(0, slots, v)
     rows = tables.index_select(0, owner)  # [N, width]
@@ -115,7 +115,7 @@ def decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions
     key_rows = keys[gathered].transpose(1, 2).to(tokens.dtype)  # [N, KV, L, D]
     value_rows = values[gathered].transpose(1, 2).to(tokens.dtype)
     span = torch.arange(gathered.shape[1], device=rows.device)
-    mask = visible(positions[:, None], span[None, :], window)[:, None, None, :]  # [N, 1, 1, L]
+    mask = visible(positions[:, None], span[None, :], window or None)[:, None, None, :]  # [N, 1, 1, L]
     out = F.scaled_dot_product_attention(
         tokens[:, :, None, :], key_rows, value_rows, attn_mask=mask, enable_gqa=key_rows.shape[1] != tokens.shape[1]
     )
@@ -144,22 +144,8 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
-        if not self.kernel:
-            out = decode_attention(
-                tokens,
-                k,
-                v,
-                keys,
-                values,
-                self.slots,
-                self.tables,
-                self.owner,
-                self.positions,
-                self.block_size,
-                window or None,
-            )
-            return out.transpose(0, 1)[None]
-        out = torch.ops.decodekit.paged_attention(
+        attention = torch.ops.decodekit.paged_attention if self.kernel else decode_attention
+        out = attention(
             tokens,
             k,
             v,

@@ -1136,7 +1136,23 @@ def cmd_generate(args) -> int:
         kwargs["custom_generate"] = args.custom_generate
         kwargs["trust_remote_code"] = trust
         kwargs["attention_mask"] = torch.ones_like(input_ids)
-    echo = stream and not args.chat
+    out, stats = generate_shown(args, model, tokenizer, input_ids, streamer, kwargs)
+    done = time.perf_counter()
+    if not isinstance(out, torch.Tensor):
+        out = out.sequences if hasattr(out, "sequences") else out
+    if not stream:
+        text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+        print(text if args.chat else args.prompt + text)
+    if args.stats:
+        print(stats_line(int(out.shape[1] - input_ids.shape[1]), began, loaded, done, stats), file=sys.stderr)
+    return 0
+
+
+def generate_shown(args, model, tokenizer, input_ids, streamer, kwargs: dict):
+    """model.generate() with what the terminal shows meanwhile: the prompt echoed where the text streams (not for
+    --chat), a turning mark while --compile's first call compiles (the prompt then echoed with the first token), and
+    --stats' watch of the tokens. Returns (the output, the watch or None)."""
+    echo = streamer is not None and not args.chat
     echoed = False
 
     def show_prompt() -> None:
@@ -1151,10 +1167,8 @@ def cmd_generate(args) -> int:
     if args.compile:
         note = "decodekit: compiling the decode step on first use (this can take a minute)"
         spinner = Spinner(note).start() if sys.stderr.isatty() else print(note, file=sys.stderr)
-    # The prompt is echoed when the first token arrives while a spinner turns, else at once.
-    can_watch = kwargs.get("num_beams", 1) == 1
     stats = None
-    if can_watch and (args.stats or spinner is not None):
+    if kwargs.get("num_beams", 1) == 1 and (args.stats or spinner is not None):
         stats = Stats(streamer, on_first=show_prompt, hold=1 if spinner is not None else 0)
     if spinner is None:
         show_prompt()
@@ -1168,15 +1182,7 @@ def cmd_generate(args) -> int:
         raise
     if spinner is not None:
         spinner.stop()
-    done = time.perf_counter()
-    if not isinstance(out, torch.Tensor):
-        out = out.sequences if hasattr(out, "sequences") else out
-    if not stream:
-        text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
-        print(text if args.chat else args.prompt + text)
-    if args.stats:
-        print(stats_line(int(out.shape[1] - input_ids.shape[1]), began, loaded, done, stats), file=sys.stderr)
-    return 0
+    return out, stats
 
 
 def stats_line(new: int, began: float, loaded: float, done: float, stats) -> str:

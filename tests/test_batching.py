@@ -701,3 +701,23 @@ def test_decode_attention_in_torch_equals_attention_over_each_rows_positions(win
             q, k, v, keys2, values2, slots, tables, torch.arange(3), positions, block, window or 0
         )
         torch.testing.assert_close(got, kernel, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+
+
+def test_each_request_is_read_one_way_and_a_wrong_reader_is_told_not_left_waiting(model):
+    # A request's outputs go to one place (batching/outputs.RequestOutputs): its listener, its stream, or get_result.
+    manager = model.init_continuous_batching(block_size=4)
+    heard = []
+    told = manager.add_request([5, 6, 7], max_new_tokens=3, eos_token_id=None, streaming=True, listener=heard.append)
+    streamed = manager.add_request([8, 9], max_new_tokens=3, eos_token_id=None, streaming=True)
+    whole = manager.add_request([4, 4], max_new_tokens=3, eos_token_id=None)
+    for reader in (lambda: manager.get_result(told), lambda: next(manager.request_id_iter(told))):
+        with pytest.raises(ValueError, match=f"Request '{told}' hands its outputs to its listener"):
+            reader()
+    with pytest.raises(ValueError, match=f"Request '{streamed}' streams: read its outputs with request_id_iter"):
+        manager.get_result(streamed)
+    manager.run(until_idle=True)
+    assert [len(out.generated_tokens) for out in heard] == [1, 2, 3] and heard[-1].is_finished()
+    assert [len(out.generated_tokens) for out in manager.request_id_iter(streamed)] == [1, 2, 3]
+    want = model.generate(torch.tensor([[4, 4]]), max_new_tokens=3, eos_token_id=None)[0, 2:].tolist()
+    assert manager.get_result(whole, timeout=0).generated_tokens == want
+    assert not manager._outputs and not manager._finished  # every reader has what was its own; nothing is kept

@@ -348,8 +348,8 @@ class ContinuousBatchingManager:
         `timeout` seconds (None: as long as it takes); None on timeout. Streaming requests end in their stream
         (request_id_iter), not here."""
         outputs = self._outputs.get(request_id) if request_id is not None else None
-        if outputs is not None and outputs.streaming:
-            raise ValueError(f"Request {request_id!r} streams: read its outputs with request_id_iter().")
+        if outputs is not None:
+            outputs.check_read("get_result", request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
@@ -371,6 +371,8 @@ class ContinuousBatchingManager:
         """The outputs of a streaming request as its tokens come (each with every token so far), the last one
         finished; of a request added without streaming, only its result."""
         outputs = self._outputs.get(request_id)
+        if outputs is not None:
+            outputs.check_read("request_id_iter", request_id)
         if outputs is None or not outputs.streaming:
             result = self.get_result(request_id)
             if result is not None:

@@ -19,6 +19,14 @@ class RequestOutputs:
         self.streaming, self.listener = streaming, listener
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
 
+    def check_read(self, reader: str, request_id: str) -> None:
+        """ValueError where `reader` ("get_result" or "request_id_iter") would wait for outputs that go elsewhere: to
+        the listener, or, for get_result, to the stream a streaming request is read from."""
+        if self.listener is not None:
+            raise ValueError(f"Request {request_id!r} hands its outputs to its listener; {reader}() has none to read.")
+        if self.streaming and reader == "get_result":
+            raise ValueError(f"Request {request_id!r} streams: read its outputs with request_id_iter().")
+
     def put(self, output) -> None:
         if self.listener is None:
             self.queue.put(output)

@@ -35,13 +35,12 @@ OWN_LOOP_HOOKS = {
 
 
 class CallHooks(NamedTuple):
-    """One call's hooks inside an engine: the processors (each tagged with its plugin), the stopping criteria, the
-    token selector (None where no chosen plugin gives one) and the prepared call they came from."""
+    """One call's hooks inside an engine: the processors (each tagged with its plugin), the stopping criteria and the
+    token selector (None where no chosen plugin gives one)."""
 
     processors: LogitsProcessorList
     criteria: StoppingCriteriaList
     selector: Any
-    prepared: PreparedCall
 
 
 @dataclasses.dataclass
@@ -91,7 +90,7 @@ class Chosen:
             for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.plugins, **args):
                 criteria.extend(contributed)
             selector = call_first("decodekit_token_selector", only=self.plugins, **args)[1]
-        return CallHooks(processors, criteria, selector, prepared)
+        return CallHooks(processors, criteria, selector)
 
     def _checked(self, model, engine, prompt_length, max_length, batch_size, device, tokenizer) -> PreparedCall:
         """prepare_call for the chosen plugins (each one's validation), then the refusal of a hook point the

@@ -43,26 +43,6 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-# vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body; any JSON value
-# here, checked by their plugin.
-LLAMACPP = (
-    "top_n_sigma",
-    "xtc_probability",
-    "xtc_threshold",
-    "dry_multiplier",
-    "dry_base",
-    "dry_allowed_length",
-    "dry_penalty_last_n",
-    "dry_sequence_breakers",
-    "mirostat",
-    "mirostat_tau",
-    "mirostat_eta",
-    "dynatemp_range",
-    "dynatemp_exponent",
-    "smoothing_factor",
-    "smoothing_curve",
-    "samplers",
-)
 LONGEST = 2**31 - 1
 
 
@@ -92,7 +72,32 @@ class Body(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-class GenerationRequest(Body):
+class SamplerFields(Body):
+    """vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body: any JSON
+    value, checked by their plugin (llamacpp_samplers)."""
+
+    top_n_sigma: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    mirostat: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    smoothing_factor: Any = None
+    smoothing_curve: Any = None
+    samplers: Any = None
+
+
+LLAMACPP = tuple(name for name in SamplerFields.model_fields if name not in Body.model_fields)
+
+
+class GenerationRequest(SamplerFields):
     """The fields both generation endpoints serve: OpenAI's, vLLM's and llama.cpp's sampling fields, and decodekit's
     own object (the openai client's extra_body): a method and its fields."""
 
@@ -119,22 +124,6 @@ class GenerationRequest(Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[Any] | None = None
     skip_special_tokens: bool | None = None
-    top_n_sigma: Any = None
-    xtc_probability: Any = None
-    xtc_threshold: Any = None
-    dry_multiplier: Any = None
-    dry_base: Any = None
-    dry_allowed_length: Any = None
-    dry_penalty_last_n: Any = None
-    dry_sequence_breakers: Any = None
-    mirostat: Any = None
-    mirostat_tau: Any = None
-    mirostat_eta: Any = None
-    dynatemp_range: Any = None
-    dynatemp_exponent: Any = None
-    smoothing_factor: Any = None
-    smoothing_curve: Any = None
-    samplers: Any = None
 
     chat: ClassVar[bool] = False
 

@@ -67,10 +67,6 @@ class Body(BaseModel):
                 f"{name}={body[name]!r} is invalid; expected {accepted(cls.model_fields[name])}.", name
             ) from None
 
-    def given(self) -> dict[str, Any]:
-        """The fields the body set, as JSON values."""
-        return self.model_dump(exclude_none=True)
-
 
 class SamplerFields(Body):
     """vLLM's and llama.cpp's sampling fields that their OpenAI servers take at the top level of a body: any JSON

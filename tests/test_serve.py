@@ -183,6 +183,10 @@ def test_a_request_chooses_an_allowed_method(default_model, client, method_dir):
         ({"decodekit": {"num_beams": 3}}, "beam_search"),
         ({"max_tokens": 65}, "max_tokens=65"),
         ({"temperature": 3}, "temperature=3"),
+        ({"decodekit": {"method": 5}}, "decodekit.method=5 is invalid; expected a string"),
+        ({"decodekit": {"method": ["processors"]}}, "decodekit.method=['processors'] is invalid"),
+        ({"decodekit": {"method": {}}}, "decodekit.method={} is invalid"),
+        ({"decodekit": {"eos_token_id": [[2]]}}, "eos_token_id"),
     ],
 )
 def test_bad_requests_are_400_with_decodekit_message(client, extra, words):
@@ -326,3 +330,164 @@ def test_serve_compiles_the_step_before_listening_unless_told_not_to(
     monkeypatch.setattr(serve, "Server", Listening)
     assert cli.main(["serve", *flags, "--max-running", "3", "--port", "0"]) == 0
     assert order == [warm_up_steps, "steps"]  # compiled: run at 1 and 3 rows before listening
+
+
+def raw(server, method: str, path: str, body: bytes | None = None, **headers) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one request sent as a browser or a script would, key included."""
+    request = urllib.request.Request(
+        server.url + path, data=body, method=method, headers={"Authorization": f"Bearer {KEY}", **headers}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+
+
+def test_an_eos_token_id_of_generate_s_own_form_ends_the_reply(default_model, client):
+    _, tok = default_model
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+    first = tok.encode(plain.choices[0].text)[1]  # a bare id, as generate(eos_token_id=...) takes it
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=6, temperature=0, extra_body={"decodekit": {"eos_token_id": first}}
+    )
+    assert r.choices[0].finish_reason == "stop" and plain.choices[0].text.startswith(r.choices[0].text)
+    assert len(r.choices[0].text) < len(plain.choices[0].text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "masking",
+    [{"top_k": 2}, {"top_p": 0.3}, {"min_p": 0.2}, {"response_format": {"type": "json_object"}}],
+)
+def test_logprobs_of_masked_tokens_are_openai_s_finite_floor(server, stream, masking):
+    # top_logprobs asks for more alternatives than the mask leaves: the others are -inf, which JSON cannot carry.
+    body = {**CHAT, "max_tokens": 4, "temperature": 1, "seed": 1, "logprobs": True, "top_logprobs": 5, "stream": stream}
+    body.update(masking)
+    status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), **JSON_TYPE)
+    assert status == 200, data
+    text = data.decode()
+    assert "Infinity" not in text and "NaN" not in text
+    events = (
+        [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        if stream
+        else [json.loads(text)]
+    )
+    entries = [e for event in events for c in event["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
+    tops = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert len(entries) >= 1 and all(len(e["top_logprobs"]) == 5 for e in entries)
+    assert -9999.0 in tops and all(-9999.0 <= v <= 0 for v in tops)
+
+
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ({"role": "user", "content": "Hi", "name": 5}, "messages[0].name=5 is invalid; expected a string"),
+        ({"role": "tool", "content": "x", "tool_call_id": 3}, "messages[0].tool_call_id=3 is invalid"),
+    ],
+)
+def test_message_fields_have_openai_s_types(server, message, words):
+    status, _, data = raw(
+        server, "POST", "/v1/chat/completions", json.dumps({**CHAT, "messages": [message]}).encode(), **JSON_TYPE
+    )
+    assert status == 400 and words in json.loads(data)["error"]["message"]
+
+
+def test_parallel_tool_calls_is_a_boolean_even_without_tools(server):
+    status, _, data = raw(
+        server, "POST", "/v1/chat/completions", json.dumps({**CHAT, "parallel_tool_calls": "yes"}).encode(), **JSON_TYPE
+    )
+    assert status == 400 and json.loads(data)["error"]["param"] == "parallel_tool_calls"
+
+
+@pytest.mark.parametrize(
+    "kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
+def test_a_body_that_is_not_json_is_415_before_anything_runs(server, kind):
+    # What a page of another site may post without a preflight: it must not spend the server's CPU.
+    headers = {} if kind is None else {"Content-Type": kind}
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(CHAT).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {KEY}", **headers},
+    )
+    if kind is None:
+        request.remove_header("Content-type")  # urllib adds a form type of its own
+    try:
+        urllib.request.urlopen(request, timeout=60)
+        status, data = 200, b""
+    except urllib.error.HTTPError as error:
+        status, data = error.code, error.read()
+    assert status == 415 and "application/json" in json.loads(data)["error"]["message"]
+    assert (
+        raw(
+            server,
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(CHAT).encode(),
+            **{"Content-Type": "application/json; charset=utf-8"},
+        )[0]
+        == 200
+    )
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "127.0.0.1.evil.example"])
+def test_a_loopback_server_answers_loopback_host_names_only(server, host):
+    # DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 sends its own name as Host.
+    for path, method, body in (
+        ("/v1/models", "GET", None),
+        ("/", "GET", None),
+        ("/v1/chat/completions", "POST", json.dumps(CHAT).encode()),
+    ):
+        status, _, data = raw(server, method, path, body, Host=host, **JSON_TYPE)
+        assert status == 400 and "is not served" in json.loads(data)["error"]["message"], path
+    for good in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "LOCALHOST"):
+        assert raw(server, "GET", "/v1/models", Host=good)[0] == 200
+
+
+def test_the_loopback_names_are_asked_only_where_the_server_listens_on_loopback():
+    from decodekit.serve.app import host_name, loopback_hosts
+
+    assert loopback_hosts("0.0.0.0") is None and loopback_hosts("192.0.2.7") is None and loopback_hosts(None) is None
+    assert "[::1]" in loopback_hosts("::1") and "127.0.0.2" in loopback_hosts("127.0.0.2")
+    assert [host_name(h) for h in (b"[::1]:8000", b"LocalHost:80", b"127.0.0.1", b"a:b:c")] == [
+        "[::1]",
+        "localhost",
+        "127.0.0.1",
+        "a:b:c",
+    ]
+
+
+def test_the_playground_page_may_not_be_framed(server):
+    status, headers, _ = raw(server, "GET", "/")
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert status == 200 and headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+
+
+def test_an_unexpected_fault_is_a_json_500_and_the_connection_stays_usable(server, monkeypatch):
+    import http.client
+
+    from decodekit.serve import generation
+
+    def broken(self, output):
+        raise RuntimeError("a fault of the server's own code")
+
+    monkeypatch.setattr(generation.Job, "whole", broken)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    headers = {"Authorization": f"Bearer {KEY}", **JSON_TYPE}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)
+    response = connection.getresponse()
+    assert response.status == 500 and json.loads(response.read())["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)  # the same connection
+    response = connection.getresponse()
+    assert response.status == 200 and json.loads(response.read())["choices"][0]["message"]["content"]

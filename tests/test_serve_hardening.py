@@ -147,7 +147,7 @@ def raw_request(port: int, path: str, body: dict, key: str = KEY) -> socket.sock
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
@@ -210,7 +210,7 @@ def test_a_chunked_body_is_cut_at_the_byte_limit(server):
     rejected, rss = server.metric("request_rejected", status="413"), server.rss()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
     )
     piece = b'{"prompt": "' + b"x" * (2**20)

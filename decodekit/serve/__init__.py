@@ -61,7 +61,7 @@ class Server:
         sock: socket.socket | None = None,
     ):
         self.manager = manager
-        self.app = create_app(manager, tokenizer, settings)
+        self.app = create_app(manager, tokenizer, settings, host=host)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.host, self.port, self.sock = host, port, sock

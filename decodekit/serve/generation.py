@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..batching import QueueFull, RequestStatus
 from ..batching.request import GenerationOutput
+from ..core.config import is_int
 from ..loading.tokenizer import chat_ids
 from .protocol import (
     BadRequest,
@@ -25,6 +26,15 @@ from .protocol import (
 )
 from .served import Served, error_response, tokens_within
 from .tools import ToolPlan, messages_with_tools, plan_tools
+
+
+# What a masked token's logprob reads as (OpenAI's floor): JSON has no -Infinity, and a browser's JSON.parse refuses it.
+MASKED_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """`logprob`, or the floor for a token a constraint or warper masked (-inf, or NaN: the comparison is false)."""
+    return logprob if logprob >= MASKED_LOGPROB else MASKED_LOGPROB
 
 
 def router(served: Served) -> APIRouter:
@@ -94,11 +104,7 @@ class Job:
     def __init__(self, manager, tokenizer, body: GenerationRequest, settings, fields, plan: ToolPlan | None = None):
         self.manager, self.tokenizer, self.body, self.chat, self.plan = manager, tokenizer, body, body.chat, plan
         self.skip_special = body.skip_special_tokens is not False
-        self.eos = (
-            set(fields["eos_token_id"] or [])
-            if "eos_token_id" in fields
-            else set(manager.model.generation_config.eos_token_ids)
-        )
+        self.eos: set[int] = set()  # the tokens that end a row, once add_request has checked the request's fields
         self.stream = bool(body.stream)
         self.include_usage = body.include_usage()
         wanted = body.logprob_fields()
@@ -124,6 +130,7 @@ class Job:
         def add():
             try:
                 self.prompt_ids = prompt_of()
+                self.eos = self.end_tokens()  # before add_request: its listener may be called at once
                 self.manager.add_request(
                     self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener, **self.fields
                 )
@@ -150,6 +157,20 @@ class Job:
         error = await run_in_threadpool(add)
         if error is not None:
             raise error
+
+    def end_tokens(self) -> set[int]:
+        """The tokens that end a row: the request's eos_token_id (an id or a list of ids, as generate() takes it),
+        else the model's."""
+        if "eos_token_id" not in self.fields:
+            return set(self.manager.model.generation_config.eos_token_ids)
+        value = self.fields["eos_token_id"]
+        ids = [] if value is None else [value] if is_int(value) else value if isinstance(value, list) else None
+        if ids is None or not all(is_int(t) for t in ids):
+            raise BadRequest(
+                f"decodekit.eos_token_id={value!r} is invalid; expected a token id or a list of token ids.",
+                "decodekit.eos_token_id",
+            )
+        return {int(t) for t in ids}
 
     # ---- text ----
     def texts(self, output: GenerationOutput) -> list[tuple[str, str | None, bool]]:
@@ -182,7 +203,7 @@ class Job:
         if self.chat:
 
             def entry(token, logprob):
-                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
 
             return {
                 "content": [
@@ -196,9 +217,9 @@ class Job:
             at += len(token)
         return {
             "tokens": chosen,
-            "token_logprobs": output.logprobs[start:],
+            "token_logprobs": [finite(v) for v in output.logprobs[start:]],
             "text_offset": offsets,
-            "top_logprobs": [{word([i]): v for i, v in top} for top in tops] if output.top_logprobs else None,
+            "top_logprobs": [{word([i]): finite(v) for i, v in top} for top in tops] if output.top_logprobs else None,
         }
 
     def choice(

@@ -244,7 +244,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
 
     chat: ClassVar[bool] = True
 
@@ -549,6 +549,12 @@ def method_fields(spec: dict | None, settings: ServerSettings, plugins: set[str]
     name = fields.pop("method", None)
     if name is None:
         return fields
+    if not isinstance(name, str):
+        raise BadRequest(
+            f"decodekit.method={name!r} is invalid; expected a string, the name of a registered decodekit plugin or "
+            "of a method allowed when the server started.",
+            "decodekit.method",
+        )
     if name in settings.methods:
         fields["custom_generate"] = settings.methods[name]
     elif name not in plugins:
@@ -592,6 +598,9 @@ def chat_messages(messages) -> list[dict]:
                 '"type": "function", "function": {"name": ..., "arguments": "..."}}.',
                 f"{where}.tool_calls",
             )
+        for name in ("name", "tool_call_id"):  # strings, as OpenAI declares them
+            if message.get(name) is not None and not isinstance(message[name], str):
+                raise BadRequest(f"{where}.{name}={message[name]!r} is invalid; expected a string.", f"{where}.{name}")
         content = message.get("content")
         if content is None and calls:
             content = ""

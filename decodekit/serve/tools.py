@@ -136,9 +136,6 @@ def plan_tools(request) -> ToolPlan | None:
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object.", f"tools[{i}]")
         check_schema_depth(function.get("parameters"), f"tools[{i}].function.parameters")
         functions.append(function)
-    parallel = request.parallel_tool_calls
-    if parallel is not None and not isinstance(parallel, bool):
-        raise BadRequest(f"parallel_tool_calls={parallel!r} is invalid; expected true or false.", "parallel_tool_calls")
     names = [f["name"] for f in functions]
     if choice is None or choice == "auto":
         return ToolPlan(functions, "auto")

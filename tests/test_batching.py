@@ -703,6 +703,32 @@ def test_decode_attention_in_torch_equals_attention_over_each_rows_positions(win
         torch.testing.assert_close(got, kernel, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
 
 
+def test_decode_attention_ignores_whatever_the_slots_a_row_does_not_see_hold():
+    # The pools are uninitialised memory: a NaN in a slot no row has written (or past a row's position, or before
+    # its window) must not reach the output through its masked weight. It did: the compiled step's logits came out
+    # NaN now and then (test_compiled_decode_steps_equal_generate_alone[torch-attention] failed one run in two).
+    from decodekit.batching.paged import decode_attention, slots_of
+
+    torch.manual_seed(1)
+    block, tables, positions = 4, torch.tensor([[3, 7, 1], [0, 5, 9]]), torch.tensor([9, 2])
+    slots = slots_of(tables, torch.arange(2), positions, block)
+    written = torch.zeros(40, dtype=torch.bool)
+    for row in range(2):
+        written[slots_of(tables, row, torch.arange(int(positions[row])), block)] = True
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    clean_keys, clean_values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    for window in (None, 3):
+        outs = []
+        for junk in (0.0, float("nan"), float("inf")):
+            keys, values = clean_keys.clone(), clean_values.clone()
+            keys[~written], values[~written] = junk, junk
+            outs.append(
+                decode_attention(q, k, v, keys, values, slots, tables, torch.arange(2), positions, block, window)
+            )
+        assert torch.isfinite(outs[0]).all()
+        torch.testing.assert_close(outs[1], outs[0]), torch.testing.assert_close(outs[2], outs[0])
+
+
 def test_each_request_is_read_one_way_and_a_wrong_reader_is_told_not_left_waiting(model):
     # A request's outputs go to one place (batching/outputs.RequestOutputs): its listener, its stream, or get_result.
     manager = model.init_continuous_batching(block_size=4)

@@ -11,12 +11,15 @@ import urllib.request
 import pytest
 import torch
 
+import decodekit
+
 pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve] (make test installs it)")
 pytest.importorskip("uvicorn", reason="decodekit serve needs decodekit[serve] (make test installs it)")
 openai = pytest.importorskip("openai", reason="the server's tests use the openai client (decodekit[dev])")
 
 from decodekit.batching import RequestStatus  # noqa: E402
 from decodekit.hub_loader.source import resolve  # noqa: E402
+from decodekit.registry.manager import get_plugin_manager  # noqa: E402
 from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method  # noqa: E402
@@ -491,3 +494,42 @@ def test_an_unexpected_fault_is_a_json_500_and_the_connection_stays_usable(serve
     connection.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)  # the same connection
     response = connection.getresponse()
     assert response.status == 200 and json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+class BansOneId:
+    """An installed plugin whose hook trips over one request's value (a list where it indexes an int)."""
+
+    @decodekit.hookimpl
+    def decodekit_config_fields(self):
+        return {"ban_id": None}
+
+    @decodekit.hookimpl
+    def decodekit_logits_processors(self, generation_config, context):
+        ban = getattr(generation_config, "ban_id", None)
+        if ban is None:
+            return None
+
+        def banned(input_ids, scores):
+            scores[:, ban] = float("-inf")
+            return scores
+
+        return [banned] if ban + 0 >= 0 else []  # a list or a string: TypeError, before any token
+
+
+@pytest.mark.parametrize("value", [[1, 2], "x"])
+def test_a_plugin_failing_while_one_request_is_prepared_fails_that_request_alone(server, default_model, value):
+    _, tok = default_model
+    name = decodekit.register(BansOneId(), name="bans-one-id")
+    try:
+        body = {**CHAT, "decodekit": {"ban_id": value}}
+        status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), **JSON_TYPE)
+        message = json.loads(data)["error"]["message"]
+        assert status >= 400 and "bans-one-id" in message and "TypeError" in message, (status, message)
+        assert name in {n for n, _ in get_plugin_manager().list_name_plugin()}  # still there for everyone
+        plain = raw(server, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), **JSON_TYPE)
+        first = tok.encode(json.loads(plain[2])["choices"][0]["message"]["content"])[0]
+        body = {**CHAT, "decodekit": {"ban_id": first}}  # the next client's valid value applies
+        status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), **JSON_TYPE)
+        assert status == 200 and tok.encode(json.loads(data)["choices"][0]["message"]["content"])[0] != first
+    finally:
+        decodekit.unregister(name)

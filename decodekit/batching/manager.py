@@ -302,9 +302,17 @@ class ContinuousBatchingManager:
             raise ValueError(f"listener={listener!r} is invalid; expected a callable taking a GenerationOutput.")
         if max_new_tokens is not None:
             fields["max_new_tokens"] = max_new_tokens
-        request = prepare_request(
-            self.model, input_ids, self.generation_config, request_id, streaming, fields, self.methods, fits=self._fits
-        )
+        with failures_fail_the_request_alone():  # a plugin's hook failing on this request's values fails it alone
+            request = prepare_request(
+                self.model,
+                input_ids,
+                self.generation_config,
+                request_id,
+                streaming,
+                fields,
+                self.methods,
+                fits=self._fits,
+            )
         with self._cv:
             if self._stopping:
                 raise RuntimeError("The manager is stopped; start() it again before adding requests.")

@@ -112,10 +112,14 @@ def decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions
     rows = tables.index_select(0, owner)  # [N, width]
     offsets = torch.arange(block_size, device=rows.device)
     gathered = (rows[:, :, None] * block_size + offsets).flatten(1)  # [N, width * block_size]
-    key_rows = keys[gathered].transpose(1, 2).to(tokens.dtype)  # [N, KV, L, D]
-    value_rows = values[gathered].transpose(1, 2).to(tokens.dtype)
     span = torch.arange(gathered.shape[1], device=rows.device)
-    mask = visible(positions[:, None], span[None, :], window or None)[:, None, None, :]  # [N, 1, 1, L]
+    seen = visible(positions[:, None], span[None, :], window or None)  # [N, L]
+    # The slots a row does not see are zeroed as they are gathered: they hold what the pool's uninitialised memory or
+    # another row left there, and a NaN among them reaches SDPA's output through its masked weight (0 * NaN).
+    hidden = ~seen[:, :, None, None]
+    key_rows = keys[gathered].masked_fill(hidden, 0).transpose(1, 2).to(tokens.dtype)  # [N, KV, L, D]
+    value_rows = values[gathered].masked_fill(hidden, 0).transpose(1, 2).to(tokens.dtype)
+    mask = seen[:, None, None, :]  # [N, 1, 1, L]
     out = F.scaled_dot_product_attention(
         tokens[:, :, None, :], key_rows, value_rows, attn_mask=mask, enable_gqa=key_rows.shape[1] != tokens.shape[1]
     )

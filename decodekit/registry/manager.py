@@ -215,6 +215,9 @@ def _guarded(name: str, hook_name: str, function, for_call: bool):
         except BaseException as error:  # SystemExit from a plugin is a plugin failure too
             if _before_loading.get():
                 return None  # a check that needs the model (preflight): the call itself makes it
+            if _requests_fail_alone.get() and not for_call:  # one served request's values: it fails, nothing else
+                failure = PluginError(f"plugin {name!r} failed in {hook_name}: {type(error).__name__}: {error}")
+                raise failure from error
             if for_call or name in _propagating or _strict():
                 if hasattr(error, "add_note"):
                     error.add_note(f"(raised by plugin {name!r} in {hook_name})")
@@ -315,9 +318,9 @@ def plugins_for_call(plugin: Any, name: str):
         _call_manager.reset(tokens[1])
 
 
-# Set while a served request's own step runs (continuous batching): a plugin's processor, selector or criterion that
-# fails there fails that request alone and stays registered. One client's bad field used to disable the plugin for
-# every later client, whose requests then named its fields unknown.
+# Set while a served request is prepared or its own step runs (continuous batching): a plugin's hook, processor,
+# selector or criterion that fails there fails that request alone and stays registered. One client's bad field used
+# to disable the plugin for every later client, whose requests then named its fields unknown.
 _requests_fail_alone: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "decodekit_requests_fail_alone", default=False
 )
@@ -325,8 +328,9 @@ _requests_fail_alone: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def failures_fail_the_request_alone():
-    """Inside the block, a run-time failure of a plugin's processor, selector or stopping criterion does not disable
-    the plugin (failed_at_run_time): the caller fails the request it belongs to."""
+    """Inside the block, a failure of a plugin's hook, processor, selector or stopping criterion does not disable the
+    plugin (_guarded, failed_at_run_time): the caller fails the request it belongs to, the hook's failure raised as a
+    PluginError naming the plugin."""
     token = _requests_fail_alone.set(True)
     try:
         yield

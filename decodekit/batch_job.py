@@ -160,6 +160,8 @@ class RowGenerator:
         return self.batched
 
     def _batched(self, prompts: list[str], done) -> None:
+        from .batching import RequestStatus
+
         manager, arguments = self._manager, self._arguments()
         index_of = {}
         for index, prompt in enumerate(prompts):
@@ -175,6 +177,8 @@ class RowGenerator:
             if index is None:
                 return
             manager.get_result(output.request_id, timeout=0)  # collected here: nothing piles up in the manager
+            if output.status == RequestStatus.CANCELLED:  # Ctrl-C: not done, so not written; a resumed run makes it
+                return
             if output.error is not None:
                 done(index, {ERROR_KEY: output.error})
             else:

@@ -343,3 +343,39 @@ def test_a_runner_generates_the_pending_rows_elsewhere_and_run_batch_writes_them
     assert sorted(json.loads(line).get(OUTPUT_KEYS[0], "-") for line in out.read_text().splitlines()) == ["-", "A", "C"]
     again = run_batch(tmp_path / "in.jsonl", out, BatchSettings(), progress=False, runner=runner)
     assert tuple(again) == (0, 3) and handed[-1] == ["a", "b", "c"]  # nothing pending: the runner is not called
+
+
+@pytest.mark.parametrize("at", [0.1, 0.4, 0.7])
+def test_ctrl_c_while_rows_share_steps_writes_no_unfinished_row_and_a_resume_completes_them(
+    default_model, tmp_path, monkeypatch, at
+):
+    # Under continuous batching Ctrl-C ends the running requests CANCELLED: they were written as finished rows
+    # (their text so far, often "" and []), so the resumed run skipped them and 32 of 32 rows differed.
+    from decodekit.batching import ContinuousBatchingManager
+
+    model, tok = default_model
+    prompts = [f"Fact number {i}:" for i in range(6)]
+    settings = BatchSettings(generation={"max_new_tokens": 8})
+    step = ContinuousBatchingManager._loop_once
+    count = {"steps": 0, "stop": None}
+
+    def counted(self):
+        count["steps"] += 1
+        if count["stop"] is not None and count["steps"] > count["stop"]:
+            raise KeyboardInterrupt  # where a Ctrl-C lands: between two steps
+        return step(self)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "_loop_once", counted)
+    generator = RowGenerator.around(settings, model, tok)
+    assert generator._can_batch()
+    count["steps"] = 0
+    whole = generator.many(prompts)
+    count["stop"], count["steps"] = int(at * count["steps"]), 0
+    written = {}
+    with pytest.raises(KeyboardInterrupt):
+        generator.many(prompts, on_row=written.__setitem__)
+    assert len(written) < len(prompts)  # stopped with rows unfinished
+    assert all(written[i] == whole[i] for i in written)  # what was written is finished
+    count["stop"] = None
+    rest = [i for i in range(len(prompts)) if i not in written]
+    assert generator.many([prompts[i] for i in rest]) == [whole[i] for i in rest]

@@ -1,6 +1,8 @@
 """The command line as a user meets it: --version, errors before any model loads, on their own line and with one
 prefix, flags named in messages, strategy flags, --stats, and `decodekit list` within the terminal's width."""
 
+import os
+
 import pytest
 
 import decodekit
@@ -278,12 +280,41 @@ def test_config_files_give_flags_and_the_command_line_wins(tmp_path):
         ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
         ("max_new_tokens: [1, 2]\n", "max_new_tokens takes one value, got a list"),
         ("a: b: c\n", "not valid YAML"),
+        # A few hundred bytes of nested aliases expand to tens of millions of items: refused, not expanded.
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b]\n",
+            "line 2: YAML aliases (*a) are not accepted",
+        ),
+        ("seed: 2024-01-01\n", "seed is a date (datetime.date(2024, 1, 1)); expected a string, number, boolean"),
+        ("arg: {when: !!binary aGk=}\n", "arg.when is a bytes"),
+        ("stop: !!set {a, b}\n", "stop is a set"),
     ],
 )
 def test_a_bad_config_file_is_named_before_any_model_loads(no_model_loads, tmp_path, capsys, text, message):
     (tmp_path / "cfg.yaml").write_text(text)
     assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "cfg.yaml")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_config_path_that_is_no_regular_file_is_refused_without_reading_it(no_model_loads, tmp_path, capsys):
+    # /dev/zero was read whole before its suffix was looked at (MemoryError at 5.5 GB); a FIFO named .yaml hung.
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", "/dev/zero"]) == 2
+    assert "expected a .yaml, .yml, .toml or .json file" in capsys.readouterr().err
+    fifo = tmp_path / "cfg.yaml"
+    os.mkfifo(fifo)
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(fifo)]) == 2  # returns: nothing waits on it
+    assert "not a regular file" in capsys.readouterr().err
+    (tmp_path / "dir.yaml").mkdir()
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(tmp_path / "dir.yaml")]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    big = tmp_path / "big.json"
+    big.write_text('{"seed": 1, "pad": "' + "x" * (1 << 20) + '"}')
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(big)]) == 2
+    assert "larger than 1024 KiB" in capsys.readouterr().err
+    toml = tmp_path / "cfg.toml"
+    toml.write_text("seed = 1979-05-27\n")
+    assert main(["batch", "in.jsonl", "out.jsonl", "--config", str(toml)]) == 2
+    assert f"--config {toml}: seed is a date" in capsys.readouterr().err
 
 
 def test_a_config_value_of_the_wrong_type_is_refused_by_its_flag(no_model_loads, tmp_path, capsys):

@@ -8,6 +8,7 @@ as it was.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Callable
 
@@ -85,7 +86,7 @@ class ChatSession:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         answer = self.tokenizer.decode(sequences[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
         if not streamer.wrote:  # a method that does not stream: the whole answer at the end
-            self.out.write(answer)
+            self.out.write(shown(answer))
         self.out.write("\n")
         self.out.flush()
         self.turns.append({"role": "assistant", "content": answer.strip()})
@@ -117,9 +118,10 @@ class ChatSession:
         elif name == "/set":
             key, value = parse_setting(rest)
             fields = {**self.fields, key: value}
+            sampling = self.turns_sampling_on(key, fields)
             self.check(fields, self.method)
             self.fields = fields
-            self.say(f"({key} = {value!r})")
+            self.say(f"({key} = {value!r}" + ("; sampling is on: do_sample = True)" if sampling else ")"))
         elif name == "/settings":
             shown = ", ".join(f"{k}={v!r}" for k, v in sorted(self.fields.items())) or "none"
             self.say(f"(fields: {shown}; method: {self.method or 'built-in'}; system: {self.system!r})")
@@ -128,6 +130,19 @@ class ChatSession:
                 f"{name} is not a command; the commands are {', '.join(c.split()[0] for c in COMMANDS)} "
                 "(/help says what each does)."
             )
+        return True
+
+    def turns_sampling_on(self, key: str, fields: dict) -> bool:
+        """Whether setting `key` turns sampling on in `fields` (done here): a field that changes sampling alone
+        (temperature, top_p, ...) set while the replies do not sample takes effect, rather than being ignored with a
+        warning. `/set do_sample=false` afterwards makes the replies greedy again."""
+        from .core.generate import SAMPLING_ONLY
+
+        if key not in SAMPLING_ONLY or fields.get("do_sample") is True:
+            return False
+        if "do_sample" not in fields and getattr(getattr(self.model, "generation_config", None), "do_sample", False):
+            return False
+        fields["do_sample"] = True
         return True
 
     def say(self, text: str) -> None:
@@ -148,6 +163,12 @@ class ChatSession:
             except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell gives
                 self.say("")
                 continue
+            except UnicodeDecodeError:  # a terminal or pipe whose bytes are not UTF-8
+                self.say("error: that line is not valid UTF-8; type it again in UTF-8.")
+                continue
+            if not valid_text(line):  # what Python made of bytes it could not decode (surrogate escapes)
+                self.say("error: that line is not valid UTF-8; type it again in UTF-8.")
+                continue
             if not line.strip():
                 continue
             try:
@@ -160,6 +181,14 @@ class ChatSession:
                 self.say("\n(stopped; that message is forgotten)")
             except (ValueError, TypeError, ImportError, OSError) as error:
                 self.say(f"error: {error}")
+
+
+def valid_text(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_setting(text: str) -> tuple[str, object]:
@@ -178,6 +207,16 @@ def parse_setting(text: str) -> tuple[str, object]:
         return key, value.strip()
 
 
+def shown(text: str) -> str:
+    """`text` as the terminal should show a model's words: control characters (escape sequences that would set the
+    window title, colours or the clipboard, a carriage return that overwrites the line) written as escapes, such as
+    \\x1b; newlines and tabs kept."""
+    return CONTROL.sub(lambda c: c.group().encode("unicode_escape").decode("ascii"), text)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 class _Printer(TextStreamer):
     """Writes the reply's text to `out` as it comes (the prompt skipped); `wrote`: whether any came."""
 
@@ -188,5 +227,5 @@ class _Printer(TextStreamer):
     def on_text(self, text: str, stream_end: bool = False) -> None:
         if text:
             self.wrote = True
-            self.out.write(text)
+            self.out.write(shown(text))
             self.out.flush()

@@ -1020,7 +1020,22 @@ FLAGS["dry_sequence_breakers"] = FLAGS.pop("dry_sequence_breaker")
 
 
 def cli_names(message: str) -> str:
-    """`message` with the keywords that have a flag written as that flag (top_p=2.0 -> --top-p 2.0)."""
+    """`message` with the keywords that have a flag written as that flag (top_p=2.0 -> --top-p 2.0), and the trust
+    gate's advice as the command line takes it: --trust-remote-code, or a pinned revision's line in the trusted
+    revisions file."""
+    import re
+
+    from .hub_loader.trust import trusted_revisions_file
+
+    label = re.search(r"`([^`]+)`", message)
+    message = re.sub(
+        r"trust_remote_code=('[^']*'|\"[^\"]*\")",
+        lambda pin: (
+            f"the line '{label.group(1) if label else '<method>'} {pin.group(1)[1:-1]}' in {trusted_revisions_file()}"
+        ),
+        message,
+    )
+    message = message.replace("pass trust_remote_code=True", "give --trust-remote-code")
     message = message.replace("trust_remote_code=True", "--trust-remote-code")
     for name, flag in FLAGS.items():
         message = message.replace(f"{name}=", f"{flag} ")
@@ -1119,11 +1134,17 @@ def cmd_chat(args) -> int:
         return True if args.trust_remote_code else trusted_revision(method)
 
     def check(fields: dict, method: str | None) -> None:
-        """The fields and method of the next replies, checked as the flags are (CLIError is a ValueError)."""
-        if method is None:
-            check_fields(fields)
-        else:
-            check_method_args(method, trust_for(method), {}, fields)
+        """The fields and method of the next replies, checked as the flags are (CLIError is a ValueError), errors
+        told in the command line's words."""
+        try:
+            if method is None:
+                check_fields(fields)
+            else:
+                check_method_args(method, trust_for(method), {}, fields)
+        except CLIError:
+            raise
+        except (ValueError, PermissionError) as error:  # the trust gate's refusal is a PermissionError
+            raise CLIError(cli_names(str(error))) from None
 
     if args.custom_generate:  # the method and its --arg fields, checked before the model loads
         check_method_args(args.custom_generate, trust_for(args.custom_generate), parse_method_args(args.arg), fields)

@@ -145,3 +145,61 @@ def test_a_seeded_chat_samples_the_same_reply_again(default_model):
         model, tokenizer, {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5}, out=io.StringIO(), seed=8
     ).reply("Tell me a word.")
     assert other != replies[0]
+
+
+def test_a_sampling_field_set_on_greedy_replies_turns_sampling_on_and_takes_effect(default_model):
+    model, tokenizer = default_model
+    assert not model.generation_config.do_sample  # the replies are greedy by default
+    out = io.StringIO()
+    session = ChatSession(model, tokenizer, {"max_new_tokens": 12}, out=out, seed=3)
+    greedy = session.reply("Tell me a word.")
+    session.command("/reset")
+    session.command("/set temperature=5.0")  # was accepted, then ignored with a warning
+    assert session.fields["do_sample"] is True and "sampling is on: do_sample = True" in out.getvalue()
+    assert session.reply("Tell me a word.") != greedy
+    session = ChatSession(model, tokenizer, {"max_new_tokens": 12, "do_sample": False}, out=out)  # the CLI's
+    session.command("/set top_p=0.5")
+    assert session.fields == {"max_new_tokens": 12, "do_sample": True, "top_p": 0.5}
+
+
+def test_control_characters_of_a_reply_are_shown_not_obeyed():
+    from decodekit.chat import _Printer, shown
+
+    title, clipboard = "\x1b]0;owned\x07", "\x1b]52;c;ZWNobyBoaQ==\x07"
+    assert shown(f"a{title}b\n\tc\r{clipboard}\x9b") == "a\\x1b]0;owned\\x07b\n\tc\\r\\x1b]52;c;ZWNobyBoaQ==\\x07\\x9b"
+    out = io.StringIO()
+    _Printer(None, out).on_text("red: \x1b[31mX")
+    assert out.getvalue() == "red: \\x1b[31mX"
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
+    lines = iter([b"caf\xe9".decode("utf-8", "surrogateescape"), "/exit"])  # what Python makes of a Latin-1 byte
+    out = io.StringIO()
+    session = ChatSession(None, None, {}, out=out)
+    assert session.run(read=lambda prompt: next(lines)) == 0
+    assert "that line is not valid UTF-8" in out.getvalue() and session.turns == []
+
+
+def test_the_trust_gate_s_advice_in_a_chat_names_the_flag_and_the_pin_file(tmp_path, monkeypatch):
+    from decodekit.cli import build_parser, cmd_chat
+    from methods import HOOK_METHOD, write_method
+
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    monkeypatch.setenv("DECODEKIT_CONFIG_DIR", str(tmp_path / "config"))
+    told = []
+
+    class Session:  # the chat as cmd_chat builds it, without a model: only its check of /method is used here
+        def __init__(self, model, tokenizer, fields, check, **kwargs):
+            self.check = check
+
+        def run(self):
+            with pytest.raises(ValueError) as refused:
+                self.check({}, str(method))
+            told.append(str(refused.value))
+            return 0
+
+    monkeypatch.setattr("decodekit.chat.ChatSession", Session)
+    monkeypatch.setattr("decodekit.cli.load_model_of", lambda args, say=False: (None, None))
+    assert cmd_chat(build_parser().parse_args(["chat"])) == 0
+    assert "give --trust-remote-code" in told[0] and "trust_remote_code=" not in told[0]
+    assert f"the line '{method} " in told[0] and str(tmp_path / "config" / "trusted_revisions.txt") in told[0]

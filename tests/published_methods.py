@@ -55,6 +55,13 @@ def generate(model, *args, **kwargs):
 # _prepare_generation_config, rows from _expand_inputs_for_generation, inputs from prepare_inputs_for_generation, the
 # cache reordered through _reorder_cache where the model has it (4.5x's models did) or the Cache itself.
 BEAM_LOOP = """
+import inspect
+
+from transformers import GenerationMixin
+
+# The installed transformers' name for the cache keyword: `cache` from 5.24, `past_key_values` before (the
+# transformers extra takes 5.16 on). A method that passed `cache=` to 5.23's model passed nothing it read.
+CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
 import torch
 from transformers import DynamicCache
 
@@ -68,7 +75,7 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
     input_ids, model_kwargs = model._expand_inputs_for_generation(
         expand_size=beams, is_encoder_decoder=model.config.is_encoder_decoder, input_ids=input_ids,
         attention_mask=attention_mask)
-    model_kwargs.update(cache=DynamicCache(config=model.config), use_cache=True)
+    model_kwargs.update({CACHE: DynamicCache(config=model.config)}, use_cache=True)
     scores = torch.zeros(batch, beams)
     scores[:, 1:] = -1e9
     scores = scores.view(-1)
@@ -87,9 +94,9 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
         scores = best.view(-1)
         model_kwargs["attention_mask"] = model_kwargs["attention_mask"][rows]
         if hasattr(model, "_reorder_cache"):
-            model_kwargs["cache"] = model._reorder_cache(model_kwargs["cache"], rows)
+            model_kwargs[CACHE] = model._reorder_cache(model_kwargs[CACHE], rows)
         else:
-            model_kwargs["cache"].reorder_cache(rows)
+            model_kwargs[CACHE].reorder_cache(rows)
     winners = scores.view(batch, beams).argmax(dim=-1) + torch.arange(batch) * beams
     return input_ids[winners]
 """
@@ -98,6 +105,13 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
 # taken back, the cache cropped, and that token banned at its position. It calls model(...) itself over a transformers
 # cache it builds (dynamic or static) and crops.
 ROLLBACK = """
+import inspect
+
+from transformers import GenerationMixin
+
+# The installed transformers' name for the cache keyword: `cache` from 5.24, `past_key_values` before (the
+# transformers extra takes 5.16 on). A method that passed `cache=` to 5.23's model passed nothing it read.
+CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
 import torch
 from transformers import DynamicCache, StaticCache
 
@@ -110,7 +124,7 @@ def generate(model, input_ids, generation_config=None, cache_kind="dynamic", max
         cache = StaticCache(config=model.config, max_cache_len=end)
     else:
         cache = DynamicCache(config=model.config)
-    predictions = [model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1].float()]
+    predictions = [model(input_ids=input_ids, **{CACHE: cache}, use_cache=True).logits[:, -1].float()]
     banned, rollbacks = {}, 0
     while input_ids.shape[1] < end:
         position = input_ids.shape[1]
@@ -126,7 +140,7 @@ def generate(model, input_ids, generation_config=None, cache_kind="dynamic", max
             cache.crop(-1)
             continue
         input_ids = torch.cat([input_ids, token], dim=-1)
-        predictions.append(model(input_ids=token, cache=cache, use_cache=True).logits[:, -1].float())
+        predictions.append(model(input_ids=token, **{CACHE: cache}, use_cache=True).logits[:, -1].float())
     return input_ids
 """
 
@@ -141,6 +155,13 @@ def generate(model, input_ids, **kwargs):
 # a loop handed to GenerationMixin.generate that reads hidden states, grows the cache to top_k rows a prompt with
 # batch_repeat_interleave and keeps the chosen row with batch_select_indices.
 CONTRASTIVE = """
+import inspect
+
+from transformers import GenerationMixin
+
+# The installed transformers' name for the cache keyword: `cache` from 5.24, `past_key_values` before (the
+# transformers extra takes 5.16 on). A method that passed `cache=` to 5.23's model passed nothing it read.
+CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
 import torch
 from transformers import GenerationMixin
 
@@ -157,13 +178,13 @@ def _contrastive(model, input_ids, logits_processor, stopping_criteria, generati
     while True:
         scores = logits_processor(input_ids, logits)
         probs, candidates = scores.softmax(dim=-1).topk(top_k, dim=-1)
-        cache = model_kwargs["cache"]
+        cache = model_kwargs[CACHE]
         cache.batch_repeat_interleave(top_k)
         mask = model_kwargs.get("attention_mask")  # covers the candidate too (_update_model_kwargs_for_generation)
         if mask is None:
             mask = torch.ones(batch, input_ids.shape[1] + 1, dtype=torch.long, device=input_ids.device)
         mask = mask.repeat_interleave(top_k, dim=0)
-        step = model(input_ids=candidates.view(-1, 1), attention_mask=mask, cache=cache, use_cache=True,
+        step = model(input_ids=candidates.view(-1, 1), attention_mask=mask, **{CACHE: cache}, use_cache=True,
                      output_hidden_states=True)
         hidden = step.hidden_states[-1]
         similarity = torch.cosine_similarity(hidden, context.repeat_interleave(top_k, dim=0), dim=-1)
@@ -188,6 +209,13 @@ def generate(model, *args, **kwargs):
 # Attention sinks (StreamingLLM): a cache of its own that keeps the first `sink` positions and the most recent ones,
 # dropping the middle once it holds `window`, as sink-cache methods do; the method calls model(...) with it.
 SINK_CACHE = """
+import inspect
+
+from transformers import GenerationMixin
+
+# The installed transformers' name for the cache keyword: `cache` from 5.24, `past_key_values` before (the
+# transformers extra takes 5.16 on). A method that passed `cache=` to 5.23's model passed nothing it read.
+CACHE = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
 import torch
 from transformers import DynamicCache
 
@@ -211,11 +239,11 @@ def generate(model, input_ids, generation_config=None, sink=2, window=8, **kwarg
     generation_config = generation_config or model.generation_config
     end = input_ids.shape[1] + (kwargs.get("max_new_tokens") or generation_config.max_new_tokens or 20)
     cache = SinkCache(sink, window)
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids=input_ids, **{CACHE: cache}, use_cache=True).logits[:, -1]
     while input_ids.shape[1] < end:
         token = logits.argmax(dim=-1, keepdim=True)
         input_ids = torch.cat([input_ids, token], dim=-1)
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=token, **{CACHE: cache}, use_cache=True).logits[:, -1]
     assert cache.get_seq_length() <= window
     return input_ids
 """

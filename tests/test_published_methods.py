@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from decodekit import AutoModelForCausalLM
+from decodekit.facade.as_transformers import OUTPUT_CACHE
 from helpers import write_tiny_model
 from methods import HOOK_METHOD, TRANSFORMERS_INTERNALS, TRANSFORMERS_STYLE_GREEDY, write_method
 from published_methods import (
@@ -23,6 +24,10 @@ from published_methods import (
     TOP_N_SIGMA,
 )
 from tiny_transformers import PAD, transformers
+
+# transformers' StaticCache crops from 5.24 on: before, a method cropping one has no transformers oracle to agree with.
+STATIC_CROPS = hasattr(transformers.cache_utils.StaticLayer, "crop")
+NO_STATIC_CROP = f"transformers {transformers.__version__}'s StaticCache cannot crop (5.24's can): no oracle"
 
 PROMPT = torch.tensor([[5, 9, 13, 2, 7]])
 STUCK = torch.tensor([[3, 3, 3]])  # plain greedy on the tiny llama repeats a token a few steps on
@@ -112,6 +117,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_a_published_method_gives_transformers_tokens_on_a_native_model(models, repos, case):
     name, options = CASES[case]
+    if options.get("cache_kind") == "static" and not STATIC_CROPS:
+        pytest.skip(NO_STATIC_CROP)
     theirs, ours = both(models, repos[name], **options)
     assert theirs.shape[1] > options["input_ids"].shape[1]
     assert torch.equal(ours, theirs), (theirs.tolist(), ours.tolist())
@@ -129,7 +136,7 @@ def test_the_rollback_method_does_roll_back(models, repos):
         if repeats(native.generate(prompt, max_new_tokens=12, eos_token_id=None)[0, 3:].tolist())
     )
     greedy = native.generate(stuck, max_new_tokens=12, eos_token_id=None)
-    for cache_kind in ("dynamic", "static"):
+    for cache_kind in ("dynamic", "static") if STATIC_CROPS else ("dynamic",):
         options = dict(input_ids=stuck, max_new_tokens=12, cache_kind=cache_kind)
         rolled = native.generate(custom_generate=repos["rollback"], trust_remote_code=True, **options)
         assert greedy.shape == rolled.shape and not torch.equal(greedy, rolled) and not repeats(rolled[0, 3:].tolist())
@@ -184,7 +191,7 @@ def test_the_view_answers_as_a_transformers_model_does(models):
     cache = transformers.DynamicCache(config=view.config)
     out = view(ids, cache=cache, output_hidden_states=True)
     reference = theirs(ids, output_hidden_states=True)
-    assert out.cache is cache and cache.get_seq_length() == ids.shape[1]
+    assert getattr(out, OUTPUT_CACHE) is cache and cache.get_seq_length() == ids.shape[1]
     torch.testing.assert_close(out.logits, reference.logits, rtol=1e-4, atol=1e-4)
     assert len(out.hidden_states) == len(reference.hidden_states)
     for mine, theirs_layer in zip(out.hidden_states, reference.hidden_states):

@@ -44,9 +44,10 @@ lock:
 demo: install
 	$(VENV)/bin/decodekit generate "$(PROMPT)" --max-new-tokens 32
 
-# The OpenAI-compatible server on the default model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
+# The OpenAI-compatible server on the default model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it), with the
+# structured-output engine, which response_format, tools and the README's examples use.
 serve: install
-	$(PIP) install -q -c constraints.txt -e '.[serve]'
+	$(PIP) install -q -c constraints.txt -e '.[serve,structured]'
 	$(VENV)/bin/decodekit serve
 
 # lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.

@@ -533,3 +533,12 @@ def test_a_plugin_failing_while_one_request_is_prepared_fails_that_request_alone
         assert status == 200 and tok.encode(json.loads(data)["choices"][0]["message"]["content"])[0] != first
     finally:
         decodekit.unregister(name)
+
+
+def test_a_missing_optional_engine_is_a_400_naming_the_extra(server, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if decodekit[structured] were not installed
+    body = {**CHAT, "response_format": {"type": "json_object"}}
+    status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), **JSON_TYPE)
+    assert status == 400 and "pip install 'decodekit[structured]'" in json.loads(data)["error"]["message"]

@@ -215,13 +215,13 @@ def _guarded(name: str, hook_name: str, function, for_call: bool):
         except BaseException as error:  # SystemExit from a plugin is a plugin failure too
             if _before_loading.get():
                 return None  # a check that needs the model (preflight): the call itself makes it
-            if _requests_fail_alone.get() and not for_call:  # one served request's values: it fails, nothing else
-                failure = PluginError(f"plugin {name!r} failed in {hook_name}: {type(error).__name__}: {error}")
-                raise failure from error
             if for_call or name in _propagating or _strict():
                 if hasattr(error, "add_note"):
                     error.add_note(f"(raised by plugin {name!r} in {hook_name})")
                 raise
+            if _requests_fail_alone.get():  # one served request's values: that request fails, nothing is disabled
+                failure = PluginError(f"plugin {name!r} failed in {hook_name}: {type(error).__name__}: {error}")
+                raise failure from error
             with _lock:
                 pm = get_plugin_manager()
                 if pm.get_plugin(name) is not None:

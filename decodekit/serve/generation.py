@@ -140,6 +140,8 @@ class Job:
                 return error
             except (ValueError, TypeError) as error:
                 return BadRequest(str(error))
+            except ImportError as error:  # an optional engine the request needs (llguidance): its message names the extra
+                return BadRequest(f"This server cannot serve the request as asked: {error}", None, 400)
             except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
                 method = self.fields.get("custom_generate")
                 label = getattr(getattr(method, "source", None), "label", None) or (self.body.decodekit or {}).get(

@@ -278,9 +278,11 @@ def test_cli_runs_a_method_with_trust_flag_or_trusted_revisions_file(default_mod
     assert "is a local directory" in err
     assert main(base + ["--trust-remote-code", "--arg", "left_padding=0"]) == 0
     assert capsys.readouterr().out.startswith("The capital of France is Paris")
-    content_hash = err.split("trust_remote_code='")[1].split("'")[0]
+    # The refusal says the line to add, in the command line's words rather than Python's keyword.
+    line = err.split("give --trust-remote-code (or the line '")[1].split("' in ")[0]
+    assert line.startswith(f"{repo} ") and f"{tmp_path / 'config' / 'trusted_revisions.txt'}" in err
     (tmp_path / "config").mkdir()
-    (tmp_path / "config" / "trusted_revisions.txt").write_text(f"# reviewed\n{repo} {content_hash}\n")
+    (tmp_path / "config" / "trusted_revisions.txt").write_text(f"# reviewed\n{line}\n")
     assert main(base) == 0
     assert "Paris" in capsys.readouterr().out
     assert main(base + ["--arg", "left_padding"]) == 2

@@ -126,6 +126,39 @@ def test_a_link_into_proc_is_refused_at_once_with_or_without_trust(model, tmp_pa
         assert time.monotonic() - started < 30  # a bound on a hang, far above the call's own time
 
 
+@pytest.mark.parametrize("swap", ["fifo", "link to /proc/self/environ", "link out of the folder"])
+def test_a_file_swapped_after_the_walk_checked_it_is_refused_as_opened(model, tmp_path, monkeypatch, swap):
+    # The walk checks each entry, then the snapshot opens it: flipping a data file to a FIFO between the two hung an
+    # untrusted load, and to a link into /proc copied the environment into the snapshot (12 of 300 loads). The swap
+    # is made here exactly in that gap.
+    from decodekit.hub_loader import snapshot
+
+    repo = versioned(tmp_path / "m", "source")
+    data = repo / "custom_generate" / "data.txt"
+    data.write_text("plain data\n")
+    (tmp_path / "secret.txt").write_text("SECRET=1\n")
+    walk = snapshot._walk
+
+    def walked_then_swapped(*args, **kwargs):
+        files = walk(*args, **kwargs)
+        data.unlink()
+        if swap == "fifo":
+            os.mkfifo(data)
+        else:
+            data.symlink_to("/proc/self/environ" if "proc" in swap else tmp_path / "secret.txt")
+        return files
+
+    monkeypatch.setattr(snapshot, "_walk", walked_then_swapped)
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(pytest.raises(MethodFilesError, run, model, repo)))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the load waits on the FIFO"
+    assert "custom_generate/data.txt changed while the method was read" in str(outcome[0].value)
+    taken = [p for p in snapshot._snapshots.root().rglob("data.txt")] if snapshot._snapshots._root else []
+    assert not any(b"SECRET" in p.read_bytes() or b"PATH=" in p.read_bytes() for p in taken)
+
+
 def test_a_symlink_loop_is_refused(model, tmp_path):
     repo = versioned(tmp_path / "m", "source")
     (repo / "custom_generate" / "loop").symlink_to(repo / "custom_generate", target_is_directory=True)

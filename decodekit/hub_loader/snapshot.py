@@ -144,6 +144,28 @@ def _walk(method_dir: Path, label: str, allowed: tuple[str, ...] = ()):
     return sorted(found, key=lambda item: item[0].split("/"))
 
 
+def _opened(real: str, name: str, label: str, roots: tuple[str, ...]):
+    """The file at `real` (a resolved path), opened once and checked as opened: inside the method's folder (or
+    `allowed`), not a link (O_NOFOLLOW: one swapped in since the path was resolved is refused), a regular file
+    (fstat on the descriptor: a FIFO swapped in is refused, and never waited on: O_NONBLOCK). What the walk saw
+    may have changed since; what is read is what this checks."""
+    changed = (
+        f"`{label}`: custom_generate/{name} changed while the method was read (it is now {{}}); read it again "
+        "once it stops changing."
+    )
+    if not _inside(real, roots):
+        raise MethodFilesError(changed.format(f"a link out of the method's folder, to {real}"))
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as error:
+        raise MethodFilesError(changed.format(f"unreadable: {error.strerror or error}")) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MethodFilesError(changed.format("not a regular file"))
+    return os.fdopen(fd, "rb")
+
+
 class _Snapshots:
     """This process's snapshots, one folder per content hash."""
 
@@ -179,11 +201,13 @@ class _Snapshots:
         try:
             listing, links, total = [], {}, 0
             real_top = os.path.realpath(method_dir)
+            roots = (real_top, *allowed)
             for name, path in files:
                 target = scratch / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 digest, size = hashlib.sha256(), 0
-                with open(path, "rb") as src, open(target, "wb") as dst:
+                real = os.path.realpath(path)
+                with _opened(real, name, label, roots) as src, open(target, "wb") as dst:
                     while chunk := src.read(CHUNK):
                         size += len(chunk)
                         total += len(chunk)
@@ -195,7 +219,6 @@ class _Snapshots:
                         digest.update(chunk)
                         dst.write(chunk)
                 listing.append((name, digest.hexdigest()))
-                real = os.path.realpath(path)
                 if show_links and real != os.path.join(real_top, name):  # a link on the way: show where it leads
                     links[name] = real
             revision = content_hash(listing)

@@ -1035,7 +1035,6 @@ def cli_names(message: str) -> str:
         ),
         message,
     )
-    message = message.replace("pass trust_remote_code=True", "give --trust-remote-code")
     message = message.replace("trust_remote_code=True", "--trust-remote-code")
     for name, flag in FLAGS.items():
         message = message.replace(f"{name}=", f"{flag} ")

@@ -201,5 +201,5 @@ def test_the_trust_gate_s_advice_in_a_chat_names_the_flag_and_the_pin_file(tmp_p
     monkeypatch.setattr("decodekit.chat.ChatSession", Session)
     monkeypatch.setattr("decodekit.cli.load_model_of", lambda args, say=False: (None, None))
     assert cmd_chat(build_parser().parse_args(["chat"])) == 0
-    assert "give --trust-remote-code" in told[0] and "trust_remote_code=" not in told[0]
+    assert "pass --trust-remote-code" in told[0] and "trust_remote_code=" not in told[0]
     assert f"the line '{method} " in told[0] and str(tmp_path / "config" / "trusted_revisions.txt") in told[0]

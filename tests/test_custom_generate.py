@@ -279,7 +279,7 @@ def test_cli_runs_a_method_with_trust_flag_or_trusted_revisions_file(default_mod
     assert main(base + ["--trust-remote-code", "--arg", "left_padding=0"]) == 0
     assert capsys.readouterr().out.startswith("The capital of France is Paris")
     # The refusal says the line to add, in the command line's words rather than Python's keyword.
-    line = err.split("give --trust-remote-code (or the line '")[1].split("' in ")[0]
+    line = err.split("pass --trust-remote-code (or the line '")[1].split("' in ")[0]
     assert line.startswith(f"{repo} ") and f"{tmp_path / 'config' / 'trusted_revisions.txt'}" in err
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "trusted_revisions.txt").write_text(f"# reviewed\n{line}\n")

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve] (make test installs it)")
 pytest.importorskip("uvicorn", reason="decodekit serve needs decodekit[serve] (make test installs it)")
 
+from decodekit.batching import RequestStatus  # noqa: E402
 from decodekit.hub_loader.source import resolve  # noqa: E402
 from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
 
@@ -105,3 +106,42 @@ def test_step_with_a_method_names_its_processor_and_obeys_it(served):
     assert any("local:" in p["processor"] for p in step["processors"])
     status, text = call(server, "/playground/step", {"messages": MESSAGES, "decodekit": {"method": "nope"}})
     assert status == 400 and "decodekit method 'nope'" in text
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"decodekit": {"num_beams": 8}}, "beam_search"),  # /v1/chat/completions refuses it: so does the step
+        ({"decodekit": {"penalty_alpha": 0.6, "top_k": 4}}, "contrastive"),
+        ({"decodekit": {"observer": "x"}}, "cannot be set by a request"),
+    ],
+)
+def test_step_refuses_what_the_completions_endpoint_refuses(served, extra, words):
+    server, _ = served
+    for path in ("/playground/step", "/v1/chat/completions"):
+        status, text = call(server, path, {"messages": MESSAGES, "max_tokens": 2, **extra})
+        assert status == 400 and words in text, (path, text)
+
+
+def test_step_runs_as_a_request_of_the_manager_under_its_queue_and_cache_limits(default_model):
+    # /playground/step ran generate() in the threadpool, outside --max-running, --max-queue and --cache-mb: a 2,031
+    # token step cost 14.5 s and +245 MB, three at once 192 s and +3.3 GB, while served requests waited.
+    model, tok = default_model
+    manager = model.init_continuous_batching(max_queue_size=1, max_cache_bytes=8 * 2**20, max_running=1)
+    server = Server(manager, tok, ServerSettings(model_name="smol", max_tokens_limit=64), port=0).start()
+    try:  # the manager is not stepping: requests wait in its queue, as behind a busy server
+        long = [{"role": "user", "content": "word " * 2000}]
+        status, text = call(server, "/playground/step", {"messages": long}, key=None)
+        assert status == 400 and "cache blocks" in text  # more than --cache-mb holds: refused before it runs
+        first = manager.add_request([1, 2, 3], max_new_tokens=2)
+        manager.add_request([1, 2, 3], max_new_tokens=2)  # the running slot and the one queue place are taken
+        status, text = call(server, "/playground/step", {"messages": MESSAGES}, key=None)
+        assert status == 429, text
+        manager.start()
+        assert manager.get_result(first, timeout=120).status == RequestStatus.FINISHED
+        status, text = call(server, "/playground/step", {"messages": MESSAGES, "temperature": 0}, key=None)
+        step = json.loads(text)
+        assert status == 200 and step["chosen"]["id"] == step["scores"][0]["id"]
+    finally:
+        server.stop()
+        manager.stop()

@@ -13,13 +13,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import check_prompt_ids, configured, prepare_call
-from ..core.processors import check_scores, unusable_rows
+from ..core.processors import check_scores, observe_processors, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 
@@ -59,6 +59,9 @@ class GenerationOutput:
     created_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Told each step what its logits processors did (core.processors.observe_processors), then (None, the logits, the
+    # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
+    observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
 
     def is_finished(self) -> bool:
         return self.status in DONE
@@ -81,6 +84,7 @@ REQUEST_ARGUMENTS = (
     "tokenizer",
     "logprobs",
     "top_logprobs",
+    "observer",
 )
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -109,6 +113,9 @@ class Request:
     created_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Told each step what its logits processors did (core.processors.observe_processors), then (None, the logits, the
+    # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
+    observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def rows(self) -> int:
@@ -123,7 +130,8 @@ class Request:
         """Whether this request's next token needs nothing of its own: one row, no logits processors, the built-in
         greedy or sampling selector, whose choice select_together computes for many requests at once."""
         p = self.pipeline
-        return self.rows == 1 and not len(p.processors) and type(p.selector) in (GreedySelector, SamplingSelector)
+        plain = type(p.selector) in (GreedySelector, SamplingSelector) and self.observer is None
+        return self.rows == 1 and not len(p.processors) and plain
 
     def apply(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
         """One step of generate()'s loop on this request's rows, given their next-token logits [rows, V]:
@@ -131,11 +139,14 @@ class Request:
         p = self.pipeline
         scores = logits.float()
         if chosen is None:
-            scores = p.processors(self.sequences, scores)
+            with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
+                scores = p.processors(self.sequences, scores)
             check_scores(p.processors, scores, self.unfinished, self.sequences.shape[1])
             # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary
             # would fail the next shared forward for every request in it, or read out of bounds in a compiled step.
             chosen = p.selector(self.sequences, scores)
+        if self.observer is not None:
+            self.observer(None, logits.float(), scores)
         if self.logprobs:
             logp = torch.log_softmax(scores[0], dim=-1)
             self.token_logprobs.append(float(logp[chosen[0]]))
@@ -347,4 +358,5 @@ def prepare_request(
         unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
         pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
         method=method.method.source.label if method is not None else None,
+        observer=extras.get("observer"),
     )

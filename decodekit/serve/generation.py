@@ -140,7 +140,9 @@ class Job:
                 return error
             except (ValueError, TypeError) as error:
                 return BadRequest(str(error))
-            except ImportError as error:  # an optional engine the request needs (llguidance): its message names the extra
+            except (
+                ImportError
+            ) as error:  # an optional engine the request needs (llguidance): its message names the extra
                 return BadRequest(f"This server cannot serve the request as asked: {error}", None, 400)
             except BaseException as error:  # noqa: BLE001 - a method's own code: its request fails, not the server
                 method = self.fields.get("custom_generate")
@@ -253,6 +255,11 @@ class Job:
     async def respond(self, request: Request):
         if self.stream:
             return StreamingResponse(self.events(), media_type="text/event-stream")
+        output = await self.final(request)
+        return Response(status_code=499) if output is None else self.whole(output)
+
+    async def final(self, request: Request) -> GenerationOutput | None:
+        """The request's final output, or None where the client went away first (the request is then cancelled)."""
         result = asyncio.ensure_future(self.outputs.get())
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
@@ -263,8 +270,8 @@ class Job:
             result.cancel()
             gone.cancel()
         if not result.done() or result.cancelled():
-            return Response(status_code=499)
-        return self.whole(result.result())
+            return None
+        return result.result()
 
     def whole(self, output: GenerationOutput):
         if output.status == RequestStatus.FAILED:

@@ -13,14 +13,14 @@ logprobs and top_logprobs, so each token shows its probability and the alternati
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from ..batching import RequestStatus
 from ..loading.tokenizer import chat_ids
 from .protocol import INFRASTRUCTURE_PLUGINS, BadRequest, ChatCompletionRequest, chat_messages
 from .served import Served, tokens_within
@@ -78,42 +78,37 @@ def top_tokens(scores: torch.Tensor, tokenizer, k: int = TOP_TOKENS) -> list[dic
     return out
 
 
-def explain_step(model, tokenizer, ids: list[int], arguments: dict) -> dict:
-    """The next token after `ids` as the call `arguments` (add_request's, from the chat body) would choose it, with
-    what each logits processor did to the scores."""
-    from ..batching.request import REQUEST_ARGUMENTS
-    from ..core.processors import observe_processors
-    from ..hub_loader.method import LoadedMethod, registered_for_call
+class Explanation:
+    """What one step of a request did, as its Request.observer is told: the model's top tokens, each logits
+    processor's top tokens before and after, and the final scores' (computed in the stepping thread as it goes)."""
 
-    fields = {k: v for k, v in arguments.items() if k not in REQUEST_ARGUMENTS}
-    fields.update(max_new_tokens=1, num_return_sequences=1)
-    method = arguments.get("custom_generate")
-    steps: list[dict] = []
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.logits: list[dict] = []
+        self.processors: list[dict] = []
+        self.scores: list[dict] = []
 
-    def observe(what: str, before: torch.Tensor, after: torch.Tensor) -> None:
-        steps.append(
-            {"processor": what, "before": top_tokens(before[0], tokenizer), "after": top_tokens(after[0], tokenizer)}
-        )
+    def observe(self, what: str | None, before: torch.Tensor, after: torch.Tensor) -> None:
+        if what is None:  # the step's logits and the scores its token was chosen from
+            self.logits, self.scores = top_tokens(before[0], self.tokenizer), top_tokens(after[0], self.tokenizer)
+        else:
+            self.processors.append(
+                {
+                    "processor": what,
+                    "before": top_tokens(before[0], self.tokenizer),
+                    "after": top_tokens(after[0], self.tokenizer),
+                }
+            )
 
-    registered = registered_for_call(method) if isinstance(method, LoadedMethod) else contextlib.nullcontext()
-    with registered, observe_processors(observe):
-        out = model.generate(
-            torch.tensor([ids], device=model.device),
-            tokenizer=tokenizer,
-            seed=arguments.get("seed"),
-            return_dict_in_generate=True,
-            output_logits=True,
-            output_scores=True,
-            **fields,
-        )
-    chosen = int(out.sequences[0, -1])
-    return {
-        "prompt_tokens": len(ids),
-        "logits": top_tokens(out.logits[0][0], tokenizer),
-        "processors": steps,
-        "scores": top_tokens(out.scores[0][0], tokenizer),
-        "chosen": {"id": chosen, "text": tokenizer.decode([chosen])},
-    }
+    def answer(self, output, prompt_tokens: int) -> dict:
+        chosen = output.generated_tokens[0]
+        return {
+            "prompt_tokens": prompt_tokens,
+            "logits": self.logits,
+            "processors": self.processors,
+            "scores": self.scores,
+            "chosen": {"id": chosen, "text": self.tokenizer.decode([chosen])},
+        }
 
 
 def router(served: Served) -> APIRouter:
@@ -130,21 +125,35 @@ def router(served: Served) -> APIRouter:
 
     @routes.post("/playground/step")
     async def step(request: Request):
-        """A chat completions body -> the next token explained."""
+        """A chat completions body -> the next token explained. It runs as one request of the manager, with one new
+        token: the same admission, queue, cache budget and refusals as /v1/chat/completions."""
+        from .generation import Job
+
         try:
             body = await served.body_of(request, ChatCompletionRequest)
             messages = chat_messages(body.messages)
-            fields = body.to_fields(served.settings, served.plugins(), served.vocab, served.eos, 1)  # one token
+            fields = body.to_fields(served.settings, served.plugins(), served.vocab, served.eos, 1)
+            fields.update(max_new_tokens=1, num_return_sequences=1)
+            explanation = Explanation(served.tokenizer)
+            job = Job(
+                served.manager,
+                served.tokenizer,
+                body.model_copy(update={"stream": False}),
+                served.settings,
+                {**fields, "observer": explanation.observe},
+            )
 
-            def explain():
+            def prompt_of():
                 tokens_within(served.tokenizer, [m["content"] for m in messages], served.context)
-                ids = chat_ids(served.tokenizer, messages, content_as_text=True)
-                try:
-                    return explain_step(served.manager.model, served.tokenizer, ids, fields)
-                except (ValueError, TypeError) as error:  # the call's own values, as add_request would say
-                    raise BadRequest(str(error)) from None
+                return chat_ids(served.tokenizer, messages, content_as_text=True)
 
-            return await run_in_threadpool(explain)
+            await job.add(prompt_of)
+            output = await job.final(request)
+            if output is None:
+                return Response(status_code=499)
+            if output.status != RequestStatus.FINISHED or not output.generated_tokens:
+                return job.whole(output)  # the error or cancellation, as the completions endpoint answers it
+            return explanation.answer(output, len(job.prompt_ids))
         except BadRequest as error:
             return served.refused(error)
 

@@ -368,6 +368,7 @@ DECODEKIT_FORBIDDEN = {
     "streamer": "set stream instead",
     "generator": "set seed instead",
     "listener": "the server listens to its requests itself",
+    "observer": "it takes a Python callable; the playground's /playground/step explains a step",
     "streaming": "set stream instead",
     "request_id": "the server names its requests",
     "input_ids": "set prompt or messages instead",

@@ -1,5 +1,6 @@
 """Cookiecutter templates for authoring a method: `hub-repo` (a custom_generate repository) and
-`plugin-package` (a pip-installable plugin). Snippets both use live in _shared/."""
+`plugin-package` (a pip-installable plugin). Snippets both use live in shared-snippets/: a name no import can
+take, so packaging keeps it as data without a warning."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def render(template: str, output_dir: Path, context: dict | None = None, no_inpu
         staged = Path(tmp) / template
         shutil.copytree(TEMPLATES_DIR / template, staged)
         # cookiecutter's Jinja loader looks for {% include %} files in <template>/templates/.
-        shutil.copytree(TEMPLATES_DIR / "_shared", staged / "templates")
+        shutil.copytree(TEMPLATES_DIR / "shared-snippets", staged / "templates")
         config = {"cookiecutters_dir": str(Path(tmp) / "cc"), "replay_dir": str(Path(tmp) / "replay")}
         try:
             out = cookiecutter(str(staged), no_input=no_input, extra_context=context, output_dir=str(output_dir),

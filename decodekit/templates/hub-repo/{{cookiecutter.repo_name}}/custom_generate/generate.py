@@ -1,7 +1,21 @@
 """{{ cookiecutter.description }}"""
 {%- if cookiecutter.hook_point == "full loop" %}
 
+import inspect
+
 import torch
+
+
+def cache_keyword(model) -> str:
+    """The name the model's forward takes its KV cache under: `cache` (transformers 5.24 on, which deprecates the
+    older name), `past_key_values` (transformers before 5.24, decodekit's own models)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The KV cache a forward returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def generate(model, input_ids=None, generation_config=None, attention_mask=None, streamer=None, avoid_last_n=0,
@@ -59,7 +73,7 @@ def generate(model, input_ids=None, generation_config=None, attention_mask=None,
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=-1)
             positions = positions[:, -1:] + 1
             out = model(next_tokens[:, None], attention_mask=attention_mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+                        **{cache_keyword(model): cache_of(out)}, use_cache=True)
     if streamer is not None:
         streamer.end()
     return input_ids

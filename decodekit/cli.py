@@ -838,7 +838,7 @@ def cmd_download(args) -> int:
         from .loading.tokenizer import _TOKENIZER_FILES, _TRANSFORMERS_TOKENIZER_FILES
 
         patterns = [*MODEL_FILE_PATTERNS, *_TOKENIZER_FILES, *_TRANSFORMERS_TOKENIZER_FILES]
-    with hub_download(args.repo, "method" if args.method else "model"):
+    with hub_download(args.repo, "method" if args.method else "model", downloading=True):
         folder = snapshot_download(args.repo, revision=args.revision, allow_patterns=patterns)
     print(folder)
     print(

@@ -86,7 +86,11 @@ def test_a_hub_that_cannot_be_reached_names_the_repo_and_the_ways_on(hub, tmp_pa
         AutoModelForCausalLM.from_pretrained("acme/nowhere")
     with pytest.raises(
         HubUnreachable, match=r"the method 'acme/a-method' .*`decodekit download --method acme/a-method`"
-    ):
+    ) as refused:
         load_method("acme/a-method", True)
+    assert ".gguf" not in str(refused.value)  # a method is no model file
     assert main(["download", "acme/nowhere"]) == 2
-    assert "could not fetch the model 'acme/nowhere'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # decodekit download itself does not send the user to the command just run.
+    assert "could not fetch the model 'acme/nowhere'" in err and "Run this again where the Hub can be reached" in err
+    assert "`decodekit download" not in err

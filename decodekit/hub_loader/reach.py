@@ -34,17 +34,28 @@ def _unreachable(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def hub_download(repo_id: str, what: str = "model"):
-    """Re-raises an unreachable Hub, inside the block, as HubUnreachable naming `repo_id` and what to do."""
+def hub_download(repo_id: str, what: str = "model", downloading: bool = False):
+    """Re-raises an unreachable Hub, inside the block, as HubUnreachable naming `repo_id` and what to do;
+    `downloading`: the block is `decodekit download` itself, which is then not offered as the way on."""
     try:
         yield
     except Exception as error:
         if not _unreachable(error):
             raise
         flag = "--method " if what == "method" else ""
+        local = "a local directory" if what == "method" else "a local directory (or .gguf file)"
+        if downloading:
+            way_on = (
+                "Run this again where the Hub can be reached (check the network, a proxy's HTTPS_PROXY, or "
+                "HF_ENDPOINT for a mirror); HF_HUB_OFFLINE=1 must not be set while it downloads."
+            )
+        else:
+            way_on = (
+                f"Offline: give {local} instead, or fetch it first where there is a network with "
+                f"`decodekit download {flag}{repo_id}`; HF_HUB_OFFLINE=1 then reads the cached copy without asking "
+                "the Hub."
+            )
         raise HubUnreachable(
             f"could not fetch the {what} {repo_id!r} from the Hub ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else 'no answer'}), and it is not in the local cache. Offline: "
-            f"give a local directory (or .gguf file) instead, or fetch it first where there is a network with "
-            f"`decodekit download {flag}{repo_id}`; HF_HUB_OFFLINE=1 then reads the cached copy without asking the Hub."
+            f"{str(error).splitlines()[0] if str(error) else 'no answer'}), and it is not in the local cache. {way_on}"
         ) from None

@@ -13,12 +13,13 @@ $(PY):
 # torch is pinned here; pyproject.toml declares the compatible range, and constraints.txt the versions of everything
 # else that CI last passed with. On Linux without an NVIDIA GPU (no nvidia-smi) it is PyTorch's CPU wheel, asked for
 # by its local version (+cpu) from PyTorch's CPU index: PyPI's Linux torch is the CUDA build, several GB of NVIDIA
-# libraries a CPU machine never uses. Where that index's host does not resolve (a machine that reaches only a package
-# mirror, which then serves the CPU wheel itself), and elsewhere (a GPU, macOS, Windows), the package index's own.
+# libraries a CPU machine never uses. Where that index does not accept a connection within 3 seconds (a machine that
+# reaches only a package mirror, which then serves the CPU wheel itself: pip would retry the index for two minutes
+# first), and elsewhere (a GPU, macOS, Windows), the package index's own.
 # `make TORCH_SPEC=... TORCH_INDEX=...` chooses another (TORCH_INDEX= empty: the package index only).
 PYTORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 ifeq ($(shell uname -s)$(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu),Linux)
-ifneq ($(shell $(PYTHON) -c "import socket; socket.getaddrinfo('download.pytorch.org', 443)" 2>/dev/null && echo yes),)
+ifneq ($(shell $(PYTHON) -c "import socket; socket.create_connection(('download.pytorch.org', 443), timeout=3).close()" 2>/dev/null && echo yes),)
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_INDEX ?= --extra-index-url $(PYTORCH_CPU_INDEX)
 endif

@@ -77,6 +77,43 @@ def test_dry_on_llama_cpps_worked_example():
     assert breaker.row_penalties([a, b, c, a, b, y, c]) == {}  # the breaker one token back leaves no room
 
 
+def test_dry_breakers_are_found_for_the_tokens_a_context_holds_with_each_rest_tokenized_once(default_model):
+    # The table of 64 breakers of 40 characters was built for the whole vocabulary before the first token: 3.6 s and
+    # ~50 MB a request on the default model, a client that left paying it all the same. Now each distinct token of
+    # the context is checked once, and each breaker's rest is tokenized once, whatever the vocabulary.
+    import random
+
+    from decodekit.core.llamacpp_samplers import DryBreakers, dry_breaker_sequences
+
+    _, tok = default_model
+    random.seed(0)
+    breakers = tuple("".join(random.choice("etaoinshr :\n") for _ in range(40)) for _ in range(64))
+    encoded = []
+
+    class Counting:
+        def __len__(self):
+            return len(tok)
+
+        def decode(self, ids, **kwargs):
+            return tok.decode(ids, **kwargs)
+
+        def encode(self, text, **kwargs):
+            encoded.append(text)
+            return tok.encode(text, **kwargs)
+
+    counting = Counting()
+    table = DryBreakers(counting, breakers)
+    context = tok.encode('The story of the long river: told again and again, "in short": rivers run. ' * 8)
+    dry = DRYLogitsProcessor(0.8, 1.75, 2, -1, 8192, table)
+    penalties = dry.row_penalties(context)
+    assert set(table._heads) <= set(context)  # no token the context lacks was looked at
+    assert len(encoded) == len(set(encoded)) <= 40 * len(breakers)  # each rest once
+    full = dry_breaker_sequences(tok, breakers)  # every token of the vocabulary, as llama.cpp builds it
+    assert all(list(table.get(t, ())) == full.get(t, []) for t in set(context))
+    assert penalties == DRYLogitsProcessor(0.8, 1.75, 2, -1, 8192, full).row_penalties(context)
+    assert any(full.get(t) for t in set(context))  # the context does hold breaker heads
+
+
 def test_top_n_sigma_and_smoothing_by_hand():
     scores = torch.tensor([[4.0, 3.0, 0.0, -1.0, -float("inf")]])
     finite = scores[0, :4]

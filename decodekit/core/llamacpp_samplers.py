@@ -240,44 +240,74 @@ class DRYLogitsProcessor:
         return out
 
 
+class DryBreakers:
+    """DRY's sequence breakers as llama.cpp builds them, {head token: [tail token sequences]}, found per token as a
+    row's context meets it (a Mapping's get): every token whose text holds a breaker is a breaker head on its own
+    (empty tail); a token whose text ends with the start of a breaker heads the rest of it, tokenized (at most
+    `max_tail` tokens). Breakers are cut to `max_chars`.
+
+    Built for the whole vocabulary up front, 64 breakers of 40 characters took 3.6 s and ~50 MB a request, before
+    any token (a client that left had paid it all the same). Here the work follows the context: each distinct
+    token it holds is checked once against the breakers, and each breaker's rest is tokenized once."""
+
+    def __init__(self, tokenizer, breakers: tuple[str, ...], max_chars: int = 40, max_tail: int = 20):
+        self.tokenizer, self.max_tail = tokenizer, max_tail
+        self.breakers = tuple(dict.fromkeys(b[:max_chars] for b in breakers if b))
+        self._heads: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self._rests: dict[str, tuple[int, ...]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.breakers)
+
+    def get(self, token: int, default=None):
+        tails = self._heads.get(token)
+        if tails is None:
+            tails = self._heads[token] = self._tails_of(token)
+        return tails or default
+
+    def _tails_of(self, token: int) -> tuple[tuple[int, ...], ...]:
+        if not self.breakers:
+            return ()
+        words = _vocabulary_words(self.tokenizer)
+        word = words[token] if 0 <= token < len(words) else ""
+        tails: list[tuple[int, ...]] = []
+        for breaker in self.breakers:
+            if breaker in word:
+                if () not in tails:
+                    tails.append(())
+                continue
+            at = word.find(breaker[0])
+            while at != -1:
+                rest = len(word) - at  # the word ends with breaker[:rest]?
+                if rest < len(breaker) and word[at:] == breaker[:rest]:
+                    tail = self._rest(breaker[rest:])
+                    if tail not in tails:
+                        tails.append(tail)
+                at = word.find(breaker[0], at + 1)
+        return tuple(tails)
+
+    def _rest(self, text: str) -> tuple[int, ...]:
+        tail = self._rests.get(text)
+        if tail is None:
+            tail = self._rests[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False)[: self.max_tail])
+        return tail
+
+
 def dry_breaker_sequences(
     tokenizer, breakers: tuple[str, ...], max_chars: int = 40, max_tail: int = 20
 ) -> dict[int, list[tuple[int, ...]]]:
-    """{head token: [tail token sequences]} of DRY's sequence breakers, as llama.cpp builds them: every token whose
-    text holds a breaker is a breaker head on its own (empty tail); a token whose text ends with the start of a
-    breaker heads the rest of it, tokenized (at most `max_tail` tokens). Breakers are cut to `max_chars`."""
-    return _breakers(tokenizer, tuple(dict.fromkeys(b[:max_chars] for b in breakers if b)), max_tail)
+    """The whole table of DryBreakers as a dict, every token of the vocabulary looked at (what llama.cpp builds at
+    the start; DryBreakers finds the same entries for the tokens a context holds)."""
+    table = DryBreakers(tokenizer, breakers, max_chars, max_tail)
+    if not table:
+        return {}
+    return {token: list(tails) for token in range(len(_vocabulary_words(tokenizer))) if (tails := table.get(token))}
 
 
 @functools.lru_cache(maxsize=4)
 def _vocabulary_words(tokenizer) -> tuple[str, ...]:
     """Each token of `tokenizer` decoded alone: once per tokenizer, not per set of breakers."""
     return tuple(tokenizer.decode([i]) for i in range(len(tokenizer)))
-
-
-@functools.lru_cache(maxsize=8)
-def _breakers(tokenizer, breakers: tuple[str, ...], max_tail: int) -> dict[int, list[tuple[int, ...]]]:
-    out: dict[int, list[tuple[int, ...]]] = {}
-    if not breakers:
-        return out
-    words = _vocabulary_words(tokenizer)
-    for breaker in breakers:
-        for token, word in enumerate(words):
-            if breaker in word:
-                out.setdefault(token, [])
-                if () not in out[token]:
-                    out[token].append(())
-                continue
-            at = word.find(breaker[0])
-            while at != -1:
-                rest = len(word) - at  # the word ends with breaker[:rest]?
-                if rest < len(breaker) and word[at:] == breaker[:rest]:
-                    tail = tuple(tokenizer.encode(breaker[rest:], add_special_tokens=False)[:max_tail])
-                    out.setdefault(token, [])
-                    if tail not in out[token]:
-                        out[token].append(tail)
-                at = word.find(breaker[0], at + 1)
-    return out
 
 
 def mirostat_keep(version: int, probs: torch.Tensor, mu: torch.Tensor, vocab: int, m: int = 100) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..core.llamacpp_samplers import (
     QuadraticSmoothingLogitsWarper,
     TopNSigmaLogitsWarper,
     XTCLogitsWarper,
-    dry_breaker_sequences,
+    DryBreakers,
 )
 from ..core.selectors import draw_key
 from ..registry import hookimpl
@@ -180,9 +180,7 @@ def decodekit_logits_processors(generation_config, context):
                     "dry_sequence_breakers=[]."
                 )
             context_size = getattr(getattr(context.model, "config", None), "max_position_embeddings", None) or 2**31
-            breakers = (
-                dry_breaker_sequences(tokenizer, tuple(gc.dry_sequence_breakers)) if gc.dry_sequence_breakers else {}
-            )
+            breakers = DryBreakers(tokenizer, tuple(gc.dry_sequence_breakers)) if gc.dry_sequence_breakers else {}
             out.append(
                 DRYLogitsProcessor(
                     gc.dry_multiplier, gc.dry_base, gc.dry_allowed_length, gc.dry_penalty_last_n, context_size, breakers

@@ -32,6 +32,7 @@ def browser():
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=webdriver.ChromeService(DRIVER), options=options)
+    driver.set_window_size(1400, 900)
     yield driver
     driver.quit()
 
@@ -49,13 +50,27 @@ def test_chat_tokens_alternatives_and_a_step_explained_in_the_page(browser, serv
     method.select_by_value(allowed)
     assert find(By.ID, "field-banned_token").get_attribute("placeholder") == "default: null"
 
+    # What the server cannot serve is listed with the reason and cannot be chosen (beam search was offered, then 400).
+    beams = next(o for o in method.options if o.get_attribute("value") == "beam_search")
+    assert not beams.is_enabled() and "not served here" in beams.text
+
     method.select_by_value("")
     find(By.ID, "temperature").send_keys("0")
     find(By.ID, "message").send_keys("What is the capital of France?")
     find(By.ID, "send").click()
-    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token"))
+    # The reply streams: its tokens appear while the Send button still waits for the end.
+    seen = []
+    while not seen or find(By.ID, "send").get_attribute("disabled"):
+        count = len(browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token"))
+        if count:
+            seen.append(count)
+    final = len(browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token"))
+    assert min(seen) < final, (seen[:5], final)  # not one whole reply at the end
     tokens = browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token")
-    assert "Paris" in "".join(t.text for t in tokens)
+    plain = browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token:not(.special)")
+    special = browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token.special")
+    assert "Paris" in "".join(t.text for t in plain) and "<|im_end|>" not in "".join(t.text for t in plain)
+    assert [t.text for t in special] == ["<|im_end|>"]  # the end token is shown marked, not as text
     tokens[0].click()
     rows = browser.find_elements(By.CSS_SELECTOR, "#alternatives-table tr.alt")
     assert len(rows) == 5 and "chosen" in rows[0].get_attribute("class")
@@ -69,3 +84,7 @@ def test_chat_tokens_alternatives_and_a_step_explained_in_the_page(browser, serv
     assert stages[0] == "the model's scores" and stages[-1] == "the final scores"
     assert any("RepetitionPenaltyLogitsProcessor" in s for s in stages[1:-1]), stages
     assert find(By.ID, "error").text == ""
+    # The explanation panel shows whole at 1,400 px: nothing cut off to its right.
+    panel = find(By.TAG_NAME, "section")
+    assert browser.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth", panel)
+    assert panel.rect["x"] + panel.rect["width"] <= 1400

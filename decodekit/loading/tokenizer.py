@@ -322,6 +322,15 @@ def added_token_texts(tokenizer) -> list[str]:
     ]
 
 
+def special_token_texts(tokenizer) -> list[str]:
+    """The texts of a tokenizer's special tokens (what decode(skip_special_tokens=True) leaves out): decodekit's
+    tokenizer or a transformers one."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
+        return [str(t.content) for t in backend.get_added_tokens_decoder().values() if getattr(t, "special", False)]
+    return list(getattr(tokenizer, "all_special_tokens", []))
+
+
 def encode_as_text(tokenizer, text: str) -> list[int]:
     """`text`'s ids with every special or added token spelled in it tokenized as plain text."""
     if hasattr(tokenizer, "encode_text"):

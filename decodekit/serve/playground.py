@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..batching import RequestStatus
-from ..loading.tokenizer import chat_ids
+from ..loading.tokenizer import chat_ids, special_token_texts
 from .protocol import INFRASTRUCTURE_PLUGINS, BadRequest, ChatCompletionRequest, chat_messages
 from .served import Served, tokens_within
 
@@ -29,20 +29,37 @@ PAGE = Path(__file__).with_name("playground.html")
 TOP_TOKENS = 8  # tokens shown per distribution
 
 
-def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> list[dict]:
-    """[{"name", "kind", "fields": {field: default}}] of what a request's decodekit.method may name."""
-    from ..hub_loader.method import registered_for_call
-    from ..registry.manager import call_hooks
+# Why a plugin that owns the decoding loop (or how logits are read) is refused under continuous batching.
+OWN_LOOP = "its decoding loop cannot share the server's steps (decodekit generate runs it)"
 
+
+def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> list[dict]:
+    """[{"name", "kind", "fields": {field: default}, "refused": why or None}] of what a request's decodekit.method
+    may name; `refused` for a plugin whose own decoding loop the server cannot run (beam search, contrastive
+    search, speculative decoding, DoLa: /v1/chat/completions answers a 400 once its fields are set)."""
+    from ..hub_loader.method import registered_for_call
+    from ..registry.manager import call_hooks, get_plugin_manager
+
+    pm = get_plugin_manager()
+    own_loop = {
+        pm.get_name(impl.plugin)
+        for hook in ("decodekit_decoding_loop", "decodekit_next_token_logits")
+        for impl in getattr(pm.hook, hook).get_hookimpls()
+    }
     declared = {name: dict(fields) for name, fields in call_hooks("decodekit_config_fields")}
     offered = [
-        {"name": name, "kind": "plugin", "fields": jsonable(declared.get(name, {}))}
+        {
+            "name": name,
+            "kind": "plugin",
+            "fields": jsonable(declared.get(name, {})),
+            "refused": OWN_LOOP if name in own_loop else None,
+        }
         for name in sorted(plugins - infrastructure)
     ]
     for name, method in sorted(settings.methods.items()):
         with registered_for_call(method):
             own = dict(call_hooks("decodekit_config_fields")).get(method.plugin_name, {})
-        offered.append({"name": name, "kind": "method", "fields": jsonable(own)})
+        offered.append({"name": name, "kind": "method", "fields": jsonable(own), "refused": None})
     return offered
 
 
@@ -121,7 +138,8 @@ def router(served: Served) -> APIRouter:
     @routes.get("/playground/methods")
     async def methods():
         offered = await run_in_threadpool(offered_methods, served.settings, served.plugins(), INFRASTRUCTURE_PLUGINS)
-        return {"model": served.settings.model_name, "methods": offered}
+        special = special_token_texts(served.tokenizer)
+        return {"model": served.settings.model_name, "methods": offered, "special_tokens": special}
 
     @routes.post("/playground/step")
     async def step(request: Request):

@@ -5,10 +5,13 @@ the same one is imported once per process (under a lock: a thread that asks whil
 for the whole module, never sees it half-executed).
 
 Only the snapshot's sources run (snapshot.py). A method cannot reach back into the folder it was read from:
-absolute imports of `custom_generate` are refused in its source (check_imports), and at run time an import
-made by a method's code (`importlib.import_module`, `__import__`, `exec`, a bare `import helper`) that Python
-would find in a loaded method's original folder, where bytecode in `__pycache__` was never hashed, raises
-ImportError instead (OriginalFolderGuard, on sys.meta_path once a method is imported).
+absolute imports of `custom_generate` are refused in its source (check_imports), and once a method is imported any
+import by name that Python would resolve in its original folder, where bytecode in `__pycache__` was never hashed,
+raises ImportError instead (OriginalFolderGuard, on sys.meta_path): whoever asks (a method's code, exec'd code with
+bare globals, runpy.run_module, pkgutil.resolve_name, pydoc.locate, a thread or an executor the method started) and
+through whichever API. Looking at who asks could not hold: a thread's stack has no frame of the method that started
+it. Code that opens files by path (runpy.run_path, exec(open(...)), spec_from_file_location, subprocess, ctypes)
+is not an import by name; docs/custom-generate.md says what trust covers there.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ SIBLINGS_HINT = "import siblings relatively: `from . import helper`"
 
 
 class OriginalFolderGuard(importlib.abc.MetaPathFinder):
-    """Refuses imports made by a method's code that would load from a loaded method's original folder (its real
-    path), where a `__pycache__` nobody hashed sits beside the sources; every other import passes untouched."""
+    """Refuses every import that would load from a loaded method's original folder (its real path), where a
+    `__pycache__` nobody hashed sits beside the sources; every other import passes untouched."""
 
     def __init__(self) -> None:
         self.originals: dict[str, str] = {}  # real path of an original custom_generate/ -> the method's label
 
     def find_spec(self, name, path=None, target=None):
-        if not self.originals or name.startswith(PACKAGE_PREFIX) or not _imported_by_method():
+        if not self.originals or name.startswith(PACKAGE_PREFIX):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:
@@ -52,24 +55,14 @@ class OriginalFolderGuard(importlib.abc.MetaPathFinder):
             for folder, label in self.originals.items():
                 if real == folder or real.startswith(folder + os.sep):
                     raise ImportError(
-                        f"custom_generate of `{label}` imports {name!r} at run time, which Python would load from the "
-                        f"method's original folder ({folder}) and its unhashed __pycache__, not from the copy decodekit "
-                        f"checked; {SIBLINGS_HINT}.",
+                        f"an import of {name!r} at run time would load it from the original folder of the method "
+                        f"`{label}` ({folder}) and its unhashed __pycache__, not from the copy decodekit checked: once "
+                        f"a method is loaded, its original folder is imported from nowhere in the process. In a "
+                        f"method, {SIBLINGS_HINT}; to work on the folder's own modules, use a process that has not "
+                        "loaded it as a method.",
                         name=name,
                     )
         return None
-
-
-def _imported_by_method() -> bool:
-    """Whether the import under way was asked for by a method's code: the first frame outside the import machinery
-    that names its module (exec'd code with bare globals does not) belongs to a method's package."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__")
-        if module and module != __name__ and not module.startswith(("importlib", "_frozen_importlib")):
-            return module.startswith(PACKAGE_PREFIX)
-        frame = frame.f_back
-    return False
 
 
 _guard = OriginalFolderGuard()

@@ -284,3 +284,13 @@ def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "eager_weights_float32" in done.stdout and "float32_rows_128" in done.stdout  # the inner one was made too
+
+
+def test_choices_timed_under_another_openmp_wait_policy_are_kept_apart(monkeypatch):
+    # make test runs with OMP_WAIT_POLICY=PASSIVE: what it measures must not become the choice of a process that
+    # spins (the default), which times the candidates differently.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spinning = cpu.signature()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert cpu.signature() != spinning

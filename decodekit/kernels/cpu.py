@@ -110,13 +110,17 @@ def forced(**answers: bool):
 # off, the way to measure on an AVX-512 machine what an AVX2-only one would do): their speed differs, so must the
 # cached choices.
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# How OpenMP's idle threads wait (make test runs with OMP_WAIT_POLICY=PASSIVE): a choice timed one way is not reused
+# by a process that waits the other.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def signature() -> str:
-    """A short key for this CPU and torch build, the probes forced here and the instruction limits set for the
-    libraries (ISA_VARIABLES): measurements cached under it are not reused elsewhere."""
+    """A short key for this CPU and torch build, the probes forced here, the instruction limits set for the
+    libraries (ISA_VARIABLES) and OpenMP's wait policy (WAIT_VARIABLES): measurements cached under it are not reused
+    elsewhere."""
     forced_here = sorted(f"{name}={value}" for name, value in _answers.items() if value != MACHINE[name])
-    limits = [f"{name}={os.environ[name]}" for name in ISA_VARIABLES if os.environ.get(name)]
+    limits = [f"{name}={os.environ[name]}" for name in (*ISA_VARIABLES, *WAIT_VARIABLES) if os.environ.get(name)]
     key = "\0".join(
         [MODEL_NAME, " ".join(sorted(FLAGS)), torch.__version__, str(torch.get_num_threads()), *forced_here, *limits]
     )

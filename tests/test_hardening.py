@@ -217,7 +217,18 @@ def test_an_absolute_import_of_custom_generate_is_refused_and_flagged_by_check(m
         "from concurrent.futures import ThreadPoolExecutor\n"
         "    helper = ThreadPoolExecutor(1).submit(importlib.import_module, 'custom_generate.helper').result()",
     ],
-    ids=["import_module", "__import__", "exec", "bare", "exec-named", "runpy", "pkgutil", "pydoc", "thread", "executor"],
+    ids=[
+        "import_module",
+        "__import__",
+        "exec",
+        "bare",
+        "exec-named",
+        "runpy",
+        "pkgutil",
+        "pydoc",
+        "thread",
+        "executor",
+    ],
 )
 def test_an_import_at_run_time_never_loads_the_original_folder_or_its_bytecode(model, tmp_path, monkeypatch, statement):
     # The static check sees only import statements of custom_generate. Under a valid pin, a forged helper.pyc in

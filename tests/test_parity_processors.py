@@ -159,6 +159,38 @@ def test_unbatched_guidance_equals_transformers_step_by_step():
         ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
 
 
+def test_unbatched_guidance_on_a_model_whose_forward_takes_no_positions_as_transformers_own_test_writes_it():
+    # transformers' test_classifier_free_guidance hands the processor a function of (input_ids, attention_mask,
+    # use_cache, past_key_values): decodekit's passed position_ids to it and failed, the one of transformers' 44
+    # processor tests that did not pass.
+    class Out(dict):  # what a model output is to both: attributes and get()
+        __getattr__ = dict.get
+
+    vocab = 6
+    calls = []
+
+    def dummy_model(input_ids, attention_mask, use_cache=True, past_key_values=None, cache=None):  # either name
+        calls.append((input_ids.tolist(), attention_mask.tolist(), cache if cache is not None else past_key_values))
+        logits = torch.ones(input_ids.shape[0], input_ids.shape[1], vocab) * torch.arange(vocab)
+        return Out(logits=logits, past_key_values=f"cache {len(calls)}", cache=f"cache {len(calls)}")
+
+    for make in (
+        ours_named("UnbatchedClassifierFreeGuidanceLogitsProcessor"),
+        transformers.UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    ):
+        calls.clear()
+        processor = make(1.5, dummy_model)
+        ids = torch.tensor([[0, 1, 2]])
+        scores = torch.ones(1, vocab)
+        first = processor(ids, scores.clone())
+        second = processor(torch.cat((ids, torch.tensor([[3]])), dim=1), scores.clone())
+        assert calls == [([[2]], [[1]], None), ([[3]], [[1, 1]], "cache 1")], make
+        expected = 1.5 * (torch.log_softmax(scores, -1) - torch.log_softmax(torch.arange(vocab.__float__()), -1))
+        expected += torch.log_softmax(torch.arange(vocab.__float__()), -1)
+        torch.testing.assert_close(first, expected[None] if expected.dim() == 1 else expected)
+        torch.testing.assert_close(second, first)
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_unbatched_guidance_on_a_plain_transformers_model_inside_transformers_generate(architecture):
     # transformers' own test builds the processor on its model itself (no decodekit.wrap). It used to be handed

@@ -391,14 +391,16 @@ def token_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     them from the cache length, not the mask, and some derive none (Bamba put every decoded token at position 0)."""
     if attention_mask is not None:
         return mask_positions(attention_mask)
-    if not _forward_accepts(model, "position_ids"):
+    if not forward_accepts(model, "position_ids"):
         return None
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
 
 
-def _forward_accepts(model, name: str) -> bool:
+def forward_accepts(model, name: str) -> bool:
+    """Whether `model`'s forward (or `model` itself, a plain function as transformers' tests hand processors) names
+    the keyword `name`."""
     try:
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature(getattr(model, "forward", model)).parameters
     except (TypeError, ValueError):
         return False
     return name in params
@@ -630,7 +632,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
     B = input_ids.shape[0]
     cache = pipeline.cache
     use_cache = cache is not None
-    extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+    extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
     if pipeline.next_token_logits.needs_hidden_states or gc.output_hidden_states:
         extra["output_hidden_states"] = True
     if gc.output_attentions:

@@ -24,7 +24,7 @@ import torch
 
 from ..families.cache import reorder_rows
 from ..core.config import is_int
-from ..core.generate import _forward_accepts, token_positions
+from ..core.generate import forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput
 from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
@@ -315,7 +315,7 @@ class BeamSearch:
         search = plan.start(input_ids, gc, max_length)
         noise_key = draw_key(context.generator).to(input_ids.device) if gc.do_sample else None
         cache = pipeline.cache
-        extra = {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+        extra = {"logits_to_keep": 1} if forward_accepts(model, "logits_to_keep") else {}
         every = token_positions(model, input_ids, attention_mask)
         positions = every[:, -1:] if every is not None else None
         scores_out = [] if gc.output_scores else None

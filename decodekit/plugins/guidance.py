@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.config import is_number
-from ..core.generate import mask_positions
+from ..core.generate import forward_accepts, mask_positions
 from ..registry import hookimpl
 
 
@@ -126,10 +126,14 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
             self.ids = torch.cat((self.ids, input_ids[:, -1:]), dim=-1)
             self.mask = torch.cat((self.mask, self.mask.new_ones(B, 1)), dim=-1)
             feed = self.ids if self.cache is None else input_ids[:, -1:]
-        positions = mask_positions(self.mask)[:, -feed.shape[1] :]
-        out = self.model(
-            feed, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache, use_cache=True
+        # Positions only where the forward takes them, as decode() gives them: transformers' own test model of this
+        # processor takes none, and derives them from its cache.
+        positions = (
+            {"position_ids": mask_positions(self.mask)[:, -feed.shape[1] :]}
+            if forward_accepts(self.model, "position_ids")
+            else {}
         )
+        out = self.model(feed, attention_mask=self.mask, past_key_values=self.cache, use_cache=True, **positions)
         self.cache = returned_cache(out)
         return out.logits[:, -1, :].float()
 

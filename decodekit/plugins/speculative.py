@@ -19,7 +19,7 @@ import torch
 
 from ..families.cache import cached_length, crop_to, record_past, recurrent, rolls_back
 from ..core.config import is_int, is_number
-from ..core.generate import _forward_accepts
+from ..core.generate import forward_accepts
 from ..core.outputs import loop_result
 from ..core.rows import Rows
 from ..core.tokens import common_prefix
@@ -160,7 +160,7 @@ class EarlyExit:
         self.config.num_hidden_layers = layers
         self.generation_config = model.generation_config.copy()  # the heuristic schedule writes to it
         self.device, self.dtype = model.device, model.dtype
-        self.native = _forward_accepts(model, "exit_layer")
+        self.native = forward_accepts(model, "exit_layer")
         self.makes_caches = getattr(model, "makes_caches", False)
         if self.makes_caches:
             self.make_cache = model.make_cache
@@ -276,7 +276,7 @@ class Speculative:
             raise ValueError("speculative decoding needs an unpadded prompt (batch size 1, attention_mask all ones).")
         cache, max_length = pipeline.cache, context.max_length
         assistant, a_cache, translator = self._drafter(model, cache, gc, context, input_ids.device)
-        keep_all = _forward_accepts(model, "logits_to_keep")
+        keep_all = forward_accepts(model, "logits_to_keep")
         n_assist = gc.num_assistant_tokens
         if gc.num_assistant_tokens_schedule == "heuristic" and assistant is not None:
             n_assist = getattr(assistant.generation_config, "num_assistant_tokens", n_assist)

@@ -52,21 +52,18 @@ serve: install
 	$(VENV)/bin/decodekit serve
 
 # lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.
-# OMP_WAIT_POLICY=PASSIVE: OpenMP's idle threads sleep instead of spinning. The tests time nothing, and spinning
-# threads are what a busy machine punishes: the watermark tests took 112 s under two busy processes on 2 cores with
-# spinning and 60 s without (95 s and 86 s for test_watermark.py and test_fused.py on a quiet machine).
 test: install-dev
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check decodekit tests bench
 	$(VENV)/bin/ruff format --check decodekit tests bench
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 # A first check in a few minutes on 2 cores: the loop, the plugins and their isolation, the trust gate, errors.
 QUICK_TESTS := tests/test_processors.py tests/test_stopping.py tests/test_plugins.py tests/test_custom_generate.py \
 	tests/test_generate_errors.py tests/test_hardening.py tests/test_cache.py tests/test_isolation.py \
 	tests/test_requirements.py tests/test_config_fuzz.py
 test-quick: install-dev
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(QUICK_TESTS)
+	$(PY) -m pytest -q $(QUICK_TESTS)
 
 # decodekit against transformers on every causal-LM architecture transformers registers (make test runs a slice).
 test-architectures: install-dev

@@ -287,8 +287,8 @@ def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
 
 
 def test_choices_timed_under_another_openmp_wait_policy_are_kept_apart(monkeypatch):
-    # make test runs with OMP_WAIT_POLICY=PASSIVE: what it measures must not become the choice of a process that
-    # spins (the default), which times the candidates differently.
+    # A process run with OMP_WAIT_POLICY=PASSIVE (a busy machine's choice) times the candidates differently from one
+    # whose threads spin (the default): neither's choice is the other's.
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     spinning = cpu.signature()

@@ -41,12 +41,14 @@ def test_the_wheel_holds_what_runs_and_works_installed_on_its_own(tmp_path):
         timeout=300,
     )
     assert built.returncode == 0, built.stderr[-3000:]
+    # A data folder with an importable name printed setuptools' 40-line "Package would be ignored" on every install.
+    assert "would be ignored" not in built.stdout + built.stderr, built.stderr[-3000:]
     wheel = next((tmp_path / "dist").glob("decodekit-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = {
         "decodekit/kernels/cpu_kernels.cpp",
         "decodekit/templates/hub-repo/cookiecutter.json",
-        "decodekit/templates/_shared/hooks.py.j2",
+        "decodekit/templates/shared-snippets/hooks.py.j2",
         "decodekit/templates/hub-repo/{{cookiecutter.repo_name}}/.github/workflows/test.yml",
         "decodekit/templates/hub-repo/{{cookiecutter.repo_name}}/tests/test_with_transformers.py",
         "decodekit/templates/hub-repo/{{cookiecutter.repo_name}}/tests/test_generate.py",

@@ -95,7 +95,6 @@ class LogitsProcessorList(list):
     def __init__(self, *args):
         super().__init__(*args)
         self.owners: dict[int, str] = {}
-        self.checked = False
         # Eager calls only: after each processor of a plugin that a failure disables, the rows it left unusable
         # (a mask, no synchronisation), so check_scores can name and disable the processor that banned every token.
         self.left_unusable: list[tuple[object, torch.Tensor]] = []
@@ -137,7 +136,6 @@ class LogitsProcessorList(list):
                 "a logits processor",
                 f"{self.describe(processor)} at position {input_ids.shape[-1]}",
             )
-        self.checked = True
         return scores
 
     def blame_unusable(self, bad: torch.Tensor) -> object | None:

@@ -129,7 +129,7 @@ class CheckedSelector:
     next forward), and an installed or run-time plugin is disabled for the process (registry.failed_at_run_time)."""
 
     def __init__(self, selector, owner: str):
-        self.selector, self.owner, self.checked = selector, owner, False
+        self.selector, self.owner = selector, owner
 
     def __getattr__(self, name):  # loops and the fused step read the selector's own attributes (key, ...)
         return getattr(self.selector, name)
@@ -148,7 +148,6 @@ class CheckedSelector:
                 "a token selector",
                 f"the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]}",
             )
-        self.checked = True
         return tokens
 
     def _check(self, tokens, scores, position: int) -> None:

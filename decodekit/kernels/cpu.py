@@ -110,8 +110,8 @@ def forced(**answers: bool):
 # off, the way to measure on an AVX-512 machine what an AVX2-only one would do): their speed differs, so must the
 # cached choices.
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-# How OpenMP's idle threads wait (make test runs with OMP_WAIT_POLICY=PASSIVE): a choice timed one way is not reused
-# by a process that waits the other.
+# How OpenMP's idle threads wait (OMP_WAIT_POLICY=PASSIVE makes them sleep rather than spin): a choice timed one way
+# is not reused by a process that waits the other.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 

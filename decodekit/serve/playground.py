@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..batching import RequestStatus
 from ..loading.tokenizer import chat_ids, special_token_texts
+from .generation import Job
 from .protocol import INFRASTRUCTURE_PLUGINS, BadRequest, ChatCompletionRequest, chat_messages
 from .served import Served, tokens_within
 
@@ -145,8 +146,6 @@ def router(served: Served) -> APIRouter:
     async def step(request: Request):
         """A chat completions body -> the next token explained. It runs as one request of the manager, with one new
         token: the same admission, queue, cache budget and refusals as /v1/chat/completions."""
-        from .generation import Job
-
         try:
             body = await served.body_of(request, ChatCompletionRequest)
             messages = chat_messages(body.messages)

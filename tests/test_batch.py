@@ -291,7 +291,9 @@ def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_outpu
     assert run(whole)[0] == 0
     out = tmp_path / "out.jsonl"
     code, err = run(out, interrupt_after=delay)
-    if code != 0:  # stopped: one message, no traceback, every line on disk whole
+    if code == -signal.SIGINT:  # it came before Python had its own handler (a busy machine's first 0.5 s): the
+        assert not out.exists() or out.read_text() == ""  # process ended as any program does, nothing written yet
+    elif code != 0:  # stopped: one message, no traceback, every line on disk whole
         assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         if out.exists():
             assert all("generated_token_ids" in row for row in read_output(out))

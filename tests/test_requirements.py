@@ -4,6 +4,7 @@ import pytest
 from importlib_metadata import version
 
 from decodekit.hub_loader import check_requirements, parse_requirements, unmet_requirements
+from methods import write_method
 
 
 @pytest.fixture
@@ -125,3 +126,64 @@ def test_ten_thousand_lines_are_checked_in_one_pass(tmp_path, monkeypatch):
         check_requirements(write_requirements(tmp_path, "\n".join(lines).encode()), "org/repo")
     assert str(e.value).count("(installed: None)") == 10_000
     assert len(listed) == 1 and len(parsed) == 10_000
+
+
+# ---- loading as transformers loads a dynamic module: trust, then modules, then requirements, then the files ----
+
+
+def test_an_untrusted_method_is_told_it_needs_trust_before_what_it_needs_installed(tmp_path):
+    from decodekit.hub_loader import UntrustedCodeError, load_method
+
+    repo = write_method(
+        tmp_path / "m", "def generate(model, input_ids, **kw):\n    return input_ids\n", "nonexistent-pkg-xyz>=1.0\n"
+    )
+    with pytest.raises(UntrustedCodeError, match="trust_remote_code"):
+        load_method(str(repo), None)
+    with pytest.raises(ImportError, match=r"(?s)Missing requirements.*nonexistent-pkg-xyz"):
+        load_method(str(repo), True)
+
+
+def test_a_missing_top_level_module_is_named_as_transformers_names_it(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers.dynamic_module_utils import check_imports as transformers_check_imports
+
+    from decodekit.hub_loader import load_method
+
+    source = "import torch\nimport not_a_module_xyz.sub\n\ntry:\n    import other_missing_xyz\nexcept ImportError:\n    pass\n\n\ndef generate(model, input_ids, **kw):\n    return input_ids\n"
+    repo = write_method(tmp_path / "m", source, "")
+    with pytest.raises(ImportError, match="not_a_module_xyz"):
+        transformers_check_imports(str(repo / "custom_generate" / "generate.py"))  # the oracle refuses it, naming it
+    with pytest.raises(ImportError) as refused:
+        load_method(str(repo), True)
+    assert "'not_a_module_xyz'" in str(refused.value) and "pip install not_a_module_xyz" in str(refused.value)
+    assert "other_missing_xyz" not in str(refused.value)  # guarded by its own try, as transformers leaves it
+    assert "Missing requirements" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "statement, missing",
+    [
+        ("from .beam_constraints import Constraint", "beam_constraints.py"),
+        ("from . import beam_constraints", "beam_constraints.py"),
+        ("from .utils.scores import best", "utils/scores.py"),
+    ],
+)
+def test_a_relative_import_of_a_file_the_method_lacks_is_refused_before_anything_runs(tmp_path, statement, missing):
+    from decodekit.hub_loader import load_method
+    from decodekit.hub_loader.snapshot import MethodFilesError
+
+    ran = tmp_path / "ran"
+    source = f"open({str(ran)!r}, 'w').close()\n{statement}\n\n\ndef generate(model, input_ids, **kw):\n    return input_ids\n"
+    repo = write_method(tmp_path / "m", source, "", extra={"utils/__init__.py": "", "present.py": "X = 1\n"})
+    with pytest.raises(
+        MethodFilesError, match=rf"custom_generate/generate.py:2 imports .* no custom_generate/{missing}"
+    ):
+        load_method(str(repo), True)
+    assert not ran.exists()  # refused before any of the method's code ran
+    fine = write_method(
+        tmp_path / "ok",
+        "from .present import X\nfrom . import present\n\n\ndef generate(model, input_ids, **kw):\n    return input_ids\n",
+        "",
+        extra={"present.py": "X = 1\n"},
+    )
+    assert load_method(str(fine), True).generate is not None

@@ -104,6 +104,95 @@ def absolute_self_imports(text: str) -> list[int]:
     return sorted(lines)
 
 
+def _imports(tree: ast.AST):
+    """(node, guarded) of each import statement; `guarded` where it sits in a try whose handlers catch ImportError
+    (or everything), which transformers' check leaves to the file itself."""
+    guarded_nodes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+            h.type is None or "ImportError" in ast.unparse(h.type) or "Exception" in ast.unparse(h.type)
+            for h in node.handlers
+        ):
+            guarded_nodes.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, id(node) in guarded_nodes
+
+
+def _trees(source: MethodSource):
+    """(file name, parsed tree) of each Python file of the method; a file that does not parse is left to the
+    import, which reports its syntax error with its line."""
+    for name, _ in source.files:
+        if name.endswith(".py"):
+            text = (source.method_dir / name).read_text(encoding="utf-8", errors="replace")
+            try:
+                yield name, ast.parse(text)
+            except (SyntaxError, ValueError):
+                continue
+
+
+def missing_modules(source: MethodSource) -> list[str]:
+    """The top-level modules the method's files import absolutely, outside a try that catches ImportError, that are
+    not installed here, as transformers' check_imports finds them (without importing them: find_spec)."""
+    missing = []
+    own = {name.split("/")[0].removesuffix(".py") for name, _ in source.files}  # a sibling imported by bare name
+    for _, tree in _trees(source):
+        for node, guarded in _imports(tree):
+            if guarded:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names}:
+                if top in ("custom_generate", *own, *missing) or top in sys.builtin_module_names:
+                    continue  # the method's own files: the import says where Python would look (OriginalFolderGuard)
+                try:
+                    found = importlib.util.find_spec(top) is not None
+                except ImportError:  # a finder refused it (the guard): the import itself says why
+                    continue
+                except ValueError:
+                    found = False
+                if not found:
+                    missing.append(top)
+    return sorted(missing)
+
+
+def check_modules(source: MethodSource) -> None:
+    """ImportError naming the modules the method imports that are not installed (missing_modules), before
+    requirements.txt is read: transformers refuses such a file the same way, naming them."""
+    missing = missing_modules(source)
+    if missing:
+        raise ImportError(
+            f"custom_generate of `{source.label}` imports {', '.join(repr(m) for m in missing)}, not installed in this "
+            f"environment: pip install {' '.join(missing)} (the package that provides it, where its name differs)."
+        )
+
+
+def _relative_target_missing(name: str, node: ast.ImportFrom, method_dir) -> str | None:
+    """The file a relative import of custom_generate/`name` needs that the method does not have, or None."""
+    package = name.split("/")[:-1]  # the importing file's package, as folders under custom_generate/
+    if node.level - 1 > len(package):
+        return f"{'.' * node.level}{node.module or ''} (above custom_generate/)"
+    base = package[: len(package) - (node.level - 1)]
+    parts = base + (node.module.split(".") if node.module else [])
+    candidates = [parts] if node.module else [parts + [a.name] for a in node.names]
+    for target in candidates:
+        folder = method_dir.joinpath(*target) if target else method_dir
+        if not (folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file() or folder.is_dir()):
+            if node.module is None and parts and not (method_dir.joinpath(*parts)).is_dir():
+                return "/".join(target) + ".py"
+            if node.module is None:
+                # `from . import x`: x may also be a name the package's __init__.py defines
+                init = method_dir.joinpath(*parts, "__init__.py")
+                if init.is_file():
+                    continue
+            return "/".join(target) + ".py"
+    return None
+
+
 def check_imports(source: MethodSource) -> None:
     """MethodFilesError if a file of the method imports custom_generate absolutely (see absolute_self_imports)."""
     from .snapshot import MethodFilesError
@@ -117,6 +206,18 @@ def check_imports(source: MethodSource) -> None:
                     "finds that name on sys.path (the original folder, and bytecode beside it that was never hashed), "
                     f"not in the copy decodekit checked; {SIBLINGS_HINT}."
                 )
+    # Every relative import's file exists before anything runs: a missing one started the method and failed with
+    # ModuleNotFoundError on a mangled package name.
+    for name, tree in _trees(source):
+        for node, guarded in _imports(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and not guarded:
+                missing = _relative_target_missing(name, node, source.method_dir)
+                if missing is not None:
+                    raise MethodFilesError(
+                        f"`{source.label}`: custom_generate/{name}:{node.lineno} imports "
+                        f"{'.' * node.level}{node.module or ', '.join(a.name for a in node.names)}, but the method has "
+                        f"no custom_generate/{missing}; add the file (it was not in the folder decodekit read)."
+                    )
 
 
 def import_generate_module(source: MethodSource) -> ModuleType:

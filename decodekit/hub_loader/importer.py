@@ -110,7 +110,8 @@ def _imports(tree: ast.AST):
     guarded_nodes = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(
-            h.type is None or "ImportError" in ast.unparse(h.type) or "Exception" in ast.unparse(h.type)
+            h.type is None
+            or any(kind in ast.unparse(h.type) for kind in ("ImportError", "ModuleNotFound", "Exception"))
             for h in node.handlers
         ):
             guarded_nodes.update(id(n) for stmt in node.body for n in ast.walk(stmt))
@@ -180,16 +181,12 @@ def _relative_target_missing(name: str, node: ast.ImportFrom, method_dir) -> str
     parts = base + (node.module.split(".") if node.module else [])
     candidates = [parts] if node.module else [parts + [a.name] for a in node.names]
     for target in candidates:
-        folder = method_dir.joinpath(*target) if target else method_dir
-        if not (folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file() or folder.is_dir()):
-            if node.module is None and parts and not (method_dir.joinpath(*parts)).is_dir():
-                return "/".join(target) + ".py"
-            if node.module is None:
-                # `from . import x`: x may also be a name the package's __init__.py defines
-                init = method_dir.joinpath(*parts, "__init__.py")
-                if init.is_file():
-                    continue
-            return "/".join(target) + ".py"
+        folder = method_dir.joinpath(*target)
+        if folder.with_suffix(".py").is_file() or folder.is_dir():
+            continue
+        if node.module is None and method_dir.joinpath(*parts, "__init__.py").is_file():
+            continue  # `from . import x`: x may be a name the package's __init__.py defines
+        return "/".join(target) + ".py"
     return None
 
 

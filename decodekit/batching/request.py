@@ -59,9 +59,6 @@ class GenerationOutput:
     created_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Told each step what its logits processors did (core.processors.observe_processors), then (None, the logits, the
-    # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
-    observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
 
     def is_finished(self) -> bool:
         return self.status in DONE

@@ -418,3 +418,54 @@ def test_the_cpu_instruction_check_is_made_once_per_machine_and_then_read(tmp_pa
     record.write_text("failed")  # a machine whose check failed: inductor checks at each compile, as it would
     monkeypatch.setattr(steps.cpu_isa_checked, "answer", None)
     assert steps.cpu_isa_checked() is False and "cpp.vec_isa_ok" not in steps.compile_arguments({})["options"]
+
+
+def test_a_criterion_the_step_does_not_cover_keeps_the_call_eager_and_is_obeyed(model, caplog):
+    # Before: any EosTokenCriteria or MaxLengthCriteria counted as the step's own, whatever its ids or length, so
+    # compile=True ran past a caller's stop token or length that the eager loop obeyed.
+    from decodekit.core.stopping import EosTokenCriteria, MaxLengthCriteria
+
+    plain = model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)
+    stop = int(plain[0, 8])
+    for criterion in (EosTokenCriteria(stop), MaxLengthCriteria(PROMPT.shape[1] + 4)):
+        kwargs = dict(max_new_tokens=12, eos_token_id=None, stopping_criteria=[criterion])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="decodekit"):
+            compiled = model.generate(PROMPT, compile=True, **kwargs)
+        assert torch.equal(compiled, model.generate(PROMPT, **kwargs))
+        assert compiled.shape[1] < plain.shape[1]
+        assert f"the stopping criterion {type(criterion).__name__} needs the host every step" in caplog.text
+
+
+def test_what_can_fuse_is_read_from_declarations():
+    from types import SimpleNamespace
+
+    from decodekit.core.config import GenerationConfig
+    from decodekit.core.fused_loop import min_length_of, supports_step, unfusable_reason
+    from decodekit.core.pipeline import last_position_logits
+    from decodekit.core.processors import MinLengthLogitsProcessor, TopKLogitsWarper, processor_key
+    from decodekit.core.selectors import GreedySelector
+    from decodekit.families.llama import LlamaForCausalLM
+
+    class OwnModel:  # a model of someone else's that declares decodekit's fused step
+        steps_supported = ("fused",)
+
+    class Banned:  # declares what MinLengthLogitsProcessor does, under another class
+        eos, blocks_eos_until = [2], 9
+
+    gc = GenerationConfig(eos_token_id=2)
+    pipeline = SimpleNamespace(
+        processors=[TopKLogitsWarper(4), Banned()],
+        selector=GreedySelector(),
+        stopping=[],
+        cache=None,
+        next_token_logits=last_position_logits,
+    )
+    assert supports_step(LlamaForCausalLM, "fused") and supports_step(LlamaForCausalLM, "paged")
+    assert unfusable_reason(OwnModel(), pipeline, gc) is None and min_length_of(pipeline) == 9
+    assert "does not declare a fused step" in unfusable_reason(object(), pipeline, gc)
+    pipeline.processors = [MinLengthLogitsProcessor(9, [2, 3])]
+    assert "bans other tokens than the call's EOS ids [2]" in unfusable_reason(OwnModel(), pipeline, gc)
+    assert processor_key(TopKLogitsWarper(4)) == processor_key(TopKLogitsWarper(4)) != processor_key(TopKLogitsWarper(5))
+    function = lambda input_ids, scores: scores  # noqa: E731
+    assert processor_key(function) == processor_key(function) != processor_key(lambda input_ids, scores: scores)

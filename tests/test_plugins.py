@@ -194,3 +194,97 @@ def test_trace_shows_each_hook_call_and_who_answered(tmp_path):
         [sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True, timeout=300
     )
     assert cli.returncode == 0 and "decodekit trace: decodekit_config_fields answered by [" in cli.stderr
+
+
+class Marker:
+    """A processor that changes nothing; `stage` as it declares one (None: it declares none)."""
+
+    def __init__(self, name, stage=None):
+        self.__name__ = name
+        if stage is not None:
+            self.stage = stage
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def staged_plugin(*markers):
+    class Staged:
+        @hookimpl
+        def decodekit_logits_processors(self):
+            return list(markers)
+
+    return Staged()
+
+
+def processors_run(m, **kwargs):
+    """The processors an eager generate() call applies, in order: (name, owner)."""
+    from decodekit.core.processors import observe_processors
+
+    seen = []
+
+    def observer(description, before, after):
+        name, _, owner = description.removeprefix("the logits processor ").partition(" of ")
+        if (name, owner) not in seen:
+            seen.append((name, owner))
+
+    with observe_processors(observer):
+        m.generate(torch.tensor([[1]]), max_new_tokens=1, **kwargs)
+    return seen
+
+
+def test_processors_run_by_declared_stage_then_by_registration(registered):
+    # Before: pluggy's order (tryfirst built-ins, then the newest outside plugin first, then llama.cpp's chain and the
+    # watermark), which put an outside processor after the sampling warpers though the hookspec said otherwise.
+    registered(staged_plugin(Marker("early"), Marker("early_post", stage="post")), "early")
+    registered(staged_plugin(Marker("late"), Marker("late_mask", stage="constraints")), "late")
+    order = processors_run(
+        model(),
+        do_sample=True,
+        temperature=0.7,
+        top_k=4,
+        repetition_penalty=1.2,
+        watermarking_config={"greenlist_ratio": 0.5},
+        renormalize_logits=True,
+        logits_processor=[Marker("given")],
+        seed=0,
+    )
+    assert order == [
+        ("late_mask", "plugin 'late'"),  # constraints
+        ("RepetitionPenaltyLogitsProcessor", "plugin 'processors'"),  # penalties: built-ins first,
+        ("early", "plugin 'early'"),  # then outside plugins in registration order (a processor declaring no stage),
+        ("late", "plugin 'late'"),
+        ("given", "logits_processor (passed to generate)"),  # then generate()'s own, where transformers puts them
+        ("TemperatureLogitsWarper", "plugin 'processors'"),  # samplers, in transformers' warper order
+        ("TopKLogitsWarper", "plugin 'processors'"),
+        ("WatermarkLogitsProcessor", "plugin 'watermark'"),  # post
+        ("early_post", "plugin 'early'"),
+        ("LogitNormalization", "plugin 'processors'"),  # final
+    ]
+
+
+def test_an_outside_processor_runs_before_llama_cpps_chain(registered):
+    registered(staged_plugin(Marker("outside")), "outside")
+    order = processors_run(model(), do_sample=True, top_k=4, dry_multiplier=0.8, dry_sequence_breakers=[], seed=0)
+    assert [name for name, _ in order] == ["outside", "DRYLogitsProcessor", "TopKLogitsWarper"]
+
+
+def test_a_processor_declaring_no_known_stage_is_its_plugins_failure(registered):
+    from decodekit.registry.manager import PluginError
+
+    registered(staged_plugin(Marker("lost", stage="sideways")), "lost")
+    with pytest.raises(PluginError, match=r"the logits processor lost of plugin 'lost'.*stage='sideways'.*'guidance'"):
+        model().generate(torch.tensor([[1]]), max_new_tokens=1)
+    assert get_plugin_manager().get_plugin("lost") is None  # disabled, as a processor that raises is
+    assert model().generate(torch.tensor([[1]]), max_new_tokens=1).tolist() == [[1, 5]]
+
+
+def test_a_fresh_host_keeps_its_plugins_to_itself():
+    from decodekit.registry.manager import PluginHost, use_host
+
+    with use_host(PluginHost(installed=False)) as host:
+        decodekit.register(BanFive(), name="ban-five")
+        assert host.pm.get_plugin("ban-five") is not None
+        assert model().generate(torch.tensor([[1]]), max_new_tokens=2).tolist() == [[1, 6, 6]]
+    assert get_plugin_manager().get_plugin("ban-five") is None
+    assert model().generate(torch.tensor([[1]]), max_new_tokens=2).tolist() == [[1, 5, 5]]

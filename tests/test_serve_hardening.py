@@ -200,9 +200,8 @@ def test_a_large_prompt_does_not_hold_the_event_loop(server):
     slow = threading.Thread(target=completion, args=(server,), kwargs={"prompt": "word " * 380_000})
     slow.start()
     time.sleep(0.05)
-    started = time.monotonic()
     assert server.healthy()
-    assert time.monotonic() - started < 1.0  # tokenizing ~380k tokens runs in a worker thread
+    assert slow.is_alive()  # answered while the ~380k tokens are still being tokenized, in a worker thread
     slow.join()
 
 
@@ -235,6 +234,7 @@ def test_a_chunked_body_is_cut_at_the_byte_limit(server):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
 def test_every_disconnect_cancels_its_request_at_once(server, stream):
     aborted = server.metric("request_success", finished_reason="abort")
+    generated = server.metric("generation_tokens")
     body = {
         "prompt": "Tell me a long story.",
         "max_tokens": 64,
@@ -247,11 +247,12 @@ def test_every_disconnect_cancels_its_request_at_once(server, stream):
     while server.metric("num_requests_running") < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.metric("num_requests_running") == 4 and server.metric("num_requests_waiting") == 6
-    gone = time.monotonic()
     for sock in socks:
         sock.close()
-    assert server.idle(timeout=10), server.metrics()
-    assert time.monotonic() - gone < 3  # a step or so, not the 64 tokens the requests asked for
+    assert server.idle(timeout=60), server.metrics()
+    # Counted in tokens, not seconds (a busy machine's steps are slow too): the four running requests stopped before
+    # half of the 64 tokens each asked for, and the six waiting ones never ran.
+    assert server.metric("generation_tokens") - generated < 4 * 64 / 2
     assert server.metric("request_success", finished_reason="abort") == aborted + 10
     assert completion(server).status_code == 200  # nobody is refused for requests whose clients left
 
@@ -572,12 +573,11 @@ def test_serve_refuses_a_bad_address_before_loading_the_model(flags, words):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         flags = [str(busy.getsockname()[1]) if f == "IN_USE" else f for f in flags]
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "decodekit.cli", "serve", *flags], capture_output=True, text=True, timeout=120
         )
     assert done.returncode == 2 and words in done.stderr
-    assert "compiling" not in done.stderr and time.monotonic() - started < 60
+    assert "compiling" not in done.stderr
 
 
 def test_a_soak_of_mixed_requests_with_faults_leaves_the_server_as_it_found_it(server, fault_method):
@@ -633,10 +633,8 @@ def test_a_soak_of_mixed_requests_with_faults_leaves_the_server_as_it_found_it(s
             body["max_tokens"] = 65
         return kind, server.post("/v1/completions", body).status_code
 
-    started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(240)))
-    assert time.monotonic() - started < 300
     wrong = [(kind, status) for kind, status in results if status is not None and status != expected[kind]]
     assert not wrong, wrong
     assert server.idle(timeout=30), server.metrics()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.fused_loop import supports_step
 from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
@@ -37,10 +38,8 @@ class Work:
 
 
 def supports_paged(model) -> bool:
-    """Whether `model` runs a paged batch (decodekit's Llama family)."""
-    from ..families.llama import LlamaForCausalLM
-
-    return isinstance(getattr(model, "module", model), LlamaForCausalLM)
+    """Whether `model` declares a paged step (decodekit's Llama family does)."""
+    return supports_step(model, "paged")
 
 
 class PagedRunner:

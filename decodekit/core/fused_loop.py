@@ -7,17 +7,14 @@ are the strategies on it; core/compile.py compiles their steps.
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 
 from .. import kernels
 from ..families.cache import StaticCache
-from ..families.llama import LlamaForCausalLM
 from .compile import FusedStep, compiled_steps, step_options
-from .processors import MinLengthLogitsProcessor, declares
+from .processors import declares, processor_key
 from .selectors import selector_declares
-from .stopping import EosTokenCriteria, MaxLengthCriteria
 
 logger = logging.getLogger("decodekit")
 
@@ -51,17 +48,28 @@ def host_block(processors, sequences: torch.LongTensor, width: int) -> torch.Ten
     return block
 
 
-def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str | None:
-    if not isinstance(getattr(model, "module", model), LlamaForCausalLM):
-        return f"{type(model).__name__} is not one of decodekit's own models"
+def supports_step(model, step: str) -> bool:
+    """Whether `model` (or the module it wraps) declares the compiled `step` ("fused": generate(compile=True)'s
+    static-cache step; "paged": continuous batching's) among its `steps_supported`."""
+    return step in getattr(getattr(model, "module", model), "steps_supported", ())
+
+
+def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False, max_length: int | None = None) -> str | None:
+    """Why this call cannot run as a fused step, or None: read from what the model, the processors, the selector and
+    the criteria declare, never from their classes."""
+    if not supports_step(model, "fused"):
+        return f"{type(model).__name__} does not declare a fused step (steps_supported)"
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
+    eos = set(gc.eos_token_ids or ())
     for p in pipeline.processors:
+        name = getattr(p, "__qualname__", type(p).__name__)
         if declares(p, "host_mask") and not takes_host_masks:
-            name = getattr(p, "__qualname__", type(p).__name__)
             return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
-        if not (declares(p, "score_only") or declares(p, "host_mask") or isinstance(p, MinLengthLogitsProcessor)):
-            name = getattr(p, "__qualname__", type(p).__name__)
+        blocks = getattr(p, "blocks_eos_until", None)
+        if blocks is not None and set(getattr(p, "eos", ())) != eos:
+            return f"the logits processor {name} bans other tokens than the call's EOS ids {sorted(eos)}"
+        if not (declares(p, "score_only") or declares(p, "host_mask") or blocks is not None):
             return (
                 f"the logits processor {name} may read the whole sequence "
                 "(one that reads only the scores can declare score_only = True: decodekit.core.processors.Processor)"
@@ -69,7 +77,11 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False) -> str
     if not selector_declares(pipeline.selector, "traceable"):
         return f"the token selector {type(pipeline.selector).__name__} does not declare itself traceable"
     for c in pipeline.stopping:
-        if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
+        length, tokens = getattr(c, "ends_at_length", None), getattr(c, "ends_at_tokens", None)
+        covered = (length is not None and (max_length is None or length >= max_length)) or (
+            tokens is not None and set(tokens) <= eos
+        )
+        if not covered:
             return f"the stopping criterion {type(c).__name__} needs the host every step"
     if gc.output_logits:
         return "output_logits needs the raw logits every step"
@@ -84,23 +96,13 @@ def step_processors(pipeline) -> list:
 
 
 def processors_key(processors) -> tuple:
-    """What identifies a set of processors for reuse of a compiled step: class and settings, or for a plain
-    function the function itself (its closure may hold settings, so a new one compiles anew)."""
-    out = []
-    for p in processors:
-        if isinstance(p, types.FunctionType) or not hasattr(p, "__dict__"):
-            out.append(("function", p))
-        else:
-            settings = tuple(sorted((k, _hashable(v)) for k, v in vars(p).items()))
-            out.append((type(p).__qualname__, settings))
-    return tuple(out)
+    """What identifies a set of processors for reuse of a compiled step: each one's own key (processors.Processor)."""
+    return tuple(processor_key(p) for p in processors)
 
 
 def _hashable(value):
     if isinstance(value, dict):
         return ("dict", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.flatten().tolist()))
     try:
         hash(value)
         return value
@@ -122,7 +124,7 @@ class FusedLoop:
     takes_host_masks = False  # whether `run` applies host-mask processors (host_mask) as a step input
 
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        reason = unfusable_reason(model, pipeline, gc, self.takes_host_masks)
+        reason = unfusable_reason(model, pipeline, gc, self.takes_host_masks, context.max_length)
         if reason is not None:
             logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
@@ -199,4 +201,6 @@ def eos_tensor(gc, device) -> torch.Tensor:
 
 
 def min_length_of(pipeline) -> int:
-    return max([p.min_length for p in pipeline.processors if isinstance(p, MinLengthLogitsProcessor)] or [0])
+    """The length before which the call's EOS ids are banned (what the processors declare as blocks_eos_until)."""
+    lengths = [getattr(p, "blocks_eos_until", None) for p in pipeline.processors]
+    return max([n for n in lengths if n is not None] or [0])

@@ -368,20 +368,15 @@ def checked_loop(owner: str | None, loop):
         "object with rows_per_prompt(generation_config) and __call__(model, input_ids, attention_mask, "
         "pipeline, generation_config, streamer, context)."
     )
-    raise plugin_failure(error, owner, "decodekit_decoding_loop", f"the decoding loop of plugin {owner!r}")
+    raise plugin_failure(error, owner, "decodekit_decoding_loop's result", f"the decoding loop of plugin {owner!r}")
 
 
 def run_loop(owner: str | None, loop, *arguments):
     """A plugin's decoding loop on the call's prepared arguments: one that raises fails the call naming the plugin,
-    and an installed or run-time plugin is disabled (registry.plugin_failure), as its processors would be."""
-    from ..registry.manager import plugin_failure
+    and an installed or run-time plugin is disabled (registry.guarded), as its processors would be."""
+    from ..registry.manager import guarded
 
-    try:
-        return loop(*arguments)
-    except (KeyboardInterrupt, GeneratorExit):
-        raise
-    except BaseException as error:  # SystemExit from a plugin's loop fails the call, never the process
-        raise plugin_failure(error, owner, "a decoding loop", f"the decoding loop of plugin {owner!r}")
+    return guarded("decoding loop", owner, None, lambda: loop(*arguments))
 
 
 def token_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ class TopNSigmaLogitsWarper(Processor):
     """Keeps the tokens whose score is at least max - n * std (both over the finite scores of the row); the rest
     become -inf. `n` > 0 (<= 0: off, as llama.cpp's -1). The kept set is the same before or after a temperature."""
 
+    stage = "samplers"
     score_only = True
 
     def __init__(self, n: float):
@@ -56,6 +57,7 @@ class XTCLogitsWarper(Processor):
     row): `key` comes from the call's seed. Not score-only: the coin needs the position, which a fused step does not
     give its processors, so compile=True runs XTC's calls eagerly (the same tokens)."""
 
+    stage = "samplers"
     score_only = False
 
     def __init__(self, probability: float, threshold: float, key: torch.Tensor, min_keep: int = 1):
@@ -84,6 +86,7 @@ class DynamicTemperatureLogitsWarper(Processor):
     the -inf entries top-n-sigma leaves in it (the tokens top-k, top-p, min-p and XTC drop leave the list): the
     two agree unless top-n-sigma ran before, where counting the finite scores is what the entropy means."""
 
+    stage = "samplers"
     score_only = True
 
     def __init__(self, temperature: float, range: float = 0.0, exponent: float = 1.0):
@@ -118,6 +121,7 @@ class QuadraticSmoothingLogitsWarper(Processor):
     max - k * f * (s - max)^2 + c * f * (s - max)^3 with f = `smoothing_factor` (> 0), k = (3 - curve) / 2 and
     c = (curve - 1) / 2 for `smoothing_curve` (1: purely quadratic). The row's maximum is taken per row."""
 
+    stage = "samplers"
     score_only = True
 
     def __init__(self, smoothing_factor: float, smoothing_curve: float = 1.0):
@@ -147,6 +151,8 @@ class DRYLogitsProcessor:
     at least `allowed_length` long. A sequence breaker (its tokens, from `breakers` as llama.cpp tokenizes them,
     see dry_breaker_sequences) ends the text a repeat may reach back into, and a token that is a breaker on its own
     is never penalised. Reads input_ids (the prompt counts, as llama.cpp's server feeds it), so not score-only."""
+
+    stage = "samplers"
 
     def __init__(
         self,
@@ -361,6 +367,8 @@ class MirostatLogitsProcessor:
     mirostat keeps (-inf elsewhere), so the beams sample from mirostat's renormalized distribution. Its state
     follows each beam through reordering: kept per sequence (its tokens), a row's mu being its parent sequence's,
     updated with the surprise of the token the beam appended under the distribution it was drawn from."""
+
+    stage = "samplers"
 
     def __init__(self, version: int, tau: float, eta: float, vocab: int, m: int = 100):
         self.version, self.tau, self.eta, self.vocab, self.m = version, float(tau), float(eta), vocab, m

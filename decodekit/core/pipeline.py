@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .processors import LogitsProcessorList
+from .processors import STAGES, LogitsProcessorList, stage_of
 from .selectors import checked_selector
 from .stopping import StoppingCriteriaList
 
@@ -56,34 +56,88 @@ def checked_cache(owner: str | None, cache):
         f"plugin {owner!r}: decodekit_cache returned a {type(cache).__name__} without {missing}; a "
         "cache has update(key, value, layer_idx), get_seq_length(), crop(length) and reorder(indices)."
     )
-    raise plugin_failure(error, owner, "decodekit_cache", f"the cache of plugin {owner!r}")
+    raise plugin_failure(error, owner, "decodekit_cache's result", f"the cache of plugin {owner!r}")
+
+
+GIVEN_PROCESSORS = "logits_processor (passed to generate)"
+GIVEN_CRITERIA = "stopping_criteria (passed to generate)"
+
+
+def staged(contributions: list[tuple[str, Any]], plugin_order: list[str]) -> LogitsProcessorList:
+    """The processors of `contributions` [(owner, processors)] in pipeline order: by the stage each declares
+    (processors.STAGES), then by owner (`plugin_order`, registration order; an owner not in it, such as generate()'s
+    argument, after them in the order given), then as each owner listed them. A stage no pipeline has is the
+    plugin's failure (PluginError naming the processor)."""
+    from ..registry.manager import PluginError, described, plugin_failure
+
+    rank = {name: i for i, name in enumerate(plugin_order)}
+    for owner, _ in contributions:
+        rank.setdefault(owner, len(rank))
+    keyed = []
+    for owner, processors in contributions:
+        for processor in processors:
+            try:
+                stage = STAGES.index(stage_of(processor))
+            except ValueError as error:
+                failure = PluginError(f"{described('logits processor', processor, owner)}: {error}")
+                raise plugin_failure(failure, owner, "decodekit_logits_processors's result", "") from None
+            keyed.append(((stage, rank[owner], len(keyed)), owner, processor))
+    out = LogitsProcessorList()
+    for _, owner, processor in sorted(keyed, key=lambda item: item[0]):
+        out.extend_from(owner, [processor])
+    return out
+
+
+def refuse_kept_hooks(engine, generation_config, context, only: set[str] | None) -> None:
+    """ValueError (engine.refusal) where a plugin among `only` implements, for this configuration, a hook point that
+    `engine` keeps for itself (engine.refused: {hook: what it replaces})."""
+    from ..registry.manager import call_hooks
+
+    for hook in engine.refused:
+        for owner, _ in call_hooks(hook, only=only, generation_config=generation_config, context=context):
+            raise engine.refusal(owner, hook)
 
 
 def build_pipeline(
-    generation_config, context, logits_processor=None, stopping_criteria=None, cache=None, make_cache: bool = True
+    generation_config,
+    context,
+    logits_processor=None,
+    stopping_criteria=None,
+    cache=None,
+    make_cache: bool = True,
+    *,
+    only: set[str] | None = None,
+    engine=None,
 ) -> Pipeline:
-    """Calls each hook point once (the config is already validated). User-supplied processors and criteria
-    run after the plugins' ones. Each processor is tagged with the plugin that contributed it, and outputs
-    are checked at the first step (processors.LogitsProcessorList, selectors.checked_selector). With
-    `make_cache=False` (continuous batching, whose paged cache serves every request) no cache is made."""
-    from ..registry.manager import call_first, call_hooks
+    """Calls each hook point once (the config is already validated): the one assembly of a call's pipeline, for
+    decodekit's loops and for another engine's. Processors are placed by their stage (`staged`); processors and
+    criteria passed here run after the plugins' ones of their stage; each is tagged with the plugin that contributed
+    it, and outputs are checked at every eager step (processors.LogitsProcessorList, selectors.checked_selector).
+    With `make_cache=False` (continuous batching, whose paged cache serves every request) no cache is made.
+
+    `only`: the hooks of the plugins named there alone. `engine`: another engine's loop runs the pipeline (it has
+    `refused`, the hook points it keeps for itself, and `refusal(owner, hook)`): a plugin implementing one of those
+    is refused; no cache is made; the selector may be None (the engine then selects)."""
+    from ..registry.manager import call_first, call_hooks, host
 
     hook_args = dict(generation_config=generation_config, context=context)
-    processors = LogitsProcessorList()
-    for owner, contributed in call_hooks("decodekit_logits_processors", **hook_args):
-        processors.extend_from(owner, contributed)
-    processors.extend_from("logits_processor (passed to generate)", logits_processor or ())
+    if engine is not None:
+        refuse_kept_hooks(engine, generation_config, context, only)
+    contributions = call_hooks("decodekit_logits_processors", only=only, **hook_args)
+    processors = staged([*contributions, (GIVEN_PROCESSORS, list(logits_processor or ()))], host().order())
     criteria = StoppingCriteriaList()
-    for owner, contributed in call_hooks("decodekit_stopping_criteria", **hook_args):
+    for owner, contributed in call_hooks("decodekit_stopping_criteria", only=only, **hook_args):
         criteria.extend_from(owner, contributed)
-    criteria.extend_from("stopping_criteria (passed to generate)", stopping_criteria or ())
-    owner, selector = call_first("decodekit_token_selector", **hook_args)
+    criteria.extend_from(GIVEN_CRITERIA, stopping_criteria or ())
+    owner, selector = call_first("decodekit_token_selector", only=only, **hook_args)
+    if engine is not None:
+        return Pipeline(processors, selector and checked_selector(selector, owner), criteria, None)
     if selector is None:
         raise ValueError(
             "No registered plugin selects tokens for this generation config "
             f"(do_sample={generation_config.do_sample!r}); the built-ins handle do_sample=True and False."
         )
     if cache is None and make_cache and generation_config.use_cache:
-        cache = checked_cache(*call_first("decodekit_cache", **hook_args))
-    reader = call_first("decodekit_next_token_logits", **hook_args)[1]
+        cache = checked_cache(*call_first("decodekit_cache", only=only, **hook_args))
+    reader = call_first("decodekit_next_token_logits", only=only, **hook_args)[1]
     return Pipeline(processors, checked_selector(selector, owner), criteria, cache, reader or last_position_logits)

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, described, isolated, plugin_failure
+from ..registry.manager import PluginError, described, guarded, isolated, plugin_failure
 
 NEG_INF = -math.inf
 
@@ -38,11 +38,21 @@ class Processor:
                 the sequence so far: a compiled step and beam search's take that mask as an input (structured output).
     finishes    `finish(result)` is called with generate()'s result (structured output reports rows cut off before
                 their grammar allowed an end).
+    stage       the stage of the pipeline it belongs to (STAGES; "penalties" for one that declares none).
+    blocks_eos_until
+                an int: its whole effect is banning its `eos` token ids until the sequence is that long (min_length):
+                a compiled step applies it as an EOS mask that changes with the length, not as code.
+
+    A processor's `key()` says what decides its effect, for reuse of a compiled step: two processors with equal keys
+    compile to the same code. Processor's own is its class and settings (a tensor setting by identity, its contents
+    never read); a class whose settings hold tensors gives its own. Anything else (a plain function, transformers'
+    processors) is keyed by identity: a new one compiles anew.
     """
 
     score_only: bool = False
     host_mask: bool = False
     finishes: bool = False
+    stage: str = "penalties"  # where in the pipeline it runs: one of STAGES
 
     def step_mask(self, input_ids: torch.LongTensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} declares host_mask and must define step_mask(input_ids)")
@@ -50,8 +60,50 @@ class Processor:
     def finish(self, result) -> None:
         pass
 
+    def key(self) -> tuple:
+        return (type(self).__qualname__, tuple(sorted((k, _setting(v)) for k, v in vars(self).items())))
+
+
+def _setting(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def processor_key(processor) -> tuple:
+    """What identifies `processor`'s effect for reuse of a compiled step (see Processor)."""
+    key = getattr(processor, "key", None)
+    return tuple(key()) if callable(key) else ("object", id(processor))
+
 
 CAPABILITIES = ("score_only", "host_mask", "finishes")
+
+# The stages of a call's logits pipeline, in the order they run (docs/plugins.md has what each is for). A processor
+# declares its stage (`stage`, a class or instance attribute); one that declares none (an outside plugin's, one passed
+# to generate(), transformers' own) runs in DEFAULT_STAGE, after decodekit's penalties and before the sampling warpers,
+# where transformers' generate() puts the processors a caller passes. Within a stage, processors run in the order of
+# their plugins' registration (the built-ins, installed packages, run-time registrations, the call's method), then
+# those passed to generate(), each plugin's in the order it listed them.
+STAGES = (
+    "guidance",  # rewrites the scores from another run of the model: classifier-free guidance
+    "constraints",  # masks what may come next: structured output's grammar
+    "penalties",  # transformers' logits processors, in its order: biases, penalties, bans, forced tokens
+    "samplers",  # shapes the sampling distribution: transformers' warpers (WARPER_ORDER) or llama.cpp's chain
+    "post",  # reads the shaped distribution: watermarks
+    "final",  # the last word on the scores: renormalize_logits
+)
+DEFAULT_STAGE = "penalties"
+
+
+def stage_of(processor) -> str:
+    """The stage `processor` declares (DEFAULT_STAGE where it declares none); ValueError naming the stages for any
+    other value."""
+    stage = getattr(processor, "stage", DEFAULT_STAGE)
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} of {type(processor).__name__} is invalid; the stages are {STAGES}.")
+    return stage
 
 
 def declares(processor, capability: str) -> bool:
@@ -111,31 +163,29 @@ class LogitsProcessorList(list):
         return described("logits processor", processor, self.owner_of(processor))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        check = not torch.compiler.is_compiling()
-        observer = _observer.get() if check else None
-        processor = None
-        if check:
-            self.left_unusable = []
-        try:
+        if torch.compiler.is_compiling():
             for processor in self:
-                given = scores
-                before = scores.clone() if observer is not None else None  # a processor may write in place
                 scores = processor(input_ids, scores)
-                if check:
-                    self._check_output(processor, given, scores, input_ids.shape[-1])
-                    if isolated(self.owner_of(processor)):
-                        self.left_unusable.append((processor, unusable_rows(scores)))
-                if observer is not None:
-                    observer(self.describe(processor), before, scores.clone())
-        except (KeyboardInterrupt, GeneratorExit):
-            raise
-        except BaseException as error:  # SystemExit from a processor is its failure too, never the process's
-            raise plugin_failure(
-                error,
-                self.owner_of(processor),
-                "a logits processor",
-                f"{self.describe(processor)} at position {input_ids.shape[-1]}",
+            return scores
+        observer = _observer.get()
+        position = input_ids.shape[-1]
+        self.left_unusable = []
+        for processor in self:
+            given = scores
+            before = scores.clone() if observer is not None else None  # a processor may write in place
+            owner = self.owner_of(processor)
+            scores = guarded(
+                "logits processor",
+                owner,
+                processor,
+                lambda: processor(input_ids, given),
+                lambda out: self._check_output(processor, given, out, position),
+                position,
             )
+            if isolated(owner):
+                self.left_unusable.append((processor, unusable_rows(scores)))
+            if observer is not None:
+                observer(self.describe(processor), before, scores.clone())
         return scores
 
     def blame_unusable(self, bad: torch.Tensor) -> object | None:
@@ -224,6 +274,7 @@ class TemperatureLogitsWarper(Processor):
     """Divides scores by `temperature` (> 0). Below 1 sharpens the distribution, above 1 flattens it."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, temperature: float):
         _check(
@@ -263,6 +314,7 @@ class TopKLogitsWarper(Processor):
     The others get `filter_value` (-inf)."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, top_k: int, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check(
@@ -297,6 +349,7 @@ class TopPLogitsWarper(Processor):
     """
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check(
@@ -324,6 +377,7 @@ class TopKTopPLogitsWarper(Processor):
     """
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, top_k: int, top_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         self.top_k = TopKLogitsWarper(top_k, min_tokens_to_keep=min_tokens_to_keep).top_k
@@ -344,6 +398,7 @@ class MinPLogitsWarper(Processor):
     `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, min_p: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check("min_p", min_p, isinstance(min_p, (int, float)) and 0 <= min_p <= 1, "expected a number in [0, 1]")
@@ -366,6 +421,7 @@ class TypicalLogitsWarper(Processor):
     `mass` (typical_p, in (0, 1]), at least `min_tokens_to_keep`; the others get `filter_value` (-inf)."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, mass: float = 0.9, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check("typical_p", mass, isinstance(mass, (int, float)) and 0 < mass <= 1, "expected a number in (0, 1]")
@@ -391,6 +447,7 @@ class TopHLogitsWarper(Processor):
     always stays); the others get `filter_value` (-inf)."""
 
     score_only = True
+    stage = "samplers"
     candidates = 100  # transformers' cap on the tokens considered
 
     def __init__(self, top_h: float, filter_value: float = NEG_INF):
@@ -426,6 +483,7 @@ class EpsilonLogitsWarper(Processor):
     keeping at least `min_tokens_to_keep` (the most likely ones)."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1):
         _check(
@@ -448,6 +506,7 @@ class EtaLogitsWarper(Processor):
     tokens, the others get `filter_value` (-inf). `device` is accepted for transformers' signature."""
 
     score_only = True
+    stage = "samplers"
 
     def __init__(self, epsilon: float, filter_value: float = NEG_INF, min_tokens_to_keep: int = 1, device="cpu"):
         _check(
@@ -480,6 +539,7 @@ class LogitNormalization(Processor):
     log-probabilities again."""
 
     score_only = True
+    stage = "final"
 
     def __call__(self, input_ids, scores):
         return scores.log_softmax(dim=-1)
@@ -756,7 +816,11 @@ class SuppressTokensLogitsProcessor(Processor):
     score_only = True
 
     def __init__(self, suppress_tokens: Sequence[int], device="cpu"):
-        self.tokens = torch.tensor(_token_list(suppress_tokens), dtype=torch.long, device=device)
+        self.token_ids = tuple(_token_list(suppress_tokens))
+        self.tokens = torch.tensor(self.token_ids, dtype=torch.long, device=device)
+
+    def key(self) -> tuple:
+        return (type(self).__qualname__, self.token_ids)
 
     def __call__(self, input_ids, scores):
         return scores.index_fill(-1, self.tokens.to(scores.device), NEG_INF)
@@ -769,6 +833,10 @@ class MinLengthLogitsProcessor:
         _check("min_length", min_length, isinstance(min_length, int) and min_length >= 0, "expected an integer >= 0")
         self.min_length = min_length
         self.eos = _token_list(eos_token_id)
+
+    @property
+    def blocks_eos_until(self) -> int:
+        return self.min_length
 
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] < self.min_length:

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, plugin_failure
+from ..registry.manager import PluginError, described, guarded
 
 
 @runtime_checkable
@@ -135,24 +135,15 @@ class CheckedSelector:
         return getattr(self.selector, name)
 
     def __call__(self, input_ids, scores):
-        try:
-            tokens = self.selector(input_ids, scores)
-            if not torch.compiler.is_compiling():
-                self._check(tokens, scores, input_ids.shape[-1])
-        except (KeyboardInterrupt, GeneratorExit):
-            raise
-        except BaseException as error:  # SystemExit from a selector is its failure too, never the process's
-            raise plugin_failure(
-                error,
-                self.owner,
-                "a token selector",
-                f"the token selector of plugin {self.owner!r} at position {input_ids.shape[-1]}",
-            )
-        return tokens
+        position = input_ids.shape[-1]
+        check = None if torch.compiler.is_compiling() else lambda tokens: self._check(tokens, scores, position)
+        return guarded(
+            "token selector", self.owner, type(self.selector), lambda: self.selector(input_ids, scores), check, position
+        )
 
     def _check(self, tokens, scores, position: int) -> None:
         B, V = scores.shape
-        name = f"the token selector {type(self.selector).__name__} of plugin {self.owner!r}"
+        name = described("token selector", type(self.selector), self.owner)
         ok = (
             isinstance(tokens, torch.Tensor)
             and tuple(tokens.shape) == (B,)

@@ -35,67 +35,82 @@ class StoppingCriteriaList(list):
         self.extend(criteria)
         self.__dict__.setdefault("owners", {}).update((id(c), owner) for c in criteria)
 
+    def owner_of(self, criterion) -> str | None:
+        return self.__dict__.get("owners", {}).get(id(criterion))
+
     def describe(self, criterion) -> str:
         from ..registry.manager import described
 
-        return described("stopping criterion", criterion, self.__dict__.get("owners", {}).get(id(criterion)))
+        return described("stopping criterion", criterion, self.owner_of(criterion))
 
     def __call__(self, input_ids, scores):
-        from ..registry.manager import PluginError, plugin_failure
+        from ..registry.manager import guarded
 
-        B = input_ids.shape[0]
-        check = not torch.compiler.is_compiling()
+        B, position = input_ids.shape[0], input_ids.shape[-1]
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for criterion in self:
-            try:
+            if torch.compiler.is_compiling():
                 said = criterion(input_ids, scores)
-                if check and not isinstance(said, bool):
-                    ok = (
-                        isinstance(said, torch.Tensor)
-                        and tuple(said.shape) == (B,)
-                        and said.dtype == torch.bool
-                        and said.device == input_ids.device
-                    )
-                    if not ok:
-                        got = (
-                            f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
-                            if isinstance(said, torch.Tensor)
-                            else type(said).__name__
-                        )
-                        raise PluginError(
-                            f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
-                            f"; a criterion returns done [batch] = [{B}], a bool tensor on "
-                            f"{input_ids.device}."
-                        )
-            except (KeyboardInterrupt, GeneratorExit):
-                raise
-            except BaseException as error:  # SystemExit from a criterion is its failure, never the process's
-                raise plugin_failure(
-                    error,
-                    self.__dict__.get("owners", {}).get(id(criterion)),
-                    "a stopping criterion",
-                    f"{self.describe(criterion)} at position {input_ids.shape[-1]}",
+            else:
+                said = guarded(
+                    "stopping criterion",
+                    self.owner_of(criterion),
+                    criterion,
+                    lambda: criterion(input_ids, scores),
+                    lambda said: self._check_output(criterion, said, input_ids),
+                    position,
                 )
             done = done | said
         return done
 
+    def _check_output(self, criterion, said, input_ids) -> None:
+        """A bool tensor [batch] on the ids' device, or one Python bool for every row."""
+        from ..registry.manager import PluginError
+
+        B = input_ids.shape[0]
+        if isinstance(said, bool) or (
+            isinstance(said, torch.Tensor)
+            and tuple(said.shape) == (B,)
+            and said.dtype == torch.bool
+            and said.device == input_ids.device
+        ):
+            return
+        got = (
+            f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
+            if isinstance(said, torch.Tensor)
+            else type(said).__name__
+        )
+        raise PluginError(
+            f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
+            f"; a criterion returns done [batch] = [{B}], a bool tensor on {input_ids.device}."
+        )
+
     @property
     def max_length(self) -> int | None:
+        """The length a criterion declares it ends every row at (ends_at_length), or None."""
         for criterion in self:
-            if isinstance(criterion, MaxLengthCriteria):
-                return criterion.max_length
+            length = getattr(criterion, "ends_at_length", None)
+            if length is not None:
+                return length
         return None
 
 
 class MaxLengthCriteria:
     """Done when the sequence, prompt included, has `max_length` tokens. `max_position_embeddings`, where given,
-    is the model's context: going past it logs a warning once, as transformers does."""
+    is the model's context: going past it logs a warning once, as transformers does.
+
+    Declares `ends_at_length` (its max_length): a compiled step, which ends at the call's length on the device, stands
+    for it where that is no later. EosTokenCriteria declares `ends_at_tokens`, the same for the call's EOS tokens."""
 
     def __init__(self, max_length: int, max_position_embeddings: int | None = None):
         if not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length={max_length!r} is invalid; expected an integer >= 1.")
         self.max_length, self.max_position_embeddings = max_length, max_position_embeddings
         self._warned = False
+
+    @property
+    def ends_at_length(self) -> int:
+        return self.max_length
 
     def __call__(self, input_ids, scores):
         length, context = input_ids.shape[1], self.max_position_embeddings
@@ -118,6 +133,7 @@ class EosTokenCriteria:
         if not ids:
             raise ValueError("eos_token_id is empty; expected a token id or a non-empty list of them.")
         self.eos = torch.tensor(ids, dtype=torch.long)
+        self.ends_at_tokens = tuple(ids)
 
     def __call__(self, input_ids, scores):
         self.eos = self.eos.to(input_ids.device)

@@ -275,6 +275,9 @@ class LlamaForCausalLM(nn.Module):
     decodekit.facade.Model gives it generate(), generate_batch() and init_continuous_batching()."""
 
     returns_attentions = False  # attention runs fused (SDPA, the C++ stack): no weights to return
+    # The compiled steps it runs (core.fused_loop.supports_step): generate(compile=True)'s step over a StaticCache and
+    # continuous batching's over a PagedCache.
+    steps_supported = ("fused", "paged")
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -12,9 +12,9 @@ import torch
 
 from ..core.config import GenerationConfig, apply_fields
 from ..core.generate import PreparedCall, prepare_call
+from ..core.pipeline import build_pipeline, refuse_kept_hooks
 from ..core.processors import LogitsProcessorList
 from ..core.stopping import StoppingCriteriaList
-from ..registry.manager import call_first, call_hooks
 
 
 class Engine(NamedTuple):
@@ -24,6 +24,12 @@ class Engine(NamedTuple):
     name: str
     refused: dict[str, str]
     advice: str
+
+    def refusal(self, owner: str, hook: str) -> ValueError:
+        return ValueError(
+            f"plugin {owner!r} implements {hook} ({self.refused[hook]}) for this configuration, which {self.name} "
+            f"cannot take: {self.advice}"
+        )
 
 
 # What vLLM and llama.cpp keep for themselves; each takes logits processors, a selector and stopping criteria.
@@ -64,7 +70,8 @@ class Chosen:
         than at the engine's first step."""
         with self.registered():
             apply_fields(self.config, fields, caller=caller)
-            self._checked(model, engine, prompt_length=1, max_length=2, batch_size=1, device=device, tokenizer=None)
+            prepared = self._checked(model, prompt_length=1, max_length=2, batch_size=1, device=device, tokenizer=None)
+            refuse_kept_hooks(engine, prepared.config, prepared.context, self.plugins)
         return self
 
     def prepare(
@@ -79,23 +86,16 @@ class Chosen:
         tokenizer=None,
     ) -> CallHooks:
         """The hooks of one call of `batch_size` rows on a `prompt_length`-token prompt that the engine ends at
-        `max_length`: the call checked (_checked), then the chosen plugins' processors, criteria and selector."""
+        `max_length`: the call checked (_checked), then the chosen plugins' pipeline, assembled as every call's is
+        (core.pipeline.build_pipeline), with the hook points `engine` keeps for itself refused."""
         with self.registered():
-            prepared = self._checked(model, engine, prompt_length, max_length, batch_size, device, tokenizer)
-            args = dict(generation_config=prepared.config, context=prepared.context)
-            processors = LogitsProcessorList()
-            for owner, contributed in call_hooks("decodekit_logits_processors", only=self.plugins, **args):
-                processors.extend_from(owner, contributed)
-            criteria = StoppingCriteriaList()
-            for _, contributed in call_hooks("decodekit_stopping_criteria", only=self.plugins, **args):
-                criteria.extend(contributed)
-            selector = call_first("decodekit_token_selector", only=self.plugins, **args)[1]
-        return CallHooks(processors, criteria, selector)
+            prepared = self._checked(model, prompt_length, max_length, batch_size, device, tokenizer)
+            pipeline = build_pipeline(prepared.config, prepared.context, only=self.plugins, engine=engine)
+        return CallHooks(pipeline.processors, pipeline.stopping, pipeline.selector)
 
-    def _checked(self, model, engine, prompt_length, max_length, batch_size, device, tokenizer) -> PreparedCall:
-        """prepare_call for the chosen plugins (each one's validation), then the refusal of a hook point the
-        engine cannot take, naming the plugin and the hook."""
-        prepared = prepare_call(
+    def _checked(self, model, prompt_length, max_length, batch_size, device, tokenizer) -> PreparedCall:
+        """prepare_call for the chosen plugins: each one's validation, the config merged as every call's is."""
+        return prepare_call(
             model,
             self.config,
             prompt_length=prompt_length,
@@ -106,15 +106,6 @@ class Chosen:
             engine_max_length=max_length,
             choose_loop=False,
         )
-        for hook, replaces in engine.refused.items():
-            for owner, _ in call_hooks(
-                hook, only=self.plugins, generation_config=prepared.config, context=prepared.context
-            ):
-                raise ValueError(
-                    f"plugin {owner!r} implements {hook} ({replaces}) for this configuration, which {engine.name} "
-                    f"cannot take: {engine.advice}"
-                )
-        return prepared
 
 
 def choose(method, plugins, trust_remote_code, revision, full_loop_advice: str) -> Chosen:

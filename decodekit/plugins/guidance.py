@@ -75,7 +75,7 @@ def decodekit_validate_config(generation_config, context):
         raise ValueError("guidance_scale is not supported with beam search (num_beams > 1).")
 
 
-@hookimpl(tryfirst=True)
+@hookimpl
 def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     if gc.guidance_scale is None or gc.guidance_scale == 1:
@@ -96,6 +96,8 @@ class UnbatchedClassifierFreeGuidanceLogitsProcessor:
     (default: each row's last token) and follows the generated tokens with its own cache; `use_cache=False` is
     accepted for transformers' signature and still keeps one (the scores are the same).
     """
+
+    stage = "guidance"
 
     def __init__(
         self,
@@ -158,6 +160,8 @@ class ClassifierFreeGuidanceLogitsProcessor:
     """Classifier-free guidance over a doubled batch (transformers' class of this name): `scores` hold 2B rows, the
     conditional ones first and the unconditional ones after; returns the B rows
     uncond + (cond - uncond) * `guidance_scale` (> 1). generate(guidance_scale=...) uses the unbatched class."""
+
+    stage = "guidance"
 
     def __init__(self, guidance_scale: float):
         if not is_number(guidance_scale) or not guidance_scale > 1:

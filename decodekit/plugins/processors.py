@@ -1,9 +1,9 @@
 """Built-in logits processors (penalties, constraints, sampling warpers), chosen from the generation config.
 
-They run in transformers' order: penalties and constraints first, then the sampling warpers in WARPER_ORDER (llama.cpp's
-chain replaces them where the call asks for it: plugins/llamacpp_samplers.py, its own order), then the other plugins'
-processors (the watermark's, after the warpers as in transformers), and renormalize_logits last of all (a trylast
-hook of this plugin).
+Each declares its stage (core.processors.STAGES), which places it in the call's pipeline: the biases, penalties, bans and
+forced tokens in transformers' order ("penalties"), then the sampling warpers in WARPER_ORDER ("samplers"; llama.cpp's
+chain replaces them where the call asks for it: plugins/llamacpp_samplers.py, its own order), and renormalize_logits
+last of all ("final").
 """
 
 from ..core.processors import (
@@ -128,7 +128,7 @@ def decodekit_validate_config(generation_config):
             raise gc.invalid(name, "expected a number in [-2, 2] (0: off), as OpenAI's")
 
 
-@hookimpl(tryfirst=True)
+@hookimpl
 def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     eos = gc.eos_token_ids
@@ -173,9 +173,6 @@ def decodekit_logits_processors(generation_config, context):
         # keeps one token more than there are EOS ids, so a beam can always go on (transformers' rule).
         keep = (len(eos) + 1 if eos else 2) if gc.number("num_beams", 1) > 1 else 1
         out.extend(w for w in (make(gc, keep) for _, make in WARPER_ORDER) if w is not None)
+    if gc.renormalize_logits:
+        out.append(LogitNormalization())
     return out
-
-
-@hookimpl(trylast=True, specname="decodekit_logits_processors")
-def renormalize_last(generation_config):
-    return [LogitNormalization()] if generation_config.renormalize_logits else []

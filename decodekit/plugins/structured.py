@@ -71,7 +71,7 @@ def decodekit_validate_config(generation_config, context):
         raise gc.invalid(field, f"the grammar engine says: {str(error).strip()}") from None
 
 
-@hookimpl(tryfirst=True)
+@hookimpl
 def decodekit_logits_processors(generation_config, context):
     gc = generation_config
     field = next((name for name in FIELDS if getattr(gc, name) is not None), None)
@@ -348,6 +348,7 @@ class GrammarLogitsProcessor(Processor):
     grammar (a token forced past the mask by something else) is not masked further.
     """
 
+    stage = "constraints"
     host_mask = True  # a compiled step (compile=True) takes step_mask's result as an input
     finishes = True  # finish() reports rows cut off before the constraint allowed an end
 

@@ -184,8 +184,8 @@ def decodekit_validate_config(generation_config):
 
 @hookimpl
 def decodekit_logits_processors(generation_config, context):
-    """The watermark processor of this call, after the built-in warpers (whose plugin's hook runs first) and before
-    renormalize_logits (a trylast hook), as transformers places it."""
+    """The watermark processor of this call: its stage ("post") places it after the sampling warpers and before
+    renormalize_logits, as transformers places it."""
     processor = processor_for(generation_config, context)
     return [processor] if processor is not None else []
 
@@ -236,6 +236,8 @@ class WatermarkLogitsProcessor:
     `vocab_size`: the model's vocabulary size; `device`: where the green lists are drawn (the detector must draw
     them on the same kind of device); the rest are WatermarkingConfig's fields, with its defaults.
     """
+
+    stage = "post"
 
     def __init__(
         self,
@@ -432,6 +434,8 @@ class SynthIDTextWatermarkLogitsProcessor:
 
     Takes transformers' arguments (SynthIDTextWatermarkingConfig's fields and `device`); `debug_mode` replaces the
     scores by ones first, so only the watermark shows."""
+
+    stage = "post"
 
     def __init__(
         self,

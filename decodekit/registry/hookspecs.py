@@ -5,10 +5,12 @@ calls them once per generate() call to assemble the pipeline, never per token. E
 GenerationConfig and a GenerationContext (model, batch size, prompt length, max length, device,
 tokenizer, random generator); an implementation may take only the arguments it needs.
 
-Order: pluggy calls the most recently registered plugin first. For the list hooks, the built-ins are
-marked `tryfirst`, so processors and criteria from outside plugins run after the built-in ones.
-For the firstresult hooks (selector, cache), the most recently registered plugin that returns
-something other than None wins, so an outside plugin overrides a built-in by returning a value.
+Order. Logits processors run by stage, declared by each processor (`stage`, one of core.processors.STAGES:
+guidance, constraints, penalties, samplers, post, final); one that declares none runs in "penalties", after
+decodekit's own penalties and before the sampling warpers. Within a stage: the built-ins, then the other plugins in the
+order they registered, then processors passed to generate() (docs/plugins.md). Stopping criteria: the built-ins
+(`tryfirst`), then the others. For the firstresult hooks (selector, cache, loop), the most recently registered plugin
+that returns something other than None wins, so an outside plugin overrides a built-in by returning a value.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def decodekit_validate_config(generation_config, context):
 
 @hookspec
 def decodekit_logits_processors(generation_config, context):
-    """The logits hook point: a list of processors `(input_ids, scores) -> scores`, applied in order."""
+    """The logits hook point: a list of processors `(input_ids, scores) -> scores`, applied in order within the
+    stage each declares (see Order above)."""
 
 
 @hookspec(firstresult=True)

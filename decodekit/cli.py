@@ -834,7 +834,7 @@ def cmd_download(args) -> int:
     elif args.gguf_file:
         patterns = [args.gguf_file, "generation_config.json"]
     else:
-        from .loading.pretrained import MODEL_FILE_PATTERNS
+        from .loading.files import MODEL_FILE_PATTERNS
         from .loading.tokenizer import _TOKENIZER_FILES, _TRANSFORMERS_TOKENIZER_FILES
 
         patterns = [*MODEL_FILE_PATTERNS, *_TOKENIZER_FILES, *_TRANSFORMERS_TOKENIZER_FILES]

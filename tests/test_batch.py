@@ -253,53 +253,64 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
     assert all("generated_token_ids" in row for row in read_output(out))  # every line whole
 
 
-@pytest.mark.parametrize("delay", [0.5, 4.0, 7.0], ids=["while-loading", "early", "later"])
-def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_output(tmp_path, delay):
+FACTS = [f"Fact number {i}:" for i in range(12)]
+
+
+def batch_command(source, out, interrupt_at=None):
+    """`decodekit batch` of `source` into `out`, one prompt at a time (rows land as it runs), in a child that takes
+    SIGINT as a terminal delivers it: (exit code, stderr). `interrupt_at`: SIGINT once `out` holds that many rows
+    (0: half a second after the start, while the model loads), counted in rows rather than seconds so that a busy
+    machine interrupts at the same point."""
     import signal
     import subprocess
     import sys
+    import time
 
-    write_input(tmp_path / "in.jsonl", [f"Fact number {i}:" for i in range(24)])
-    command = [
-        sys.executable,
-        "-m",
-        "decodekit.cli",
-        "batch",
-        str(tmp_path / "in.jsonl"),
-        None,
-        "--no-progress",
-        "--max-new-tokens",
-        "6",
-        "--arg",
-        "num_beams=2",
-    ]  # one prompt at a time: many rows land as it runs
-
-    def run(out, interrupt_after=None):
-        argv = [str(out) if part is None else part for part in command]
-        process = subprocess.Popen(
-            argv, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
-        )
-        if interrupt_after is not None:
-            try:
-                process.wait(timeout=interrupt_after)
-            except subprocess.TimeoutExpired:
+    argv = [sys.executable, "-m", "decodekit.cli", "batch", str(source), str(out), "--no-progress"]
+    argv += ["--max-new-tokens", "6", "--arg", "num_beams=2"]
+    process = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    if interrupt_at is not None:
+        deadline = time.monotonic() + 300
+        if interrupt_at == 0:
+            time.sleep(0.5)
+        while process.poll() is None and time.monotonic() < deadline:
+            if interrupt_at == 0 or (out.exists() and out.read_text().count("\n") >= interrupt_at):
                 process.send_signal(signal.SIGINT)
-        err = process.communicate(timeout=300)[1]
-        return process.returncode, err
+                break
+            time.sleep(0.02)
+    err = process.communicate(timeout=300)[1]
+    return process.returncode, err
 
-    whole = tmp_path / "whole.jsonl"
-    assert run(whole)[0] == 0
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The batch of FACTS run once without interruption: the output every interrupted run must end with."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    write_input(folder / "in.jsonl", FACTS)
+    assert batch_command(folder / "in.jsonl", folder / "whole.jsonl")[0] == 0
+    return read_output(folder / "whole.jsonl")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 6], ids=["while-loading", "early", "later"])
+def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_output(tmp_path, rows, uninterrupted):
+    import signal
+
+    write_input(tmp_path / "in.jsonl", FACTS)
     out = tmp_path / "out.jsonl"
-    code, err = run(out, interrupt_after=delay)
+    code, err = batch_command(tmp_path / "in.jsonl", out, interrupt_at=rows)
     if code == -signal.SIGINT:  # it came before Python had its own handler (a busy machine's first 0.5 s): the
         assert not out.exists() or out.read_text() == ""  # process ended as any program does, nothing written yet
     elif code != 0:  # stopped: one message, no traceback, every line on disk whole
         assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         if out.exists():
             assert all("generated_token_ids" in row for row in read_output(out))
-    assert run(out)[0] == 0
+    if rows:
+        assert code == 130 and len(read_output(out)) < len(FACTS)  # stopped part way: the resume has work to do
+    assert batch_command(tmp_path / "in.jsonl", out)[0] == 0
     by_id = lambda rows: sorted(rows, key=lambda row: json.dumps(row["id"]))  # noqa: E731
-    assert by_id(read_output(out)) == by_id(read_output(whole))
+    assert by_id(read_output(out)) == by_id(uninterrupted)
 
 
 @pytest.mark.parametrize(

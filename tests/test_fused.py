@@ -466,6 +466,8 @@ def test_what_can_fuse_is_read_from_declarations():
     assert "does not declare a fused step" in unfusable_reason(object(), pipeline, gc)
     pipeline.processors = [MinLengthLogitsProcessor(9, [2, 3])]
     assert "bans other tokens than the call's EOS ids [2]" in unfusable_reason(OwnModel(), pipeline, gc)
-    assert processor_key(TopKLogitsWarper(4)) == processor_key(TopKLogitsWarper(4)) != processor_key(TopKLogitsWarper(5))
+    assert (
+        processor_key(TopKLogitsWarper(4)) == processor_key(TopKLogitsWarper(4)) != processor_key(TopKLogitsWarper(5))
+    )
     function = lambda input_ids, scores: scores  # noqa: E731
     assert processor_key(function) == processor_key(function) != processor_key(lambda input_ids, scores: scores)

@@ -18,7 +18,7 @@ llama_cpp = pytest.importorskip(
     "it from source in its own environment and runs these tests",
 )
 
-from decodekit.core.llamacpp_samplers import (  # noqa: E402
+from decodekit.core.sampler_chain import (  # noqa: E402
     DRYLogitsProcessor,
     DynamicTemperatureLogitsWarper,
     MirostatSelector,

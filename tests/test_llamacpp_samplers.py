@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decodekit.batching import RequestStatus
-from decodekit.core.llamacpp_samplers import DRYLogitsProcessor, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper
+from decodekit.core.sampler_chain import DRYLogitsProcessor, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper
 from decodekit.testing import tiny_model
 
 PROMPT = torch.tensor([[5, 9, 14, 9, 14]])
@@ -83,7 +83,7 @@ def test_dry_breakers_are_found_for_the_tokens_a_context_holds_with_each_rest_to
     # the context is checked once, and each breaker's rest is tokenized once, whatever the vocabulary.
     import random
 
-    from decodekit.core.llamacpp_samplers import DryBreakers, dry_breaker_sequences
+    from decodekit.core.sampler_chain import DryBreakers, dry_breaker_sequences
 
     _, tok = default_model
     random.seed(0)
@@ -204,7 +204,7 @@ def test_beam_sampling_takes_the_score_shaping_samplers(model, fields):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_mirostat_under_beam_sampling_keeps_its_state_per_beam(model, version):
-    from decodekit.core.llamacpp_samplers import MirostatLogitsProcessor
+    from decodekit.core.sampler_chain import MirostatLogitsProcessor
 
     kwargs = dict(
         do_sample=True, num_beams=2, seed=2, max_new_tokens=8, eos_token_id=None, mirostat=version, mirostat_tau=2.0

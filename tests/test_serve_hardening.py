@@ -197,12 +197,23 @@ def test_requests_that_cannot_fit_cost_no_memory(server):
 
 
 def test_a_large_prompt_does_not_hold_the_event_loop(server):
-    slow = threading.Thread(target=completion, args=(server,), kwargs={"prompt": "word " * 380_000})
+    took = {}
+
+    def slow_request():
+        started = time.monotonic()
+        completion(server, prompt="word " * 380_000)
+        took["slow"] = time.monotonic() - started
+
+    slow = threading.Thread(target=slow_request)
     slow.start()
     time.sleep(0.05)
+    started = time.monotonic()
     assert server.healthy()
-    assert slow.is_alive()  # answered while the ~380k tokens are still being tokenized, in a worker thread
+    health = time.monotonic() - started
     slow.join()
+    # Tokenizing ~380k tokens runs in a worker thread: the health check, sent while it runs, is not held until it
+    # ends. Compared with the large request's own time, so a busy machine slows both alike.
+    assert health < took["slow"] / 2, (health, took)
 
 
 def test_a_chunked_body_is_cut_at_the_byte_limit(server):
@@ -469,26 +480,28 @@ STORM_TOOLS = [
 
 
 def storm_request(i: int) -> tuple[str, dict]:
-    """The i-th request of the storm: (path, body), streaming, of six kinds, greedy but one sampled with a seed."""
-    ask = [{"role": "user", "content": f"Question {i % 4}: what is the weather like in Paris?"}]
+    """The i-th request of the storm: (path, body), streaming, of six kinds, greedy but one sampled with a seed; twelve
+    distinct ones."""
+    v = (i // 6) % 2
+    ask = [{"role": "user", "content": f"Question {v}: what is the weather like in Paris?"}]
     kinds = [
-        ("/v1/completions", {"prompt": f"Story {i % 4}:", "max_tokens": 12}),
+        ("/v1/completions", {"prompt": f"Story {v}:", "max_tokens": 12}),
         ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "response_format": {"type": "json_object"}}),
         ("/v1/chat/completions", {"messages": ask, "max_tokens": 16, "tools": STORM_TOOLS}),
-        ("/v1/completions", {"prompt": f"List {i % 4}:", "max_tokens": 10, "logprobs": 2}),
-        ("/v1/completions", {"prompt": f"Poem {i % 4}:", "max_tokens": 8, "n": 2, "temperature": 0.9, "seed": i % 4}),
-        ("/v1/completions", {"prompt": f"Count {i % 4}: one, two,", "max_tokens": 12, "stop": [","]}),
+        ("/v1/completions", {"prompt": f"List {v}:", "max_tokens": 10, "logprobs": 2}),
+        ("/v1/completions", {"prompt": f"Poem {v}:", "max_tokens": 8, "n": 2, "temperature": 0.9, "seed": v}),
+        ("/v1/completions", {"prompt": f"Count {v}: one, two,", "max_tokens": 12, "stop": [","]}),
     ]
     path, body = kinds[i % len(kinds)]
     return path, {"temperature": 0, **body, "stream": True}
 
 
 def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(server):
-    # 48 streaming requests of six kinds from 8 clients, about 40% of which go away at a random point. Afterwards
+    # 36 streaming requests of six kinds from 8 clients, about 40% of which go away at a random point. Afterwards
     # nothing runs or waits, no cache block is held, memory is back; every request that was read to its end gave
     # the text the same request gives alone.
     alone = {}
-    for i in range(24):  # each distinct request once, alone; also the allocator's and tokenizer's first use
+    for i in range(12):  # each distinct request once, alone; also the allocator's and tokenizer's first use
         path, body = storm_request(i)
         alone[json.dumps([path, body], sort_keys=True)] = stream_text(server, path, body)
     assert server.idle()
@@ -513,9 +526,9 @@ def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(
         return stream_text(server, path, body) == alone[json.dumps([path, body], sort_keys=True)]
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(48)))
+        results = list(pool.map(one, range(36)))
     read = [r for r in results if r is not None]
-    assert len(read) >= 10 and all(read), results
+    assert len(read) >= 8 and all(read), results
     assert server.idle(timeout=60), server.metrics()
     assert server.rss() - rss < RSS_BOUND and server.healthy()
 

@@ -449,3 +449,37 @@ def test_responses_validate_against_openais_own_types(server, stream):
                 for choice in chunk["choices"]:
                     choice["finish_reason"] = choice["finish_reason"] or "stop"
             validated(chunk_type, chunk)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_response_model_validates_against_openais_own_types(chat):
+    """The server's answers are built by one class (serve/responses.Answers), each shape a pydantic model: a whole
+    answer, a streamed piece and the last chunk with usage, with logprobs and tool calls, each as OpenAI's types
+    declare it (no field they do not know, none missing)."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from decodekit.serve.responses import Answers, Usage
+
+    answers = Answers(chat, "cmpl-1", 1700000000, NAME)
+    logprobs = answers.logprobs(["Hel", "lo"], [-0.5, -9999.0], [[("Hel", -0.5), ("Hi", -1.5)], [("lo", -9999.0)]], 0)
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    whole = answers.whole([answers.choice(0, "Hello", "stop", logprobs, delta=False)], usage).out()
+    piece = answers.chunk([answers.choice(0, "Hel", None, logprobs, delta=True)]).out()
+    last = answers.chunk([], usage).out()
+    assert "usage" not in piece and last["choices"] == [] and last["usage"]["total_tokens"] == 5
+    if not chat:
+        assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 3]
+        validated(Completion, whole)
+        validated(Completion, {**piece, "choices": [{**piece["choices"][0], "finish_reason": "stop"}]})
+        validated(Completion, last)
+        return
+    called = answers.whole([answers.choice(0, None, "tool_calls", None, delta=False, tool_calls=calls)], usage).out()
+    streamed_call = answers.chunk([answers.choice(0, None, "tool_calls", None, delta=True, tool_calls=calls)]).out()
+    assert "tool_calls" not in whole["choices"][0]["message"] and called["choices"][0]["message"]["content"] is None
+    assert streamed_call["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    for data in (whole, called):
+        validated(ChatCompletion, data)
+    for data in (piece, last, streamed_call):
+        validated(ChatCompletionChunk, data)

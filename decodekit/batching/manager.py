@@ -319,7 +319,7 @@ class ContinuousBatchingManager:
             if request_id in self._outputs:
                 raise ValueError(f"request_id={request_id!r} is already in use.")
             # Requests that free running slots will take at the next step do not wait: a burst arriving between two
-            # steps was refused while slots were free.
+            # steps must not be refused while slots are free.
             free = max(0, self.scheduler.max_running - len(self.scheduler.running))
             waiting = max(0, len(self._incoming) + len(self.scheduler.waiting) - free)
             if self.max_queue_size and waiting >= self.max_queue_size:

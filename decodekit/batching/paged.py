@@ -254,7 +254,7 @@ class PagedBatch:
         for s in segments:
             length = s.first + s.end - s.start
             slots = slots_of(self.tables, s.row, torch.arange(length), bs).to(keys.device)
-            # Gathered as [L, KV, D] (whole rows: 5x faster than gathering [KV, L, D] from the transposed pool) and
+            # Gathered as [L, KV, D] (whole rows, far faster than [KV, L, D] from the transposed pool) and
             # passed as a [1, KV, L, D] view: the kernel and SDPA read rows at a stride.
             k = keys.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)
             v = values.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)

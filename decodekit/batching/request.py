@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.config import GenerationConfig, is_int
-from ..core.generate import check_prompt_ids, configured, prepare_call
+from ..core.generate import call_config, check_prompt_ids, prepare_call
 from ..core.processors import check_scores, observe_processors, unusable_rows
 from ..core.selectors import GreedySelector, SamplingSelector, race_rows
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
@@ -114,6 +114,26 @@ class Request:
     # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
     observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
 
+    @classmethod
+    def of(cls, device, request_id, prompt, gc, pipeline, max_length, streaming, extras, method) -> Request:
+        """A fresh request of gc.num_return_sequences rows, each the prompt, unfinished."""
+        rows = gc.num_return_sequences
+        return cls(
+            id=request_id,
+            prompt=prompt,
+            config=gc,
+            pipeline=pipeline,
+            max_length=max_length,
+            streaming=streaming,
+            logprobs=extras.get("logprobs", False),
+            top_logprobs=extras.get("top_logprobs", 0),
+            sequences=torch.tensor([prompt] * rows, dtype=torch.long, device=device),
+            unfinished=torch.ones(rows, dtype=torch.bool, device=device),
+            pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=device),
+            method=method,
+            observer=extras.get("observer"),
+        )
+
     @property
     def rows(self) -> int:
         return self.sequences.shape[0]
@@ -135,6 +155,10 @@ class Request:
         processors, selector, stopping. Returns the new tokens [rows]. `chosen`: the tokens select_together chose."""
         p = self.pipeline
         scores = logits.float()
+        if scores.shape[0] > 1 and scores.stride(0) == 0:
+            # A new request's rows share its prompt's logits (an expanded view): a processor may write into the
+            # scores it is given, so each row gets its own.
+            scores = scores.contiguous()
         if chosen is None:
             with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
                 scores = p.processors(self.sequences, scores)
@@ -310,7 +334,7 @@ def prepare_request(
     method = methods.get(extras.get("custom_generate"), extras.get("trust_remote_code"))
     logprobs, top = extras.get("logprobs", False), extras.get("top_logprobs", 0)
     with method.registered() if method is not None else contextlib.nullcontext():
-        gc, model_kwargs = configured(model, generation_config, options)
+        gc, model_kwargs = call_config(model, generation_config, options)
         if model_kwargs:
             raise ValueError(f"add_request() takes the prompt as input_ids only; got {sorted(model_kwargs)} as well.")
         rows = gc.num_return_sequences
@@ -341,19 +365,5 @@ def prepare_request(
             "This configuration reads next-token logits another way (a plugin's decodekit_next_token_logits, "
             "e.g. DoLa); continuous batching reads the last position's logits only."
         )
-    sequences = torch.tensor([prompt] * rows, dtype=torch.long, device=model.device)
-    return Request(
-        id=request_id,
-        prompt=prompt,
-        config=gc,
-        pipeline=pipeline,
-        max_length=call.max_length,
-        streaming=streaming,
-        logprobs=logprobs,
-        top_logprobs=top,
-        sequences=sequences,
-        unfinished=torch.ones(rows, dtype=torch.bool, device=model.device),
-        pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=model.device),
-        method=method.method.source.label if method is not None else None,
-        observer=extras.get("observer"),
-    )
+    label = method.method.source.label if method is not None else None
+    return Request.of(model.device, request_id, prompt, gc, pipeline, call.max_length, streaming, extras, label)

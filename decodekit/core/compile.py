@@ -107,8 +107,8 @@ def argument_guards_only(entries) -> list[bool]:
 
 # Inductor inlines a cheap elementwise producer (a norm, a residual sum) into every loop that reads it. A
 # one-row matmul written as a broadcast multiply and a sum (linear.one_row, llama.one_query_attention)
-# would then recompute its input once per output row (inductor's CPU default of 12 reads made the int8 default
-# model's token 2.5x slower than 1). At 1, though, every product of two tensors is stored, the attention's too:
+# would then recompute its input once per output row (inductor's CPU default of 12 reads: docs/performance.md). At 1,
+# though, every product of two tensors is stored, the attention's too:
 # q * k over a 256-slot cache became a [3, 3, 256, 64] buffer written and read back, twice a layer. 3 keeps the
 # norms stored and the attention products fused, faster than 1 and than 5 (docs/performance.md).
 # A norm has three reads, so it was still recomputed in the inner loop of the product after it: for bf16

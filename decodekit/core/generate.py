@@ -93,7 +93,7 @@ _warned_unused: set[str] = set()
 
 
 def warn_unused_sampling_fields(gc: GenerationConfig, given: dict[str, Any]) -> None:
-    """Says which of SAMPLING_ONLY the call `given` set without sampling; for a validated config (settle_config)."""
+    """Says which of SAMPLING_ONLY the call `given` set without sampling; for a validated config (validate_for_model)."""
     if gc.do_sample is not False:
         return
     unused = [
@@ -140,7 +140,7 @@ def check_call_objects(streamer, logits_processor, stopping_criteria, past_key_v
         )
 
 
-def settle_config(model, gc: GenerationConfig) -> None:
+def validate_for_model(model, gc: GenerationConfig) -> None:
     """Validates the call's config for the model's vocabulary and, as transformers does, pads with the first EOS
     where no pad_token_id is set."""
     gc.validate(getattr(getattr(model, "config", None), "vocab_size", None))
@@ -182,13 +182,13 @@ class PreparedCall:
     plugins: set[str] | None = None
 
 
-def configured(model, generation_config: GenerationConfig | None, fields: dict[str, Any]):
+def call_config(model, generation_config: GenerationConfig | None, fields: dict[str, Any]):
     """(config, model inputs) of a call: the model's config (or the one given) with `fields` applied (merge_config:
-    an unknown name is an error), validated for the model (settle_config), and a word for sampling fields that a
+    an unknown name is an error), validated for the model (validate_for_model), and a word for sampling fields that a
     greedy call would ignore."""
     given = dict(fields)
     gc, model_kwargs = merge_config(model, generation_config, fields)
-    settle_config(model, gc)
+    validate_for_model(model, gc)
     warn_unused_sampling_fields(gc, given)
     return gc, model_kwargs
 
@@ -208,7 +208,7 @@ def prepare_call(
     plugins: set[str] | None = None,
     engine_max_length: int | None = None,
 ) -> PreparedCall:
-    """The one preparation every entry point shares, after configured(): the call's limits (nothing to generate, an
+    """The one preparation every entry point shares, after call_config(): the call's limits (nothing to generate, an
     invalid seed: ValueError), `before_hooks(max_length)` (the caller's own checks that must come before any plugin
     runs: a request's admission), the hooks' context, every plugin's decodekit_validate_config, and the decoding
     loop a plugin claims (where `choose_loop`). `plugins`: the names whose hooks run (None: every registered one);
@@ -240,7 +240,7 @@ def prepare_call(
     return PreparedCall(gc, context, max_length, generator, owner, loop, plugins)
 
 
-def shaped_for_call(model, gc: GenerationConfig, call: PreparedCall, loop, input_ids, attention_mask, tokenizer):
+def loop_inputs(model, gc: GenerationConfig, call: PreparedCall, loop, input_ids, attention_mask, tokenizer):
     """(input_ids, attention_mask, context) as the loop runs them: each prompt repeated for its rows
     (num_return_sequences, or what the claimed loop asks), the call's size checked, the prompt healed (token_healing,
     the length counted again from the healed prompt), and the context saying the batch and its left padding."""
@@ -277,15 +277,16 @@ def check_prompt_ids(model, input_ids) -> None:
         raise ValueError(f"input_ids contains the token id {bad}, outside the vocabulary [0, {vocab}).")
 
 
-def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
-    """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
+def checked_ids(model, gc: GenerationConfig, input_ids) -> torch.Tensor:
+    """input_ids checked (an integer tensor [batch, seq], ids inside the vocabulary) and copied to the model's
+    device; None: one row starting at BOS, as transformers does."""
     if input_ids is None:
         if gc.bos_token_id is None:
             raise ValueError(
                 "generate() needs input_ids (a LongTensor [batch, seq]), e.g. tokenizer(text, "
                 "return_tensors='pt'); without them it starts from bos_token_id, which is not set."
             )
-        input_ids = torch.tensor([[gc.bos_token_id]])  # as transformers: no prompt means one row starting at BOS
+        input_ids = torch.tensor([[gc.bos_token_id]])
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int, torch.int32):
         raise ValueError(
             f"input_ids must be an integer torch.Tensor [batch, seq], got {type(input_ids).__name__}"
@@ -298,7 +299,12 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
             "for a single prompt use input_ids[None]."
         )
     check_prompt_ids(model, input_ids)
-    input_ids = input_ids.to(model.device, torch.long, copy=True)  # a processor that writes into it writes into ours
+    return input_ids.to(model.device, torch.long, copy=True)  # a processor that writes into it writes into ours
+
+
+def checked_mask(model, gc: GenerationConfig, input_ids: torch.Tensor, attention_mask):
+    """attention_mask checked (0s and 1s, input_ids' shape) on the model's device; without one, inferred from a
+    run of pad tokens at the start of a row."""
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
             shape = (
@@ -311,17 +317,24 @@ def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
             )
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (token).")
-        attention_mask = attention_mask.long().to(model.device)
-    elif gc.pad_token_id is not None and bool((input_ids[:, 0] == gc.pad_token_id).any()):
-        # Infer the mask from left padding: only a run of pad tokens at the start is padding. A pad id later
-        # on is a real token (it is often EOS too, e.g. <|im_end|> inside a chat prompt).
-        attention_mask = 1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1)
-    elif input_ids.shape[0] > 1 and gc.pad_token_id is not None and bool((input_ids[:, -1] == gc.pad_token_id).any()):
+        return attention_mask.long().to(model.device)
+    if gc.pad_token_id is not None and bool((input_ids[:, 0] == gc.pad_token_id).any()):
+        # Only a run of pad tokens at the start is padding. A pad id later on is a real token (it is often EOS too,
+        # e.g. <|im_end|> inside a chat prompt).
+        return 1 - (input_ids == gc.pad_token_id).long().cumprod(dim=1)
+    if input_ids.shape[0] > 1 and gc.pad_token_id is not None and bool((input_ids[:, -1] == gc.pad_token_id).any()):
         logger.warning(
             "A prompt ends with the pad token %d and no attention_mask was given: if the batch is right-padded, "
             "pass attention_mask and pad on the left (tokenizer padding_side='left').",
             gc.pad_token_id,
         )
+    return None
+
+
+def prepare_inputs(model, gc: GenerationConfig, input_ids, attention_mask):
+    """Validates input_ids and attention_mask; infers a mask from left padding; drops an all-ones mask."""
+    input_ids = checked_ids(model, gc, input_ids)
+    attention_mask = checked_mask(model, gc, input_ids, attention_mask)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and input_ids.shape[1] > context:
         logger.warning(
@@ -428,9 +441,8 @@ class GenerationMixin:
         """
         if isinstance(custom_generate, (str, os.PathLike)):
             given = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor)
-            given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer)
-            given.update(seed=seed, generator=generator)
-            return run_method(self, custom_generate, trust_remote_code, given, kwargs)
+            given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed)
+            return run_method(self, custom_generate, trust_remote_code, {**given, "generator": generator}, kwargs)
         if custom_generate is not None and not callable(custom_generate):
             raise ValueError(
                 f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
@@ -442,34 +454,27 @@ class GenerationMixin:
             if "input_ids" in kwargs:
                 raise ValueError("Pass the prompt once: as `inputs` or as `input_ids`, not both.")
             kwargs["input_ids"] = inputs
-        gc, model_kwargs = configured(self, generation_config, kwargs)
+        gc, model_kwargs = call_config(self, generation_config, kwargs)
         input_ids, attention_mask = prepare_inputs(
             self, gc, model_kwargs.get("input_ids"), model_kwargs.get("attention_mask")
         )
+        batch, prompt_length = input_ids.shape
         call = prepare_call(
-            self,
-            gc,
-            prompt_length=input_ids.shape[1],
-            batch_size=input_ids.shape[0],
-            device=input_ids.device,
-            seed=seed,
-            generator=generator,
-            tokenizer=tokenizer,
-            choose_loop=custom_generate is None,
-        )
+            self, gc, prompt_length=prompt_length, batch_size=batch, device=input_ids.device, seed=seed,
+            generator=generator, tokenizer=tokenizer, choose_loop=custom_generate is None,
+        )  # fmt: skip
         loop = checked_loop(call.loop_owner, call.loop)
         check_inner_outputs(self, gc, loop)
-        input_ids, attention_mask, context = shaped_for_call(self, gc, call, loop, input_ids, attention_mask, tokenizer)
+        input_ids, attention_mask, context = loop_inputs(self, gc, call, loop, input_ids, attention_mask, tokenizer)
         pipeline = build_pipeline(gc, context, logits_processor, stopping_criteria, model_kwargs.get("past_key_values"))
+        arguments = (input_ids, attention_mask, pipeline, gc)
         if loop is not None:
-            result = run_loop(call.loop_owner, loop, self, input_ids, attention_mask, pipeline, gc, streamer, context)
+            result = run_loop(call.loop_owner, loop, self, *arguments, streamer, context)
         elif custom_generate is not None:
-            result = run_callable(
-                custom_generate, self, input_ids, attention_mask, pipeline, gc, context, streamer, method_extras
-            )
+            result = run_callable(custom_generate, self, *arguments, context, streamer, method_extras)
         else:
-            result = decode(self, input_ids, attention_mask, pipeline, gc, streamer)
-        return finished(pipeline, result)
+            result = decode(self, *arguments, streamer)
+        return finish_processors(pipeline, result)
 
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
@@ -528,7 +533,7 @@ def run_callable(fn, model, input_ids, attention_mask, pipeline: Pipeline, gc, c
     )
 
 
-def finished(pipeline: Pipeline, result):
+def finish_processors(pipeline: Pipeline, result):
     """generate()'s result, after each processor that declares `finishes` has seen it (structured output reports
     rows cut off before their constraint allowed an end)."""
     for processor in pipeline.processors:
@@ -632,10 +637,7 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
         extra["output_hidden_states"] = True
     if gc.output_attentions:
         extra["output_attentions"] = True
-    scores_out: list[torch.Tensor] | None = [] if gc.output_scores else None
-    logits_out: list[torch.Tensor] | None = [] if gc.output_logits else None
-    hidden_out: list | None = [] if gc.output_hidden_states else None
-    attentions_out: list | None = [] if gc.output_attentions else None
+    kept = StepOutputs(gc)
     rows = Rows(input_ids, gc, streamer)
 
     # Positions follow the real tokens of each row, wherever the forward takes them (token_positions).
@@ -659,17 +661,10 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             **extra,
         )
         raw = pipeline.next_token_logits(out)
-        if hidden_out is not None:
-            hidden_out.append(out.hidden_states)
-        if attentions_out is not None:
-            attentions_out.append(out.attentions)
-        scores = raw.float() if raw.dtype != torch.float32 else raw
-        if logits_out is not None:
-            logits_out.append(scores.clone())
+        scores = kept.forward(out, raw.float() if raw.dtype != torch.float32 else raw)
         scores = pipeline.processors(input_ids, scores)
         check_scores(pipeline.processors, scores, rows.unfinished, input_ids.shape[1])
-        if scores_out is not None:
-            scores_out.append(scores.clone())
+        kept.processed(scores)
         next_tokens = rows.chosen(pipeline.selector(input_ids, scores))
         input_ids = torch.cat((input_ids, next_tokens[:, None]), dim=-1)
         if not rows.advance(next_tokens, pipeline.stopping(input_ids, scores)):
@@ -684,4 +679,29 @@ def decode(model, input_ids, attention_mask, pipeline: Pipeline, gc: GenerationC
             step_ids = input_ids
             step_positions = token_positions(model, input_ids, attention_mask) if positions is not None else None
     rows.end()
-    return loop_result(gc, input_ids, cache, scores_out, logits_out, hidden_out, attentions_out)
+    return loop_result(gc, input_ids, cache, kept.scores, kept.logits, kept.hidden_states, kept.attentions)
+
+
+class StepOutputs:
+    """What the decode loop keeps of each step for a dict output: the processed scores, the raw logits, the hidden
+    states and attentions, each a list where the config asks for it, else None."""
+
+    def __init__(self, gc: GenerationConfig):
+        self.scores: list | None = [] if gc.output_scores else None
+        self.logits: list | None = [] if gc.output_logits else None
+        self.hidden_states: list | None = [] if gc.output_hidden_states else None
+        self.attentions: list | None = [] if gc.output_attentions else None
+
+    def forward(self, out, logits: torch.Tensor) -> torch.Tensor:
+        """Keeps what the step's forward gave; returns `logits`."""
+        if self.hidden_states is not None:
+            self.hidden_states.append(out.hidden_states)
+        if self.attentions is not None:
+            self.attentions.append(out.attentions)
+        if self.logits is not None:
+            self.logits.append(logits.clone())
+        return logits
+
+    def processed(self, scores: torch.Tensor) -> None:
+        if self.scores is not None:
+            self.scores.append(scores.clone())

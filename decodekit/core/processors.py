@@ -213,7 +213,7 @@ class LogitsProcessorList(list):
 def unusable_rows(scores: torch.Tensor) -> torch.BoolTensor:
     """The rows [B] of `scores` [B, V] no token can be chosen from: a NaN, or -inf for every token."""
     # One pass: a row's maximum is NaN where the row holds one (amax propagates NaN) and -inf only where every score
-    # is. The four passes of isnan/any/isneginf/all cost a continuous-batching step some thirty times as much.
+    # is; four passes of isnan/any/isneginf/all weighed on every continuous-batching step (docs/performance.md).
     top = scores.amax(-1)
     return top.isnan() | (top == float("-inf"))
 

@@ -270,6 +270,22 @@ def static_masks(key_mask: torch.Tensor, slots: torch.Tensor, windows: set) -> d
     return masks
 
 
+def _check_forward_arguments(input_ids, inputs_embeds, ignored: dict) -> None:
+    """TypeError for an argument forward() does not take (output_attentions=True among them: attention runs fused);
+    ValueError unless exactly one of input_ids (2-D) and inputs_embeds is given."""
+    unknown = set(ignored) - {"output_attentions"}
+    if unknown or ignored.get("output_attentions"):
+        raise TypeError(
+            f"forward() got unsupported arguments {sorted(unknown or ['output_attentions=True'])}; it accepts "
+            "input_ids, attention_mask, position_ids, past_key_values, use_cache, output_hidden_states, "
+            "inputs_embeds, logits_to_keep, exit_layer."
+        )
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("forward() needs exactly one of input_ids or inputs_embeds.")
+    if input_ids is not None and input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}.")
+
+
 class LlamaForCausalLM(nn.Module):
     """A decoder-only Llama-family model with the transformers forward contract. It knows nothing of generation:
     decodekit.facade.Model gives it generate(), generate_batch() and init_continuous_batching()."""
@@ -333,17 +349,7 @@ class LlamaForCausalLM(nn.Module):
         """`exit_layer`: run only the first `exit_layer` layers, then the final norm and LM head (the draft of
         self-speculative decoding; its cache then holds those layers only)."""
         cache_position = ignored.pop("cache_position", None)
-        unknown = set(ignored) - {"output_attentions"}
-        if unknown or ignored.get("output_attentions"):
-            raise TypeError(
-                f"forward() got unsupported arguments {sorted(unknown or ['output_attentions=True'])}; it accepts "
-                "input_ids, attention_mask, position_ids, past_key_values, use_cache, output_hidden_states, "
-                "inputs_embeds, logits_to_keep, exit_layer."
-            )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("forward() needs exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None and input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}.")
+        _check_forward_arguments(input_ids, inputs_embeds, ignored)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         if isinstance(cache_position, torch.Tensor):
@@ -369,8 +375,14 @@ class LlamaForCausalLM(nn.Module):
         paged = getattr(cache, "paged", False)  # its attention masks by itself
         masks = {} if paged else build_masks(attention_mask, past, T, self.windows, x.device)
 
+        x, hidden_states = self._layers(x, cos, sin, cache, masks, past, self.layers[:exit_layer], output_hidden_states)
+        logits = self.lm_head(kept_positions(x, logits_to_keep))
+        return CausalLMOutput(logits=logits, past_key_values=cache if use_cache else None, hidden_states=hidden_states)
+
+    def _layers(self, x, cos, sin, cache, masks, past: int, layers, output_hidden_states: bool):
+        """(x after `layers` and the final norm, the hidden states after each where asked, else None): the prompt's
+        C++ route where it can take the call (_prompt_layers), else layer by layer."""
         hidden_states = [x] if output_hidden_states else None
-        layers = self.layers[:exit_layer]
         prompt = None
         if not (output_hidden_states or masks):
             prompt = self._prompt_layers(layers, x, cos, sin, cache, past)
@@ -382,12 +394,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x)
         if hidden_states is not None:
             hidden_states[-1] = x  # the last entry is after the final norm, as in transformers
-        logits = self.lm_head(kept_positions(x, logits_to_keep))
-        return CausalLMOutput(
-            logits=logits,
-            past_key_values=cache if use_cache else None,
-            hidden_states=tuple(hidden_states) if hidden_states is not None else None,
-        )
+        return x, tuple(hidden_states) if hidden_states is not None else None
 
     def _prompt_layers(self, layers, x, cos, sin, cache, past: int) -> torch.Tensor | None:
         """x after `layers` for the rows of one prompt (plain causal attention, no mask), or of a continuous

@@ -28,6 +28,7 @@ only when a function needs it. vllm_processor needs ray.data.llm and vLLM in one
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict
 from typing import Any, Iterator, Sequence
@@ -169,7 +170,7 @@ def vllm_processor(
     `chat` applies the model's chat template to the prompt as a user message; `device` "cpu" gives each engine
     `cpus` CPUs, "cuda" one GPU. The output rows are the input rows with "generated_text" and
     "generated_token_ids". `engine_kwargs` go to vLLM, other keywords to vLLMEngineProcessorConfig."""
-    from .vllm import KEY, METHODS_VARIABLE
+    from .vllm import KEY
 
     choice = _checked_choice(method, fields, allowed, device, cpus)
     require_ray()
@@ -180,6 +181,44 @@ def vllm_processor(
             "vllm_processor needs ray.data.llm and vLLM in this environment: "
             "pip install 'ray[data]' and vLLM (`make test-vllm` builds such an environment)"
         ) from None
+
+    processor_config = _engine_config(
+        vLLMEngineProcessorConfig, model, allowed, chat, device, cpus, concurrency, batch_size, engine_kwargs, config
+    )
+    params = {"temperature": 0.0, "max_tokens": 64, **(sampling or {})}
+    if choice is not None:
+        params["extra_args"] = {**(params.get("extra_args") or {}), KEY: choice}  # JSON text: one Arrow schema
+
+    light = {"num_cpus": LIGHT_CPUS}
+    return build_processor(
+        processor_config,
+        preprocess=functools.partial(_engine_row, prompt_key, chat, params),
+        postprocess=_output_row,
+        preprocess_map_kwargs=light,
+        postprocess_map_kwargs=light,
+    )
+
+
+# The input row's columns travel under a prefix, so the stages' own columns (prompt, messages, metrics...) neither
+# clash with them nor reach the output.
+def _engine_row(prompt_key: str, chat: bool, params: dict, row: dict) -> dict:
+    prompt = str(row[prompt_key])
+    text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    return {**{INPUT + k: v for k, v in row.items()}, **text, "sampling_params": params}
+
+
+def _output_row(row: dict) -> dict:
+    return {
+        **{k[len(INPUT) :]: v for k, v in row.items() if k.startswith(INPUT)},
+        "generated_text": row["generated_text"],
+        "generated_token_ids": _plain(row["generated_tokens"]),
+    }
+
+
+def _engine_config(config_class, model, allowed, chat, device, cpus, concurrency, batch_size, engine_kwargs, config):
+    """ray.data.llm's vLLMEngineProcessorConfig for vllm_processor: decodekit's logits processor named where the
+    installed package does not register it, the allowed methods in the engines' environment."""
+    from .vllm import METHODS_VARIABLE
 
     engine_kwargs = dict(engine_kwargs or {})
     if not _processor_installed():  # installed decodekit registers it already; naming it twice would run methods twice
@@ -192,7 +231,7 @@ def vllm_processor(
     # The engine tokenizes and detokenizes itself; ray.data.llm's separate stages would each hold a CPU actor. The
     # chat template's stage and the row functions are light: a quarter CPU each, so a 2-CPU cluster fits them
     # beside an engine (with a whole CPU each they would wait for one another forever).
-    processor_config = vLLMEngineProcessorConfig(
+    return config_class(
         model_source=model,
         engine_kwargs=engine_kwargs,
         concurrency=concurrency,
@@ -202,32 +241,6 @@ def vllm_processor(
         tokenize_stage=False,
         detokenize_stage=False,
         **config,
-    )
-    params = {"temperature": 0.0, "max_tokens": 64, **(sampling or {})}
-    if choice is not None:
-        params["extra_args"] = {**(params.get("extra_args") or {}), KEY: choice}  # JSON text: one Arrow schema
-
-    # The input row's columns travel under a prefix, so the stages' own columns (prompt, messages, metrics...)
-    # neither clash with them nor reach the output.
-    def preprocess(row: dict) -> dict:
-        prompt = str(row[prompt_key])
-        text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
-        return {**{INPUT + k: v for k, v in row.items()}, **text, "sampling_params": params}
-
-    def postprocess(row: dict) -> dict:
-        return {
-            **{k[len(INPUT) :]: v for k, v in row.items() if k.startswith(INPUT)},
-            "generated_text": row["generated_text"],
-            "generated_token_ids": _plain(row["generated_tokens"]),
-        }
-
-    light = {"num_cpus": LIGHT_CPUS}
-    return build_processor(
-        processor_config,
-        preprocess=preprocess,
-        postprocess=postprocess,
-        preprocess_map_kwargs=light,
-        postprocess_map_kwargs=light,
     )
 
 

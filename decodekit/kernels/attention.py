@@ -20,8 +20,8 @@ BF16_COLUMNS = 32  # kBf16Columns in cpu_kernels.cpp: the bfloat16 products need
 INT8_QUADS = 4  # the int8 scores multiply four bytes at a time: a head_dim multiple of it (up to 256)
 
 
-# Attention over up to this many keys is measured as one class, longer as another: on the AVX2 bench machine the
-# kernel won at 512 keys (1.46x SDPA alone, 1.11x the whole prefill) and lost a little at 2,048.
+# Attention over up to this many keys is measured as one class, longer as another: the kernel's lead over SDPA
+# changes with the keys' number (docs/performance.md).
 SHORT_KEYS = 1024
 
 

@@ -93,10 +93,9 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-# Untimed calls of each candidate, then timed rounds. A product's first calls in a process ran 2-20x its later ones
-# on the AMX bench machine (oneDNN's kernels generated, AMX state granted to each thread) for three or four calls,
-# and that machine's speed moved 2x between seconds: one warm-up call and each candidate timed in a block of its
-# own picked the tiles over int8 products half their time there.
+# Untimed calls of each candidate, then timed rounds, one call of each per round: a product's first calls in a
+# process are far slower than its later ones (oneDNN's kernels generated, AMX state granted to each thread), and a
+# shared machine's speed moves between seconds (docs/performance.md).
 WARM_UP_CALLS, ROUNDS = 4, 7
 
 
@@ -116,10 +115,9 @@ def fastest(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 
 # A measurement is trusted only if this process had its CPUs: with another process running on them, statically split
-# kernels wait on their slowest thread and lose to the library's dynamically scheduled ones. On the AMD EPYC bench
-# machine a first measurement beside a pip install cached MKL's packed products for 128-row prompts, 1.35x slower
-# there than decodekit's blocks measured quietly, for every later process. A choice measured under load is used but
-# not cached: the next process measures again.
+# kernels wait on their slowest thread and lose to the library's dynamically scheduled ones, and a choice cached from
+# such a measurement would slow every later process. A choice measured under load is used but not cached: the next
+# process measures again.
 DISTURBED = 0.1  # the share of this process's threads' CPUs that other work may take
 MIN_TICKS = 20  # a measurement shorter than this (clock ticks, all CPUs together) is too short to judge
 

@@ -57,12 +57,9 @@ def lacks_matmul_instructions(dtype: torch.dtype) -> bool:
     return probe is not None and not cpu.has(probe)
 
 
-# Products of many rows are measured in four classes, each at a size that stands for it: the better route differs
-# between them. Up to 64 rows: a continuous-batching decode step (one row per request) or a short prompt; up to
-# 256, up to 1,024 and longer: prompts. On the AVX2 bench machine tiles won at 128 rows of float32 weights
-# (1.1-1.7x) and lost a few percent at 1,024; for bfloat16 weights a whole prefill ran 1.03x fp32 with tiles and
-# 0.90x with the library at 512 tokens, 0.97x and 1.04x at 2,048, so one choice for both lengths was wrong at one.
-# Blocks won the decode class there (1.2-1.3x the tiles at 32 rows) and lost at 512.
+# Products of many rows are measured in four classes, each at a size that stands for it, because the better route
+# differs between them (docs/performance.md, "Measurements behind the code's choices"). Up to 64 rows: a
+# continuous-batching decode step (one row per request) or a short prompt; up to 256, up to 1,024 and longer: prompts.
 ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); longer: 2,048
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product

@@ -15,25 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..facade import BACKENDS, Model
+from ..facade import Model
 from ..facade.transformers_model import TRANSFORMERS_EXTRA
 from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .files import check_backend, check_model_name, resolve_model_dir
 
 logger = logging.getLogger("decodekit")
-
-# What a model load needs from a Hub repository; custom_generate/ is fetched separately, and only on request.
-MODEL_FILE_PATTERNS = [
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "custom_generate/**",  # fetched, never run without trust_remote_code
-]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -49,51 +37,6 @@ def resolve_dtype(dtype, config_dtype: str | None = None) -> torch.dtype:
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}, 'auto', or the torch dtypes.")
-
-
-def check_model_name(name_or_path) -> None:
-    """ValueError naming the argument for what no directory, file or Hub repo id can be."""
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ValueError(
-            f"pretrained_model_name_or_path={name_or_path!r} is invalid; expected a model directory, a "
-            "GGUF file or a Hub repo id 'org/name'."
-        )
-    if len(str(name_or_path)) > 4096:
-        raise ValueError(
-            f"pretrained_model_name_or_path is {len(str(name_or_path))} characters long, longer than any "
-            "path or Hub repo id (at most 4096)."
-        )
-
-
-def resolve_model_dir(
-    name_or_path: str | os.PathLike,
-    revision: str | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    allow_patterns: list[str] | None = None,
-) -> Path:
-    """A local directory as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub."""
-    check_model_name(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    name = str(name_or_path)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"{name!r} is not a model directory, and not a Hub repo id of the form 'org/name'.")
-    from huggingface_hub import snapshot_download
-
-    from ..hub_loader.reach import hub_download
-
-    with hub_download(name):
-        return Path(
-            snapshot_download(
-                repo_id=name,
-                revision=revision,
-                allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
-                local_files_only=local_files_only,
-                token=token,
-            )
-        )
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -161,14 +104,6 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(dtype=dtype, device=device).eval()
-
-
-def check_backend(backend) -> None:
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(
-            f"backend={backend!r} is invalid; expected one of {list(BACKENDS)} or None (native where "
-            "decodekit has the architecture, transformers otherwise)."
-        )
 
 
 def choose_backend(backend, model_type, native: bool, label: str) -> str:
@@ -284,42 +219,41 @@ class AutoModelForCausalLM:
         label = str(name_or_path) + (f" ({gguf_file})" if gguf_file else "")
         if choose_backend(backend, model_type, native, label) == "transformers":
             return _load_with_transformers(
-                name_or_path,
-                model_dir,
-                gguf_file,
-                config_fields,
-                label,
-                quantize,
-                dtype,
-                device,
-                revision,
-                token,
-                local_files_only,
-                trust_remote_code,
-                transformers_kwargs,
-            )
+                name_or_path, model_dir, gguf_file, config_fields, label, quantize, dtype, device, revision, token,
+                local_files_only, trust_remote_code, transformers_kwargs,
+            )  # fmt: skip
         if transformers_kwargs:
             raise TypeError(
                 f"from_pretrained() got {sorted(transformers_kwargs)}, which only the transformers backend "
                 f"takes; {label} loads natively (pass backend='transformers' to load it with transformers)."
             )
-        model_dir, config, state, generation_config = _native_files(
-            name_or_path, gguf_file, config_fields, revision, local_files_only, token
-        )
-        module = build_model(
-            config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")
-        )
-        module.name_or_path = str(name_or_path)
-        if quantize is not None:
-            from ..kernels.quantize import quantize as quantize_model
+        return _load_natively(
+            name_or_path, gguf_file, config_fields, revision, local_files_only, token, dtype, device, quantize,
+            trust_remote_code,
+        )  # fmt: skip
 
-            quantize_model(module, quantize)
-        model = Model(module, generation_config, str(name_or_path))
-        model.tokenizer_source = functools.partial(_stored_tokenizer, model_dir, gguf_file)
-        if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
-            _attach_custom_generate(model, model_dir, str(name_or_path), trust_remote_code)
-        logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
-        return model
+
+def _load_natively(
+    name_or_path, gguf_file, config_fields, revision, local_files_only, token, dtype, device, quantize, trust
+) -> Model:
+    """A Model over decodekit's own module, built from the files `from_pretrained` found (safetensors or GGUF)."""
+    model_dir, config, state, generation_config = _native_files(
+        name_or_path, gguf_file, config_fields, revision, local_files_only, token
+    )
+    module = build_model(
+        config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")
+    )
+    module.name_or_path = str(name_or_path)
+    if quantize is not None:
+        from ..kernels.quantize import quantize as quantize_model
+
+        quantize_model(module, quantize)
+    model = Model(module, generation_config, str(name_or_path))
+    model.tokenizer_source = functools.partial(_stored_tokenizer, model_dir, gguf_file)
+    if gguf_file is None and (model_dir / "custom_generate" / "generate.py").is_file():
+        _attach_custom_generate(model, model_dir, str(name_or_path), trust)
+    logger.info("loaded %s (%s, %d layers)", name_or_path, config.model_type, config.num_hidden_layers)
+    return model
 
 
 def _stored_tokenizer(model_dir: Path, gguf_file: str | None):

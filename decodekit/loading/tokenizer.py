@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .pretrained import resolve_model_dir
+from .files import resolve_model_dir
 
 logger = logging.getLogger("decodekit")
 
@@ -422,7 +422,9 @@ class AutoTokenizer:
         **transformers_kwargs,
     ):
         """`backend`: None picks native where decodekit reads the tokenizer; "native" or "transformers" forces one."""
-        from .pretrained import TRANSFORMERS_EXTRA, check_backend, transformers_installed
+        from ..facade.transformers_model import TRANSFORMERS_EXTRA
+        from ..facade.transformers_model import installed as transformers_installed
+        from .files import check_backend
 
         check_backend(backend)
         options = dict(

@@ -396,8 +396,8 @@ class FusedBeams(FusedLoop):
         plan = _Plan(cache.keys[0].shape[0], gc, model.device)
         if model.runs_native_layers(plan.rows, cache):
             # reorder() then permutes a [rows, slots] index instead of copying every layer's buffers. Not for
-            # the Python layers: inductor fuses the gather through the index into their attention kernels,
-            # which then took 6.5 s against 1.3 s with the copy in a profile (3 prompts x 4 beams, 32 tokens).
+            # the Python layers: inductor fuses the gather through the index into their attention kernels, which
+            # then run several times slower than after a copy (docs/performance.md).
             cache.share_rows()
 
         def step(state, go, cur, positions, slots, mask, eos_block, noise_key, max_length, prompt_length, eos_ids):

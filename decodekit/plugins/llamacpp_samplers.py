@@ -1,7 +1,7 @@
 """llama.cpp's samplers, under the names llama.cpp's server takes, so a request moves between the two unchanged:
 top_n_sigma, xtc_probability / xtc_threshold, dry_* (DRY), mirostat / mirostat_tau / mirostat_eta,
 dynatemp_range / dynatemp_exponent, smoothing_factor / smoothing_curve (text-generation-webui's), and `samplers`,
-the order. Each default leaves its sampler off (core/llamacpp_samplers.py has what each does).
+the order. Each default leaves its sampler off (core/sampler_chain.py has what each does).
 
 Setting any of them runs llama.cpp's chain instead of transformers' warper order: after decodekit's penalties,
 `dry`, `top_n_sigma`, `top_k`, `typical_p`, `top_p`, `min_p`, `xtc`, `temperature` (with dynatemp_range and
@@ -11,14 +11,14 @@ too) or llama.cpp's letters ("dkypmxt", "s" for top-n-sigma); "penalties" may be
 penalty and applies to greedy decoding too; the others shape sampling (do_sample=True). mirostat=1 or 2 replaces
 the chain with temperature then mirostat, as in llama.cpp (decodekit's penalties still apply), and selects the token
 itself (with sampling); under beam sampling it cuts each beam's scores to what it keeps and the beams draw, its
-state following each beam (core.llamacpp_samplers.MirostatLogitsProcessor).
+state following each beam (core.sampler_chain.MirostatLogitsProcessor).
 """
 
 from __future__ import annotations
 
 from ..core.processors import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
 from ..core.config import is_int, is_number
-from ..core.llamacpp_samplers import (
+from ..core.sampler_chain import (
     DRYLogitsProcessor,
     chain_active,
     DynamicTemperatureLogitsWarper,

@@ -33,7 +33,7 @@ from ..core.processors import (
     TypicalLogitsWarper,
 )
 from ..core.config import DEFAULTS, is_number
-from ..core.llamacpp_samplers import chain_active
+from ..core.sampler_chain import chain_active
 from ..registry import hookimpl
 
 

@@ -46,12 +46,9 @@ def decodekit_config_fields():
     }
 
 
-@hookimpl
-def decodekit_validate_config(generation_config, context):
-    gc = generation_config
-    assistant, lookup = gc.assistant_model, gc.prompt_lookup_num_tokens
-    bad = gc.invalid
-
+def _check_draft_fields(gc, context) -> None:
+    """The fields that tune a draft, whichever drafts: confidence, lookbehinds, early exit, ensemble weight."""
+    assistant, lookup, bad = gc.assistant_model, gc.prompt_lookup_num_tokens, gc.invalid
     threshold = gc.assistant_confidence_threshold
     if threshold is not None and (not is_number(threshold) or not 0 <= threshold <= 1):
         raise bad(
@@ -76,7 +73,6 @@ def decodekit_validate_config(generation_config, context):
                 "assistant_early_exit drafts with the model itself; pass it without assistant_model and "
                 "prompt_lookup_num_tokens."
             )
-    _check_assistant_tokenizer(gc, context)
     weight = gc.assistant_ensemble_weight
     if weight is not None:
         if not is_number(weight) or not 0 < weight < 1:
@@ -90,6 +86,15 @@ def decodekit_validate_config(generation_config, context):
                 "distributions, so it needs a draft that has them: assistant_model (without "
                 "assistant_tokenizer) or assistant_early_exit, not prompt lookup."
             )
+
+
+@hookimpl
+def decodekit_validate_config(generation_config, context):
+    gc = generation_config
+    assistant, lookup, early = gc.assistant_model, gc.prompt_lookup_num_tokens, gc.assistant_early_exit
+    bad = gc.invalid
+    _check_draft_fields(gc, context)
+    _check_assistant_tokenizer(gc, context)
     if assistant is None and lookup is None and early is None:
         return
     if assistant is not None and lookup is not None:
@@ -291,33 +296,17 @@ class Speculative:
             refuse_unless_rolls_back(cache)  # a linear-attention layer tells only now
         done = False
         while not done:
-            cur = input_ids.shape[1]
-            room = max_length - cur - 1  # candidates beyond this could never be kept
-            if translator is not None:
-                candidates, q = translator.propose(input_ids, min(n_assist, room)), None
-            elif assistant is not None:
-                candidates, q = self._propose(assistant, a_cache, input_ids, min(n_assist, room), pipeline, gc, context)
-                if a_cache is cache:
-                    crop_to(cache, cur - 1)  # the draft's entries go; the target's forward writes them again
-            else:
-                candidates = prompt_lookup_candidates(
-                    input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room
-                )
-                q = None
+            room = max_length - input_ids.shape[1] - 1  # candidates beyond this could never be kept
+            drafter = (assistant, a_cache, translator)
+            candidates, q = self._candidates(
+                drafter, cache, input_ids, min(n_assist, room), room, pipeline, gc, context
+            )
             K = candidates.shape[0]
             feed = torch.cat((input_ids[:, -1:], candidates[None]), dim=1)
             out = model(feed, past_key_values=cache, use_cache=True, **({"logits_to_keep": K + 1} if keep_all else {}))
-            step, accepted, done = self._verify(
-                out.logits[0, -(K + 1) :].float(),
-                input_ids,
-                candidates,
-                q,
-                pipeline,
-                gc,
-                context,
-                scores_out,
-                logits_out,
-            )
+            logits = out.logits[0, -(K + 1) :].float()
+            kept = (scores_out, logits_out)
+            step, accepted, done = self._verify(logits, input_ids, candidates, q, pipeline, gc, context, *kept)
             if assistant is not None and gc.num_assistant_tokens_schedule != "constant":
                 n_assist = n_assist + 2 if accepted == K else max(1, n_assist - 1)
             refuse_unless_rolls_back(cache)  # (a one-token prompt: known after the first verification)
@@ -334,6 +323,21 @@ class Speculative:
             assistant.generation_config.num_assistant_tokens = n_assist  # carried to the next call, as transformers
         progress.end()
         return loop_result(gc, input_ids, cache, scores_out, logits_out)
+
+    def _candidates(self, drafter, cache, input_ids, n: int, room: int, pipeline, gc, context):
+        """(the draft's next candidate tokens [K], their distributions [K, V] or None where the draft has none):
+        from the translator, the assistant, or prompt lookup."""
+        assistant, a_cache, translator = drafter
+        if translator is not None:
+            return translator.propose(input_ids, n), None
+        if assistant is not None:
+            candidates, q = self._propose(assistant, a_cache, input_ids, n, pipeline, gc, context)
+            if a_cache is cache:
+                crop_to(cache, input_ids.shape[1] - 1)  # the draft's entries go; the target's forward writes them again
+            return candidates, q
+        return prompt_lookup_candidates(
+            input_ids[0], gc.max_matching_ngram_size, gc.prompt_lookup_num_tokens, room
+        ), None
 
     @staticmethod
     def _drafter(model, cache, gc, context, device):

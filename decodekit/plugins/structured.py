@@ -174,14 +174,10 @@ def _schema_dict(gc, value, field: str = "json_schema") -> dict:
     return value
 
 
-def admits_a_value(schema) -> bool:
-    """Whether some finite JSON value could match `schema`, as far as its structure tells (`false`, and required
-    properties, array items and references that can only lead back to themselves, cannot; keywords it does not
-    weigh are taken to allow a value). The engine compiles `{"$ref": "#"}` to a grammar that only ends at once: the
-    call then gave empty text, never an error. A least fixed point over the schema's subschemas: none admits a value
-    until what it needs does."""
+def _subschemas(schema) -> list[dict]:
+    """Every dict inside `schema`, itself included, once each; iteratively (a schema may nest deeply)."""
     nodes, stack, seen = [], [schema], set()
-    while stack:  # every subschema, iteratively (a schema may nest deeply)
+    while stack:
         node = stack.pop()
         if isinstance(node, dict) and id(node) not in seen:
             seen.add(id(node))
@@ -189,24 +185,40 @@ def admits_a_value(schema) -> bool:
             stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return nodes
+
+
+def _referenced(schema, ref):
+    """What the local reference `ref` ("#/$defs/x") points at inside `schema`; True (taken to admit a value) for a
+    reference into another document or one that leads nowhere (the engine reports that itself)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return True
+    target = schema
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return True
+    return target
+
+
+def admits_a_value(schema) -> bool:
+    """Whether some finite JSON value could match `schema`, as far as its structure tells (`false`, and required
+    properties, array items and references that can only lead back to themselves, cannot; keywords it does not
+    weigh are taken to allow a value). The engine compiles `{"$ref": "#"}` to a grammar that only ends at once: the
+    call then gave empty text, never an error. A least fixed point over the schema's subschemas: none admits a value
+    until what it needs does."""
+    nodes = _subschemas(schema)
     admits: dict[int, bool] = {id(n): False for n in nodes}
 
     def value(sub) -> bool:
         return sub if isinstance(sub, bool) else admits.get(id(sub), True) if isinstance(sub, dict) else True
 
-    def resolve(ref: str):
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            return True  # another document: not weighed
-        target = schema
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return True  # the engine reports a reference it cannot follow
-        return target
+    def resolve(ref):
+        return _referenced(schema, ref)
 
     def admitted(node: dict) -> bool:
         if "$ref" in node and not value(resolve(node["$ref"])):

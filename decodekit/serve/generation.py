@@ -24,6 +24,7 @@ from .protocol import (
     chat_messages,
     completion_prompt,
 )
+from .responses import Answers, Usage
 from .served import Served, error_response, tokens_within
 from .tools import ToolPlan, messages_with_tools, plan_tools
 
@@ -116,6 +117,7 @@ class Job:
         self.model = settings.model_name
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.answers = Answers(self.chat, self.id, self.created, self.model)
         self.outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         self.prompt_ids: list[int] = []
 
@@ -191,65 +193,35 @@ class Job:
             rows.append((text, reason, ended))
         return rows
 
-    def usage(self, output: GenerationOutput) -> dict:
+    def usage(self, output: GenerationOutput) -> Usage:
         generated = sum(len(r) for r in output.sequences) if output.sequences else len(output.generated_tokens)
-        return {
-            "prompt_tokens": len(self.prompt_ids),
-            "completion_tokens": generated,
-            "total_tokens": len(self.prompt_ids) + generated,
-        }
+        prompt = len(self.prompt_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
     def logprobs_of(self, output: GenerationOutput, start: int):
-        """The OpenAI logprobs object of the first row's tokens from `start` on (a stream sends each token once)."""
+        """The logprobs of the first row's tokens from `start` on (a stream sends each token once)."""
         word = self.tokenizer.decode
-        chosen = [word([t]) for t in output.generated_tokens[start:]]
-        tops = (output.top_logprobs or [])[start:]
-        if self.chat:
+        tops = None
+        if output.top_logprobs:
+            tops = [[(word([i]), finite(v)) for i, v in top] for top in output.top_logprobs[start:]]
+        return self.answers.logprobs(
+            [word([t]) for t in output.generated_tokens[start:]],
+            [finite(v) for v in output.logprobs[start:]],
+            tops,
+            len(word(output.generated_tokens[:start])) if start else 0,
+        )
 
-            def entry(token, logprob):
-                return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
-
-            return {
-                "content": [
-                    {**entry(t, lp), "top_logprobs": [entry(word([i]), v) for i, v in top]}
-                    for t, lp, top in zip(chosen, output.logprobs[start:], tops or [[]] * len(chosen))
-                ]
-            }
-        offsets, at = [], len(self.tokenizer.decode(output.generated_tokens[:start])) if start else 0
-        for token in chosen:
-            offsets.append(at)
-            at += len(token)
-        return {
-            "tokens": chosen,
-            "token_logprobs": [finite(v) for v in output.logprobs[start:]],
-            "text_offset": offsets,
-            "top_logprobs": [{word([i]): finite(v) for i, v in top} for top in tops] if output.top_logprobs else None,
-        }
-
-    def choice(
-        self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool, start: int = 0
-    ) -> dict:
+    def choice(self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool, start: int = 0):
         logprobs = None
         if self.logprobs and output.logprobs is not None:
             logprobs = self.logprobs_of(output, start)
-        if self.chat:
-            key = "delta" if delta else "message"
-            message = {"role": "assistant", "content": text}
-            if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
-                content, calls = self.plan.tool_calls(text)
-                if calls:
-                    message = {
-                        "role": "assistant",
-                        "content": content,
-                        "tool_calls": [{**c, "index": i} if delta else c for i, c in enumerate(calls)],
-                    }
-                    reason = "tool_calls" if reason == "stop" else reason  # cut off by max_tokens: "length"
-            return {"index": index, key: message, "finish_reason": reason, "logprobs": logprobs}
-        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
-
-    def envelope(self, choices: list[dict], chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        calls = None
+        if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
+            content, calls = self.plan.tool_calls(text)
+            if calls:
+                text = content
+                reason = "tool_calls" if reason == "stop" else reason  # cut off by max_tokens: "length"
+        return self.answers.choice(index, text, reason, logprobs, delta, calls)
 
     # ---- answers ----
     async def respond(self, request: Request):
@@ -283,7 +255,7 @@ class Job:
         choices = [
             self.choice(i, text, reason, output, delta=False) for i, (text, reason, _) in enumerate(self.texts(output))
         ]
-        return JSONResponse({**self.envelope(choices, chunk=False), "usage": self.usage(output)})
+        return JSONResponse(self.answers.whole(choices, self.usage(output)).out())
 
     async def events(self):
         """Server-sent events; Starlette cancels this generator when the client goes away, and `finally` then
@@ -327,13 +299,13 @@ class Job:
                     if ended:
                         closed.add(i)
                 if choices:
-                    yield _sse(self.envelope(choices, chunk=True))
+                    yield _sse(self.answers.chunk(choices).out())
                 if len(closed) == len(texts):
                     if not finished:  # stop strings ended every row: free the blocks
                         self.manager.cancel_request(self.id, keep_result=False)
                         finished = True
                     if self.include_usage:
-                        yield _sse({**self.envelope([], chunk=True), "usage": self.usage(output)})
+                        yield _sse(self.answers.chunk([], self.usage(output)).out())
                     break
             yield "data: [DONE]\n\n"
         finally:

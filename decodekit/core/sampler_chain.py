@@ -348,18 +348,32 @@ class MirostatSelector:
         self.mu: torch.Tensor | None = None
 
     def __call__(self, input_ids, scores):
-        B = scores.shape[0]
-        if self.mu is None or self.mu.shape[0] != B:
-            self.mu = torch.full((B,), 2 * self.tau, dtype=torch.float32, device=scores.device)
+        tokens, chosen_p = self.apply(input_ids, scores)
+        self.accept(chosen_p)
+        return tokens
+
+    def apply(self, input_ids, scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens drawn [B], the probability each had under what mirostat kept [B]); the state is unchanged."""
+        mu = self._mu(scores)
         probs, order = scores.softmax(-1).sort(-1, descending=True)
-        kept = torch.where(
-            mirostat_keep(self.version, probs, self.mu, self.vocab, self.m), probs, torch.zeros_like(probs)
-        )
+        kept = torch.where(mirostat_keep(self.version, probs, mu, self.vocab, self.m), probs, torch.zeros_like(probs))
         kept = kept / kept.sum(-1, keepdim=True)
         index = race(kept.log(), self.key.to(scores.device), input_ids.shape[-1])
-        chosen_p = kept.gather(-1, index[:, None])[:, 0]
-        self.mu = self.mu - self.eta * (-chosen_p.log2() - self.tau)
-        return order.gather(-1, index[:, None])[:, 0]
+        return order.gather(-1, index[:, None])[:, 0], kept.gather(-1, index[:, None])[:, 0]
+
+    def accept(self, chosen_p: torch.Tensor) -> None:
+        """mu follows the surprise of the tokens drawn, as llama.cpp's sampler does on accept."""
+        self.mu = self._mu(chosen_p[:, None]) - self.eta * (-chosen_p.log2() - self.tau)
+
+    def reset(self) -> None:
+        """Back to mu = 2 * tau for every row, as a new call starts."""
+        self.mu = None
+
+    def _mu(self, scores: torch.Tensor) -> torch.Tensor:
+        B = scores.shape[0]
+        if self.mu is None or self.mu.shape[0] != B:
+            return torch.full((B,), 2 * self.tau, dtype=torch.float32, device=scores.device)
+        return self.mu
 
 
 class MirostatLogitsProcessor:
@@ -376,26 +390,34 @@ class MirostatLogitsProcessor:
 
     def __call__(self, input_ids, scores):
         rows = input_ids.tolist()
-        mus = []
-        for sequence in rows:
-            mu, kept = self.states.get(tuple(sequence[:-1]), (2 * self.tau, None))
-            p = kept.get(sequence[-1]) if kept is not None else None
-            mus.append(mu - self.eta * (-math.log2(p) - self.tau) if p else mu)
-        mu = torch.tensor(mus, dtype=torch.float32, device=scores.device)
+        mu = torch.tensor([self.mu_of(sequence) for sequence in rows], dtype=torch.float32, device=scores.device)
         probs, order = scores.softmax(-1).sort(-1, descending=True)
         keep_sorted = mirostat_keep(self.version, probs, mu, self.vocab, self.m)
+        self.accept(rows, mu, order, torch.where(keep_sorted, probs, torch.zeros_like(probs)), keep_sorted)
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        renormalized = torch.where(keep_sorted, probs, torch.zeros_like(probs))
-        renormalized = renormalized / renormalized.sum(-1, keepdim=True)
+        return scores.masked_fill(~keep, NEG_INF)
+
+    def mu_of(self, sequence: list[int]) -> float:
+        """A beam's mu: its parent sequence's, moved by the surprise of the token it appended (2 * tau at first)."""
+        mu, kept = self.states.get(tuple(sequence[:-1]), (2 * self.tau, None))
+        p = kept.get(sequence[-1]) if kept is not None else None
+        return mu - self.eta * (-math.log2(p) - self.tau) if p else mu
+
+    def accept(self, rows, mu, order, kept, keep_sorted) -> None:
+        """Each row's mu and kept distribution, for the beams that extend it at the next step: the last step's
+        sequences are the only parents the next one can have."""
+        kept = kept / kept.sum(-1, keepdim=True)
         states = {}
         for row, sequence in enumerate(rows):
             count = int(keep_sorted[row].sum())
             states[tuple(sequence)] = (
                 float(mu[row]),
-                dict(zip(order[row, :count].tolist(), renormalized[row, :count].tolist())),
+                dict(zip(order[row, :count].tolist(), kept[row, :count].tolist())),
             )
-        self.states = states  # the last step's sequences are the only parents the next step can have
-        return scores.masked_fill(~keep, NEG_INF)
+        self.states = states
+
+    def reset(self) -> None:
+        self.states = {}
 
 
 def chain_active(gc) -> bool:

@@ -18,6 +18,16 @@ def default_model():
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
+@pytest.fixture(scope="session")
+def default_model_in_transformers(default_model):
+    """The embedded default model's GGUF loaded by transformers (float32), once per session: decodekit's Model over
+    it (backend="transformers"); `.module` is transformers' own model."""
+    pytest.importorskip("transformers")
+    from decodekit import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path(), backend="transformers")
+
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """A local Hub (see hub_server.py) with an empty cache; HF_ENDPOINT points at it."""

@@ -253,33 +253,35 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
     assert all("generated_token_ids" in row for row in read_output(out))  # every line whole
 
 
-FACTS = [f"Fact number {i}:" for i in range(12)]
+FACTS = [f"Fact number {i}:" for i in range(8)]
 
 
-def batch_command(source, out, interrupt_at=None):
-    """`decodekit batch` of `source` into `out`, one prompt at a time (rows land as it runs), in a child that takes
-    SIGINT as a terminal delivers it: (exit code, stderr). `interrupt_at`: SIGINT once `out` holds that many rows
-    (0: half a second after the start, while the model loads), counted in rows rather than seconds so that a busy
-    machine interrupts at the same point."""
+def batch_arguments(source, out) -> list[str]:
+    """`decodekit batch` of `source` into `out`, one prompt at a time (beam search: rows land as it runs)."""
+    return ["batch", str(source), str(out), "--no-progress", "--max-new-tokens", "4", "--arg", "num_beams=2"]
+
+
+def batch_command(source, out, interrupt_at: int):
+    """batch_arguments run in a child that takes SIGINT as a terminal delivers it, interrupted once `out` holds
+    `interrupt_at` rows (0: half a second after the start, while the model loads): counted in rows rather than seconds
+    so that a busy machine interrupts at the same point. (exit code, stderr)."""
     import signal
     import subprocess
     import sys
     import time
 
-    argv = [sys.executable, "-m", "decodekit.cli", "batch", str(source), str(out), "--no-progress"]
-    argv += ["--max-new-tokens", "6", "--arg", "num_beams=2"]
+    argv = [sys.executable, "-m", "decodekit.cli", *batch_arguments(source, out)]
     process = subprocess.Popen(
         argv, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     )
-    if interrupt_at is not None:
-        deadline = time.monotonic() + 300
-        if interrupt_at == 0:
-            time.sleep(0.5)
-        while process.poll() is None and time.monotonic() < deadline:
-            if interrupt_at == 0 or (out.exists() and out.read_text().count("\n") >= interrupt_at):
-                process.send_signal(signal.SIGINT)
-                break
-            time.sleep(0.02)
+    deadline = time.monotonic() + 300
+    if interrupt_at == 0:
+        time.sleep(0.5)
+    while process.poll() is None and time.monotonic() < deadline:
+        if interrupt_at == 0 or (out.exists() and out.read_text().count("\n") >= interrupt_at):
+            process.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.02)
     err = process.communicate(timeout=300)[1]
     return process.returncode, err
 
@@ -289,11 +291,11 @@ def uninterrupted(tmp_path_factory):
     """The batch of FACTS run once without interruption: the output every interrupted run must end with."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     write_input(folder / "in.jsonl", FACTS)
-    assert batch_command(folder / "in.jsonl", folder / "whole.jsonl")[0] == 0
+    assert main(batch_arguments(folder / "in.jsonl", folder / "whole.jsonl")) == 0
     return read_output(folder / "whole.jsonl")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 6], ids=["while-loading", "early", "later"])
+@pytest.mark.parametrize("rows", [0, 1, 4], ids=["while-loading", "early", "later"])
 def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_output(tmp_path, rows, uninterrupted):
     import signal
 
@@ -308,7 +310,7 @@ def test_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_outpu
             assert all("generated_token_ids" in row for row in read_output(out))
     if rows:
         assert code == 130 and len(read_output(out)) < len(FACTS)  # stopped part way: the resume has work to do
-    assert batch_command(tmp_path / "in.jsonl", out)[0] == 0
+    assert main(batch_arguments(tmp_path / "in.jsonl", out)) == 0  # the same command, run in this process
     by_id = lambda rows: sorted(rows, key=lambda row: json.dumps(row["id"]))  # noqa: E731
     assert by_id(read_output(out)) == by_id(uninterrupted)
 

@@ -57,7 +57,7 @@ def test_chat_template_renders(default_model):
     assert ids.shape[0] == 1 and tok.decode(ids[0]) == text
 
 
-def test_matches_transformers_on_the_same_gguf(default_model):
+def test_matches_transformers_on_the_same_gguf(default_model, default_model_in_transformers):
     transformers = pytest.importorskip("transformers")
     model, tok = default_model
     path = default_module.default_model_path()
@@ -69,7 +69,8 @@ def test_matches_transformers_on_the_same_gguf(default_model):
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == ref_tok.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref = default_model_in_transformers.module  # transformers' model from the same GGUF, float32
+    assert isinstance(ref, transformers.PreTrainedModel) and ref.dtype == torch.float32
     ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog")])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-3, rtol=1e-3)

@@ -471,3 +471,37 @@ def test_what_can_fuse_is_read_from_declarations():
     )
     function = lambda input_ids, scores: scores  # noqa: E731
     assert processor_key(function) == processor_key(function) != processor_key(lambda input_ids, scores: scores)
+
+
+def test_a_plugins_traceable_selector_runs_inside_the_step(model, caplog):
+    # Before: the fused step drew by argmax for any selector it did not take for sampling, so a plugin's traceable
+    # selector was replaced by greedy decoding under compile=True.
+    import decodekit
+    from decodekit import hookimpl
+    from decodekit.core.selectors import Selector
+
+    class Lowest(Selector):
+        traceable = True
+
+        def __call__(self, input_ids, scores):
+            return scores.argmin(dim=-1)
+
+    class PickLowest:
+        @hookimpl
+        def decodekit_config_fields(self):
+            return {"pick_lowest": False}
+
+        @hookimpl
+        def decodekit_token_selector(self, generation_config):
+            return Lowest() if generation_config.pick_lowest else None
+
+    decodekit.register(PickLowest(), name="pick-lowest")
+    try:
+        kwargs = dict(max_new_tokens=6, eos_token_id=None, pick_lowest=True)
+        with caplog.at_level(logging.INFO, logger="decodekit"):
+            compiled = model.generate(PROMPT, compile=True, **kwargs)
+        assert torch.equal(compiled, model.generate(PROMPT, **kwargs))
+        assert not torch.equal(compiled, model.generate(PROMPT, max_new_tokens=6, eos_token_id=None))
+        assert "a plugin's traceable selector" in caplog.text and "falls back" not in caplog.text
+    finally:
+        decodekit.unregister("pick-lowest")

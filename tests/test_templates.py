@@ -187,55 +187,65 @@ def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
 
-@pytest.mark.parametrize("hook", template_choices("plugin-package")["hook_point"])
-def test_plugin_package_installs_lists_and_generates(tmp_path, hook, monkeypatch, capsys):
-    project = render("plugin-package", tmp_path / "src", {"name": "Shiny Plugin", "hook_point": hook}, no_input=True)
-    assert files_of(project) == {
-        "README.md",
-        "pyproject.toml",
-        "src/shiny_plugin/__init__.py",
-        "src/shiny_plugin/plugin.py",
-        "tests/test_plugin.py",
-        ".github/workflows/test.yml",
-    }
+def test_plugin_packages_install_list_and_generate(tmp_path, monkeypatch, capsys):
+    # One package per hook point, installed by one pip and tested by one pytest (one interpreter start instead of
+    # five), then listed and run together: each one's fields default to off, so they do not meet.
+    projects = {}
+    for hook in template_choices("plugin-package")["hook_point"]:
+        name = "Shiny " + hook.title()
+        module = name.lower().replace(" ", "_")
+        project = render("plugin-package", tmp_path / "src", {"name": name, "hook_point": hook}, no_input=True)
+        assert files_of(project) == {
+            "README.md",
+            "pyproject.toml",
+            f"src/{module}/__init__.py",
+            f"src/{module}/plugin.py",
+            "tests/test_plugin.py",
+            ".github/workflows/test.yml",
+        }
+        projects[hook] = (project, module)
     target = tmp_path / "target"
     install = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(project),
-        ],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+        + ["--target", str(target), *(str(project) for project, _ in projects.values())],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert install.returncode == 0, install.stderr
-    result = run_pytest(project, pythonpath=target)
-    assert result.returncode == 0, result.stdout + result.stderr
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
+        + [str(project / "tests") for project, _ in projects.values()],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     monkeypatch.syspath_prepend(str(target))
     manager.reset()
     try:
         assert main(["list"]) == 0
-        listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("shiny_plugin ")]
-        assert listed and "package" in listed[0] and "shiny-plugin==0.1.0" in listed[0]
-        if hook in ("selector", "whole strategy"):
-            model = tiny_model(tmp_path)
-            out = model.generate(
-                torch.tensor([[5, 6]]), max_new_tokens=8, eos_token_id=None, shiny_plugin_no_immediate_repeat=True
-            )[0].tolist()
-            assert all(a != b for a, b in zip(out, out[1:]))
+        out = capsys.readouterr().out.splitlines()
+        model = tiny_model(tmp_path)
+        for hook, (project, module) in projects.items():
+            listed = [line for line in out if line.startswith(module + " ")]
+            assert listed and "package" in listed[0] and f"{module.replace('_', '-')}==0.1.0" in listed[0], hook
+            if hook in ("selector", "whole strategy"):
+                out_ids = model.generate(
+                    torch.tensor([[5, 6]]),
+                    max_new_tokens=8,
+                    eos_token_id=None,
+                    **{f"{module}_no_immediate_repeat": True},
+                )[0].tolist()
+                assert all(a != b for a, b in zip(out_ids, out_ids[1:])), hook
     finally:
         manager.reset()
-        for name in [m for m in sys.modules if m.startswith("shiny_plugin")]:
+        for name in [m for m in sys.modules if m.startswith("shiny_")]:
             del sys.modules[name]
 
 

@@ -160,11 +160,11 @@ def test_hub_methods_run_on_a_wrapped_model(hf, hub, tmp_path):
         model.generate(PROMPT, custom_generate="acme/ban", banned_token=4)
 
 
-def test_the_default_model_through_transformers_equals_transformers_greedy(default_model):
-    from decodekit.loading.default import default_model_path
-
+def test_the_default_model_through_transformers_equals_transformers_greedy(
+    default_model, default_model_in_transformers
+):
     _, tokenizer = default_model
-    model = decodekit.AutoModelForCausalLM.from_pretrained(default_model_path(), backend="transformers")
+    model = default_model_in_transformers
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
     for text in prompts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"]

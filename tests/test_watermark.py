@@ -31,14 +31,25 @@ def test_the_processor_equals_transformers_on_the_same_scores(config):
     assert int((expected != scores).sum(dim=1).min()) > 0  # every row got a green list
 
 
-@pytest.mark.parametrize("config", SETTINGS[:2], ids=["lefthash", "selfhash"])
-def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, config):
+STORY = "Once upon a time, in a small village,"
+SAMPLED = dict(max_new_tokens=120, min_new_tokens=120, do_sample=True, seed=0)  # z > 5 here
+
+
+@pytest.fixture(scope="module")
+def plain_story(default_model):
+    """The 120 tokens the default model samples after STORY with SAMPLED and no watermark: what no detector flags."""
     model, tok = default_model
-    prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
+    prompt = tok([STORY], return_tensors="pt")["input_ids"]
+    return model.generate(prompt, **SAMPLED)[:, prompt.shape[1] :]
+
+
+@pytest.mark.parametrize("config", SETTINGS[:2], ids=["lefthash", "selfhash"])
+def test_watermarked_text_is_detected_and_plain_text_is_not(default_model, plain_story, config):
+    model, tok = default_model
+    prompt = tok([STORY], return_tensors="pt")["input_ids"]
     n = prompt.shape[1]
-    kwargs = dict(max_new_tokens=120, min_new_tokens=120, do_sample=True, seed=0)  # z > 5 here
-    marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
-    plain = model.generate(prompt, **kwargs)[:, n:]
+    marked = model.generate(prompt, watermarking_config=config, **SAMPLED)[:, n:]
+    plain = plain_story
     detector = WatermarkDetector(model.config, "cpu", config)
     found, clean = detector(marked, return_dict=True), detector(plain, return_dict=True)
     assert found.z_score[0] > 4 and found.prediction.tolist() == [True]
@@ -125,24 +136,23 @@ def test_synthid_scores_and_g_values_equal_transformers():
     assert torch.equal(ours.state.context_history, theirs.state.context_history)
 
 
-def test_synthid_text_is_detected_and_plain_text_is_not(default_model):
+def test_synthid_text_is_detected_and_plain_text_is_not(default_model, plain_story):
     model, tok = default_model
-    prompt = tok(["Once upon a time, in a small village,"], return_tensors="pt")["input_ids"]
+    prompt = tok([STORY], return_tensors="pt")["input_ids"]
     n = prompt.shape[1]
-    kwargs = dict(max_new_tokens=120, min_new_tokens=120, do_sample=True, seed=0)  # z > 5 here
     config = SynthIDTextWatermarkingConfig(**SYNTHID)
-    marked = model.generate(prompt, watermarking_config=config, **kwargs)[:, n:]
-    plain = model.generate(prompt, **kwargs)[:, n:]
+    marked = model.generate(prompt, watermarking_config=config, **SAMPLED)[:, n:]
+    plain = plain_story
     detector = SynthIDTextWatermarkDetector(config, eos_token_id=tok.eos_token_id)
     found, clean = detector(marked), detector(plain)
     assert found.mean_g_value[0] > 0.52 and found.z_score[0] > 4 and found.prediction == [True]
     assert abs(clean.z_score[0]) < 3 and clean.prediction == [False]
-    assert torch.equal(
-        model.generate(prompt, watermarking_config=transformers.SynthIDTextWatermarkingConfig(**SYNTHID), **kwargs)[
-            :, n:
-        ],
-        marked,
-    )  # transformers' config is taken as it is
+    # transformers' config is taken as it is: the same first tokens (the seed and EOS ban as above, fewer tokens)
+    theirs = transformers.SynthIDTextWatermarkingConfig(**SYNTHID)
+    first = model.generate(
+        prompt, watermarking_config=theirs, **{**SAMPLED, "max_new_tokens": 16, "min_new_tokens": 16}
+    )
+    assert torch.equal(first[:, n:], marked[:, :16])
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import torch
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_config, check_prompt_ids, prepare_call
 from ..core.processors import check_scores, observe_processors, unusable_rows
-from ..core.selectors import GreedySelector, SamplingSelector, race_rows
+from ..core.selectors import drawn_as, race_rows
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 
 
@@ -147,7 +147,7 @@ class Request:
         """Whether this request's next token needs nothing of its own: one row, no logits processors, the built-in
         greedy or sampling selector, whose choice select_together computes for many requests at once."""
         p = self.pipeline
-        plain = type(p.selector) in (GreedySelector, SamplingSelector) and self.observer is None
+        plain = drawn_as(p.selector) in ("argmax", "race") and self.observer is None
         return self.rows == 1 and not len(p.processors) and plain
 
     def apply(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,7 +226,7 @@ def select_together(
     if bool(unusable_rows(scores).any()):
         return {}
     tokens = scores.argmax(-1)
-    sampled = [i for i, r in enumerate(plain) if type(r.pipeline.selector) is SamplingSelector]
+    sampled = [i for i, r in enumerate(plain) if drawn_as(r.pipeline.selector) == "race"]
     if sampled:
         at = torch.tensor(sampled, device=scores.device)
         keys = torch.stack([plain[i].pipeline.selector.key for i in sampled]).to(scores.device)[:, None]

@@ -21,13 +21,22 @@ class Selector:
     """The capability a token selector may declare:
 
     traceable  its choice is a tensor function of the scores and its own fixed state (no host reads, nothing that
-               changes per step): a compiled step (compile=True) runs it inside the step, continuous batching chooses
-               its rows together with other requests', and its output is not checked every step. Declared by the
+               changes per step): a compiled step (compile=True) runs it inside the step (given the step's last tokens
+               as input_ids), and its output is not checked every step. Declared by the
                class itself (`selector_declares` reads the class's own attribute), so a subclass that changes
                __call__ is not taken for traceable unless it says so again.
+    draws      "argmax" (the highest score) or "race" (race() over the scores with its `key`): what it chooses is
+               exactly that, which the fused step and continuous batching compute themselves, many rows at once.
+               Read from the class itself, as traceable is.
     """
 
     traceable: bool = False
+    draws: str | None = None
+
+
+def drawn_as(selector) -> str | None:
+    """What `selector`'s class declares it draws ("argmax", "race"), or None."""
+    return vars(type(selector)).get("draws")
 
 
 def selector_declares(selector, capability: str) -> bool:
@@ -40,6 +49,7 @@ class GreedySelector(Selector):
     """The highest-scoring token."""
 
     traceable = True
+    draws = "argmax"
 
     def __call__(self, input_ids, scores):
         return scores.argmax(dim=-1)
@@ -101,6 +111,7 @@ class SamplingSelector(Selector):
     """
 
     traceable = True
+    draws = "race"
 
     def __init__(self, generator: torch.Generator | None = None):
         self.key = draw_key(generator)

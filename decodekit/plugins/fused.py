@@ -40,8 +40,8 @@ from ..core.fused_loop import (
 )
 from ..core.outputs import loop_result
 from ..core.rows import Rows
-from ..core.selectors import SamplingSelector, race
-from ..core.processors import declares
+from ..core.selectors import drawn_as, race
+from ..core.processors import declares, processor_key
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -95,23 +95,27 @@ class FusedTokens(FusedLoop):
     takes_host_masks = True
 
     def kind(self, pipeline, gc) -> tuple:
-        sampling = isinstance(pipeline.selector, SamplingSelector)
+        drawn = drawn_as(pipeline.selector)
+        name = {"race": "sampling", "argmax": "greedy"}.get(drawn, "a plugin's traceable selector")
+        own = None if drawn else processor_key(pipeline.selector)  # traced as it is: its own object decides the code
         masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [B, V], not [V]
-        return ("sampling" if sampling else "greedy", processors_key(step_processors(pipeline)), masked)
+        return (name, own, processors_key(step_processors(pipeline)), masked)
 
     def make_step(self, model, cache, pipeline, gc):
         procs = step_processors(pipeline)
-        sampling = isinstance(pipeline.selector, SamplingSelector)
+        selector, drawn = pipeline.selector, drawn_as(pipeline.selector)
 
         def step(tokens, positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids):
             logits = step_logits(model, tokens, mask, positions, cache, slots)
             scores = logits + eos_block
             for p in procs:
                 scores = p(tokens, scores)
-            if sampling:
+            if drawn == "race":
                 nxt = race(scores, noise_key, slots + 1)  # the sequence is slot + 1 tokens long
-            else:
+            elif drawn == "argmax":
                 nxt = scores.argmax(dim=-1)
+            else:
+                nxt = selector(tokens, scores)
             nxt = torch.where(unfinished, nxt, pad)
             return nxt, unfinished & ~torch.isin(nxt, eos_ids), scores
 
@@ -129,8 +133,7 @@ class FusedTokens(FusedLoop):
         progress = Rows(input_ids, gc, streamer)
         pad, unfinished = progress.pad, progress.unfinished
         scores_out = [] if gc.output_scores else None
-        sampling = isinstance(pipeline.selector, SamplingSelector)
-        noise_key = pipeline.selector.key.to(dev) if sampling else None
+        noise_key = pipeline.selector.key.to(dev) if drawn_as(pipeline.selector) == "race" else None
         nxt = pipeline.selector(input_ids, first)
         unfinished = unfinished & ~torch.isin(nxt, eos_ids)
         if scores_out is not None:

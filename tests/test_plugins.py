@@ -169,22 +169,19 @@ def test_no_selector_is_a_clear_error():
     assert isinstance(GreedySelector()(None, torch.tensor([[0.0, 1.0]])), torch.Tensor)
 
 
-def test_trace_shows_each_hook_call_and_who_answered(tmp_path):
+def test_trace_shows_each_hook_call_and_who_answered(tmp_path, monkeypatch, capsys):
     """DECODEKIT_TRACE=1 and --trace write every hook call, through pluggy's monitoring (so calls go through pluggy)."""
     import subprocess
     import sys
 
+    from decodekit.registry.manager import PluginHost, use_host
     from decodekit.testing import write_tiny_model
 
-    path = write_tiny_model(tmp_path / "m")
-    script = (
-        "import torch, decodekit\n"
-        f"m = decodekit.AutoModelForCausalLM.from_pretrained({str(path)!r})\n"
-        "m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True, top_k=5, seed=0)\n"
-    )
-    env = {**__import__("os").environ, "DECODEKIT_TRACE": "1"}
-    err = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300).stderr
-    lines = [line for line in err.splitlines() if line.startswith("decodekit trace:")]
+    m = decodekit.AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "m"))
+    monkeypatch.setenv("DECODEKIT_TRACE", "1")
+    with use_host(PluginHost(installed=False)):  # a host made now, with the variable set
+        m.generate(torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=True, top_k=5, seed=0)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decodekit trace:")]
     assert any(
         line.startswith("decodekit trace: decodekit_token_selector -> ") and "sampling" in line for line in lines
     )

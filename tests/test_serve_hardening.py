@@ -1,7 +1,11 @@
-"""decodekit serve survives every request: a real `decodekit serve` process (compiled steps, the default model) on a
-loopback port, sent what an attacker would send with standard OpenAI fields. After each case the process still
-answers /health, its cache is free again (read from /metrics), and refused requests cost it no memory (its RSS,
-read from /proc)."""
+"""decodekit serve survives every request: a real `decodekit serve` process (the default model) on a loopback port,
+sent what an attacker would send with standard OpenAI fields. After each case the process still answers /health, its
+cache is free again (read from /metrics), and refused requests cost it no memory (its RSS, read from /proc).
+
+The server runs its steps eagerly (--no-compile): what is checked here is the server's handling of requests, which
+is the same either way, and compiling the step at start took 20-45 s of the suite. The compiled steps are checked
+where they are cheap: tests/test_batching.py (every row equals generate() alone, faults in a compiled step) and
+tests/test_serve.py (the step compiled before the server listens)."""
 
 from __future__ import annotations
 
@@ -162,7 +166,7 @@ def fault_method(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(fault_method):
-    srv = ServeProcess("--port", "0", "--api-key", KEY, "--method", fault_method[1], *LIMITS)
+    srv = ServeProcess("--port", "0", "--api-key", KEY, "--method", fault_method[1], "--no-compile", *LIMITS)
     yield srv
     srv.stop()
     assert srv.proc.returncode in (0, -15), "".join(srv.lines[-30:])
@@ -497,7 +501,7 @@ def storm_request(i: int) -> tuple[str, dict]:
 
 
 def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(server):
-    # 36 streaming requests of six kinds from 8 clients, about 40% of which go away at a random point. Afterwards
+    # 24 streaming requests of six kinds from 8 clients, about 40% of which go away at a random point. Afterwards
     # nothing runs or waits, no cache block is held, memory is back; every request that was read to its end gave
     # the text the same request gives alone.
     alone = {}
@@ -526,9 +530,9 @@ def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(
         return stream_text(server, path, body) == alone[json.dumps([path, body], sort_keys=True)]
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(36)))
+        results = list(pool.map(one, range(24)))
     read = [r for r in results if r is not None]
-    assert len(read) >= 8 and all(read), results
+    assert len(read) >= 6 and all(read), results
     assert server.idle(timeout=60), server.metrics()
     assert server.rss() - rss < RSS_BOUND and server.healthy()
 

@@ -747,3 +747,19 @@ def test_each_request_is_read_one_way_and_a_wrong_reader_is_told_not_left_waitin
     want = model.generate(torch.tensor([[4, 4]]), max_new_tokens=3, eos_token_id=None)[0, 2:].tolist()
     assert manager.get_result(whole, timeout=0).generated_tokens == want
     assert not manager._outputs and not manager._finished  # every reader has what was its own; nothing is kept
+
+
+def test_the_compiled_step_marks_one_dynamic_size_per_independent_dimension():
+    # Before: ids' rows, the positions', the slots' and the table's rows were each marked dynamic, four symbols the
+    # trace then found equal; on the CUDA machine where it was seen, that was a violated constraint and every step
+    # ran eagerly. Now the rows are one dynamic size (ids'), the others maybe dynamic (unified with it), and the
+    # table's width the other.
+    from decodekit.batching.compiled import mark_step_dynamic
+
+    ids, position, slots, table = torch.zeros(1, 5), torch.zeros(5), torch.zeros(5), torch.zeros(5, 3)
+    mark_step_dynamic(ids, position, slots, table)
+    strict = {
+        name: getattr(t, "_dynamo_dynamic_indices", set()) for name, t in zip("ipst", (ids, position, slots, table))
+    }
+    assert strict == {"i": {1}, "p": set(), "s": set(), "t": {1}}
+    assert all(getattr(t, "_dynamo_weak_dynamic_indices", set()) == {0} for t in (position, slots, table))

@@ -268,3 +268,33 @@ def test_a_wrapped_transformers_model_on_the_device_equals_its_own_generate(llam
             ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None, **kwargs
         )
         assert torch.equal(got, want)
+
+
+def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_falls_back(tmp_path, caplog):
+    """The 1B shape's head layout (32 query heads over 8 key/value heads, head_dim 64) at a tiny width and depth, 64
+    requests of mixed lengths: the compiled step compiles on real shapes (no fallback logged), is replayed as graphs
+    (no 'skipping cudagraphs' for mutated inputs: the pools are static addresses), and every request equals
+    generate() alone. Not run where the suite has no CUDA device."""
+    import logging
+    import random
+
+    from decodekit.batching import RequestStatus
+
+    path = write_tiny_model(
+        tmp_path / "gqa", "llama", hidden_size=2048 // 8, num_attention_heads=32, num_key_value_heads=8, head_dim=64
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, device=DEVICE)  # float32: rows equal generate() alone exactly
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(4, 64))] for _ in range(64)]
+    with caplog.at_level(logging.INFO):
+        manager = model.init_continuous_batching(compile=True, block_size=16, max_running=64)
+        manager.warm_up()
+        ids = [manager.add_request(p, max_new_tokens=16, eos_token_id=None) for p in prompts]
+        manager.run(until_idle=True)
+    assert manager.runner.compiled.broken is None
+    assert "compiled decode step failed" not in caplog.text and "skipping cudagraphs" not in caplog.text
+    for prompt, rid in zip(prompts[:8], ids[:8]):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=16, eos_token_id=None)
+        assert out.generated_tokens == alone[0, len(prompt) :].tolist()

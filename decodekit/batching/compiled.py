@@ -40,6 +40,18 @@ def bucket(n: int) -> int:
     return max(MIN_SIZE, 1 << (n - 1).bit_length())
 
 
+def mark_step_dynamic(ids, position, slots, table) -> None:
+    """The step's two sizes are dynamic: its rows (ids' dim 1) and its block-table width (table's dim 1). The other
+    inputs' rows must equal ids': they are marked as maybe dynamic, so the compiler takes them for the same size.
+    Marked dynamic on their own, each got a symbol of its own that the trace then found equal to the rows': a
+    violated constraint where the CUDA step was seen to fail (it then ran eagerly); the torch this CPU suite runs
+    unifies the symbols instead, so only the marks themselves are tested here."""
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(table, 1)
+    for tensor in (position, slots, table):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 class CompiledDecode:
     """Decode steps of the rows of a PagedCache through one compiled forward, whatever their number.
 
@@ -54,6 +66,12 @@ class CompiledDecode:
         self.broken: str | None = None
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
+        if self.graphs:
+            # The step writes the pools in place: CUDA-graph trees replay a graph that mutates its inputs only where
+            # those inputs keep their addresses, which the pools do for the manager's life (as transformers marks
+            # its StaticCache's tensors).
+            for pool in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(pool)
         if not kernels.paged_step_ready(model, keys):
             logger.info(
                 "continuous batching: compiled decode steps attend through torch operations (decode_attention): "
@@ -87,8 +105,7 @@ class CompiledDecode:
         kernel = kernels.paged_step_ready(self.model, self.cache.keys[0])
         if not kernel:  # decode_attention indexes on the cache's device; the C++ kernel reads them on the CPU
             table, position, slots = table.to(device), position.to(device), slots.to(device)
-        for tensor, dim in ((ids, 1), (position, 0), (slots, 0), (table, 0), (table, 1)):
-            torch._dynamo.mark_dynamic(tensor, dim)
+        mark_step_dynamic(ids, position, slots, table)
         try:
             step = self._step(kernel)
             if self.graphs:

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..registry.manager import PluginError, described, guarded, isolated, plugin_failure
+from ..registry.manager import PluginError, described, guarded, isolated, plugin_failure, returned
 
 NEG_INF = -math.inf
 
@@ -199,13 +199,8 @@ class LogitsProcessorList(list):
         shape, dtype, device = tuple(given.shape), given.dtype, given.device
         if isinstance(out, torch.Tensor) and tuple(out.shape) == shape and out.dtype == dtype and out.device == device:
             return
-        got = (
-            f"a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}"
-            if isinstance(out, torch.Tensor)
-            else type(out).__name__
-        )
         raise PluginError(
-            f"{self.describe(processor)} returned {got} at position {position}; a processor returns the "
+            f"{self.describe(processor)} returned {returned(out)} at position {position}; a processor returns the "
             f"scores it was given, rewritten: a {dtype} tensor [batch, vocab] = {list(shape)} on {device}."
         )
 

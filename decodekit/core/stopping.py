@@ -65,7 +65,7 @@ class StoppingCriteriaList(list):
 
     def _check_output(self, criterion, said, input_ids) -> None:
         """A bool tensor [batch] on the ids' device, or one Python bool for every row."""
-        from ..registry.manager import PluginError
+        from ..registry.manager import PluginError, returned
 
         B = input_ids.shape[0]
         if isinstance(said, bool) or (
@@ -75,13 +75,8 @@ class StoppingCriteriaList(list):
             and said.device == input_ids.device
         ):
             return
-        got = (
-            f"a {said.dtype} tensor of shape {tuple(said.shape)} on {said.device}"
-            if isinstance(said, torch.Tensor)
-            else type(said).__name__
-        )
         raise PluginError(
-            f"{self.describe(criterion)} returned {got} at position {input_ids.shape[-1]}"
+            f"{self.describe(criterion)} returned {returned(said)} at position {input_ids.shape[-1]}"
             f"; a criterion returns done [batch] = [{B}], a bool tensor on {input_ids.device}."
         )
 

@@ -140,6 +140,13 @@ def described(kind: str, code, owner: str | None) -> str:
     )
 
 
+def returned(value) -> str:
+    """What plugin code returned, for an error: "a torch.float16 tensor of shape (2, 5) on cpu", else its type."""
+    if all(hasattr(value, name) for name in ("dtype", "shape", "device")):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
 def _strict() -> bool:
     return os.environ.get("DECODEKIT_STRICT_PLUGINS", "") not in ("", "0")
 

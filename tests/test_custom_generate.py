@@ -287,3 +287,32 @@ def test_cli_runs_a_method_with_trust_flag_or_trusted_revisions_file(default_mod
     assert "Paris" in capsys.readouterr().out
     assert main(base + ["--arg", "left_padding"]) == 2
     assert "--arg 'left_padding' is invalid; expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_hook_only_method_runs_in_the_call_that_named_it(tmp_path, monkeypatch):
+    # Before: generate(custom_generate=<hooks>) registered the hooks, then called model.generate() again; now the
+    # call goes on from its own arguments (GenerationMixin.generate_call), entering generate() once.
+    from decodekit.core.generate import GenerationMixin
+
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "m"))
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    prompt = torch.tensor([[5, 6, 7]])
+    plain = model.generate(prompt, max_new_tokens=4, eos_token_id=None)
+    entered = []
+    original = GenerationMixin.generate
+
+    def counted(self, *args, **kwargs):
+        entered.append(kwargs.get("custom_generate"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counted)
+    banned = int(plain[0, 3])
+    out = model.generate(
+        prompt,
+        max_new_tokens=4,
+        eos_token_id=None,
+        custom_generate=str(method),
+        trust_remote_code=True,
+        banned_token=banned,
+    )
+    assert banned not in out[0, 3:].tolist() and entered == [str(method)]

@@ -439,15 +439,26 @@ class GenerationMixin:
         Returns the sequences [B * num_return_sequences, T], prompt included, or a GenerateOutput when
         return_dict_in_generate=True.
         """
+        given = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor)
+        given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed)
+        given.update(generator=generator)
         if isinstance(custom_generate, (str, os.PathLike)):
-            given = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor)
-            given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed)
-            return run_method(self, custom_generate, trust_remote_code, {**given, "generator": generator}, kwargs)
+            return run_method(self, custom_generate, trust_remote_code, given, kwargs)
         if custom_generate is not None and not callable(custom_generate):
             raise ValueError(
                 f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
                 "directory holding custom_generate/generate.py, or a callable."
             )
+        return self.generate_call(given, kwargs, custom_generate)
+
+    def generate_call(self, given: dict, kwargs: dict, custom_generate=None):
+        """generate() once its method is known: `given` its named arguments (inputs, generation_config,
+        logits_processor, stopping_criteria, streamer, tokenizer, seed, generator), `kwargs` the rest, and
+        `custom_generate` a callable loop or None. A hook-only method's call comes here with its hooks registered,
+        without entering generate() again."""
+        inputs, generation_config = given["inputs"], given["generation_config"]
+        logits_processor, stopping_criteria = given["logits_processor"], given["stopping_criteria"]
+        streamer, tokenizer, seed, generator = given["streamer"], given["tokenizer"], given["seed"], given["generator"]
         check_call_objects(streamer, logits_processor, stopping_criteria, kwargs.get("past_key_values"))
         method_extras = pop_declared_parameters(custom_generate, kwargs) if custom_generate is not None else {}
         if inputs is not None:
@@ -475,6 +486,11 @@ class GenerationMixin:
         else:
             result = decode(self, *arguments, streamer)
         return finish_processors(pipeline, result)
+
+    def for_method(self, method_file=None):
+        """What a custom_generate method's own generate() is handed: this model (the facade hands a native model as
+        transformers presents one, facade/model.Model.for_method)."""
+        return self
 
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
@@ -595,17 +611,17 @@ def method_arguments(model, fn, arguments: dict) -> dict:
 
 def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     """custom_generate given as a Hub repo id or a local directory."""
-    from ..hub_loader.method import forwarded_arguments, handed_model, load_method, registered_for_call
+    from ..hub_loader.method import forwarded_arguments, load_method, registered_for_call
 
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
         return method.generate(
-            handed_model(model, method),
+            model.for_method(method.source.method_dir / "generate.py"),
             **method_arguments(model, method.generate, forwarded_arguments(method.generate, arguments, kwargs)),
         )
-    with registered_for_call(method):
-        return model.generate(**arguments, **kwargs)
+    with registered_for_call(method):  # its hooks, for this call's hook calls alone
+        return model.generate_call(arguments, kwargs)
 
 
 def prefill_in_chunks(model, step_ids, step_positions, attention_mask, cache, cached: int, chunk: int, keep_one: bool):

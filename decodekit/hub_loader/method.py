@@ -115,13 +115,6 @@ def forwarded_arguments(fn: Callable, arguments: dict[str, Any], kwargs: dict[st
     return args
 
 
-def handed_model(model, method: LoadedMethod):
-    """The model as `method`'s own generate() receives it: the facade's for_method() (a native model as transformers
-    presents a model, where transformers is installed; the method's file read first), else the model itself."""
-    for_method = getattr(type(model), "for_method", None)
-    return for_method(model, method.source.method_dir / "generate.py") if callable(for_method) else model
-
-
 _inside = threading.local()
 
 
@@ -157,7 +150,7 @@ def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict
                     kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
                     args = ()
                 kwargs = prepare(fn, kwargs)
-            return fn(handed_model(model, method), *args, **kwargs)
+            return fn(model.for_method(method.source.method_dir / "generate.py"), *args, **kwargs)
         finally:
             _inside.active = False
 

@@ -58,7 +58,7 @@ test: install-dev
 	$(VENV)/bin/ruff format --check decodekit tests bench
 	$(PY) -m pytest -q tests
 
-# A first check in a few minutes on 2 cores: the loop, the plugins and their isolation, the trust gate, errors.
+# A first check in under a minute on 2 cores (once installed): the loop, the plugins and their isolation, the trust gate, errors.
 QUICK_TESTS := tests/test_processors.py tests/test_stopping.py tests/test_plugins.py tests/test_custom_generate.py \
 	tests/test_generate_errors.py tests/test_hardening.py tests/test_cache.py tests/test_isolation.py \
 	tests/test_requirements.py tests/test_config_fuzz.py

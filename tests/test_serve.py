@@ -605,3 +605,35 @@ def test_mutated_bodies_are_each_a_2xx_or_a_4xx_and_the_connection_lives(server)
         response = connection.getresponse()  # the same connection throughout: a reset fails here
         text = response.read().decode()
         assert response.status < 500 and "Infinity" not in text and "NaN" not in text, (body, text[:300])
+
+
+def test_a_large_body_is_parsed_and_its_prompt_tokenized_off_the_event_loop(server, default_model, monkeypatch):
+    # The event loop answers every client: a body near --max-request-bytes is parsed in a worker thread (it was
+    # parsed on the loop, holding it for some 40 ms at 2 MB), and a prompt is always tokenized in one.
+    from decodekit.serve.served import PARSED_INLINE_BYTES, Served
+
+    _, tok = default_model
+    where = []
+    encode, parsed = tok.encode, Served.parsed
+
+    def encoding(*args, **kwargs):
+        where.append(("encode", threading.current_thread()))
+        return encode(*args, **kwargs)
+
+    def parsing(self, raw, schema):
+        where.append(("parse", threading.current_thread()))
+        return parsed(self, raw, schema)
+
+    monkeypatch.setattr(tok, "encode", encoding)
+    monkeypatch.setattr(Served, "parsed", parsing)
+    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    small = json.dumps(body).encode()
+    large = json.dumps({**body, "user": "u" * (PARSED_INLINE_BYTES + 100)}).encode()
+    assert len(large) < 20_000  # within this server's --max-request-bytes
+    for data in (small, large):
+        status, _, answer = raw(server, "POST", "/v1/completions", data, **{"Content-Type": "application/json"})
+        assert status == 200, answer
+    loop = server.thread
+    assert [kind for kind, _ in where] == ["parse", "encode", "parse", "encode"]
+    assert where[0][1] is loop  # a small body is parsed where it is read
+    assert all(thread is not loop for kind, thread in where[1:])

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from .protocol import BadRequest, Body, ServerSettings, check_text
 
@@ -54,6 +55,9 @@ def tokens_within(tokenizer, texts: list[str], limit: int) -> None:
                 )
 
 
+PARSED_INLINE_BYTES = 16 * 1024  # a body up to this size is parsed on the event loop: a thread's hop costs more
+
+
 @dataclass
 class Served:
     """The model a server serves, with what its endpoints read of it: the manager (its steps), the tokenizer, the
@@ -80,6 +84,15 @@ class Served:
             raw += piece
             if len(raw) > settings.max_request_bytes:
                 raise too_large(len(raw), settings)
+        # Parsing and checking a body of up to --max-request-bytes takes tens of milliseconds: a large one is parsed in
+        # a worker thread, so the event loop is not held for it (it still shares the interpreter lock meanwhile).
+        if len(raw) <= PARSED_INLINE_BYTES:
+            return self.parsed(bytes(raw), schema)
+        return await run_in_threadpool(self.parsed, bytes(raw), schema)
+
+    def parsed(self, raw: bytes, schema: type[Body]):
+        """body_of's JSON object as `schema`, checked (BadRequest otherwise)."""
+        settings = self.settings
         try:
             body = json.loads(raw)
         except RecursionError:

@@ -47,9 +47,10 @@ class StoppingCriteriaList(list):
         from ..registry.manager import guarded
 
         B, position = input_ids.shape[0], input_ids.shape[-1]
+        compiling = torch.compiler.is_compiling()
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for criterion in self:
-            if torch.compiler.is_compiling():
+            if compiling:
                 said = criterion(input_ids, scores)
             else:
                 said = guarded(

@@ -87,10 +87,10 @@ class Served:
         # Parsing and checking a body of up to --max-request-bytes takes tens of milliseconds: a large one is parsed in
         # a worker thread, so the event loop is not held for it (it still shares the interpreter lock meanwhile).
         if len(raw) <= PARSED_INLINE_BYTES:
-            return self.parsed(bytes(raw), schema)
-        return await run_in_threadpool(self.parsed, bytes(raw), schema)
+            return self.parsed(raw, schema)
+        return await run_in_threadpool(self.parsed, raw, schema)
 
-    def parsed(self, raw: bytes, schema: type[Body]):
+    def parsed(self, raw: bytes | bytearray, schema: type[Body]):
         """body_of's JSON object as `schema`, checked (BadRequest otherwise)."""
         settings = self.settings
         try:

@@ -11,7 +11,8 @@ prompt; a batch of 64 prompts decoded together; 64 prompts of 64-256 tokens thro
 batch-1 rows are also given as a fraction of the memory-bandwidth bound: the bytes a step reads (weights, the lm_head's
 table once, the KV cache at the mean context) over the device's measured copy bandwidth. Each figure is the median of
 `runs` rounds run round-robin; ratios are medians of per-round ratios. Prints one JSON line per shape as it finishes
-(a stopped run keeps what it has). `--device cpu` runs the same rows on the CPU, a check of the script, not a
+(a stopped run keeps what it has), and one line per group of rows as it finishes. Every output is checked
+first (rows, and each request's 128 tokens): a side that failed is printed as failed, not timed. `--device cpu` runs the same rows on the CPU, a check of the script, not a
 measurement to report.
 """
 
@@ -45,14 +46,56 @@ SHAPES = {
 }
 
 
-def synced(fn):
+def synced(fn, inference: bool = True):
+    """fn run to the end of its device work; inside torch.inference_mode() where `inference` (as decodekit's
+    generate() runs), outside where the library's users call it so (transformers' generate_batch updates its
+    cache in place, which inference tensors refuse: every one of its requests then fails)."""
+
     def run():
-        with torch.inference_mode():
-            fn()
+        with torch.inference_mode(inference):
+            out = fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        return out
 
     return run
+
+
+def check_tokens(name: str, out, rows: int, new_tokens: int) -> None:
+    """ValueError unless `out` (a [rows, prompt + new] tensor, or generate_batch's {id: output}) holds `rows`
+    results of `new_tokens` generated tokens each: a library that fails fast must not look fast."""
+    if isinstance(out, torch.Tensor):
+        counts = [out.shape[1]] * out.shape[0]
+        wrong = [] if out.shape[0] == rows else [f"{out.shape[0]} rows"]
+        return None if not wrong and len(set(counts)) == 1 else _wrong(name, wrong or counts)
+    results = list(out.values())
+    counts = [len(getattr(r, "generated_tokens", None) or []) for r in results]
+    wrong = [c for c in counts if c != new_tokens]
+    if len(results) != rows or wrong:
+        errors = {str(getattr(r, "error", "")) for r in results if getattr(r, "error", None)}
+        raise ValueError(
+            f"{name}: {len(results)} results of {rows}, {len(wrong)} without {new_tokens} tokens "
+            f"(counts {sorted(set(counts))}); errors: {sorted(errors)[:2]}"
+        )
+    return None
+
+
+def _wrong(name, detail):
+    raise ValueError(f"{name}: unexpected output shape {detail}")
+
+
+def checked_group(title: str, jobs: dict, check, runs: int):
+    """The group's jobs each run once and checked (`check(name, output)`), a failing one printed and left out;
+    then the others timed round-robin. (timings or None, {name: failure})."""
+    failed = {}
+    for name in list(jobs):
+        try:
+            check(name, jobs[name]())
+        except Exception as error:  # noqa: BLE001 - the bench prints a failure instead of a number
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            print(json.dumps({"group": title, "failed": name, "why": failed[name]}), flush=True)
+            del jobs[name]
+    return (interleaved(jobs, runs) if jobs else None), failed
 
 
 def copy_bandwidth(device: str, megabytes: int = 512, runs: int = 5) -> float:
@@ -77,6 +120,9 @@ def step_bytes(model, context: int) -> int:
     return weights + cache
 
 
+GROUPS = ("decode", "first", "batch", "served")
+
+
 def shape_rows(path: Path, args) -> dict:
     from decodekit import AutoModelForCausalLM
 
@@ -90,52 +136,70 @@ def shape_rows(path: Path, args) -> dict:
     requests = [torch.randint(3, vocab, (int(size),), generator=g).tolist() for size in torch.linspace(64, 256, 64)]
     fixed = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
     decode = {
-        "decodekit eager": lambda: ours.generate(prompt, **fixed),
-        "decodekit compile=True": lambda: ours.generate(prompt, compile=True, **fixed),  # CUDA graphs
-        "decodekit no graphs": lambda: ours.generate(prompt, compile_config={"mode": "default"}, **fixed),
+        "decodekit eager": synced(lambda: ours.generate(prompt, **fixed)),
+        "decodekit compile=True": synced(lambda: ours.generate(prompt, compile=True, **fixed)),  # CUDA graphs
+        "decodekit no graphs": synced(lambda: ours.generate(prompt, compile_config={"mode": "default"}, **fixed)),
     }
-    first = {"decodekit": lambda: ours(long, use_cache=True, logits_to_keep=1)}
-    many = {"decodekit": lambda: ours.generate(batch, **fixed)}
+    first = {"decodekit": synced(lambda: ours(long, use_cache=True, logits_to_keep=1))}
+    many = {"decodekit": synced(lambda: ours.generate(batch, **fixed))}
     served = {
-        "decodekit": lambda: ours.generate_batch(requests, eos_token_id=None, compile=True, progress_bar=False, **fixed)
+        "decodekit": synced(
+            lambda: ours.generate_batch(requests, eos_token_id=None, compile=True, progress_bar=False, **fixed)
+        )
     }
     if not args.skip_transformers:
         import transformers
 
         ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-        decode["transformers eager"] = lambda: ref.generate(prompt, pad_token_id=0, **fixed)
-        decode["transformers static cache"] = lambda: ref.generate(
-            prompt, pad_token_id=0, cache_implementation="static", **fixed
+        decode["transformers eager"] = synced(lambda: ref.generate(prompt, pad_token_id=0, **fixed))
+        decode["transformers static cache"] = synced(
+            lambda: ref.generate(prompt, pad_token_id=0, cache_implementation="static", **fixed)
         )
-        first["transformers"] = lambda: ref(long, use_cache=True, logits_to_keep=1)
-        many["transformers"] = lambda: ref.generate(batch, pad_token_id=0, **fixed)
+        first["transformers"] = synced(lambda: ref(long, use_cache=True, logits_to_keep=1))
+        many["transformers"] = synced(lambda: ref.generate(batch, pad_token_id=0, **fixed))
         greedy = transformers.GenerationConfig(pad_token_id=0, eos_token_id=None, **fixed)
-        served["transformers"] = lambda: ref.generate_batch(requests, generation_config=greedy, progress_bar=False)
+        served["transformers"] = synced(
+            lambda: ref.generate_batch(requests, generation_config=greedy, progress_bar=False), inference=False
+        )
     rows = {}
-    t = interleaved({name: synced(fn) for name, fn in decode.items()}, args.runs)
-    bound = copy_bandwidth(device) / step_bytes(ours, 128 + n // 2)  # tokens/s if a step only read its bytes
-    rows["memory-bandwidth bound, batch-1 tok/s"] = round(bound, 1)
-    for name in decode:
-        rows[f"decode {name} tok/s"] = round(n / t.median(name), 1)
-        rows[f"decode {name} of the bound"] = round(n / t.median(name) / bound, 3)
-    for name in [m for m in decode if m.startswith("decodekit")] if not args.skip_transformers else []:
-        rows[f"decode {name} vs transformers eager"] = round(t.ratio("transformers eager", name), 2)
-        rows[f"decode {name} vs transformers static cache"] = round(t.ratio("transformers static cache", name), 2)
-    t = interleaved({name: synced(fn) for name, fn in first.items()}, args.runs)
-    for name in first:
-        rows[f"first token of 2048 ({name}) ms"] = round(1000 * t.median(name), 2)
-    if "transformers" in first:
-        rows["first token vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
-    t = interleaved({name: synced(fn) for name, fn in many.items()}, args.runs)
-    for name in many:
-        rows[f"batch 64 ({name}) tok/s"] = round(64 * n / t.median(name), 1)
-    if "transformers" in many:
-        rows["batch 64 vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
-    t = interleaved({name: synced(fn) for name, fn in served.items()}, args.runs)
-    for name in served:
-        rows[f"continuous batching, 64 requests ({name}) tok/s"] = round(64 * n / t.median(name), 1)
-    if "transformers" in served:
-        rows["continuous batching vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+
+    def show(group: str, failed: dict) -> None:
+        mine = {k: v for k, v in rows.items() if k.startswith(group)} if group else {}
+        print(json.dumps({"group": group, **mine, **{f"{k} failed": v for k, v in failed.items()}}), flush=True)
+
+    if "served" in args.groups:
+        t, failed = checked_group("served", served, lambda name, out: check_tokens(name, out, 64, n), args.runs)
+        for name in served:
+            rows[f"served: continuous batching, 64 requests ({name}) tok/s"] = round(64 * n / t.median(name), 1)
+        if "transformers" in served and "decodekit" in served:
+            rows["served: continuous batching vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+        show("served", failed)
+    if "batch" in args.groups:
+        t, failed = checked_group("batch", many, lambda name, out: check_tokens(name, out, 64, n), args.runs)
+        for name in many:
+            rows[f"batch 64 ({name}) tok/s"] = round(64 * n / t.median(name), 1)
+        if "transformers" in many and "decodekit" in many:
+            rows["batch 64 vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+        show("batch", failed)
+    if "decode" in args.groups:
+        t, failed = checked_group("decode", decode, lambda name, out: check_tokens(name, out, 1, n), args.runs)
+        bound = copy_bandwidth(device) / step_bytes(ours, 128 + n // 2)  # tokens/s if a step only read its bytes
+        rows["decode: memory-bandwidth bound, batch-1 tok/s"] = round(bound, 1)
+        for name in decode:
+            rows[f"decode {name} tok/s"] = round(n / t.median(name), 1)
+            rows[f"decode {name} of the bound"] = round(n / t.median(name) / bound, 3)
+        for name in [m for m in decode if m.startswith("decodekit")]:
+            for other in ("transformers eager", "transformers static cache"):
+                if other in decode:
+                    rows[f"decode {name} vs {other}"] = round(t.ratio(other, name), 2)
+        show("decode", failed)
+    if "first" in args.groups:
+        t, failed = checked_group("first", first, lambda name, out: None, args.runs)
+        for name in first:
+            rows[f"first token of 2048 ({name}) ms"] = round(1000 * t.median(name), 2)
+        if "transformers" in first and "decodekit" in first:
+            rows["first token vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+        show("first", failed)
     return rows
 
 
@@ -146,6 +210,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS), help="row groups to run")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_cuda.py needs a CUDA device (--device cpu checks the script on the CPU)", file=sys.stderr)

@@ -51,6 +51,30 @@ def generate(model, *args, **kwargs):
     return GenerationMixin.generate(model, *args, custom_generate=_top_n_sigma, **kwargs)
 """
 
+# Top-nσ as its public repository publishes it: no cache at all, the whole sequence through model(...) every step
+# (quadratic work), the mask grown by hand; what the view serves incrementally when the call compiles.
+CACHELESS = """
+import torch
+
+
+def generate(model, input_ids, generation_config=None, n_sigma=1.0, attention_mask=None, **kwargs):
+    generation_config = generation_config or model.generation_config
+    new_tokens = kwargs.get("max_new_tokens") or generation_config.max_new_tokens or 20
+    temperature = generation_config.temperature or 1.0
+    for _ in range(new_tokens):
+        logits = model(input_ids, attention_mask=attention_mask).logits[:, -1, :].float()
+        threshold = logits.max(dim=-1, keepdim=True).values - n_sigma * logits.std(dim=-1, keepdim=True)
+        logits = logits.masked_fill(logits < threshold, -float("inf"))
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial((logits / temperature).softmax(dim=-1), num_samples=1)
+        else:
+            next_tokens = logits.argmax(dim=-1, keepdim=True)
+        input_ids = torch.cat([input_ids, next_tokens], dim=-1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=-1)
+    return input_ids
+"""
+
 # A beam-family loop by hand, as methods written against transformers 4.5x drive its internals: the config from
 # _prepare_generation_config, rows from _expand_inputs_for_generation, inputs from prepare_inputs_for_generation, the
 # cache reordered through _reorder_cache where the model has it (4.5x's models did) or the Cache itself.

@@ -298,3 +298,36 @@ def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_fa
         assert out.status == RequestStatus.FINISHED, out.error
         alone = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=16, eos_token_id=None)
         assert out.generated_tokens == alone[0, len(prompt) :].tolist()
+
+
+def test_published_methods_compiled_on_the_device_equal_their_eager_tokens(tmp_path, llama, caplog, monkeypatch):
+    """compile=True for a Hub method's own loop on the device: its one-token forwards run as the compiled step (CUDA
+    graphs replayed, none skipped), and every loop style gives its eager tokens, a left-padded batch too."""
+    import logging
+
+    from decodekit.core.compile import FusedStep
+    from published_methods import BEAM_LOOP, CACHELESS, ROLLBACK, TOP_N_SIGMA
+
+    steps = []
+    call = FusedStep.__call__
+    monkeypatch.setattr(FusedStep, "__call__", lambda self, *a: steps.append(self.graphs) or call(self, *a))
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    ids, batch, mask = PROMPT.to(DEVICE), BATCH.to(DEVICE), MASK.to(DEVICE)
+    cases = [
+        (CACHELESS, dict(input_ids=ids)),
+        (CACHELESS, dict(input_ids=batch, attention_mask=mask)),
+        (TOP_N_SIGMA, dict(input_ids=ids, eos_token_id=None)),
+        (TOP_N_SIGMA, dict(input_ids=batch, attention_mask=mask, pad_token_id=0, eos_token_id=None)),
+        (BEAM_LOOP, dict(input_ids=ids, num_beams=3)),
+        (ROLLBACK, dict(input_ids=ids, cache_kind="dynamic")),
+    ]
+    with caplog.at_level(logging.INFO):
+        for index, (source, options) in enumerate(cases):
+            repo = str(write_method(tmp_path / str(index), source))
+            call_options = dict(max_new_tokens=10, custom_generate=repo, trust_remote_code=True, **options)
+            eager = model.generate(**call_options)
+            before = len(steps)
+            compiled = model.generate(**call_options, compile=True)
+            assert torch.equal(compiled, eager), (index, eager.tolist(), compiled.tolist())
+            assert len(steps) - before >= 8 and all(steps[before:]) == (DEVICE == "cuda"), index
+    assert "skipping cudagraphs" not in caplog.text and "runs eagerly" not in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from ..families.cache import cached_length, recurrent
+from .compile import check_compile_config, step_options
 from .config import GenerationConfig, accepted_fields, add_plugin_fields, apply_fields, is_int, reject_unknown
 from .limits import check_call_size
 from .outputs import loop_result
@@ -487,10 +489,15 @@ class GenerationMixin:
             result = decode(self, *arguments, streamer)
         return finish_processors(pipeline, result)
 
-    def for_method(self, method_file=None):
-        """What a custom_generate method's own generate() is handed: this model (the facade hands a native model as
-        transformers presents one, facade/model.Model.for_method)."""
-        return self
+    @contextlib.contextmanager
+    def for_method(self, method_file=None, compile: dict | None = None, method: str = "method"):
+        """What a custom_generate method's own generate() is handed, for the duration: this model (the facade hands
+        a native model as transformers presents one, with a compiled step where `compile` gives torch.compile's
+        options: facade/model.Model.for_method)."""
+        if compile is not None:
+            logger.info("custom_generate %s runs eagerly (compile=True): %s has no compiled step for methods",
+                        method, type(self).__name__)  # fmt: skip
+        yield self
 
     @staticmethod
     def compute_transition_scores(sequences, scores, beam_indices=None, normalize_logits: bool = False) -> torch.Tensor:
@@ -616,12 +623,31 @@ def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        return method.generate(
-            model.for_method(method.source.method_dir / "generate.py"),
-            **method_arguments(model, method.generate, forwarded_arguments(method.generate, arguments, kwargs)),
-        )
+        options = method_compile_options(model, arguments.get("generation_config"), kwargs)
+        given = method_arguments(model, method.generate, forwarded_arguments(method.generate, arguments, kwargs))
+        with model.for_method(method.source.method_dir / "generate.py", options, method.source.label) as target:
+            return method.generate(target, **given)
     with registered_for_call(method):  # its hooks, for this call's hook calls alone
         return model.generate_call(arguments, kwargs)
+
+
+COMPILE_FIELDS = ("compile", "compile_config", "disable_compile")
+
+
+def method_compile_options(model, generation_config, kwargs: dict) -> dict | None:
+    """torch.compile's options for a method's decode steps (core/compile.step_options) where the call asks to
+    compile (compile=True or a compile_config, in kwargs or the generation_config given), else None. The fields are
+    taken out of kwargs: they are decodekit's request, not the method's (transformers' generate() would take
+    compile_config as its own)."""
+    asked = {name: kwargs.pop(name) for name in COMPILE_FIELDS if name in kwargs}
+    base = generation_config if isinstance(generation_config, GenerationConfig) else model.generation_config
+    gc = base.copy() if isinstance(base, GenerationConfig) else GenerationConfig()
+    add_plugin_fields(gc)
+    gc.update(**asked)
+    check_compile_config(gc)
+    if not (gc.compile or gc.compile_config is not None):
+        return None
+    return step_options(gc.compile_config, model.device)
 
 
 def prefill_in_chunks(model, step_ids, step_positions, attention_mask, cache, cached: int, chunk: int, keep_one: bool):

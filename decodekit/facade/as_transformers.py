@@ -21,6 +21,8 @@ from transformers import AutoConfig, Cache, DynamicCache
 from transformers import GenerationMixin as TransformersGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .view_step import Incremental, ViewCompile, mirror_of
+
 # The output's cache field: `past_key_values` in transformers 5.16-5.23 (the oldest the extra takes), `cache` after.
 OUTPUT_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -148,12 +150,14 @@ class TransformersView(TransformersGeneration):
     hf_quantizer = None
     tp_plan = None
 
-    def __init__(self, model):
+    def __init__(self, model, compiled: ViewCompile | None = None):
+        """`compiled`: a method call's compile settings (facade/view_step.py), where the call asked to compile."""
         self.__dict__.update(
             facade=model,
             module=model.module,
             config=transformers_config(model.module.config),
             generation_config=model.method_generation_config(model.generation_config),
+            compiled=compiled,
         )
 
     def __getattr__(self, name: str):
@@ -257,21 +261,43 @@ class TransformersView(TransformersGeneration):
                 "past_key_values as a tuple of (key, value) pairs is transformers' legacy format, which "
                 "transformers 5 and decodekit no longer take: pass a Cache (transformers.DynamicCache())."
             )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask of {attention_mask.dim()} dimensions: a decodekit model builds its "
+                "attention masks itself and takes the 2-D padding mask [batch, past + new] "
+                f"(got shape {tuple(attention_mask.shape)})."
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        inputs.update(inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        compiled = self.__dict__["compiled"]
+        if compiled is not None and cache is None and use_cache:
+            return self._cacheless(compiled, logits_to_keep, **inputs)
+        if compiled is not None and compiled.incremental is not None and cache is compiled.incremental.cache:
+            compiled.incremental = None  # the method runs that cache itself from now on
+        return self._run(cache, use_cache, logits_to_keep, **inputs)
+
+    def _run(self, cache, use_cache, logits_to_keep, input_ids, attention_mask, position_ids, inputs_embeds,
+             output_hidden_states) -> CausalLMOutputWithPast:  # fmt: skip
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
         rows, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         past = int(cache.get_seq_length()) if cache is not None else 0
+        compiled = self.__dict__["compiled"]
+        if compiled is not None and isinstance(cache, Cache) and length == 1 and past > 0:
+            reason = compiled.refusal(cache, input_ids, inputs_embeds, output_hidden_states)
+            logits = None if reason else compiled.decode(cache, input_ids, attention_mask, position_ids, past)
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE: cache if use_cache else None})
+            if reason:
+                compiled.eager_because(reason)
+        mirror = mirror_of(cache)
+        if mirror is not None:
+            mirror.stale_from(past)
         native_cache = _ViewedCache(cache, past) if isinstance(cache, Cache) else cache
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=self.device).expand(rows, length)
         if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(
-                    f"attention_mask of {attention_mask.dim()} dimensions: a decodekit model builds its "
-                    "attention masks itself and takes the 2-D padding mask [batch, past + new] "
-                    f"(got shape {tuple(attention_mask.shape)})."
-                )
             # A cache that keeps fewer positions than it has seen (a sliding or sink cache) is attended as it keeps them.
             attention_mask = attention_mask[:, -(past + length) :]
         out = self.module(
@@ -287,6 +313,25 @@ class TransformersView(TransformersGeneration):
         return CausalLMOutputWithPast(
             logits=out.logits, hidden_states=out.hidden_states, **{OUTPUT_CACHE: cache if use_cache else None}
         )
+
+    def _cacheless(self, compiled: ViewCompile, logits_to_keep, **inputs) -> CausalLMOutputWithPast:
+        """A forward given no cache (a method that runs the whole sequence every step, `model(input_ids).logits`):
+        where it extends the previous such call's sequence, only the new positions run, over the cache kept from
+        that call (compiled where it is one token a row); any other call runs whole and starts the state again."""
+        state = compiled.incremental
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        whole = logits_to_keep not in (0, None) or inputs["inputs_embeds"] is not None
+        whole = whole or inputs["output_hidden_states"] or inputs["position_ids"] is not None or input_ids is None
+        if whole or state is None or not state.extended_by(input_ids, attention_mask):
+            out = self._run(None, True, logits_to_keep, **inputs)
+            keep = not whole and input_ids.shape[1] > 0
+            compiled.incremental = (
+                Incremental(input_ids, attention_mask, out[OUTPUT_CACHE], out.logits) if keep else None
+            )
+            return out
+        new = self._run(state.cache, True, 0, **{**inputs, "input_ids": input_ids[:, state.length :]})
+        logits = state.extend(input_ids, attention_mask, new.logits)
+        return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE: state.cache})
 
     def _refuse_other_inputs(self, kwargs: dict) -> None:
         for name, value in kwargs.items():

@@ -15,6 +15,8 @@ caches, or transformers' Cache objects, which know every architecture's layers).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ import torch
 from ..core.config import GenerationConfig, add_plugin_fields, reject_unknown
 from ..core.generate import GenerationMixin
 from . import transformers_model as hf
+
+logger = logging.getLogger("decodekit")
 
 BACKENDS = ("native", "transformers")
 
@@ -207,19 +211,36 @@ class Model(GenerationMixin):
 
         return TransformersView(self)
 
-    def for_method(self, method_file=None):
-        """What a custom_generate method's own generate() is handed: the surface a method written for transformers
-        calls (as_transformers()) on a native model where transformers is installed; this Model otherwise (a wrapped
-        transformers model already has that surface, through the module). `method_file`: the method's generate.py,
-        read first on a native model: a method asking for what only another kind of model has (an encoder,
-        attention weights, images) is refused before it starts."""
+    @contextlib.contextmanager
+    def for_method(self, method_file=None, compile: dict | None = None, method: str = "method"):
+        """What a custom_generate method's own generate() is handed, for the duration: the surface a method written
+        for transformers calls (as_transformers()) on a native model where transformers is installed; this Model
+        otherwise (a wrapped transformers model already has that surface, through the module). `method_file`: the
+        method's generate.py, read first on a native model: a method asking for what only another kind of model has
+        (an encoder, attention weights, images) is refused before it starts. `compile`: torch.compile's options
+        (core/compile.step_options) where the call asked to compile: the view then runs the method's one-token
+        forwards as a compiled step (facade/view_step.py); `method` names the method in its log lines."""
         if self.backend != "native" or not hf.installed():
-            return self
-        from .as_transformers import check_method_file
+            if compile is not None:
+                logger.info(
+                    "custom_generate %s runs eagerly (compile=True): the compiled step runs under a native model's "
+                    "transformers view, and this model is %s",
+                    method,
+                    "a transformers model" if self.backend != "native" else "native without transformers installed",
+                )
+            yield self
+            return
+        from .as_transformers import TransformersView, check_method_file
+        from .view_step import ViewCompile
 
         if method_file is not None:
             check_method_file(method_file, self.module)
-        return self.as_transformers()
+        compiled = ViewCompile(self.module, compile, method) if compile is not None else None
+        try:
+            yield TransformersView(self, compiled)
+        finally:
+            if compiled is not None:
+                compiled.close()
 
     def own_tokenizer(self):
         """The tokenizer stored with the model's files (tokenizer.json, a GGUF vocabulary), loaded at first use and

@@ -150,7 +150,8 @@ def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict
                     kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
                     args = ()
                 kwargs = prepare(fn, kwargs)
-            return fn(model.for_method(method.source.method_dir / "generate.py"), *args, **kwargs)
+            with model.for_method(method.source.method_dir / "generate.py", method=method.source.label) as target:
+                return fn(target, *args, **kwargs)
         finally:
             _inside.active = False
 

@@ -1,0 +1,251 @@
+"""The compiled decode step under TransformersView: a Hub method's own loop, asked to compile (generate(...,
+compile=True)), runs each of its one-token forwards as one compiled step of the native module, as
+generate(compile=True) does (CUDA graphs on a GPU).
+
+The method keeps its transformers Cache and every call it makes on it; the step runs over a static cache of its own
+(core/compile.FusedStep: fixed shapes, fixed addresses) that mirrors the method's cache:
+- a DynamicCache's layers are handed back as views of the step's buffers ([:, :, :length]), so after the first step
+  nothing is copied: the step writes the new position in place, and the method's crop (a shorter view of the same
+  memory) keeps the two in step;
+- a StaticCache keeps its own buffers: the step's new position is written to them through the cache's own update().
+A change the method makes that the step cannot follow in place (reorder_cache, batch_select_indices, an eager
+forward's concatenation) gives its layers other memory; the next step sees that (each layer's address, the length
+it knows) and copies the cache into its buffers once. Only one cache is mirrored by a step at a time: another
+cache taking the step first gets back memory of its own for what the step held for it.
+
+What runs eagerly, with one logged reason per call and kind: prefill and multi-token forwards, a cache of another
+class (a method's own subclass, a sliding-window layer), hidden states asked for, inputs_embeds, a step that does not
+compile. Why a mirror rather than decodekit cache classes handed to the method: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+
+from .. import kernels
+from ..core.compile import FusedStep, compiled_steps
+from ..core.fused_loop import bucket, supports_step
+
+logger = logging.getLogger("decodekit")
+
+# transformers' cache and layer classes the step mirrors, by name: the same in every transformers 5.x.
+MIRRORED_CACHES = {"DynamicCache": "DynamicLayer", "StaticCache": "StaticLayer"}
+
+
+class ViewCompile:
+    """compile=True for one call of a method on a TransformersView: the torch.compile `options` of its steps, the
+    weight layout held while it runs (kernels.step_layout), the reasons it ran eagerly (logged once each), and a
+    cacheless method's incremental state (Incremental). `close()` when the method returns."""
+
+    def __init__(self, module, options: dict, method: str):
+        self.module, self.options, self.method = module, options, method
+        self.layout = contextlib.ExitStack()
+        self.layout_rows: int | None = None
+        self.layout_key = None
+        self.told: set[str] = set()
+        self.incremental: Incremental | None = None
+
+    def close(self) -> None:
+        self.layout.close()
+        self.layout_rows = self.layout_key = None
+        self.incremental = None
+
+    def eager_because(self, reason: str) -> None:
+        if reason not in self.told:
+            self.told.add(reason)
+            logger.info("custom_generate %s: a forward runs eagerly (not compiled): %s", self.method, reason)
+
+    def refusal(self, cache, input_ids, inputs_embeds, output_hidden_states) -> str | None:
+        """Why this forward cannot be a compiled step (None: it can)."""
+        if not supports_step(self.module, "fused"):
+            return f"{type(self.module).__name__} does not declare a fused step (steps_supported)"
+        if inputs_embeds is not None or input_ids is None:
+            return "it passes inputs_embeds"
+        if output_hidden_states:
+            return "it asks for hidden states (output_hidden_states=True)"
+        kind = type(cache).__name__
+        layer = MIRRORED_CACHES.get(kind)
+        if layer is None or type(cache).__module__.split(".")[0] != "transformers":
+            return f"its cache is a {type(cache).__qualname__}; the step mirrors transformers' DynamicCache and StaticCache"
+        if any(type(entry).__name__ != layer for entry in cache.layers):
+            kinds = sorted({type(entry).__name__ for entry in cache.layers})
+            return f"its {kind} holds {', '.join(kinds)} layers; the step mirrors {layer}s"
+        return None
+
+    def step_for(self, rows: int, capacity: int) -> FusedStep | None:
+        """The compiled step for `rows` one-token rows over `capacity` cache slots (made at first use; None where it
+        failed to compile before), with the model's weights in that step's layout."""
+        if self.layout_rows != rows:
+            self.layout.close()
+            self.layout_key = self.layout.enter_context(kernels.step_layout(self.module, rows))
+            self.layout_rows = rows
+            if self.module.device.type == "cpu":
+                self.module.bind_native_layers()
+        key = (rows, capacity, tuple(sorted((k, repr(v)) for k, v in self.options.items())), self.layout_key)
+        steps = compiled_steps(self.module, "method decode")
+
+        def make() -> FusedStep:
+            logger.info(
+                "custom_generate %s: compiling the decode step (%d rows, %d cache slots)", self.method, rows, capacity
+            )
+            step = FusedStep(self.module, rows, capacity, self.options, one_token_forward)
+            step.key, step.mirror = key, None
+            return step
+
+        return steps.get_or_make(key, make)
+
+    def decode(self, cache, input_ids, attention_mask, position_ids, past: int):
+        """The logits [rows, 1, vocab] of one token per row over `cache` (a transformers Cache holding `past`
+        positions), computed by the compiled step, the cache updated as its own update() would; None where the step
+        did not compile (the caller runs the forward eagerly)."""
+        rows = input_ids.shape[0]
+        step = self.step_for(rows, bucket(past + 1))
+        if step is None:
+            return None
+        Mirror.serve(step, cache, past)
+        dev = input_ids.device
+        mask = torch.zeros(rows, step.cache.max_cache_len, dtype=torch.long, device=dev)
+        mask[:, : past + 1] = attention_mask[:, -(past + 1) :] if attention_mask is not None else 1
+        if position_ids is None:
+            position_ids = torch.full((rows, 1), past, dtype=torch.long, device=dev)
+        slots = torch.tensor([past], device=dev)
+        try:
+            # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
+            logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if step.compiled_once:
+                raise
+            compiled_steps(self.module, "method decode")[step.key] = None
+            self.eager_because(f"the step did not compile ({str(error).splitlines()[0]})")
+            return None
+        step.compiled_once = True
+        step.mirror.written(cache, past)
+        return logits
+
+
+def one_token_forward(module, cache):
+    """The function FusedStep compiles: one token per row at slot `slots` of `cache`, the logits as the module gives
+    them (its dtype), [rows, 1, vocab]."""
+
+    def step(tokens, positions, slots, mask):
+        out = module(
+            tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            cache_position=slots,
+            logits_to_keep=1,
+        )
+        return out.logits
+
+    return step
+
+
+class Mirror:
+    """Which transformers cache a step's buffers hold (`owner`, weakly), how many positions of it they hold
+    (`length`), and the memory each of its layers was in when they did (`addresses`)."""
+
+    def __init__(self, step: FusedStep, owner):
+        self.step, self.owner, self.length, self.addresses = step, weakref.ref(owner), 0, []
+
+    @staticmethod
+    def serve(step: FusedStep, cache, past: int) -> None:
+        """Makes `step`'s buffers hold the first `past` positions of `cache`: nothing to do where they already do,
+        else one copy (the step's previous cache, if another, first gets memory of its own)."""
+        mirror = step.mirror
+        if mirror is not None and mirror.owner() is cache and mirror.holds(cache, past):
+            return
+        if mirror is not None and mirror.owner() is not None and mirror.owner() is not cache:
+            mirror.release(mirror.owner())
+        step.mirror = mirror = Mirror(step, cache)
+        cache._decodekit_mirror = mirror  # an eager forward over the cache tells it (stale_from)
+        buffers = step.cache
+        for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
+            keys[:, :, :past].copy_(layer.keys[:, :, :past])
+            values[:, :, :past].copy_(layer.values[:, :, :past])
+        mirror.length = past
+        if type(cache).__name__ == "DynamicCache":
+            for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
+                layer.keys, layer.values = keys[:, :, :past], values[:, :, :past]
+        mirror.addresses = mirror.layer_addresses(cache)
+
+    @staticmethod
+    def layer_addresses(cache) -> list:
+        return [(layer.keys.data_ptr(), layer.values.data_ptr(), layer.keys.shape[0]) for layer in cache.layers]
+
+    def holds(self, cache, past: int) -> bool:
+        # crop() shortens a layer's view of the same memory; anything else gives it other memory (or other rows).
+        return past <= self.length and self.layer_addresses(cache) == self.addresses
+
+    def written(self, cache, past: int) -> None:
+        """After a step wrote position `past` into the buffers: the cache holds it too."""
+        buffers = self.step.cache
+        if type(cache).__name__ == "DynamicCache":
+            for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
+                layer.keys, layer.values = keys[:, :, : past + 1], values[:, :, : past + 1]
+        else:  # a StaticCache keeps its own buffers: the new position goes in through its own update()
+            for index, (keys, values) in enumerate(zip(buffers.keys, buffers.values)):
+                cache.update(keys[:, :, past : past + 1], values[:, :, past : past + 1], index)
+        self.length = past + 1
+        self.addresses = self.layer_addresses(cache)
+
+    def stale_from(self, past: int) -> None:
+        """An eager forward is about to write the owner's positions from `past` on, which the buffers do not see."""
+        self.length = min(self.length, past)
+
+    def release(self, cache) -> None:
+        """The step's buffers go to another cache: `cache`'s layers that are views of them get their own memory."""
+        buffers = self.step.cache
+        for layer, keys in zip(cache.layers, buffers.keys):
+            if layer.keys.data_ptr() == keys.data_ptr():
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+
+def mirror_of(cache) -> Mirror | None:
+    """The Mirror whose step holds `cache`, if any (steps are found through the model's compiled steps)."""
+    return getattr(cache, "_decodekit_mirror", None)
+
+
+class Incremental:
+    """A cacheless method's state (it calls model(input_ids) on the whole sequence every step): the sequence, mask
+    and cache of the previous call and the logits of every position so far, so a call that extends that sequence
+    runs only its new positions. `logits` is a buffer [rows, capacity, vocab], its first `length` positions
+    filled."""
+
+    def __init__(self, input_ids, attention_mask, cache, logits):
+        self.ids, self.mask, self.cache = input_ids, attention_mask, cache
+        self.length = input_ids.shape[1]
+        self.addresses = Mirror.layer_addresses(cache)
+        capacity = bucket(self.length + 1)
+        self.logits = logits.new_empty(logits.shape[0], capacity, logits.shape[2])
+        self.logits[:, : self.length] = logits
+
+    def extended_by(self, input_ids, attention_mask) -> bool:
+        """Whether this call's sequence is the previous one with new positions after it, the same rows and mask,
+        and the kept cache still as the previous call left it."""
+        n = self.length
+        if input_ids.shape[0] != self.ids.shape[0] or input_ids.shape[1] <= n:
+            return False
+        if (attention_mask is None) != (self.mask is None):
+            return False
+        if attention_mask is not None and not torch.equal(attention_mask[:, :n], self.mask):
+            return False
+        if int(self.cache.get_seq_length()) != n or Mirror.layer_addresses(self.cache) != self.addresses:
+            return False  # the method changed the cache the previous call returned (crop, reorder, ...)
+        return torch.equal(input_ids[:, :n], self.ids)
+
+    def extend(self, input_ids, attention_mask, logits) -> torch.Tensor:
+        """Keeps the new positions' `logits`; returns every position's, [rows, length, vocab]."""
+        end = input_ids.shape[1]
+        if end > self.logits.shape[1]:
+            grown = self.logits.new_empty(self.logits.shape[0], bucket(2 * end), self.logits.shape[2])
+            grown[:, : self.length] = self.logits[:, : self.length]
+            self.logits = grown
+        self.logits[:, self.length : end] = logits
+        self.ids, self.mask, self.length = input_ids, attention_mask, end
+        self.addresses = Mirror.layer_addresses(self.cache)
+        return self.logits[:, :end]

@@ -100,7 +100,7 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
         expand_size=beams, is_encoder_decoder=model.config.is_encoder_decoder, input_ids=input_ids,
         attention_mask=attention_mask)
     model_kwargs.update({CACHE: DynamicCache(config=model.config)}, use_cache=True)
-    scores = torch.zeros(batch, beams)
+    scores = torch.zeros(batch, beams, device=input_ids.device)
     scores[:, 1:] = -1e9
     scores = scores.view(-1)
     first = True
@@ -113,7 +113,7 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
         logprobs = outputs.logits[:, -1].float().log_softmax(dim=-1)
         vocab = logprobs.shape[-1]
         best, index = (scores[:, None] + logprobs).view(batch, beams * vocab).topk(beams, dim=-1)
-        rows = (index // vocab + torch.arange(batch)[:, None] * beams).view(-1)
+        rows = (index // vocab + torch.arange(batch, device=index.device)[:, None] * beams).view(-1)
         input_ids = torch.cat([input_ids[rows], (index % vocab).view(-1, 1)], dim=-1)
         scores = best.view(-1)
         model_kwargs["attention_mask"] = model_kwargs["attention_mask"][rows]
@@ -121,7 +121,7 @@ def generate(model, input_ids, generation_config=None, attention_mask=None, **kw
             model_kwargs[CACHE] = model._reorder_cache(model_kwargs[CACHE], rows)
         else:
             model_kwargs[CACHE].reorder_cache(rows)
-    winners = scores.view(batch, beams).argmax(dim=-1) + torch.arange(batch) * beams
+    winners = scores.view(batch, beams).argmax(dim=-1) + torch.arange(batch, device=scores.device) * beams
     return input_ids[winners]
 """
 

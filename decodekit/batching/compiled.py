@@ -41,13 +41,14 @@ def bucket(n: int) -> int:
 
 
 def mark_step_dynamic(ids, position, slots, table) -> None:
-    """The step's two sizes are dynamic: its rows (ids' dim 1) and its block-table width (table's dim 1). The other
-    inputs' rows must equal ids': they are marked as maybe dynamic, so the compiler takes them for the same size.
-    Marked dynamic on their own, each got a symbol of its own that the trace then found equal to the rows': a
-    violated constraint where the CUDA step was seen to fail (it then ran eagerly); the torch this CPU suite runs
-    unifies the symbols instead, so only the marks themselves are tested here."""
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(table, 1)
+    """The step's sizes that change from step to step (its rows: ids' dim 1 and the other inputs' dim 0; its
+    block-table width) are marked maybe dynamic: traced as symbols, the rows' unified into one, and specialised only
+    where the traced code needs a fixed value. Marked strictly dynamic, any guard the trace made on them was a
+    violated constraint and every step ran eagerly, as seen on CUDA twice: four row symbols found equal, then the
+    rows found equal to 16 (a CPU-only branch that read the rows before the device); the CPU's torch here unified and
+    widened instead, so only the marks themselves are tested here."""
+    torch._dynamo.maybe_mark_dynamic(ids, 1)
+    torch._dynamo.maybe_mark_dynamic(table, 1)
     for tensor in (position, slots, table):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 

@@ -46,8 +46,13 @@ MATMUL_PROBE = {torch.bfloat16: "onednn_bf16", torch.float16: "onednn_fp16"}
 
 def computes_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product of `x` by a bf16/fp16 `weight` is faster in float32 on this CPU."""
-    wide = x.numel() >= FLOAT32_FROM_ROWS * weight.shape[1]
-    return wide and x.device.type == "cpu" and lacks_matmul_instructions(weight.dtype)
+    # The device first: off the CPU the rows are not read, so a compiled step over a dynamic row count (continuous
+    # batching's) gets no guard on them from here.
+    return (
+        x.device.type == "cpu"
+        and x.numel() >= FLOAT32_FROM_ROWS * weight.shape[1]
+        and lacks_matmul_instructions(weight.dtype)
+    )
 
 
 def lacks_matmul_instructions(dtype: torch.dtype) -> bool:

@@ -193,19 +193,21 @@ def compile_arguments(options: dict, guard_filter=argument_guards_only) -> dict:
 
 class FusedStep:
     """One compiled step with its own static cache: `make(model, cache)` returns the function to compile; call
-    the FusedStep to run it."""
+    the FusedStep to run it. `options` None: the function runs as it is, not compiled (the same kernels and cache
+    as the compiled step's, eagerly)."""
 
-    def __init__(self, model, batch: int, length: int, options: dict, make):
+    def __init__(self, model, batch: int, length: int, options: dict | None, make):
         self.compiled_once = False
+        self.compiles = options is not None
         self.cache = StaticCache.for_model(model, batch, length)
         model.rotary.ensure(length, model.device, model.dtype)
-        self.graphs = model.device.type == "cuda" and replays_graphs(options)
+        self.graphs = self.compiles and model.device.type == "cuda" and replays_graphs(options)
         if self.graphs:
             # A CUDA graph replays fixed addresses; the step writes its cache, an input of the graph, which
             # inductor then replays only if the input is marked as never moving (else it skips the graphs).
             for tensor in (*self.cache.keys, *self.cache.values):
                 torch._dynamo.mark_static_address(tensor)
-        self.step = compile_own(make(model, self.cache), options)
+        self.step = compile_own(make(model, self.cache), options) if self.compiles else make(model, self.cache)
 
     def __call__(self, *args):
         """One step. Replayed as a CUDA graph, its outputs live in the graph's memory, which the next replay

@@ -158,6 +158,7 @@ class TransformersView(TransformersGeneration):
             config=transformers_config(model.module.config),
             generation_config=model.method_generation_config(model.generation_config),
             compiled=compiled,
+            incremental=None,  # a cacheless method's state (view_step.Incremental)
         )
 
     def __getattr__(self, name: str):
@@ -270,11 +271,11 @@ class TransformersView(TransformersGeneration):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         inputs.update(inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
-        compiled = self.__dict__["compiled"]
-        if compiled is not None and cache is None and use_cache:
-            return self._cacheless(compiled, logits_to_keep, **inputs)
-        if compiled is not None and compiled.incremental is not None and cache is compiled.incremental.cache:
-            compiled.incremental = None  # the method runs that cache itself from now on
+        if cache is None and use_cache:
+            return self._cacheless(logits_to_keep, **inputs)
+        state = self.__dict__["incremental"]
+        if state is not None and cache is state.cache:
+            self.__dict__["incremental"] = None  # the method runs that cache itself from now on
         return self._run(cache, use_cache, logits_to_keep, **inputs)
 
     def _run(self, cache, use_cache, logits_to_keep, input_ids, attention_mask, position_ids, inputs_embeds,
@@ -314,18 +315,20 @@ class TransformersView(TransformersGeneration):
             logits=out.logits, hidden_states=out.hidden_states, **{OUTPUT_CACHE: cache if use_cache else None}
         )
 
-    def _cacheless(self, compiled: ViewCompile, logits_to_keep, **inputs) -> CausalLMOutputWithPast:
+    def _cacheless(self, logits_to_keep, **inputs) -> CausalLMOutputWithPast:
         """A forward given no cache (a method that runs the whole sequence every step, `model(input_ids).logits`):
         where it extends the previous such call's sequence, only the new positions run, over the cache kept from
-        that call (compiled where it is one token a row); any other call runs whole and starts the state again."""
-        state = compiled.incremental
+        that call (a compiled step where the call compiles and it is one token a row); any other call runs whole
+        and starts the state again. Linear work where the method's is quadratic; the logits are the full forward's
+        within float rounding (a cached loop's: in bfloat16 a near tie can fall the other way)."""
+        state = self.__dict__["incremental"]
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         whole = logits_to_keep not in (0, None) or inputs["inputs_embeds"] is not None
         whole = whole or inputs["output_hidden_states"] or inputs["position_ids"] is not None or input_ids is None
         if whole or state is None or not state.extended_by(input_ids, attention_mask):
             out = self._run(None, True, logits_to_keep, **inputs)
             keep = not whole and input_ids.shape[1] > 0
-            compiled.incremental = (
+            self.__dict__["incremental"] = (
                 Incremental(input_ids, attention_mask, out[OUTPUT_CACHE], out.logits) if keep else None
             )
             return out

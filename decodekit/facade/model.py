@@ -219,7 +219,8 @@ class Model(GenerationMixin):
         method's generate.py, read first on a native model: a method asking for what only another kind of model has
         (an encoder, attention weights, images) is refused before it starts. `compile`: torch.compile's options
         (core/compile.step_options) where the call asked to compile: the view then runs the method's one-token
-        forwards as a compiled step (facade/view_step.py); `method` names the method in its log lines."""
+        forwards as a compiled step (facade/view_step.py), else as that step's function run eagerly, so that a
+        method's tokens do not depend on compile=; `method` names the method in its log lines."""
         if self.backend != "native" or not hf.installed():
             if compile is not None:
                 logger.info(
@@ -235,12 +236,11 @@ class Model(GenerationMixin):
 
         if method_file is not None:
             check_method_file(method_file, self.module)
-        compiled = ViewCompile(self.module, compile, method) if compile is not None else None
+        steps = ViewCompile(self.module, compile, method)
         try:
-            yield TransformersView(self, compiled)
+            yield TransformersView(self, steps)
         finally:
-            if compiled is not None:
-                compiled.close()
+            steps.close()
 
     def own_tokenizer(self):
         """The tokenizer stored with the model's files (tokenizer.json, a GGUF vocabulary), loaded at first use and

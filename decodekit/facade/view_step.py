@@ -37,25 +37,24 @@ MIRRORED_CACHES = {"DynamicCache": "DynamicLayer", "StaticCache": "StaticLayer"}
 
 
 class ViewCompile:
-    """compile=True for one call of a method on a TransformersView: the torch.compile `options` of its steps, the
-    weight layout held while it runs (kernels.step_layout), the reasons it ran eagerly (logged once each), and a
-    cacheless method's incremental state (Incremental). `close()` when the method returns."""
+    """The decode steps of one call of a method on a TransformersView: the torch.compile `options` of its steps
+    (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the weight layout held
+    while it runs (kernels.step_layout) and the reasons a forward ran as the view's plain forward instead (logged
+    once each, when compiling). `close()` when the method returns."""
 
-    def __init__(self, module, options: dict, method: str):
+    def __init__(self, module, options: dict | None, method: str):
         self.module, self.options, self.method = module, options, method
         self.layout = contextlib.ExitStack()
         self.layout_rows: int | None = None
         self.layout_key = None
         self.told: set[str] = set()
-        self.incremental: Incremental | None = None
 
     def close(self) -> None:
         self.layout.close()
         self.layout_rows = self.layout_key = None
-        self.incremental = None
 
     def eager_because(self, reason: str) -> None:
-        if reason not in self.told:
+        if self.options is not None and reason not in self.told:
             self.told.add(reason)
             logger.info("custom_generate %s: a forward runs eagerly (not compiled): %s", self.method, reason)
 
@@ -85,13 +84,18 @@ class ViewCompile:
             self.layout_rows = rows
             if self.module.device.type == "cpu":
                 self.module.bind_native_layers()
-        key = (rows, capacity, tuple(sorted((k, repr(v)) for k, v in self.options.items())), self.layout_key)
+        options = None if self.options is None else tuple(sorted((k, repr(v)) for k, v in self.options.items()))
+        key = (rows, capacity, options, self.layout_key)
         steps = compiled_steps(self.module, "method decode")
 
         def make() -> FusedStep:
-            logger.info(
-                "custom_generate %s: compiling the decode step (%d rows, %d cache slots)", self.method, rows, capacity
-            )
+            if self.options is not None:
+                logger.info(
+                    "custom_generate %s: compiling the decode step (%d rows, %d cache slots)",
+                    self.method,
+                    rows,
+                    capacity,
+                )
             step = FusedStep(self.module, rows, capacity, self.options, one_token_forward)
             step.key, step.mirror = key, None
             return step
@@ -117,7 +121,7 @@ class ViewCompile:
             # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
             logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
         except torch._dynamo.exc.TorchDynamoException as error:
-            if step.compiled_once:
+            if step.compiled_once or not step.compiles:
                 raise
             compiled_steps(self.module, "method decode")[step.key] = None
             self.eager_because(f"the step did not compile ({str(error).splitlines()[0]})")

@@ -249,6 +249,22 @@ def test_a_method_bound_from_a_model_repo_gets_the_calls_prepared_config(tmp_pat
     assert model.generate(input_ids=PROMPT, max_length=7).shape == (1, 7)  # by name too
 
 
+def test_a_method_bound_from_a_model_repo_calling_model_generate_gets_the_builtin_one(tmp_path):
+    # The method is handed the model as it was before the binding (no thread-local guard): its model.generate()
+    # is the built-in generate, as in transformers; the bound model still runs the method.
+    from published_methods import REENTERS_GENERATE
+
+    repo = write_tiny_model(tmp_path / "model")
+    write_method(repo, REENTERS_GENERATE)
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    plain = AutoModelForCausalLM.from_pretrained(repo)
+    prefixed = torch.cat([PROMPT[:, :1].repeat(1, 2), PROMPT], dim=-1)
+    options = dict(max_new_tokens=5, repetition_penalty=1.3, eos_token_id=None, do_sample=False)
+    expected = plain.generate(prefixed, **options)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=5), expected)
+    assert "generate" in model.__dict__ and torch.equal(model.generate(PROMPT, max_new_tokens=5), expected)
+
+
 def test_hook_method_in_a_model_repo(tmp_path):
     repo = write_tiny_model(tmp_path / "model")
     write_method(repo, HOOK_METHOD)

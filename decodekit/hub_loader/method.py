@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
-import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -115,16 +115,16 @@ def forwarded_arguments(fn: Callable, arguments: dict[str, Any], kwargs: dict[st
     return args
 
 
-_inside = threading.local()
-
-
 def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict], dict] | None = None) -> None:
     """Makes the method the model's generate(), with its own signature (minus `model`) visible to inspect.
     A hook-only method instead has its hooks registered around each call of the built-in generate().
 
-    Inside the method, model.generate() is the built-in one again, so a method that prepares its own
-    inputs and then calls model.generate(...) does not recurse into itself. `prepare(fn, keyword arguments)`, where
-    given, rewrites a method's keyword arguments first (the caller hands in the call's prepared config there).
+    The method is handed the model as it was before the binding (a shallow copy without it: the same weights,
+    config and facade), so a method that prepares its own inputs and then calls model.generate(...) runs the
+    built-in generate, as in transformers, where the binding is not on the model the method receives either. A
+    call naming custom_generate= runs the built-in generate too (which runs that method). `prepare(fn, keyword
+    arguments)`, where given, rewrites a method's keyword arguments first (the caller hands in the call's prepared
+    config there).
     """
     builtin = model.generate
     if method.generate is None:
@@ -141,19 +141,17 @@ def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict
 
     @functools.wraps(fn)
     def generate(*args, **kwargs):
-        if getattr(_inside, "active", False) or "custom_generate" in kwargs:
+        if "custom_generate" in kwargs:
             return builtin(*args, **kwargs)
-        _inside.active = True
-        try:
-            if prepare is not None:
-                if args:  # the prompt given positionally: by name, so prepare sees it
-                    kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
-                    args = ()
-                kwargs = prepare(fn, kwargs)
-            with model.for_method(method.source.method_dir / "generate.py", method=method.source.label) as target:
-                return fn(target, *args, **kwargs)
-        finally:
-            _inside.active = False
+        if prepare is not None:
+            if args:  # the prompt given positionally: by name, so prepare sees it
+                kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
+                args = ()
+            kwargs = prepare(fn, kwargs)
+        unbound = copy.copy(model)
+        unbound.__dict__.pop("generate", None)
+        with unbound.for_method(method.source.method_dir / "generate.py", method=method.source.label) as target:
+            return fn(target, *args, **kwargs)
 
     signature = inspect.signature(fn)
     generate.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])

@@ -127,9 +127,15 @@ def _add_chat(sub, verbose) -> argparse.ArgumentParser:
         help="how many tokens a reply has at most (default: 256)",
     )
     chat.add_argument("--system", metavar="TEXT", help="the system message the chat starts with")
+    chat.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the decode step compiled with torch.compile, a --custom-generate method's too (the first reply "
+        "compiles; later ones reuse it)",
+    )
     _decoding_flags(chat)
     _method_flags(chat)
-    chat.set_defaults(func=cmd_chat, prompt=None, compile=False)
+    chat.set_defaults(func=cmd_chat, prompt=None)
     return chat
 
 

@@ -305,3 +305,20 @@ def test_the_cli_compiles_a_methods_steps(tmp_path, repos, steps, capsys):
     eager = capsys.readouterr().out
     assert main([*argv, "--compile"]) == 0
     assert capsys.readouterr().out == eager and steps
+
+
+def test_a_chat_compiles_its_methods_steps(default_model, repos, steps):
+    import io
+
+    from decodekit.chat import ChatSession
+    from decodekit.cli import build_parser, generation_kwargs
+
+    model, tokenizer = default_model
+    fields = generation_kwargs(build_parser().parse_args(["chat", "--compile", "--max-new-tokens", "5"]))
+    assert fields["compile"] is True
+    replies = []
+    for session_fields in ({k: v for k, v in fields.items() if k != "compile"}, fields):
+        session = ChatSession(model, tokenizer, session_fields, method=repos["cacheless"], out=io.StringIO())
+        session.trust_for = lambda method: True
+        replies.append(session.reply("The capital of France is"))
+    assert replies[0] == replies[1] and steps

@@ -205,10 +205,22 @@ def test_twenty_requests_arriving_over_time_equal_generate_alone(model, tmp_path
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch-attention"])
-def test_compiled_decode_steps_equal_generate_alone(model, native, caplog):
+def test_compiled_decode_steps_equal_generate_alone(model, native, caplog, monkeypatch):
     # compile=True on the manager: steps whose rows all decode run compiled, one function for every row count; as
     # requests end, the rows fall from 6 to 1. Without decodekit's C++ kernels the compiled step attends through
-    # torch operations (paged.decode_attention), the path it takes on CUDA.
+    # torch operations (paged.decode_attention), the path it takes on CUDA. Between joins and finishes the block
+    # table stays on the device, step to step, its positions advanced there.
+    from decodekit.batching.compiled import CompiledDecode
+
+    tables = []
+    kept = CompiledDecode._rows_state
+
+    def recorded(self, *args):
+        state = kept(self, *args)
+        tables.append(state[0])
+        return state
+
+    monkeypatch.setattr(CompiledDecode, "_rows_state", recorded)
     if native and not cpu.has("native_kernels"):
         pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
     requests = [
@@ -230,6 +242,8 @@ def test_compiled_decode_steps_equal_generate_alone(model, native, caplog):
     compiled = manager.runner.compiled
     assert compiled.broken is None and manager.free_blocks == blocks
     assert compiled.steps > 10
+    reused = sum(a is b for a, b in zip(tables, tables[1:]))
+    assert reused >= 5 and len({id(t) for t in tables}) >= 4  # kept while the rows stay, rebuilt as they change
     torch_attention = "compiled decode steps attend through torch operations (decode_attention)"
     assert (torch_attention in caplog.text) is (not native)  # said where the C++ kernel cannot serve (CUDA, off)
 

@@ -65,6 +65,7 @@ class CompiledDecode:
         self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
         self.broken: str | None = None
+        self._kept = None  # the previous step's rows, table and positions on the device (_rows_state)
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
         if self.graphs:
@@ -85,27 +86,25 @@ class CompiledDecode:
     def usable(self) -> bool:
         return self.broken is None
 
-    def __call__(self, tokens: list[int], tables: list[list[int]], positions: list[int]) -> torch.Tensor | None:
+    def __call__(self, tokens, tables: list[list[int]], positions: list[int], rows_key=None) -> torch.Tensor | None:
         """Logits [rows, V] of one decode step (row i: token tokens[i] at positions[i] of the row whose blocks
-        are tables[i]), or None when this step cannot run compiled (the caller runs it eagerly)."""
+        are tables[i]; `tokens` a tensor on the cache's device or a list), or None when this step cannot run
+        compiled (the caller runs it eagerly). `rows_key` names the step's rows (the same requests, in the same
+        order, as the previous step): then the block table kept on the device from that step is used again and the
+        positions advanced there, where each row is one position further on, instead of both being rebuilt from
+        lists and copied."""
         if not self.usable():
             return None
         rows = len(tokens)
         size = bucket(rows) if self.graphs else max(MIN_SIZE, rows)
         pad = size - rows
         kernels.settle_routes(self.model, size)  # before the step is traced for this many rows
-        width = max(MIN_SIZE, max(len(t) for t in tables))
-        width = bucket(width) if self.graphs else width
-        bs, device = self.cache.block_size, self.cache.keys[0].device
-        table = torch.tensor(
-            [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, dtype=torch.long
-        )
-        ids = torch.tensor([tokens + [0] * pad], dtype=torch.long, device=device)
-        position = torch.tensor(positions + [0] * pad, dtype=torch.long)
-        slots = slots_of(table, torch.arange(size), position, bs)
+        device = self.cache.keys[0].device
         kernel = kernels.paged_step_ready(self.model, self.cache.keys[0])
-        if not kernel:  # decode_attention indexes on the cache's device; the C++ kernel reads them on the CPU
-            table, position, slots = table.to(device), position.to(device), slots.to(device)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        ids = torch.cat((ids, ids.new_zeros(pad)))[None] if pad else ids[None]
+        table, position = self._rows_state(tables, positions, rows_key, size, device if not kernel else "cpu")
+        slots = slots_of(table, torch.arange(size, device=table.device), position, self.cache.block_size)
         mark_step_dynamic(ids, position, slots, table)
         try:
             step = self._step(kernel)
@@ -120,6 +119,36 @@ class CompiledDecode:
             return None
         # A graph's outputs live in its memory, which the next replay overwrites: the step's logits are copied out.
         return logits[:rows].clone() if self.graphs else logits[:rows]
+
+    def forget_rows(self) -> None:
+        self._kept = None
+
+    def _rows_state(self, tables, positions, rows_key, size: int, device):
+        """The step's block table [size, width] and positions [size] on `device` (decode_attention indexes on the
+        cache's device; the C++ kernel reads them on the CPU): those of the previous step, advanced by one position
+        a row, where `rows_key` and the positions say the rows are the same, one position on; else built anew.
+        Padding rows write at position 0 of the scratch block and stay there."""
+        kept = self._kept
+        if (
+            rows_key is not None
+            and kept is not None
+            and kept[0] == rows_key
+            and kept[1].shape[0] == size
+            and positions == [p + 1 for p in kept[3]]
+        ):
+            position = kept[2] + kept[4]
+            self._kept = (rows_key, kept[1], position, positions, kept[4])
+            return kept[1], position
+        pad = size - len(tables)
+        width = max(MIN_SIZE, max(len(t) for t in tables))
+        width = bucket(width) if self.graphs else width
+        table = torch.tensor(
+            [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, dtype=torch.long
+        ).to(device)
+        position = torch.tensor(positions + [0] * pad, dtype=torch.long).to(device)
+        advance = torch.tensor([1] * len(tables) + [0] * pad, dtype=torch.long).to(device)
+        self._kept = (rows_key, table, position, positions, advance) if rows_key is not None else None
+        return table, position
 
     def warm_up(self, max_rows: int) -> list[int]:
         """Compiles the step now instead of at the first decode step, and runs it at one row and at `max_rows`

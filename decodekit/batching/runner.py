@@ -87,6 +87,7 @@ class PagedRunner:
         if self.blocks_needed(request.rows, request.prompt_length, request.max_length) > self.free_blocks:
             return False
         alloc = self.cache.allocator
+        self._tables_changed()
         per_row, shared = self._row_blocks(request.prompt_length, request.max_length)
         first = alloc.allocate(per_row)
         request.tables = [first]
@@ -99,34 +100,46 @@ class PagedRunner:
         for table in request.tables:
             self.cache.allocator.free(table)
         request.tables = []
+        self._tables_changed()
+
+    def _tables_changed(self) -> None:
+        """Blocks were taken or given back: the compiled step's table kept on the device is not used again."""
+        if self.compiled is not None:
+            self.compiled.forget_rows()
 
     def forward(self, works: list[Work]) -> dict[str, torch.Tensor]:
-        tables, segments, tokens, keep, owners = [], [], [], [], []
+        # The tokens stay on the model's device: a decode row's last token is read from its sequences there, not
+        # copied to the host one row at a time (on a GPU a synchronisation each).
+        tables, segments, pieces, keep, owners, length = [], [], [], [], [], 0
+        device = self.model.device
         for work in works:
             r = work.request
             if work.prefill:
-                segments.append(Segment(len(tokens), len(tokens) + work.tokens, len(tables), work.start))
+                segments.append(Segment(length, length + work.tokens, len(tables), work.start))
                 tables.append(r.tables[0])
-                tokens += r.prompt[work.start : work.end]
+                pieces.append(torch.tensor(r.prompt[work.start : work.end], dtype=torch.long, device=device))
+                length += work.tokens
                 if work.ends_prompt:
-                    keep.append(len(tokens) - 1)
+                    keep.append(length - 1)
                     owners.append((r.id, 1))
                 continue
             position = r.sequences.shape[1] - 1
             for row in range(r.rows):
-                segments.append(Segment(len(tokens), len(tokens) + 1, len(tables), position))
+                segments.append(Segment(length + row, length + row + 1, len(tables), position))
                 tables.append(r.tables[row])
-                tokens.append(int(r.sequences[row, -1]))
-                keep.append(len(tokens) - 1)
+                keep.append(length + row)
+            pieces.append(r.sequences[:, -1].to(device))
+            length += r.rows
             owners.append((r.id, r.rows))
+        ids = torch.cat(pieces)
         logits = None
         if self.compiled is not None and not any(work.prefill for work in works):
-            logits = self.compiled(tokens, tables, [s.first for s in segments])
+            rows = tuple((work.request.id, work.request.rows) for work in works)
+            logits = self.compiled(ids, tables, [s.first for s in segments], rows)
         if logits is None:
             batch = PagedBatch(self.cache, tables, segments)
-            ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
             out = self.model(
-                ids,
+                ids[None],
                 position_ids=batch.position_ids,
                 past_key_values=batch,
                 use_cache=True,

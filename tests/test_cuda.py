@@ -300,9 +300,14 @@ def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_fa
         assert out.generated_tokens == alone[0, len(prompt) :].tolist()
 
 
-def test_published_methods_compiled_on_the_device_equal_their_eager_tokens(tmp_path, llama, caplog, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_published_methods_compiled_on_the_device_equal_their_eager_tokens(
+    tmp_path, kind, dtype, caplog, monkeypatch
+):  # fmt: skip
     """compile=True for a Hub method's own loop on the device: its one-token forwards run as the compiled step (CUDA
-    graphs replayed, none skipped), and every loop style gives its eager tokens, a left-padded batch too."""
+    graphs replayed, none skipped), and every loop style gives its eager tokens: greedy, a left-padded batch, seeded
+    sampling."""
     import logging
 
     from decodekit.core.compile import FusedStep
@@ -310,23 +315,37 @@ def test_published_methods_compiled_on_the_device_equal_their_eager_tokens(tmp_p
 
     steps = []
     call = FusedStep.__call__
-    monkeypatch.setattr(FusedStep, "__call__", lambda self, *a: steps.append(self.graphs) or call(self, *a))
-    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+
+    def counted(self, *args):
+        if self.compiles:
+            steps.append(self.graphs)
+        return call(self, *args)
+
+    monkeypatch.setattr(FusedStep, "__call__", counted)
+    model = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / kind, kind), device=DEVICE, dtype=dtype)
     ids, batch, mask = PROMPT.to(DEVICE), BATCH.to(DEVICE), MASK.to(DEVICE)
     cases = [
-        (CACHELESS, dict(input_ids=ids)),
-        (CACHELESS, dict(input_ids=batch, attention_mask=mask)),
-        (TOP_N_SIGMA, dict(input_ids=ids, eos_token_id=None)),
-        (TOP_N_SIGMA, dict(input_ids=batch, attention_mask=mask, pad_token_id=0, eos_token_id=None)),
-        (BEAM_LOOP, dict(input_ids=ids, num_beams=3)),
-        (ROLLBACK, dict(input_ids=ids, cache_kind="dynamic")),
+        (CACHELESS, dict(input_ids=ids), None),
+        (CACHELESS, dict(input_ids=batch, attention_mask=mask), None),
+        (TOP_N_SIGMA, dict(input_ids=ids, eos_token_id=None), None),
+        (TOP_N_SIGMA, dict(input_ids=batch, attention_mask=mask, pad_token_id=0, eos_token_id=None), None),
+        (BEAM_LOOP, dict(input_ids=ids, num_beams=3), None),
+        (ROLLBACK, dict(input_ids=ids, cache_kind="dynamic"), None),
+        *[
+            (TOP_N_SIGMA, dict(input_ids=ids, do_sample=True, n_sigma=2.0, eos_token_id=None), seed)
+            for seed in (0, 1, 2)
+        ],
     ]
     with caplog.at_level(logging.INFO):
-        for index, (source, options) in enumerate(cases):
+        for index, (source, options, seed) in enumerate(cases):
             repo = str(write_method(tmp_path / str(index), source))
             call_options = dict(max_new_tokens=10, custom_generate=repo, trust_remote_code=True, **options)
+            if seed is not None:
+                torch.manual_seed(seed)
             eager = model.generate(**call_options)
             before = len(steps)
+            if seed is not None:
+                torch.manual_seed(seed)
             compiled = model.generate(**call_options, compile=True)
             assert torch.equal(compiled, eager), (index, eager.tolist(), compiled.tolist())
             assert len(steps) - before >= 8 and all(steps[before:]) == (DEVICE == "cuda"), index

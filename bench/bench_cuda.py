@@ -167,20 +167,19 @@ def shape_rows(path: Path, args) -> dict:
         mine = {k: v for k, v in rows.items() if k.startswith(group)} if group else {}
         print(json.dumps({"group": group, **mine, **{f"{k} failed": v for k, v in failed.items()}}), flush=True)
 
+    def throughput(group: str, jobs: dict, label: str) -> None:
+        """64 rows of n tokens each: every side's tokens/s, and transformers' time over decodekit's."""
+        t, failed = checked_group(group, jobs, lambda name, out: check_tokens(name, out, 64, n), args.runs)
+        for name in jobs:
+            rows[f"{label} ({name}) tok/s"] = round(64 * n / t.median(name), 1)
+        if "transformers" in jobs and "decodekit" in jobs:
+            rows[f"{label} vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+        show(group, failed)
+
     if "served" in args.groups:
-        t, failed = checked_group("served", served, lambda name, out: check_tokens(name, out, 64, n), args.runs)
-        for name in served:
-            rows[f"served: continuous batching, 64 requests ({name}) tok/s"] = round(64 * n / t.median(name), 1)
-        if "transformers" in served and "decodekit" in served:
-            rows["served: continuous batching vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
-        show("served", failed)
+        throughput("served", served, "served: continuous batching, 64 requests")
     if "batch" in args.groups:
-        t, failed = checked_group("batch", many, lambda name, out: check_tokens(name, out, 64, n), args.runs)
-        for name in many:
-            rows[f"batch 64 ({name}) tok/s"] = round(64 * n / t.median(name), 1)
-        if "transformers" in many and "decodekit" in many:
-            rows["batch 64 vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
-        show("batch", failed)
+        throughput("batch", many, "batch 64")
     if "decode" in args.groups:
         t, failed = checked_group("decode", decode, lambda name, out: check_tokens(name, out, 1, n), args.runs)
         bound = copy_bandwidth(device) / step_bytes(ours, 128 + n // 2)  # tokens/s if a step only read its bytes

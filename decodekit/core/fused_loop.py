@@ -22,8 +22,8 @@ BUCKET = 256  # cache slots are rounded up to a multiple: a new prompt length wi
 SYNC_EVERY = 8  # steps between the host's reads of the "all finished" flag
 
 
-def step_logits(model, tokens, mask, positions, cache, slots) -> torch.Tensor:
-    """The float32 next-token logits [rows, V] of one fixed-shape step: the model's forward at cache `slots` (its
+def fixed_step_logits(model, tokens, mask, positions, cache, slots) -> torch.Tensor:
+    """The logits [rows, 1, V] (the model's dtype) of one fixed-shape step: the model's forward at cache `slots` (its
     cache_position path), `mask` over the whole static cache."""
     out = model(
         tokens,
@@ -33,7 +33,12 @@ def step_logits(model, tokens, mask, positions, cache, slots) -> torch.Tensor:
         cache_position=slots,
         logits_to_keep=1,
     )
-    return out.logits[:, -1, :].float()
+    return out.logits
+
+
+def step_logits(model, tokens, mask, positions, cache, slots) -> torch.Tensor:
+    """The float32 next-token logits [rows, V] of one fixed-shape step (fixed_step_logits)."""
+    return fixed_step_logits(model, tokens, mask, positions, cache, slots)[:, -1, :].float()
 
 
 def bucket(length: int) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from .. import kernels
 from ..core.compile import FusedStep, compiled_steps
-from ..core.fused_loop import bucket, supports_step
+from ..core.fused_loop import bucket, fixed_step_logits, supports_step
 
 logger = logging.getLogger("decodekit")
 
@@ -136,15 +136,7 @@ def one_token_forward(module, cache):
     them (its dtype), [rows, 1, vocab]."""
 
     def step(tokens, positions, slots, mask):
-        out = module(
-            tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            cache_position=slots,
-            logits_to_keep=1,
-        )
-        return out.logits
+        return fixed_step_logits(module, tokens, mask, positions, cache, slots)
 
     return step
 

@@ -322,3 +322,25 @@ def test_a_chat_compiles_its_methods_steps(default_model, repos, steps):
         session.trust_for = lambda method: True
         replies.append(session.reply("The capital of France is"))
     assert replies[0] == replies[1] and steps
+
+
+def test_two_threads_running_methods_on_one_model_get_their_own_tokens(llama, repos):
+    """The steps' buffers are the model's: methods in two threads take them in turns, each keeping its own cache."""
+    import threading
+
+    prompts = [PROMPT, STUCK, torch.tensor([[7, 7, 1, 9]]), torch.tensor([[11, 4]])]
+    calls = [dict(input_ids=p, max_new_tokens=12, custom_generate=repos[name], trust_remote_code=True)
+             for p in prompts for name in ("cacheless", "rollback")]  # fmt: skip
+    alone = [llama.generate(**call) for call in calls]
+    got = [None] * len(calls)
+
+    def run(indices):
+        for index in indices:
+            got[index] = llama.generate(**calls[index])
+
+    threads = [threading.Thread(target=run, args=(range(start, len(calls), 2),)) for start in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 
 import torch
@@ -98,6 +99,7 @@ class ViewCompile:
                 )
             step = FusedStep(self.module, rows, capacity, self.options, one_token_forward)
             step.key, step.mirror = key, None
+            step.lock = threading.Lock()  # two threads' methods on one model take the buffers in turn
             return step
 
         return steps.get_or_make(key, make)
@@ -106,28 +108,31 @@ class ViewCompile:
         """The logits [rows, 1, vocab] of one token per row over `cache` (a transformers Cache holding `past`
         positions), computed by the compiled step, the cache updated as its own update() would; None where the step
         did not compile (the caller runs the forward eagerly)."""
+        if attention_mask is not None and attention_mask.shape[-1] < past + 1:
+            return None  # a mask short of the cache: the plain forward says what it takes
         rows = input_ids.shape[0]
         step = self.step_for(rows, bucket(past + 1))
         if step is None:
             return None
-        Mirror.serve(step, cache, past)
         dev = input_ids.device
         mask = torch.zeros(rows, step.cache.max_cache_len, dtype=torch.long, device=dev)
         mask[:, : past + 1] = attention_mask[:, -(past + 1) :] if attention_mask is not None else 1
         if position_ids is None:
             position_ids = torch.full((rows, 1), past, dtype=torch.long, device=dev)
         slots = torch.tensor([past], device=dev)
-        try:
-            # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
-            logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            if step.compiled_once or not step.compiles:
-                raise
-            compiled_steps(self.module, "method decode")[step.key] = None
-            self.eager_because(f"the step did not compile ({str(error).splitlines()[0]})")
-            return None
-        step.compiled_once = True
-        step.mirror.written(cache, past)
+        with step.lock:
+            Mirror.serve(step, cache, past)
+            try:
+                # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
+                logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
+            except torch._dynamo.exc.TorchDynamoException as error:
+                if step.compiled_once or not step.compiles:
+                    raise
+                compiled_steps(self.module, "method decode")[step.key] = None
+                self.eager_because(f"the step did not compile ({str(error).splitlines()[0]})")
+                return None
+            step.compiled_once = True
+            step.mirror.written(cache, past)
         return logits
 
 

@@ -334,13 +334,21 @@ def test_two_threads_running_methods_on_one_model_get_their_own_tokens(llama, re
     alone = [llama.generate(**call) for call in calls]
     got = [None] * len(calls)
 
+    errors = []
+
     def run(indices):
-        for index in indices:
-            got[index] = llama.generate(**calls[index])
+        try:
+            for index in indices:
+                got[index] = llama.generate(**calls[index])
+        except Exception as error:  # noqa: BLE001 - reported below, with the thread's traceback
+            import traceback
+
+            errors.append("".join(traceback.format_exception(error)))
 
     threads = [threading.Thread(target=run, args=(range(start, len(calls), 2),)) for start in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert not errors, errors[0]
     assert all(torch.equal(a, b) for a, b in zip(got, alone))

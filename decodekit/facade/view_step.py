@@ -11,7 +11,8 @@ The method keeps its transformers Cache and every call it makes on it; the step 
 A change the method makes that the step cannot follow in place (reorder_cache, batch_select_indices, an eager
 forward's concatenation) gives its layers other memory; the next step sees that (each layer's address, the length
 it knows) and copies the cache into its buffers once. Only one cache is mirrored by a step at a time: another
-cache taking the step first gets back memory of its own for what the step held for it.
+cache of the same thread taking the step first gets back memory of its own for what the step held for it; a cache
+of another thread's method runs the plain forward while the first one lives.
 
 What runs eagerly, with one logged reason per call and kind: prefill and multi-token forwards, a cache of another
 class (a method's own subclass, a sliding-window layer), hidden states asked for, inputs_embeds, a step that does not
@@ -121,6 +122,8 @@ class ViewCompile:
             position_ids = torch.full((rows, 1), past, dtype=torch.long, device=dev)
         slots = torch.tensor([past], device=dev)
         with step.lock:
+            if not Mirror.free_for(step, cache):
+                return None
             Mirror.serve(step, cache, past)
             try:
                 # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
@@ -152,6 +155,18 @@ class Mirror:
 
     def __init__(self, step: FusedStep, owner):
         self.step, self.owner, self.length, self.addresses = step, weakref.ref(owner), 0, []
+        self.thread = threading.get_ident()
+
+    @staticmethod
+    def free_for(step: FusedStep, cache) -> bool:
+        """Whether `cache` may take `step`'s buffers now: they hold nothing, or `cache`, or a cache no longer alive,
+        or one of this thread's. A cache of another thread's method keeps them (that thread may be reading its views
+        of them or changing its layers at this moment); `cache` then runs the plain forward."""
+        mirror = step.mirror
+        if mirror is None or mirror.thread == threading.get_ident():
+            return True
+        owner = mirror.owner()
+        return owner is None or owner is cache
 
     @staticmethod
     def serve(step: FusedStep, cache, past: int) -> None:

@@ -119,8 +119,11 @@ def llama(tmp_path_factory):
 
 
 def both_views(model):
-    """(the eager view, a view whose one-token forwards are compiled steps), entered for the test's duration."""
-    return model.for_method(), model.for_method(compile=CPU)
+    """(the plain view: every forward the native module's own, no step and no mirror: the reference; a view whose
+    one-token forwards are compiled steps), entered for the test's duration."""
+    import contextlib
+
+    return contextlib.nullcontext(model.as_transformers()), model.for_method(compile=CPU)
 
 
 def close(a, b):

@@ -22,6 +22,7 @@ a server calls warm_up() before taking requests.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,18 @@ def mark_step_dynamic(ids, position, slots, table) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
+class KeptRows(NamedTuple):
+    """A compiled step's rows as the next step of the same rows reuses them: the rows' key, the block table and
+    positions on the device, the positions as the host gave them, and what a step adds to each (1 a real row, 0 a
+    padding row)."""
+
+    rows: tuple
+    table: torch.Tensor
+    position: torch.Tensor
+    positions: list
+    advance: torch.Tensor
+
+
 class CompiledDecode:
     """Decode steps of the rows of a PagedCache through one compiled forward, whatever their number.
 
@@ -65,7 +78,7 @@ class CompiledDecode:
         self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
         self.broken: str | None = None
-        self._kept = None  # the previous step's rows, table and positions on the device (_rows_state)
+        self._kept: KeptRows | None = None  # the previous step's rows on the device (_rows_state)
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
         if self.graphs:
@@ -132,13 +145,12 @@ class CompiledDecode:
         if (
             rows_key is not None
             and kept is not None
-            and kept[0] == rows_key
-            and kept[1].shape[0] == size
-            and positions == [p + 1 for p in kept[3]]
+            and kept.rows == rows_key
+            and kept.table.shape[0] == size
+            and positions == [p + 1 for p in kept.positions]
         ):
-            position = kept[2] + kept[4]
-            self._kept = (rows_key, kept[1], position, positions, kept[4])
-            return kept[1], position
+            self._kept = kept._replace(position=kept.position + kept.advance, positions=positions)
+            return kept.table, self._kept.position
         pad = size - len(tables)
         width = max(MIN_SIZE, max(len(t) for t in tables))
         width = bucket(width) if self.graphs else width
@@ -147,7 +159,7 @@ class CompiledDecode:
         ).to(device)
         position = torch.tensor(positions + [0] * pad, dtype=torch.long).to(device)
         advance = torch.tensor([1] * len(tables) + [0] * pad, dtype=torch.long).to(device)
-        self._kept = (rows_key, table, position, positions, advance) if rows_key is not None else None
+        self._kept = KeptRows(rows_key, table, position, positions, advance) if rows_key is not None else None
         return table, position
 
     def warm_up(self, max_rows: int) -> list[int]:

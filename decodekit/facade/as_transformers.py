@@ -150,14 +150,15 @@ class TransformersView(TransformersGeneration):
     hf_quantizer = None
     tp_plan = None
 
-    def __init__(self, model, compiled: ViewCompile | None = None):
-        """`compiled`: a method call's compile settings (facade/view_step.py), where the call asked to compile."""
+    def __init__(self, model, steps: ViewCompile | None = None):
+        """`steps`: a method call's decode steps (facade/view_step.py: compiled where the call asked to compile, else
+        run eagerly); None (as_transformers()): every forward is the module's own."""
         self.__dict__.update(
             facade=model,
             module=model.module,
             config=transformers_config(model.module.config),
             generation_config=model.method_generation_config(model.generation_config),
-            compiled=compiled,
+            steps=steps,
             incremental=None,  # a cacheless method's state (view_step.Incremental)
         )
 
@@ -284,14 +285,14 @@ class TransformersView(TransformersGeneration):
             cache = DynamicCache(config=self.config)
         rows, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         past = int(cache.get_seq_length()) if cache is not None else 0
-        compiled = self.__dict__["compiled"]
-        if compiled is not None and isinstance(cache, Cache) and length == 1 and past > 0:
-            reason = compiled.refusal(cache, input_ids, inputs_embeds, output_hidden_states)
-            logits = None if reason else compiled.decode(cache, input_ids, attention_mask, position_ids, past)
+        steps = self.__dict__["steps"]
+        if steps is not None and isinstance(cache, Cache) and length == 1 and past > 0:
+            reason = steps.refusal(cache, input_ids, inputs_embeds, output_hidden_states)
+            logits = None if reason else steps.decode(cache, input_ids, attention_mask, position_ids, past)
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE: cache if use_cache else None})
             if reason:
-                compiled.eager_because(reason)
+                steps.eager_because(reason)
         mirror = mirror_of(cache)
         if mirror is not None:
             mirror.stale_from(past)

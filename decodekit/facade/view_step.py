@@ -46,6 +46,8 @@ class ViewCompile:
 
     def __init__(self, module, options: dict | None, method: str):
         self.module, self.options, self.method = module, options, method
+        # What the options add to a step's key, made once: decode() asks for its step at every token.
+        self.options_key = None if options is None else tuple(sorted((k, repr(v)) for k, v in options.items()))
         self.layout = contextlib.ExitStack()
         self.layout_rows: int | None = None
         self.layout_key = None
@@ -86,8 +88,7 @@ class ViewCompile:
             self.layout_rows = rows
             if self.module.device.type == "cpu":
                 self.module.bind_native_layers()
-        options = None if self.options is None else tuple(sorted((k, repr(v)) for k, v in self.options.items()))
-        key = (rows, capacity, options, self.layout_key)
+        key = (rows, capacity, self.options_key, self.layout_key)
         steps = compiled_steps(self.module, "method decode")
 
         def make() -> FusedStep:
@@ -173,21 +174,18 @@ class Mirror:
         """Makes `step`'s buffers hold the first `past` positions of `cache`: nothing to do where they already do,
         else one copy (the step's previous cache, if another, first gets memory of its own)."""
         mirror = step.mirror
-        if mirror is not None and mirror.owner() is cache and mirror.holds(cache, past):
+        owner = mirror.owner() if mirror is not None else None
+        if owner is cache and mirror.holds(cache, past):
             return
-        if mirror is not None and mirror.owner() is not None and mirror.owner() is not cache:
-            mirror.release(mirror.owner())
+        if owner is not None and owner is not cache:
+            mirror.release(owner)
         step.mirror = mirror = Mirror(step, cache)
         cache._decodekit_mirror = mirror  # an eager forward over the cache tells it (stale_from)
         buffers = step.cache
         for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
             keys[:, :, :past].copy_(layer.keys[:, :, :past])
             values[:, :, :past].copy_(layer.values[:, :, :past])
-        mirror.length = past
-        if type(cache).__name__ == "DynamicCache":
-            for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
-                layer.keys, layer.values = keys[:, :, :past], values[:, :, :past]
-        mirror.addresses = mirror.layer_addresses(cache)
+        mirror.held(cache, past)
 
     @staticmethod
     def layer_addresses(cache) -> list:
@@ -199,14 +197,17 @@ class Mirror:
 
     def written(self, cache, past: int) -> None:
         """After a step wrote position `past` into the buffers: the cache holds it too."""
-        buffers = self.step.cache
-        if type(cache).__name__ == "DynamicCache":
-            for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
-                layer.keys, layer.values = keys[:, :, : past + 1], values[:, :, : past + 1]
-        else:  # a StaticCache keeps its own buffers: the new position goes in through its own update()
-            for index, (keys, values) in enumerate(zip(buffers.keys, buffers.values)):
+        if type(cache).__name__ != "DynamicCache":  # a StaticCache keeps its own buffers: in through its update()
+            for index, (keys, values) in enumerate(zip(self.step.cache.keys, self.step.cache.values)):
                 cache.update(keys[:, :, past : past + 1], values[:, :, past : past + 1], index)
-        self.length = past + 1
+        self.held(cache, past + 1)
+
+    def held(self, cache, length: int) -> None:
+        """The buffers hold `cache`'s first `length` positions: a DynamicCache's layers become views of them."""
+        if type(cache).__name__ == "DynamicCache":
+            for layer, keys, values in zip(cache.layers, self.step.cache.keys, self.step.cache.values):
+                layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+        self.length = length
         self.addresses = self.layer_addresses(cache)
 
     def stale_from(self, past: int) -> None:
@@ -222,7 +223,7 @@ class Mirror:
 
 
 def mirror_of(cache) -> Mirror | None:
-    """The Mirror whose step holds `cache`, if any (steps are found through the model's compiled steps)."""
+    """The Mirror that last took `cache` into a step's buffers (set on the cache by Mirror.serve), if any."""
     return getattr(cache, "_decodekit_mirror", None)
 
 

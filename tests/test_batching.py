@@ -49,6 +49,38 @@ def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
     torch.testing.assert_close(torch.cat(chunks), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-kernel", "torch-attention"])
+def test_a_mixed_step_of_prompt_chunks_and_decode_rows_equals_each_rows_own_forward(tmp_path, model_type, native):
+    # One forward holding two requests' decode rows around a third's prompt chunk (what a step admitting a request
+    # runs): each token's logits equal its sequence's own full forward. Without the C++ kernel (CUDA, other dtypes)
+    # the decode rows attend in one decode_attention call beside the chunk's gathered attention.
+    if native and not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine")
+    m = tiny_model(tmp_path, model_type).eval()
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, m.config.vocab_size, (n,), generator=gen) for n in (14, 10, 7)]
+    with torch.inference_mode(), cpu.forced(native_kernels=native):
+        expected = [m(s[None]).logits[0] for s in seqs]
+        cache = PagedCache(m, num_blocks=24, block_size=4)
+        tables = [cache.allocator.allocate(4)[::-1] for _ in seqs]
+        first = PagedBatch(cache, tables[:2], [Segment(0, 12, 0, 0), Segment(12, 20, 1, 0)])
+        m(torch.cat((seqs[0][:12], seqs[1][:8]))[None], position_ids=first.position_ids, past_key_values=first)
+        logits = []
+        for a, b in ((12, 13), (13, 14)):  # the first request decodes twice, beside a chunk, then beside a row
+            other = [(seqs[2][:6], Segment(1, 7, 2, 0)), (seqs[2][6:7], Segment(1, 2, 2, 6))][a - 12]
+            segments = [Segment(0, 1, 0, a), other[1], Segment(other[1].end, other[1].end + 1, 1, a - 4)]
+            ids = torch.cat((seqs[0][a:b], other[0], seqs[1][a - 4 : b - 4]))[None]
+            batch = PagedBatch(cache, tables, segments)
+            logits.append(m(ids, position_ids=batch.position_ids, past_key_values=batch).logits[0])
+    torch.testing.assert_close(logits[0][0], expected[0][12], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0][1:7], expected[2][:6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0][7], expected[1][8], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1][0], expected[0][13], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1][1], expected[2][6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1][2], expected[1][9], atol=1e-4, rtol=1e-4)
+
+
 def paged_case(dtype, tokens, head_dim, seed=1, H=6, KV=3):
     """Tokens of `tokens` rows at different positions (up to 48: runs of 8 and a part), blocks of 4 out of order and
     one shared, over H query and KV kv heads: the operands of decodekit::paged_attention but the window."""
@@ -294,28 +326,62 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
 
 
 def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
-    # Rows of requests that need no processors and a built-in selector are chosen in one pass over their stacked
-    # logits (the manager's step does this), eagerly and compiled; each equals its request's own selector's.
+    # The next tokens of requests whose step needs nothing of its own (one row, score-only processors, a built-in
+    # selector, stopping by length and EOS) are chosen in one pass over their stacked logits, processors applied once
+    # per group of equal settings (the manager's step does this), eagerly and compiled; each equals the token its
+    # request's own step chooses.
     from decodekit.batching.manager import MethodCache
-    from decodekit.batching.request import prepare_request, select_together
+    from decodekit.batching.request import prepare_request
+    from decodekit.batching.sampler import sample_together
     from decodekit.core.selectors import race_rows
     from decodekit.core.compile import compile_own
 
-    fields = [dict(do_sample=True, top_k=0, seed=s) for s in range(6)] + [{}, {}] + [dict(do_sample=True, seed=9)]
+    fields = (
+        [dict(do_sample=True, top_k=0, seed=s) for s in range(6)]
+        + [{}, {}, dict(do_sample=True, seed=9)]  # greedy twice; top_k=50 (the default)
+        + [dict(do_sample=True, temperature=0.7, top_p=0.9, seed=s) for s in (3, 4)]  # one group of two
+        + [dict(do_sample=True, temperature=0.7, min_p=0.05, seed=5)]
+        + [dict(logprobs=True), dict(max_time=60.0), dict(do_sample=True, num_return_sequences=2, seed=1)]
+    )
     requests = [
         prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())
         for i, f in enumerate(fields)
     ]
+    alone = {"r12", "r13", "r14"}  # logprobs, a time limit, two rows: their own steps
+    assert {r.id for r in requests if r.together is None} == alone
     generator = torch.Generator().manual_seed(0)
-    logits = {r.id: 3 * torch.randn(1, model.config.vocab_size, generator=generator) for r in requests}
+    logits = {r.id: 3 * torch.randn(r.rows, model.config.vocab_size, generator=generator) for r in requests}
     own = {r.id: r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id])) for r in requests}
-    assert len({int(t) for t in own.values()}) > 3  # the draws differ: the test can tell rows apart
+    assert len({int(t[0]) for t in own.values()}) > 5  # the draws differ: the test can tell rows apart
     for race in (race_rows, compile_own(race_rows, {"dynamic": True})):
-        chosen = select_together(requests, logits, race)
-        assert set(chosen) == {r.id for r in requests[:-1]}  # top_k=50 (the default) is a processor: chosen alone
-        assert all(torch.equal(chosen[rid], own[rid]) for rid in chosen)
+        chosen = sample_together(requests, logits, race)
+        assert set(chosen) == {r.id for r in requests} - alone
+        assert all(chosen[rid] == int(own[rid][0]) for rid in chosen)
     logits["r0"][0, :] = float("nan")  # a bad row: no shared choice, so each request's own step names the fault
-    assert select_together(requests, logits) == {}
+    assert sample_together(requests, logits, race_rows) == {}
+
+
+def test_a_request_chosen_together_ends_where_its_own_step_would(model):
+    # Stopping is decided on the host for requests chosen together (EOS, the length): every request's tokens, finish
+    # reason and EOS equal generate() alone, for greedy and sampled requests of mixed settings in one batch.
+    prompts = [[3 + i, 9, 4 + 2 * i] for i in range(8)]
+    fields = [dict(do_sample=bool(i % 2), temperature=0.8 if i % 4 == 1 else 1.0, seed=i) for i in range(8)]
+    eos = model.generate(torch.tensor([prompts[0]]), max_new_tokens=3, eos_token_id=None)[0, -1].item()
+    manager = model.init_continuous_batching(eos_token_id=eos)
+    ids = [manager.add_request(p, max_new_tokens=6 + i, **f) for i, (p, f) in enumerate(zip(prompts, fields))]
+    assert all(r.together is not None for r in manager._incoming)
+    manager.run(until_idle=True)
+    reasons = set()
+    for i, rid in enumerate(ids):
+        result = manager.get_result(rid, timeout=0)
+        expected = model.generate(torch.tensor([prompts[i]]), max_new_tokens=6 + i, eos_token_id=eos, **fields[i])[
+            0, 3:
+        ].tolist()
+        expected = expected[: expected.index(eos) + 1] if eos in expected else expected
+        assert result.generated_tokens == expected
+        assert result.finish_reason == ("stop" if expected[-1] == eos else "length")
+        reasons.add(result.finish_reason)
+    assert reasons == {"stop", "length"}  # both ends were decided on the host
 
 
 def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_call(tmp_path, monkeypatch):

@@ -33,8 +33,9 @@ from ..core.compile import compile_own
 from ..registry.manager import failures_fail_the_request_alone
 from ..sizes import human_size
 from .outputs import RequestOutputs
-from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request, select_together
+from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
+from .sampler import sample_together
 from .scheduler import Scheduler
 
 logger = logging.getLogger("decodekit")
@@ -420,7 +421,7 @@ class ContinuousBatchingManager:
             return True
         logits = self._forward(works)
         self.steps += 1
-        chosen = self._select_together([work.request for work in works], logits)
+        chosen = self._sample_together([work.request for work in works], logits)
         for work in works:
             request = work.request
             if work.prefill:
@@ -429,8 +430,11 @@ class ContinuousBatchingManager:
                 continue
             try:
                 request.status = RequestStatus.DECODING
-                with failures_fail_the_request_alone():
-                    request.apply(logits[request.id], chosen.get(request.id))
+                if request.id in chosen:
+                    request.accept(chosen[request.id])
+                else:
+                    with failures_fail_the_request_alone():
+                        request.apply(logits[request.id])
             except BaseException as error:  # the request's own code: SystemExit and the like end it alone
                 if isinstance(error, KeyboardInterrupt) and self._interrupted:
                     raise
@@ -442,11 +446,11 @@ class ContinuousBatchingManager:
                 self._publish(request)
         return True
 
-    def _select_together(self, requests: list, logits: dict) -> dict:
+    def _sample_together(self, requests: list, logits: dict) -> dict:
         if self._race is race_rows:
-            return select_together(requests, logits, race_rows)
+            return sample_together(requests, logits, race_rows)
         try:
-            return select_together(requests, logits, self._race)
+            return sample_together(requests, logits, self._race)
         except Exception as error:  # inductor's own failures are AssertionErrors and the like, not dynamo's
             logger.warning(
                 "continuous batching: the compiled sampling failed (%s: %s); it runs eagerly from now on",
@@ -454,7 +458,7 @@ class ContinuousBatchingManager:
                 (str(error).splitlines() or [""])[0],
             )
             self._race = race_rows
-            return select_together(requests, logits, race_rows)
+            return sample_together(requests, logits, race_rows)
 
     def _forward(self, works: list) -> dict[str, torch.Tensor]:
         """The step's logits. If the shared forward fails, each work runs alone (a work's positions are written

@@ -185,13 +185,34 @@ class PagedBatch:
         self.positions = torch.tensor(positions, dtype=torch.long)
         bs = cache.block_size
         self.slots = slots_of(self.tables, self.owner, self.positions, bs)
-        device = cache.keys[0].device
-        self.position_ids = self.positions.to(device)[None]
-        self._slots = self.slots.to(device)
         self.chunks = [s for s in segments if s.end - s.start > 1]
         self.singles = [s.start for s in segments if s.end - s.start == 1]
         self._chunk_tokens = torch.tensor([i for s in self.chunks for i in range(s.start, s.end)], dtype=torch.long)
         self._single_tokens = torch.tensor(self.singles, dtype=torch.long)
+        # What every layer's attention reads, on the cache's device once for the forward rather than once a layer
+        # (on a GPU each copy waits for the work queued before it).
+        device = cache.keys[0].device
+        self.position_ids = self.positions.to(device)[None]
+        self._slots = self.slots.to(device)
+        self._on_device: dict[str, torch.Tensor] | None = None
+
+    def on_device(self) -> dict[str, torch.Tensor]:
+        """The batch's index tensors on the cache's device, for the attention in torch operations: the tables, each
+        token's row and position, the single-token segments' tokens, and each prompt chunk's slots of its row's
+        positions 0..end."""
+        if self._on_device is None:
+            device, bs = self._slots.device, self.cache.block_size
+            self._on_device = {
+                "tables": self.tables.to(device),
+                "owner": self.owner.to(device),
+                "positions": self.position_ids[0],
+                "singles": self._single_tokens.to(device),
+                **{
+                    f"chunk {i}": slots_of(self.tables, s.row, torch.arange(s.first + s.end - s.start), bs).to(device)
+                    for i, s in enumerate(self.chunks)
+                },
+            }
+        return self._on_device
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are given per token (position_ids); nothing is read from the cache's length
@@ -219,15 +240,33 @@ class PagedBatch:
         tokens = q[0].transpose(0, 1)  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
         if not native_ok:
+            # Every token's key and value written, each prompt chunk's attention over its row gathered, and the
+            # single-token rows' (decode rows beside the chunks) in one decode_attention call for them all.
             keys.index_copy_(0, self._slots, k)
             values.index_copy_(0, self._slots, v)
-            out = self.gathered_attention(tokens, keys, values, window, self.segments, None, int8)
+            out = self.gathered_attention(tokens, keys, values, window, None, int8)
+            if len(self.singles):
+                at = self.on_device()
+                singles = at["singles"]
+                out[singles] = decode_attention(
+                    tokens[singles],
+                    k[singles],
+                    v[singles],
+                    keys,
+                    values,
+                    self._slots[singles],
+                    at["tables"],
+                    at["owner"][singles],
+                    at["positions"][singles],
+                    self.cache.block_size,
+                    window,
+                )
             return out.transpose(0, 1)[None]
         out = torch.empty_like(tokens)
         chunk_at = self._chunk_tokens.to(keys.device)
         keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])
         values.index_copy_(0, self._slots[chunk_at], v[chunk_at])
-        self.gathered_attention(tokens, keys, values, window, self.chunks, out, int8)
+        self.gathered_attention(tokens, keys, values, window, out, int8)
         if len(self.singles):
             at = self._single_tokens
             out[at] = torch.ops.decodekit.paged_attention(
@@ -245,15 +284,13 @@ class PagedBatch:
             )
         return out.transpose(0, 1)[None]
 
-    def gathered_attention(self, tokens, keys, values, window, segments, out=None, int8=False) -> torch.Tensor:
-        """Attention through SDPA for `segments`, one at a time over its row's gathered keys and values (written
-        already); fills `out` [N, H, D] at their tokens."""
-
-        bs = self.cache.block_size
+    def gathered_attention(self, tokens, keys, values, window, out=None, int8=False) -> torch.Tensor:
+        """Attention through SDPA for the prompt chunks, one at a time over its row's gathered keys and values
+        (written already); fills `out` [N, H, D] at their tokens."""
         out = torch.empty_like(tokens) if out is None else out
-        for s in segments:
+        for i, s in enumerate(self.chunks):
             length = s.first + s.end - s.start
-            slots = slots_of(self.tables, s.row, torch.arange(length), bs).to(keys.device)
+            slots = self.on_device()[f"chunk {i}"]
             # Gathered as [L, KV, D] (whole rows, far faster than [KV, L, D] from the transposed pool) and
             # passed as a [1, KV, L, D] view: the kernel and SDPA read rows at a stride.
             k = keys.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)

@@ -19,8 +19,8 @@ import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_config, check_prompt_ids, prepare_call
-from ..core.processors import check_scores, observe_processors, unusable_rows
-from ..core.selectors import drawn_as, race_rows
+from ..core.processors import check_scores, observe_processors
+from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 
 
@@ -88,6 +88,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 @dataclass(eq=False)  # identity: requests are found in lists by being the same one
 class Request:
+    """A request's state. Its tokens are kept on the host (`tokens`: every row's, prompt included), where the runner
+    reads a step's inputs and output() the result without a device read; `sequences`, the same on the model's device
+    as generate()'s input_ids, is made up to date only where a step of the request's own reads it (apply)."""
+
     id: str
     prompt: list[int]
     config: GenerationConfig
@@ -96,9 +100,10 @@ class Request:
     streaming: bool
     logprobs: bool
     top_logprobs: int
-    sequences: torch.Tensor  # [rows, tokens so far], as generate()'s input_ids
-    unfinished: torch.Tensor  # [rows] bool
-    pad: torch.Tensor
+    device: torch.device
+    tokens: list[list[int]]  # per row: the prompt and the tokens chosen so far
+    unfinished: list[bool]  # per row
+    pad: int
     status: RequestStatus = RequestStatus.PENDING
     prefilled: int = 0  # prompt tokens in the cache (row 0)
     tables: list[list[int]] = field(default_factory=list)  # block table per row
@@ -113,12 +118,19 @@ class Request:
     # Told each step what its logits processors did (core.processors.observe_processors), then (None, the logits, the
     # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
     observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
+    # What its next token is chosen with where it is chosen together with other requests' (batching/sampler.py); None
+    # where the request's own step chooses it (apply).
+    together: tuple | None = None
+    race_key: int | None = None  # the sampling selector's key, read once, where `together` holds
+    _sequences: torch.Tensor | None = None  # the device copy of `tokens`, as far as the last apply() made it
 
     @classmethod
     def of(cls, device, request_id, prompt, gc, pipeline, max_length, streaming, extras, method) -> Request:
         """A fresh request of gc.num_return_sequences rows, each the prompt, unfinished."""
+        from .sampler import together_key
+
         rows = gc.num_return_sequences
-        return cls(
+        request = cls(
             id=request_id,
             prompt=prompt,
             config=gc,
@@ -127,45 +139,58 @@ class Request:
             streaming=streaming,
             logprobs=extras.get("logprobs", False),
             top_logprobs=extras.get("top_logprobs", 0),
-            sequences=torch.tensor([prompt] * rows, dtype=torch.long, device=device),
-            unfinished=torch.ones(rows, dtype=torch.bool, device=device),
-            pad=torch.tensor(gc.pad_token_id if gc.pad_token_id is not None else 0, device=device),
+            device=torch.device(device),
+            tokens=[list(prompt) for _ in range(rows)],
+            unfinished=[True] * rows,
+            pad=gc.pad_token_id if gc.pad_token_id is not None else 0,
             method=method,
             observer=extras.get("observer"),
         )
+        request.together = together_key(request)
+        if request.together is not None and drawn_as(pipeline.selector) == "race":
+            request.race_key = int(pipeline.selector.key)
+        return request
 
     @property
     def rows(self) -> int:
-        return self.sequences.shape[0]
+        return len(self.tokens)
+
+    @property
+    def length(self) -> int:
+        """Tokens of each row so far, prompt included."""
+        return len(self.tokens[0])
 
     @property
     def prompt_length(self) -> int:
         return len(self.prompt)
 
     @property
-    def selects_plainly(self) -> bool:
-        """Whether this request's next token needs nothing of its own: one row, no logits processors, the built-in
-        greedy or sampling selector, whose choice select_together computes for many requests at once."""
-        p = self.pipeline
-        plain = drawn_as(p.selector) in ("argmax", "race") and self.observer is None
-        return self.rows == 1 and not len(p.processors) and plain
+    def sequences(self) -> torch.Tensor:
+        """Every row's tokens [rows, length] on the model's device (generate()'s input_ids), copied from `tokens`
+        where the device copy is behind."""
+        have = 0 if self._sequences is None else self._sequences.shape[1]
+        if have < self.length:
+            new = torch.tensor([row[have:] for row in self.tokens], dtype=torch.long, device=self.device)
+            self._sequences = new if self._sequences is None else torch.cat((self._sequences, new), dim=-1)
+        return self._sequences
 
-    def apply(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
-        """One step of generate()'s loop on this request's rows, given their next-token logits [rows, V]:
-        processors, selector, stopping. Returns the new tokens [rows]. `chosen`: the tokens select_together chose."""
+    def apply(self, logits: torch.Tensor) -> None:
+        """One step of generate()'s loop on this request's rows alone, given their next-token logits [rows, V]:
+        processors, selector, stopping, then the new tokens and which rows go on read back in one transfer."""
         p = self.pipeline
+        sequences = self.sequences
         scores = logits.float()
         if scores.shape[0] > 1 and scores.stride(0) == 0:
             # A new request's rows share its prompt's logits (an expanded view): a processor may write into the
             # scores it is given, so each row gets its own.
             scores = scores.contiguous()
-        if chosen is None:
-            with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
-                scores = p.processors(self.sequences, scores)
-            check_scores(p.processors, scores, self.unfinished, self.sequences.shape[1])
-            # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary
-            # would fail the next shared forward for every request in it, or read out of bounds in a compiled step.
-            chosen = p.selector(self.sequences, scores)
+        unfinished = torch.tensor(self.unfinished, device=scores.device)
+        with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
+            scores = p.processors(sequences, scores)
+        check_scores(p.processors, scores, unfinished, sequences.shape[1])
+        # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary
+        # would fail the next shared forward for every request in it, or read out of bounds in a compiled step.
+        chosen = p.selector(sequences, scores)
         if self.observer is not None:
             self.observer(None, logits.float(), scores)
         if self.logprobs:
@@ -174,24 +199,34 @@ class Request:
             if self.top_logprobs:
                 values, ids = logp.topk(self.top_logprobs)
                 self.token_top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
-        tokens = torch.where(self.unfinished, chosen, self.pad)
-        self.sequences = torch.cat((self.sequences, tokens[:, None]), dim=-1)
-        self.unfinished = self.unfinished & ~p.stopping(self.sequences, scores)
+        tokens = torch.where(unfinished, chosen, self.pad)
+        self._sequences = torch.cat((sequences, tokens[:, None]), dim=-1)
+        unfinished = unfinished & ~p.stopping(self._sequences, scores)
+        new, going = torch.stack((tokens, unfinished.long())).tolist()
+        self._extend(new, [bool(g) for g in going])
+
+    def accept(self, token: int) -> None:
+        """The next token of a request chosen together with others' (batching/sampler.py: one row, stopping
+        declared as a length and EOS ids, `together`), and whether it ends there, decided on the host."""
+        length, eos = self.together[1], self.together[2]
+        self._extend([token], [not (token in eos or self.length + 1 >= length)])
+
+    def _extend(self, tokens: list[int], unfinished: list[bool]) -> None:
+        for row, token in zip(self.tokens, tokens):
+            row.append(token)
+        self.unfinished = unfinished
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if not bool(self.unfinished.any()):
-            self.stopped_by_length = self.sequences.shape[1] >= self.max_length and not self._ended_on_eos()
+        if not any(unfinished):
+            self.stopped_by_length = self.length >= self.max_length and not self._ended_on_eos()
             self.status = RequestStatus.FINISHED
-        return tokens
 
     def _ended_on_eos(self) -> bool:
         eos = self.config.eos_token_ids
-        return bool(eos) and int(self.sequences[0, -1]) in eos
+        return bool(eos) and self.tokens[0][-1] in eos
 
     def output(self) -> GenerationOutput:
-        rows = []
-        for row in self.sequences[:, self.prompt_length :].tolist():
-            rows.append(trim_after_end(row, self.config.eos_token_ids))
+        rows = [trim_after_end(row[self.prompt_length :], self.config.eos_token_ids) for row in self.tokens]
         reason = None
         if self.status == RequestStatus.FINISHED:
             reason = "length" if self.stopped_by_length else "stop"
@@ -209,32 +244,6 @@ class Request:
             first_token_time=self.first_token_time,
             finished_time=self.finished_time,
         )
-
-
-def select_together(
-    requests: list[Request], logits: dict[str, torch.Tensor], race=race_rows
-) -> dict[str, torch.Tensor]:
-    """The next token of each request that selects plainly (Request.selects_plainly), chosen in one pass over
-    their stacked logits: a few operations over [requests, V] instead of about fifteen small ones per request
-    (the sampling noise of each row is the one its request draws alone, row_noise). `race`: race_rows or its
-    compiled form. {} where fewer than two take part, or where a row's logits are NaN or all -inf (each
-    request's own step then says which)."""
-    plain = [r for r in requests if r.id in logits and r.selects_plainly]
-    if len(plain) < 2:
-        return {}
-    scores = torch.cat([logits[r.id] for r in plain]).float()
-    if bool(unusable_rows(scores).any()):
-        return {}
-    tokens = scores.argmax(-1)
-    sampled = [i for i, r in enumerate(plain) if drawn_as(r.pipeline.selector) == "race"]
-    if sampled:
-        at = torch.tensor(sampled, device=scores.device)
-        keys = torch.stack([plain[i].pipeline.selector.key for i in sampled]).to(scores.device)[:, None]
-        positions = torch.tensor(
-            [[plain[i].sequences.shape[1]] for i in sampled], dtype=torch.int32, device=scores.device
-        )
-        tokens[at] = race(scores[at], keys, positions)
-    return {r.id: tokens[i : i + 1] for i, r in enumerate(plain)}
 
 
 def trim_after_end(row: list[int], eos: list[int]) -> list[int]:

@@ -108,30 +108,27 @@ class PagedRunner:
             self.compiled.forget_rows()
 
     def forward(self, works: list[Work]) -> dict[str, torch.Tensor]:
-        # The tokens stay on the model's device: a decode row's last token is read from its sequences there, not
-        # copied to the host one row at a time (on a GPU a synchronisation each).
-        tables, segments, pieces, keep, owners, length = [], [], [], [], [], 0
-        device = self.model.device
+        # Every input token is on the host (prompts, and each row's last token: Request.tokens): one copy to the
+        # device for the step.
+        tables, segments, ids, keep, owners = [], [], [], [], []
         for work in works:
             r = work.request
             if work.prefill:
-                segments.append(Segment(length, length + work.tokens, len(tables), work.start))
+                segments.append(Segment(len(ids), len(ids) + work.tokens, len(tables), work.start))
                 tables.append(r.tables[0])
-                pieces.append(torch.tensor(r.prompt[work.start : work.end], dtype=torch.long, device=device))
-                length += work.tokens
+                ids += r.prompt[work.start : work.end]
                 if work.ends_prompt:
-                    keep.append(length - 1)
+                    keep.append(len(ids) - 1)
                     owners.append((r.id, 1))
                 continue
-            position = r.sequences.shape[1] - 1
+            position = r.length - 1
             for row in range(r.rows):
-                segments.append(Segment(length + row, length + row + 1, len(tables), position))
+                segments.append(Segment(len(ids), len(ids) + 1, len(tables), position))
                 tables.append(r.tables[row])
-                keep.append(length + row)
-            pieces.append(r.sequences[:, -1].to(device))
-            length += r.rows
+                keep.append(len(ids))
+                ids.append(r.tokens[row][-1])
             owners.append((r.id, r.rows))
-        ids = torch.cat(pieces)
+        ids = torch.tensor(ids, dtype=torch.long, device=self.model.device)
         logits = None
         if self.compiled is not None and not any(work.prefill for work in works):
             rows = tuple((work.request.id, work.request.rows) for work in works)
@@ -198,10 +195,8 @@ class CacheRunner:
         result = {}
         for work in works:
             r = work.request
-            if work.prefill:
-                ids = r.sequences[:, work.start : work.end]
-            else:
-                ids = r.sequences[:, -1:]
+            start, end = (work.start, work.end) if work.prefill else (r.length - 1, r.length)
+            ids = torch.tensor([row[start:end] for row in r.tokens], dtype=torch.long, device=self.model.device)
             out = self.model(ids, past_key_values=self.caches[r.id], use_cache=True)
             if not work.prefill or work.ends_prompt:
                 result[r.id] = out.logits[:, -1, :]

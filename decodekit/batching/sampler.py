@@ -1,0 +1,84 @@
+"""The batch's sampler: the next token of many requests chosen in one pass over their stacked logits, and read back
+to the host in one transfer, the step's only synchronisation with the device for them.
+
+A request takes part where its step needs nothing of its own (together_key): one row, logits processors that all
+declare score_only (temperature, top-k, top-p, min-p, ...: each row's scores rewritten from that row alone), the
+built-in greedy or sampling selector, stopping criteria that all declare where they stop (a length, EOS ids: decided
+on the host from the token), no logprobs and no observer. Requests whose processors have equal keys (the same
+classes and settings) have them applied once, to their rows together; the sampling noise of each row is the one its
+request draws alone (selectors.race_rows), so every request's tokens are those of its own step (Request.apply), which
+runs every other request, and any request of a pass where some row's scores are unusable (NaN, -inf everywhere: its
+own step then says which processor or weight did it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.processors import declares, processor_key, unusable_rows
+from ..core.selectors import drawn_as
+from ..registry.manager import failures_fail_the_request_alone
+
+
+def together_key(request) -> tuple | None:
+    """(the processors' keys, the length it stops at, its EOS ids) of a request whose next token can be chosen with
+    others' (see the module), else None."""
+    p = request.pipeline
+    if request.rows != 1 or request.observer is not None or request.logprobs:
+        return None
+    if drawn_as(p.selector) not in ("argmax", "race"):
+        return None
+    if not all(declares(processor, "score_only") for processor in p.processors):
+        return None
+    length, eos = request.max_length, set()
+    for criterion in p.stopping:
+        at, tokens = getattr(criterion, "ends_at_length", None), getattr(criterion, "ends_at_tokens", None)
+        if at is None and tokens is None:
+            return None  # decided from something else (time, text, a plugin's rule): the request's own step
+        length = min(length, at) if at is not None else length
+        eos |= set(tokens or ())
+    keys = tuple(processor_key(processor) for processor in p.processors)
+    return keys, length, frozenset(eos)
+
+
+def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, int]:
+    """{request id: its next token} for the requests of `requests` with logits that take part (together_key), or {}
+    where fewer than two do, or where a row's scores are unusable. `race`: selectors.race_rows or its compiled form."""
+    rows = [r for r in requests if r.together is not None and r.id in logits]
+    if len(rows) < 2:
+        return {}
+    scores = torch.cat([logits[r.id] for r in rows]).float()
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        if len(r.pipeline.processors):
+            groups.setdefault(r.together[0], []).append(i)
+    try:
+        with failures_fail_the_request_alone():
+            for members in groups.values():
+                scores = _processed(rows, members, scores)
+    except Exception:  # a processor that fails on these rows fails in the step of each request it belongs to
+        return {}
+    tokens = scores.argmax(-1)
+    sampled = [i for i, r in enumerate(rows) if drawn_as(r.pipeline.selector) == "race"]
+    if sampled:
+        at = torch.tensor(sampled, device=scores.device)
+        keys = torch.tensor([rows[i].race_key for i in sampled], dtype=torch.int32, device=scores.device)
+        positions = torch.tensor([[rows[i].length] for i in sampled], dtype=torch.int32, device=scores.device)
+        tokens[at] = race(scores[at], keys[:, None], positions)
+    chosen, bad = torch.stack((tokens, unusable_rows(scores).long())).tolist()
+    if any(bad):
+        return {}
+    return {r.id: token for r, token in zip(rows, chosen)}
+
+
+def _processed(rows: list, members: list[int], scores: torch.Tensor) -> torch.Tensor:
+    """`scores` with the processors of the requests rows[members] (equal keys: each member's would do the same)
+    applied to their rows."""
+    processors = rows[members[0]].pipeline.processors
+    # Score-only processors never read the ids: these stand for the rows' sequences in shape only.
+    ids = torch.zeros((), dtype=torch.long, device=scores.device).expand(len(members), rows[members[0]].length)
+    if len(members) == len(rows):
+        return processors(ids, scores)
+    at = torch.tensor(members, device=scores.device)
+    scores[at] = processors(ids, scores[at])
+    return scores

@@ -8,8 +8,10 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
   (exponential gaps; the same schedule for every engine).
 
     python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--vllm-compiled] [--skip-transformers]
-                                   [--compile] [--max-batch-tokens N] [--repeat N]
+                                   [--compile] [--max-batch-tokens N] [--repeat N] [--sample]
 
+--sample runs decodekit's requests sampled as a chat server's are (do_sample=True, temperature 0.7, top_p 0.9, a
+seed each) instead of greedy (the other engines stay greedy: compare it with decodekit's greedy rows).
 --compile adds decodekit with compile=True (decode-only steps compiled, by manager.warm_up() before the clock
 starts). --repeat N runs every load N times per engine, one after another in the same process, and reports the
 run of median throughput (this machine's run-to-run spread is about 10%); each repeat's prompts start with a
@@ -77,7 +79,10 @@ def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
     }
 
 
-def run_decodekit(model, requests: list[dict], compile: bool = False, **options) -> dict:
+SAMPLED = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+
+
+def run_decodekit(model, requests: list[dict], compile: bool = False, sample: bool = False, **options) -> dict:
     manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20, compile=compile, **options)
     manager.warm_up()  # with compile=True: every row bucket compiled before the clock starts, as serve --compile does
     ids, added = {}, {}
@@ -89,7 +94,8 @@ def run_decodekit(model, requests: list[dict], compile: bool = False, **options)
             if delay > 0:
                 time.sleep(delay)
             added[n] = time.monotonic()
-            ids[n] = manager.add_request(r["ids"], max_new_tokens=r["new_tokens"], eos_token_id=None)
+            fields = dict(SAMPLED, seed=n) if sample else {}
+            ids[n] = manager.add_request(r["ids"], max_new_tokens=r["new_tokens"], eos_token_id=None, **fields)
 
     feeder = threading.Thread(target=feed)
     feeder.start()
@@ -210,6 +216,7 @@ def main() -> int:
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of every load per engine; the median is reported")
     parser.add_argument("--vllm-compiled", action="store_true", help="vLLM with its compiled model, not enforce_eager")
+    parser.add_argument("--sample", action="store_true", help="decodekit's requests sampled (see above), not greedy")
     parser.add_argument(
         "--weights",
         choices=["float32", "bfloat16", "int8"],
@@ -251,6 +258,8 @@ def main() -> int:
         "decodekit": {},
     }
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
+    options["sample"] = args.sample
+    result["decodekit requests"] = "sampled: " + json.dumps(SAMPLED) if args.sample else "greedy"
     for name in all_loads:
         result["decodekit"][name] = median_run([run_decodekit(model, run[name], **options) for run in runs])
     if args.compile:

@@ -325,14 +325,15 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
         assert model.init_continuous_batching().warm_up() == []  # eager steps: nothing to compile
 
 
-def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
+def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model, monkeypatch):
     # The next tokens of requests whose step needs nothing of its own (one row, score-only processors, a built-in
     # selector, stopping by length and EOS) are chosen in one pass over their stacked logits, processors applied once
     # per group of equal settings (the manager's step does this), eagerly and compiled; each equals the token its
     # request's own step chooses.
     from decodekit.batching.manager import MethodCache
     from decodekit.batching.request import prepare_request
-    from decodekit.batching.sampler import sample_together
+    from decodekit.batching import sampler
+    from decodekit.batching.sampler import race_in_parts, sample_together
     from decodekit.core.selectors import race_rows
     from decodekit.core.compile import compile_own
 
@@ -353,7 +354,8 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model):
     logits = {r.id: 3 * torch.randn(r.rows, model.config.vocab_size, generator=generator) for r in requests}
     own = {r.id: r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id])) for r in requests}
     assert len({int(t[0]) for t in own.values()}) > 5  # the draws differ: the test can tell rows apart
-    for race in (race_rows, compile_own(race_rows, {"dynamic": True})):
+    monkeypatch.setattr(sampler, "CACHED_ELEMENTS", 2 * model.config.vocab_size)  # the eager CPU race: 2 rows a part
+    for race in (race_rows, race_in_parts, compile_own(race_rows, {"dynamic": True})):
         chosen = sample_together(requests, logits, race)
         assert set(chosen) == {r.id for r in requests} - alone
         assert all(chosen[rid] == int(own[rid][0]) for rid in chosen)
@@ -449,8 +451,6 @@ def test_compiled_sampling_first_made_for_one_row_serves_steps_of_several(model)
 def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so(model, caplog):
     # Any exception from compiled code (inductor raises AssertionErrors, not dynamo's exceptions) runs that step
     # eagerly and is logged; the loop goes on and every request gets the tokens it gets alone.
-    from decodekit.core.selectors import race_rows
-
     manager = model.init_continuous_batching(compile=True, block_size=4)
 
     def broken(*args):
@@ -470,7 +470,7 @@ def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so
         out = manager.get_result(rid, timeout=0)
         assert out.status == RequestStatus.FINISHED, out.error
         assert out.sequences == alone(model, prompt, **fields)
-    assert manager._race is race_rows
+    assert manager._race is manager._eager_race
     assert "the compiled sampling failed (AssertionError: a graph replayed for the wrong shape)" in caplog.text
     if manager.runner.compiled is not None and cpu.has("native_kernels"):
         assert manager.runner.compiled.broken == "AssertionError: a graph replayed for the wrong shape"

@@ -231,6 +231,47 @@ def test_continuous_batching_steps_run_compiled_as_cuda_graphs_on_the_device(lla
     assert compiled.broken is None and compiled.steps > 10
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's synchronisation check is CUDA's")
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_a_compiled_decode_step_of_continuous_batching_waits_for_the_device_once(llama, sample):
+    """A decode step of requests chosen together (batching/sampler.py) synchronises with the GPU once: the read of
+    the sampled tokens. torch's sync debug mode warns at each synchronising call (an item(), a tolist(), a copy to or
+    from pageable memory); steps with prompt chunks are not counted."""
+    import warnings
+
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    manager = model.init_continuous_batching(compile=True, block_size=4, max_running=8)
+    manager.warm_up()
+    fields = dict(do_sample=True, temperature=0.7, top_p=0.9) if sample else {}
+    for i in range(6):
+        manager.add_request([5 + i, 9, 14, 3], max_new_tokens=12, eos_token_id=None, seed=i, **fields)
+    forward, decode_steps = manager.runner.forward, []
+
+    def counted(works):
+        decode_steps.append(not any(work.prefill for work in works))
+        return forward(works)
+
+    manager.runner.forward = counted
+    loop_once, syncs = manager._loop_once, []
+
+    def step():
+        before = len(decode_steps)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                going = loop_once()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if len(decode_steps) > before and decode_steps[-1]:  # a step that ran a forward of decode rows alone
+            syncs.append(sum("synchroniz" in str(w.message) for w in seen))
+        return going
+
+    manager._loop_once = step
+    manager.run(until_idle=True)
+    assert len(syncs) >= 8 and max(syncs) == 1, syncs
+
+
 def test_methods_run_on_the_device(tmp_path, llama):
     """A hook-only method and a transformers-style loop (which makes its tensors on model.device) run there."""
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)

@@ -29,6 +29,7 @@ import torch
 from .. import kernels
 from ..core.compile import compile_own, compiled_steps, replays_graphs, step_options
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
+from .transfer import to_device
 
 logger = logging.getLogger("decodekit")
 
@@ -154,11 +155,11 @@ class CompiledDecode:
         pad = size - len(tables)
         width = max(MIN_SIZE, max(len(t) for t in tables))
         width = bucket(width) if self.graphs else width
-        table = torch.tensor(
-            [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, dtype=torch.long
-        ).to(device)
-        position = torch.tensor(positions + [0] * pad, dtype=torch.long).to(device)
-        advance = torch.tensor([1] * len(tables) + [0] * pad, dtype=torch.long).to(device)
+        table = to_device(
+            [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, torch.long, device
+        )
+        position = to_device(positions + [0] * pad, torch.long, device)
+        advance = to_device([1] * len(tables) + [0] * pad, torch.long, device)
         self._kept = KeptRows(rows_key, table, position, positions, advance) if rows_key is not None else None
         return table, position
 

@@ -35,7 +35,7 @@ from ..sizes import human_size
 from .outputs import RequestOutputs
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
-from .sampler import sample_together
+from .sampler import race_in_parts, sample_together
 from .scheduler import Scheduler
 
 logger = logging.getLogger("decodekit")
@@ -158,8 +158,11 @@ class ContinuousBatchingManager:
         # compiled, one.
         # Every guard kept: with the steps' filter (argument_guards_only, which knows none of race_rows' argument
         # names) a graph specialised to one sampled row was replayed for several and inductor raised.
+        self._eager_race = race_in_parts if model.device.type == "cpu" else race_rows
         self._race = (
-            race_rows if compile_options is None else compile_own(race_rows, {"dynamic": True}, guard_filter=None)
+            self._eager_race
+            if compile_options is None
+            else compile_own(race_rows, {"dynamic": True}, guard_filter=None)
         )
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
@@ -264,7 +267,7 @@ class ContinuousBatchingManager:
         steps, and with compile=True compiles the decode step and runs it at 1 and max_running rows. Returns
         those row counts, [] where steps are not compiled. Call it from the thread that will run the steps."""
         sizes = self.runner.warm_up(self.scheduler.max_running)
-        if self._race is not race_rows:
+        if self._race is not self._eager_race:
             self._race_rows_warm_up()
         return sizes
 
@@ -447,8 +450,8 @@ class ContinuousBatchingManager:
         return True
 
     def _sample_together(self, requests: list, logits: dict) -> dict:
-        if self._race is race_rows:
-            return sample_together(requests, logits, race_rows)
+        if self._race is self._eager_race:
+            return sample_together(requests, logits, self._race)
         try:
             return sample_together(requests, logits, self._race)
         except Exception as error:  # inductor's own failures are AssertionErrors and the like, not dynamo's
@@ -457,8 +460,8 @@ class ContinuousBatchingManager:
                 type(error).__name__,
                 (str(error).splitlines() or [""])[0],
             )
-            self._race = race_rows
-            return sample_together(requests, logits, race_rows)
+            self._race = self._eager_race
+            return sample_together(requests, logits, self._race)
 
     def _forward(self, works: list) -> dict[str, torch.Tensor]:
         """The step's logits. If the shared forward fails, each work runs alone (a work's positions are written

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..families.llama import visible
 from ..kernels import native
 from ..kernels.attention import prompt_attention
+from .transfer import to_device
 
 
 class OutOfBlocks(Exception):
@@ -192,8 +193,8 @@ class PagedBatch:
         # What every layer's attention reads, on the cache's device once for the forward rather than once a layer
         # (on a GPU each copy waits for the work queued before it).
         device = cache.keys[0].device
-        self.position_ids = self.positions.to(device)[None]
-        self._slots = self.slots.to(device)
+        self.position_ids = to_device(self.positions, torch.long, device)[None]
+        self._slots = to_device(self.slots, torch.long, device)
         self._on_device: dict[str, torch.Tensor] | None = None
 
     def on_device(self) -> dict[str, torch.Tensor]:
@@ -203,12 +204,14 @@ class PagedBatch:
         if self._on_device is None:
             device, bs = self._slots.device, self.cache.block_size
             self._on_device = {
-                "tables": self.tables.to(device),
-                "owner": self.owner.to(device),
+                "tables": to_device(self.tables, torch.long, device),
+                "owner": to_device(self.owner, torch.long, device),
                 "positions": self.position_ids[0],
-                "singles": self._single_tokens.to(device),
+                "singles": to_device(self._single_tokens, torch.long, device),
                 **{
-                    f"chunk {i}": slots_of(self.tables, s.row, torch.arange(s.first + s.end - s.start), bs).to(device)
+                    f"chunk {i}": to_device(
+                        slots_of(self.tables, s.row, torch.arange(s.first + s.end - s.start), bs), torch.long, device
+                    )
                     for i, s in enumerate(self.chunks)
                 },
             }
@@ -263,7 +266,7 @@ class PagedBatch:
                 )
             return out.transpose(0, 1)[None]
         out = torch.empty_like(tokens)
-        chunk_at = self._chunk_tokens.to(keys.device)
+        chunk_at = self._chunk_tokens  # the C++ kernel's route: on the CPU
         keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])
         values.index_copy_(0, self._slots[chunk_at], v[chunk_at])
         self.gathered_attention(tokens, keys, values, window, out, int8)

@@ -16,6 +16,7 @@ from ..core.fused_loop import supports_step
 from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
+from .transfer import to_device
 
 
 @dataclass
@@ -128,7 +129,7 @@ class PagedRunner:
                 keep.append(len(ids))
                 ids.append(r.tokens[row][-1])
             owners.append((r.id, r.rows))
-        ids = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        ids = to_device(ids, torch.long, self.model.device)
         logits = None
         if self.compiled is not None and not any(work.prefill for work in works):
             rows = tuple((work.request.id, work.request.rows) for work in works)

@@ -8,10 +8,12 @@ Three loads, the same token ids for every engine, greedy, EOS ignored so every e
   (exponential gaps; the same schedule for every engine).
 
     python bench/bench_batching.py [--vllm-python .venv-vllm/bin/python] [--vllm-compiled] [--skip-transformers]
-                                   [--compile] [--max-batch-tokens N] [--repeat N] [--sample]
+                                   [--compile] [--max-batch-tokens N] [--repeat N] [--sample] [--itl]
 
 --sample runs decodekit's requests sampled as a chat server's are (do_sample=True, temperature 0.7, top_p 0.9, a
 seed each) instead of greedy (the other engines stay greedy: compare it with decodekit's greedy rows).
+--itl streams decodekit's requests and adds the time between a request's tokens (p50/p99 over every gap of every
+request): how long prompt chunks sharing a step stall the decoding rows (try it with --max-batch-tokens).
 --compile adds decodekit with compile=True (decode-only steps compiled, by manager.warm_up() before the clock
 starts). --repeat N runs every load N times per engine, one after another in the same process, and reports the
 run of median throughput (this machine's run-to-run spread is about 10%); each repeat's prompts start with a
@@ -82,10 +84,12 @@ def summary(generated: int, seconds: float, ttfts: list[float]) -> dict:
 SAMPLED = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 
 
-def run_decodekit(model, requests: list[dict], compile: bool = False, sample: bool = False, **options) -> dict:
+def run_decodekit(
+    model, requests: list[dict], compile: bool = False, sample: bool = False, itl: bool = False, **options
+) -> dict:
     manager = model.init_continuous_batching(max_cache_bytes=1024 * 2**20, compile=compile, **options)
     manager.warm_up()  # with compile=True: every row bucket compiled before the clock starts, as serve --compile does
-    ids, added = {}, {}
+    ids, added, stamps = {}, {}, {}
     start = time.monotonic()
 
     def feed():  # arrivals on schedule, from a thread that does no torch work; the steps run in this thread
@@ -95,6 +99,9 @@ def run_decodekit(model, requests: list[dict], compile: bool = False, sample: bo
                 time.sleep(delay)
             added[n] = time.monotonic()
             fields = dict(SAMPLED, seed=n) if sample else {}
+            if itl:  # each output is one more token: its time is kept
+                stamps[n] = []
+                fields.update(streaming=True, listener=lambda output, kept=stamps[n]: kept.append(time.monotonic()))
             ids[n] = manager.add_request(r["ids"], max_new_tokens=r["new_tokens"], eos_token_id=None, **fields)
 
     feeder = threading.Thread(target=feed)
@@ -110,7 +117,12 @@ def run_decodekit(model, requests: list[dict], compile: bool = False, sample: bo
     outputs = {o.request_id: o for o in ended}
     generated = sum(len(o.generated_tokens) for o in ended)
     ttfts = [outputs[ids[n]].first_token_time - outputs[ids[n]].created_time for n in range(len(requests))]
-    return summary(generated, seconds, ttfts)
+    result = summary(generated, seconds, ttfts)
+    if itl:
+        gaps = sorted(b - a for kept in stamps.values() for a, b in zip(kept, kept[1:]))
+        result["itl_p50_s"] = round(statistics.median(gaps), 4)
+        result["itl_p99_s"] = round(gaps[min(len(gaps) - 1, int(round(0.99 * (len(gaps) - 1))))], 4)
+    return result
 
 
 def run_static(model, requests: list[dict]) -> dict:
@@ -217,6 +229,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of every load per engine; the median is reported")
     parser.add_argument("--vllm-compiled", action="store_true", help="vLLM with its compiled model, not enforce_eager")
     parser.add_argument("--sample", action="store_true", help="decodekit's requests sampled (see above), not greedy")
+    parser.add_argument("--itl", action="store_true", help="decodekit's time between tokens too (see above)")
     parser.add_argument(
         "--weights",
         choices=["float32", "bfloat16", "int8"],
@@ -258,7 +271,7 @@ def main() -> int:
         "decodekit": {},
     }
     options = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}
-    options["sample"] = args.sample
+    options.update(sample=args.sample, itl=args.itl)
     result["decodekit requests"] = "sampled: " + json.dumps(SAMPLED) if args.sample else "greedy"
     for name in all_loads:
         result["decodekit"][name] = median_run([run_decodekit(model, run[name], **options) for run in runs])

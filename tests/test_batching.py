@@ -342,23 +342,32 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model, monke
         + [{}, {}, dict(do_sample=True, seed=9)]  # greedy twice; top_k=50 (the default)
         + [dict(do_sample=True, temperature=0.7, top_p=0.9, seed=s) for s in (3, 4)]  # one group of two
         + [dict(do_sample=True, temperature=0.7, min_p=0.05, seed=5)]
-        + [dict(logprobs=True), dict(max_time=60.0), dict(do_sample=True, num_return_sequences=2, seed=1)]
+        + [dict(max_time=60.0), dict(do_sample=True, num_return_sequences=2, seed=1)]
+        + [dict(logprobs=True), dict(do_sample=True, temperature=0.7, top_p=0.9, seed=6, logprobs=True, top_logprobs=3)]
     )
     requests = [
         prepare_request(model, [3 + i] * (i + 2), None, f"r{i}", False, dict(f, max_new_tokens=4), MethodCache())
         for i, f in enumerate(fields)
     ]
-    alone = {"r12", "r13", "r14"}  # logprobs, a time limit, two rows: their own steps
+    alone = {"r12", "r13"}  # a time limit, two rows: their own steps
     assert {r.id for r in requests if r.together is None} == alone
     generator = torch.Generator().manual_seed(0)
     logits = {r.id: 3 * torch.randn(r.rows, model.config.vocab_size, generator=generator) for r in requests}
-    own = {r.id: r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id])) for r in requests}
+    processed = {r.id: r.pipeline.processors(r.sequences, logits[r.id]) for r in requests}
+    own = {r.id: r.pipeline.selector(r.sequences, processed[r.id]) for r in requests}
     assert len({int(t[0]) for t in own.values()}) > 5  # the draws differ: the test can tell rows apart
     monkeypatch.setattr(sampler, "CACHED_ELEMENTS", 2 * model.config.vocab_size)  # the eager CPU race: 2 rows a part
     for race in (race_rows, race_in_parts, compile_own(race_rows, {"dynamic": True})):
         chosen = sample_together(requests, logits, race)
         assert set(chosen) == {r.id for r in requests} - alone
-        assert all(chosen[rid] == int(own[rid][0]) for rid in chosen)
+        assert all(chosen[rid].token == int(own[rid][0]) for rid in chosen)
+        for rid, top in (("r14", 0), ("r15", 3)):  # logprobs from the same pass, as the request's own step takes them
+            logp = torch.log_softmax(processed[rid][0], dim=-1)
+            assert chosen[rid].logprob == pytest.approx(float(logp[own[rid][0]]), abs=1e-6)
+            assert chosen[rid].top == (
+                None if not top else [(int(i), pytest.approx(float(v), abs=1e-6)) for v, i in zip(*logp.topk(top))]
+            )
+        assert chosen["r0"].logprob is None and chosen["r0"].top is None
     logits["r0"][0, :] = float("nan")  # a bad row: no shared choice, so each request's own step names the fault
     assert sample_together(requests, logits, race_rows) == {}
 

@@ -205,10 +205,15 @@ class Request:
         new, going = torch.stack((tokens, unfinished.long())).tolist()
         self._extend(new, [bool(g) for g in going])
 
-    def accept(self, token: int) -> None:
-        """The next token of a request chosen together with others' (batching/sampler.py: one row, stopping
-        declared as a length and EOS ids, `together`), and whether it ends there, decided on the host."""
-        length, eos = self.together[1], self.together[2]
+    def accept(self, chosen) -> None:
+        """The next token of a request chosen together with others' (batching/sampler.py's Chosen: one row, stopping
+        declared as a length and EOS ids, `together`), with its logprobs, and whether it ends there, decided on the
+        host."""
+        token, length, eos = chosen.token, self.together[1], self.together[2]
+        if self.logprobs:
+            self.token_logprobs.append(chosen.logprob)
+            if self.top_logprobs:
+                self.token_top_logprobs.append(chosen.top)
         self._extend([token], [not (token in eos or self.length + 1 >= length)])
 
     def _extend(self, tokens: list[int], unfinished: list[bool]) -> None:

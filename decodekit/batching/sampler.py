@@ -4,7 +4,7 @@ to the host in one transfer, the step's only synchronisation with the device for
 A request takes part where its step needs nothing of its own (together_key): one row, logits processors that all
 declare score_only (temperature, top-k, top-p, min-p, ...: each row's scores rewritten from that row alone), the
 built-in greedy or sampling selector, stopping criteria that all declare where they stop (a length, EOS ids: decided
-on the host from the token), no logprobs and no observer. Requests whose processors have equal keys (the same
+on the host from the token), no observer; logprobs are taken from the same pass. Requests whose processors have equal keys (the same
 classes and settings) have them applied once, to their rows together; the sampling noise of each row is the one its
 request draws alone (selectors.race_rows), so every request's tokens are those of its own step (Request.apply), which
 runs every other request, and any request of a pass where some row's scores are unusable (NaN, -inf everywhere: its
@@ -12,6 +12,8 @@ own step then says which processor or weight did it).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +27,7 @@ def together_key(request) -> tuple | None:
     """(the processors' keys, the length it stops at, its EOS ids) of a request whose next token can be chosen with
     others' (see the module), else None."""
     p = request.pipeline
-    if request.rows != 1 or request.observer is not None or request.logprobs:
+    if request.rows != 1 or request.observer is not None:
         return None
     if drawn_as(p.selector) not in ("argmax", "race"):
         return None
@@ -42,7 +44,16 @@ def together_key(request) -> tuple | None:
     return keys, length, frozenset(eos)
 
 
-def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, int]:
+class Chosen(NamedTuple):
+    """A request's next token as the one pass chose it, with its log-probability and the most likely tokens' where
+    the request asked for them (logprobs, top_logprobs)."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, Chosen]:
     """{request id: its next token} for the requests of `requests` with logits that take part (together_key), or {}
     where fewer than two do, or where a row's scores are unusable. `race`: selectors.race_rows or its compiled form."""
     rows = [r for r in requests if r.together is not None and r.id in logits]
@@ -66,10 +77,27 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
         keys = to_device([rows[i].race_key for i in sampled], torch.int32, scores.device)
         positions = to_device([[rows[i].length] for i in sampled], torch.int32, scores.device)
         tokens[at] = race(scores[at], keys[:, None], positions)
-    chosen, bad = torch.stack((tokens, unusable_rows(scores).long())).tolist()
-    if any(bad):
+    # Everything the host reads, in one float64 tensor (token ids are exact in it) read back at once.
+    parts = [tokens, unusable_rows(scores)]
+    asked = [i for i, r in enumerate(rows) if r.logprobs]
+    top = max((rows[i].top_logprobs for i in asked), default=0)
+    if asked:
+        at = to_device(asked, torch.long, scores.device)
+        logp = torch.log_softmax(scores[at], dim=-1)
+        parts.append(logp.gather(1, tokens[at, None])[:, 0])
+        if top:
+            values, ids = logp.topk(top)
+            parts += [values.flatten(), ids.flatten()]
+    host = torch.cat([part.double() for part in parts]).tolist()
+    n, m = len(rows), len(asked)
+    if any(host[n : 2 * n]):
         return {}
-    return {r.id: token for r, token in zip(rows, chosen)}
+    chosen = {r.id: Chosen(int(token)) for r, token in zip(rows, host[:n])}
+    for j, i in enumerate(asked):
+        r, at = rows[i], 2 * n + m + j * top
+        best = [(int(t), v) for v, t in zip(host[at : at + r.top_logprobs], host[at + m * top :][: r.top_logprobs])]
+        chosen[r.id] = chosen[r.id]._replace(logprob=host[2 * n + j], top=best if r.top_logprobs else None)
+    return chosen
 
 
 def _processed(rows: list, members: list[int], scores: torch.Tensor) -> torch.Tensor:

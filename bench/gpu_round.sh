@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 (
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
-    -k "published_methods_compiled or 64_mixed or continuous_batching or compiled_step_on_the_device" \
+    -k "published_methods_compiled or 64_mixed or continuous_batching or compiled_step_on_the_device or waits_for_the_device_once" \
     > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests exit $?" >> "$OUT/cuda_tests.log"
 ) &

@@ -22,6 +22,7 @@ from ..core.generate import call_config, check_prompt_ids, prepare_call
 from ..core.processors import check_scores, observe_processors
 from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
+from .transfer import to_device
 
 
 class RequestStatus(str, enum.Enum):
@@ -184,7 +185,7 @@ class Request:
             # A new request's rows share its prompt's logits (an expanded view): a processor may write into the
             # scores it is given, so each row gets its own.
             scores = scores.contiguous()
-        unfinished = torch.tensor(self.unfinished, device=scores.device)
+        unfinished = to_device(self.unfinished, torch.bool, scores.device)
         with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
             scores = p.processors(sequences, scores)
         check_scores(p.processors, scores, unfinished, sequences.shape[1])

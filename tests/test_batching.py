@@ -395,6 +395,39 @@ def test_a_request_chosen_together_ends_where_its_own_step_would(model):
     assert reasons == {"stop", "length"}  # both ends were decided on the host
 
 
+class LetterTokenizer:
+    """Each id one letter: a stop string spans several tokens."""
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_requests_with_stop_strings_are_chosen_together_and_stop_where_generate_stops(model):
+    # Stop strings are decided on the host from the request's tokens (StopStringCriteria.ends_row) for requests
+    # chosen together: each ends where generate() alone ends, greedy and sampled.
+    tok = LetterTokenizer()
+    prompts = [[3 + i, 9, 4 + i] for i in range(6)]
+    first = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, eos_token_id=None)[0, 3:].tolist()
+    stop = tok.decode(first)[4:6]  # met by the first request at its sixth token at the latest
+    fields = [dict(do_sample=bool(i % 2), top_p=0.9, seed=i) for i in range(6)]
+    manager = model.init_continuous_batching()
+    ids = [
+        manager.add_request(p, max_new_tokens=12, eos_token_id=None, stop_strings=[stop], tokenizer=tok, **f)
+        for p, f in zip(prompts, fields)
+    ]
+    assert all(r.together is not None and r.together[3] for r in manager._incoming)
+    manager.run(until_idle=True)
+    reasons = []
+    for prompt, f, rid in zip(prompts, fields, ids):
+        result = manager.get_result(rid, timeout=0)
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, eos_token_id=None, stop_strings=[stop], tokenizer=tok, **f
+        )[0, 3:].tolist()
+        assert result.generated_tokens == expected
+        reasons.append(result.finish_reason)
+    assert reasons[0] == "stop"  # the stop string ended the first one
+
+
 def test_a_compiled_step_runs_the_product_route_this_cpu_chose_before_any_eager_call(tmp_path, monkeypatch):
     # A trace cannot measure, so a route first asked for inside one was the fallback, compiled in for good: the
     # decode step of continuous batching multiplied its 17-64 rows by the library's matmul though this CPU had

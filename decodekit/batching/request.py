@@ -204,25 +204,30 @@ class Request:
         self._sequences = torch.cat((sequences, tokens[:, None]), dim=-1)
         unfinished = unfinished & ~p.stopping(self._sequences, scores)
         new, going = torch.stack((tokens, unfinished.long())).tolist()
-        self._extend(new, [bool(g) for g in going])
+        self._add(new)
+        self._going([bool(g) for g in going])
 
     def accept(self, chosen) -> None:
         """The next token of a request chosen together with others' (batching/sampler.py's Chosen: one row, stopping
-        declared as a length and EOS ids, `together`), with its logprobs, and whether it ends there, decided on the
-        host."""
-        token, length, eos = chosen.token, self.together[1], self.together[2]
+        declared as a length, EOS ids and stop strings, `together`), with its logprobs, and whether it ends there,
+        decided on the host."""
+        token, (_, length, eos, texts) = chosen.token, self.together
         if self.logprobs:
             self.token_logprobs.append(chosen.logprob)
             if self.top_logprobs:
                 self.token_top_logprobs.append(chosen.top)
-        self._extend([token], [not (token in eos or self.length + 1 >= length)])
+        self._add([token])
+        ends = token in eos or self.length >= length or any(c.ends_row(self.tokens[0]) for c in texts)
+        self._going([not ends])
 
-    def _extend(self, tokens: list[int], unfinished: list[bool]) -> None:
+    def _add(self, tokens: list[int]) -> None:
         for row, token in zip(self.tokens, tokens):
             row.append(token)
-        self.unfinished = unfinished
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def _going(self, unfinished: list[bool]) -> None:
+        self.unfinished = unfinished
         if not any(unfinished):
             self.stopped_by_length = self.length >= self.max_length and not self._ended_on_eos()
             self.status = RequestStatus.FINISHED

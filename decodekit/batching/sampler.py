@@ -3,8 +3,8 @@ to the host in one transfer, the step's only synchronisation with the device for
 
 A request takes part where its step needs nothing of its own (together_key): one row, logits processors that all
 declare score_only (temperature, top-k, top-p, min-p, ...: each row's scores rewritten from that row alone), the
-built-in greedy or sampling selector, stopping criteria that all declare where they stop (a length, EOS ids: decided
-on the host from the token), no observer; logprobs are taken from the same pass. Requests whose processors have equal keys (the same
+built-in greedy or sampling selector, stopping criteria that all declare where they stop (a length, EOS ids, stop
+strings: decided on the host from the tokens), no observer; logprobs are taken from the same pass. Requests whose processors have equal keys (the same
 classes and settings) have them applied once, to their rows together; the sampling noise of each row is the one its
 request draws alone (selectors.race_rows), so every request's tokens are those of its own step (Request.apply), which
 runs every other request, and any request of a pass where some row's scores are unusable (NaN, -inf everywhere: its
@@ -24,8 +24,8 @@ from .transfer import to_device
 
 
 def together_key(request) -> tuple | None:
-    """(the processors' keys, the length it stops at, its EOS ids) of a request whose next token can be chosen with
-    others' (see the module), else None."""
+    """(the processors' keys, the length it stops at, its EOS ids, its stop-string criteria) of a request whose next
+    token can be chosen with others' (see the module), else None."""
     p = request.pipeline
     if request.rows != 1 or request.observer is not None:
         return None
@@ -33,15 +33,17 @@ def together_key(request) -> tuple | None:
         return None
     if not all(declares(processor, "score_only") for processor in p.processors):
         return None
-    length, eos = request.max_length, set()
+    length, eos, texts = request.max_length, set(), []
     for criterion in p.stopping:
         at, tokens = getattr(criterion, "ends_at_length", None), getattr(criterion, "ends_at_tokens", None)
-        if at is None and tokens is None:
-            return None  # decided from something else (time, text, a plugin's rule): the request's own step
+        if getattr(criterion, "ends_at_strings", None):
+            texts.append(criterion)  # stop strings: ends_row(tokens) on the host
+        elif at is None and tokens is None:
+            return None  # decided from something else (time, a plugin's rule): the request's own step
         length = min(length, at) if at is not None else length
         eos |= set(tokens or ())
     keys = tuple(processor_key(processor) for processor in p.processors)
-    return keys, length, frozenset(eos)
+    return keys, length, frozenset(eos), tuple(texts)
 
 
 class Chosen(NamedTuple):

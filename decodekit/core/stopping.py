@@ -96,7 +96,8 @@ class MaxLengthCriteria:
     is the model's context: going past it logs a warning once, as transformers does.
 
     Declares `ends_at_length` (its max_length): a compiled step, which ends at the call's length on the device, stands
-    for it where that is no later. EosTokenCriteria declares `ends_at_tokens`, the same for the call's EOS tokens."""
+    for it where that is no later. EosTokenCriteria declares `ends_at_tokens`, the same for the call's EOS tokens, and
+    StopStringCriteria `ends_at_strings` with `ends_row(tokens)`, its decision from a row's tokens on the host."""
 
     def __init__(self, max_length: int, max_position_embeddings: int | None = None):
         if not isinstance(max_length, int) or max_length < 1:
@@ -215,18 +216,28 @@ class StopStringCriteria:
         # cover the longest stop string plus the newest token.
         self.window = 4 * max(len(s) for s in strings) + 1
 
+    @property
+    def ends_at_strings(self) -> tuple[str, ...]:
+        """Declares that it decides from a row's tokens on the host (ends_row): continuous batching's one-pass
+        sampler decides it there without the request's own step."""
+        return tuple(self.stop_strings)
+
     def __call__(self, input_ids, scores):
-        done = []
-        for row in input_ids[:, -self.window :].tolist():
-            before = self.tokenizer.decode(row[:-1])
-            text = self.tokenizer.decode(row)
-            # The prefix decodes to the same characters unless a multi-byte character was split;
-            # count from the common prefix so a completed character is treated as new text.
-            common = 0
-            while common < min(len(before), len(text)) and before[common] == text[common]:
-                common += 1
-            done.append(any(self._ends_in_new_text(text, s, common) for s in self.stop_strings))
+        done = [self.ends_row(row) for row in input_ids[:, -self.window :].tolist()]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    def ends_row(self, tokens: list[int]) -> bool:
+        """Whether the newest of a row's tokens (a list, the newest last; only the last `window` are read)
+        completes a stop string."""
+        row = tokens[-self.window :]
+        before = self.tokenizer.decode(row[:-1])
+        text = self.tokenizer.decode(row)
+        # The prefix decodes to the same characters unless a multi-byte character was split;
+        # count from the common prefix so a completed character is treated as new text.
+        common = 0
+        while common < min(len(before), len(text)) and before[common] == text[common]:
+            common += 1
+        return any(self._ends_in_new_text(text, s, common) for s in self.stop_strings)
 
     @staticmethod
     def clean_tokenizer_vocab(tokenizer, static_prefix: str = "abcdef", stop_string_matching_mode=None):

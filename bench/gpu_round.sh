@@ -25,3 +25,14 @@ wait $tests
 tail -25 "$OUT/cuda_tests.log"
 timeout 250 python3 bench_cuda.py --runs 1 --shapes llama-1b --groups served batch decode 2>&1 | tee "$OUT/bench_cuda.log"
 echo "bench_cuda exit ${PIPESTATUS[0]}"
+# The rollback-over-a-StaticCache row needs transformers >= 5.24 (the image's 5.17 StaticCache cannot crop): where
+# .whl-transformers is carried (made on the CPU machine: pip download --no-deps --python-version 3.12 ... of
+# transformers==5.24.0, huggingface_hub, tokenizers, safetensors, regex, typer, hf-xet, click, shellingham at the
+# versions of the CPU .venv), that row alone, last, in its own site folder.
+if [ -d ../.whl-transformers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf ../.whl-transformers/*.whl
+  PYTHONPATH=/tmp/tf:$PYTHONPATH timeout 200 python3 bench_hub_methods.py --device cuda --shape llama-1b \
+    --dtype bfloat16 --prompt-tokens 128 --new-tokens 64 --runs 2 --methods "rollback over a StaticCache" \
+    > "$OUT/hub_rollback.json" 2> >(tee "$OUT/hub_rollback.log" >&2)
+  echo "rollback row exit $?"; cat "$OUT/hub_rollback.json"
+fi

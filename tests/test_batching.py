@@ -368,6 +368,9 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model, monke
                 None if not top else [(int(i), pytest.approx(float(v), abs=1e-6)) for v, i in zip(*logp.topk(top))]
             )
         assert chosen["r0"].logprob is None and chosen["r0"].top is None
+        for alone_in_pass in ("r0", "r6", "r9"):  # one request alone in the pass: sampled, greedy, with processors
+            lone = sample_together([next(r for r in requests if r.id == alone_in_pass)], logits, race)
+            assert lone[alone_in_pass].token == int(own[alone_in_pass][0])
     logits["r0"][0, :] = float("nan")  # a bad row: no shared choice, so each request's own step names the fault
     assert sample_together(requests, logits, race_rows) == {}
 

@@ -4,11 +4,12 @@ to the host in one transfer, the step's only synchronisation with the device for
 A request takes part where its step needs nothing of its own (together_key): one row, logits processors that all
 declare score_only (temperature, top-k, top-p, min-p, ...: each row's scores rewritten from that row alone), the
 built-in greedy or sampling selector, stopping criteria that all declare where they stop (a length, EOS ids, stop
-strings: decided on the host from the tokens), no observer; logprobs are taken from the same pass. Requests whose processors have equal keys (the same
-classes and settings) have them applied once, to their rows together; the sampling noise of each row is the one its
-request draws alone (selectors.race_rows), so every request's tokens are those of its own step (Request.apply), which
-runs every other request, and any request of a pass where some row's scores are unusable (NaN, -inf everywhere: its
-own step then says which processor or weight did it).
+strings: decided on the host from the tokens) and no observer; its logprobs come from the same pass. Requests whose
+processors have equal keys (the same classes and settings) have them applied once, to their rows together, and each
+row is raced with the noise its request draws alone (selectors.race_rows), so a request gets the tokens its own step
+(Request.apply) would give. That own step runs every other request, and every request of a pass where a processor
+fails or some row's scores are unusable (NaN, -inf everywhere): the own step then says which processor or weight did
+it.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ class Chosen(NamedTuple):
 
 def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, Chosen]:
     """{request id: its next token} for the requests of `requests` with logits that take part (together_key), or {}
-    where fewer than two do, or where a row's scores are unusable. `race`: selectors.race_rows or its compiled form."""
+    where none does, or where a row's scores are unusable. `race`: selectors.race_rows or its compiled form."""
     rows = [r for r in requests if r.together is not None and r.id in logits]
-    if len(rows) < 2:
+    if not rows:
         return {}
     scores = torch.cat([logits[r.id] for r in rows]).float()
     groups: dict[tuple, list[int]] = {}
@@ -78,6 +79,8 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
         at = to_device(sampled, torch.long, scores.device)
         keys = to_device([rows[i].race_key for i in sampled], torch.int32, scores.device)
         positions = to_device([[rows[i].length] for i in sampled], torch.int32, scores.device)
+        if len(sampled) == 1:  # raced as two equal rows: the compiled race, warmed up from two, would specialise to one
+            at, keys, positions = at.expand(2), keys.expand(2), positions.expand(2, 1)
         tokens[at] = race(scores[at], keys[:, None], positions)
     # Everything the host reads, in one float64 tensor (token ids are exact in it) read back at once.
     parts = [tokens, unusable_rows(scores)]

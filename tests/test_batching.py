@@ -280,6 +280,38 @@ def test_compiled_decode_steps_equal_generate_alone(model, native, caplog, monke
     assert (torch_attention in caplog.text) is (not native)  # said where the C++ kernel cannot serve (CUDA, off)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch-attention"])
+def test_compiled_steps_carry_rows_on_the_device_as_requests_finish_and_join(model, native, monkeypatch):
+    # Three requests run at a time: as each ends another joins. The rows still running are carried from the previous
+    # step's table on the device (gathered by index), the joining one's built from its list; every request's tokens
+    # equal generate() alone.
+    from decodekit.batching.compiled import CompiledDecode
+
+    if native and not cpu.has("native_kernels"):
+        pytest.skip("decodekit's C++ kernels are off on this machine: the compiled step needs them")
+    gathered = []
+    gather = CompiledDecode._gathered
+
+    def recorded(self, kept, places, at, *args):
+        gathered.append((sum(a is not None for a in at), sum(a is None for a in at)))
+        return gather(self, kept, places, at, *args)
+
+    monkeypatch.setattr(CompiledDecode, "_gathered", recorded)
+    requests = [([3 + i, 7, 2 + i], {"max_new_tokens": 6 + (3 * i) % 4}) for i in range(7)]  # tables of 3 blocks
+    requests[2][1].update(do_sample=True, seed=2)
+    with cpu.forced(native_kernels=native):
+        manager = model.init_continuous_batching(compile=True, block_size=4, max_running=3)
+        ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
+        manager.run(until_idle=True)
+    for (prompt, fields), rid in zip(requests, ids):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.sequences == alone(model, prompt, **fields), fields
+    assert any(joined == 0 and kept for kept, joined in gathered)  # a request ended: the others carried
+    assert any(joined and kept for kept, joined in gathered)  # one joined beside carried rows
+    assert manager.runner.compiled.broken is None
+
+
 @pytest.mark.parametrize("weights", [{"dtype": torch.bfloat16}, {"quantize": "int8"}], ids=["bf16", "int8"])
 def test_compiled_decode_steps_of_bf16_and_int8_models(tmp_path, weights):
     from decodekit import AutoModelForCausalLM

@@ -56,11 +56,11 @@ def mark_step_dynamic(ids, position, slots, table) -> None:
 
 
 class KeptRows(NamedTuple):
-    """A compiled step's rows as the next step of the same rows reuses them: the rows' key, the block table and
-    positions on the device, the positions as the host gave them, and what a step adds to each (1 a real row, 0 a
-    padding row)."""
+    """A compiled step's rows as later steps reuse them: where each request row is (its (request id, row) -> its
+    index in `table`), the block table and positions on the device, the positions as the host gave them, and what a
+    step adds to each (1 a real row, 0 a padding row)."""
 
-    rows: tuple
+    places: dict
     table: torch.Tensor
     position: torch.Tensor
     positions: list
@@ -134,34 +134,60 @@ class CompiledDecode:
         # A graph's outputs live in its memory, which the next replay overwrites: the step's logits are copied out.
         return logits[:rows].clone() if self.graphs else logits[:rows]
 
-    def forget_rows(self) -> None:
-        self._kept = None
+    def forget_rows(self, request_id: str) -> None:
+        """A request ended: its rows are not carried into later steps (its blocks go to others; its id may come
+        again)."""
+        if self._kept is not None:
+            places = {place: at for place, at in self._kept.places.items() if place[0] != request_id}
+            self._kept = self._kept._replace(places=places)
 
     def _rows_state(self, tables, positions, rows_key, size: int, device):
         """The step's block table [size, width] and positions [size] on `device` (decode_attention indexes on the
-        cache's device; the C++ kernel reads them on the CPU): those of the previous step, advanced by one position
-        a row, where `rows_key` and the positions say the rows are the same, one position on; else built anew.
-        Padding rows write at position 0 of the scratch block and stay there."""
-        kept = self._kept
-        if (
-            rows_key is not None
-            and kept is not None
-            and kept.rows == rows_key
-            and kept.table.shape[0] == size
-            and positions == [p + 1 for p in kept.positions]
-        ):
-            self._kept = kept._replace(position=kept.position + kept.advance, positions=positions)
-            return kept.table, self._kept.position
-        pad = size - len(tables)
+        cache's device; the C++ kernel reads them on the CPU). A request's table does not change while it runs, so
+        the rows of the previous step are carried on the device: the same rows in the same order, each one position
+        on, reuse its tensors with the positions advanced there; otherwise the rows still here are gathered by index
+        beside those that joined, built from their lists (the index, the joined rows and the positions are copied).
+        Rebuilt whole where the table's width changes (the longest row came or went: decode_attention's work
+        follows the width). Padding rows write at position 0 of the scratch block and stay there. `rows_key`:
+        ((request id, rows) per request, in the step's order), None for rows nobody asks for again (warm-up)."""
+        kept, rows = self._kept, len(tables)
         width = max(MIN_SIZE, max(len(t) for t in tables))
         width = bucket(width) if self.graphs else width
+        places = [(rid, j) for rid, n in rows_key for j in range(n)] if rows_key is not None else None
+        if places is not None and kept is not None and kept.table.shape[1] == width:
+            at = [kept.places.get(place) for place in places]
+            same = at == list(range(rows)) and kept.table.shape[0] == size
+            if same and all(kept.positions[a] + 1 == p for a, p in zip(at, positions)):
+                state = kept._replace(position=kept.position + kept.advance, positions=positions)
+            else:
+                state = self._gathered(kept, places, at, tables, positions, size, width, device)
+            self._kept = state
+            return state.table, state.position
+        pad = size - rows
         table = to_device(
             [t + [self.scratch] * (width - len(t)) for t in tables] + [[self.scratch] * width] * pad, torch.long, device
         )
         position = to_device(positions + [0] * pad, torch.long, device)
-        advance = to_device([1] * len(tables) + [0] * pad, torch.long, device)
-        self._kept = KeptRows(rows_key, table, position, positions, advance) if rows_key is not None else None
+        advance = to_device([1] * rows + [0] * pad, torch.long, device)
+        places = dict(zip(places, range(rows))) if places is not None else None
+        self._kept = KeptRows(places, table, position, positions, advance) if places is not None else None
         return table, position
+
+    def _gathered(self, kept, places, at, tables, positions, size, width, device) -> KeptRows:
+        """The step's table from the kept rows (`at`: each row's index there, None for a row that joined) and the
+        joined rows' lists, by one index; its positions from the host (a step with prompt chunks may have moved the
+        kept rows on since)."""
+        joined = [i for i, a in enumerate(at) if a is None]
+        base = kept.table.shape[0]
+        scratch = base + len(joined)
+        fresh = [tables[i] + [self.scratch] * (width - len(tables[i])) for i in joined] + [[self.scratch] * width]
+        slot = {i: base + k for k, i in enumerate(joined)}
+        index = to_device(
+            [slot[i] if a is None else a for i, a in enumerate(at)] + [scratch] * (size - len(at)), torch.long, device
+        )
+        table = torch.cat((kept.table, to_device(fresh, torch.long, device))).index_select(0, index)
+        position = to_device(positions + [0] * (size - len(at)), torch.long, device)
+        return KeptRows(dict(zip(places, range(len(places)))), table, position, positions, (index != scratch).long())
 
     def warm_up(self, max_rows: int) -> list[int]:
         """Compiles the step now instead of at the first decode step, and runs it at one row and at `max_rows`

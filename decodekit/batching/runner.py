@@ -88,7 +88,6 @@ class PagedRunner:
         if self.blocks_needed(request.rows, request.prompt_length, request.max_length) > self.free_blocks:
             return False
         alloc = self.cache.allocator
-        self._tables_changed()
         per_row, shared = self._row_blocks(request.prompt_length, request.max_length)
         first = alloc.allocate(per_row)
         request.tables = [first]
@@ -101,12 +100,8 @@ class PagedRunner:
         for table in request.tables:
             self.cache.allocator.free(table)
         request.tables = []
-        self._tables_changed()
-
-    def _tables_changed(self) -> None:
-        """Blocks were taken or given back: the compiled step's table kept on the device is not used again."""
-        if self.compiled is not None:
-            self.compiled.forget_rows()
+        if self.compiled is not None:  # its blocks go to others: its rows kept on the device are not used again
+            self.compiled.forget_rows(request.id)
 
     def forward(self, works: list[Work]) -> dict[str, torch.Tensor]:
         # Every input token is on the host (prompts, and each row's last token: Request.tokens): one copy to the

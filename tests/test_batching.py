@@ -31,6 +31,17 @@ def alone(model, prompt, **kwargs) -> list[list[int]]:
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out]
 
 
+def each_as_alone(manager, model, requests) -> None:
+    """Adds `requests` ((prompt, fields) each), runs the manager until idle and checks every result: finished, with
+    the sequences generate() gives that request alone."""
+    ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
+    manager.run(until_idle=True)
+    for (prompt, fields), rid in zip(requests, ids):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.sequences == alone(model, prompt, **fields), fields
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])  # mistral's tiny config has a sliding window
 @pytest.mark.parametrize("native", [True, False], ids=["cpp-kernel", "gathered-sdpa"])
 def test_chunked_paged_forward_equals_one_forward(tmp_path, model_type, native):
@@ -301,12 +312,7 @@ def test_compiled_steps_carry_rows_on_the_device_as_requests_finish_and_join(mod
     requests[2][1].update(do_sample=True, seed=2)
     with cpu.forced(native_kernels=native):
         manager = model.init_continuous_batching(compile=True, block_size=4, max_running=3)
-        ids = [manager.add_request(prompt, **fields) for prompt, fields in requests]
-        manager.run(until_idle=True)
-    for (prompt, fields), rid in zip(requests, ids):
-        out = manager.get_result(rid, timeout=0)
-        assert out.status == RequestStatus.FINISHED, out.error
-        assert out.sequences == alone(model, prompt, **fields), fields
+        each_as_alone(manager, model, requests)
     assert any(joined == 0 and kept for kept, joined in gathered)  # a request ended: the others carried
     assert any(joined and kept for kept, joined in gathered)  # one joined beside carried rows
     assert manager.runner.compiled.broken is None
@@ -516,12 +522,7 @@ def test_compiled_sampling_first_made_for_one_row_serves_steps_of_several(model)
     first = [([4, 2], {"max_new_tokens": 3, "do_sample": True, "top_k": 0, "seed": 1}), ([5, 6], {"max_new_tokens": 3})]
     later = [([i + 3, 1], {"max_new_tokens": 5, "do_sample": True, "top_k": 0, "seed": i}) for i in range(4)]
     for batch in (first, later):
-        ids = [manager.add_request(prompt, **fields) for prompt, fields in batch]
-        manager.run(until_idle=True)
-        for (prompt, fields), rid in zip(batch, ids):
-            out = manager.get_result(rid, timeout=0)
-            assert out.status == RequestStatus.FINISHED, out.error
-            assert out.sequences == alone(model, prompt, **fields), fields
+        each_as_alone(manager, model, batch)
     assert manager._race is not race_rows  # still compiled: no fallback was needed
 
 

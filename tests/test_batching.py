@@ -456,7 +456,7 @@ def test_requests_with_stop_strings_are_chosen_together_and_stop_where_generate_
         manager.add_request(p, max_new_tokens=12, eos_token_id=None, stop_strings=[stop], tokenizer=tok, **f)
         for p, f in zip(prompts, fields)
     ]
-    assert all(r.together is not None and r.together[3] for r in manager._incoming)
+    assert all(r.together is not None and r.together.texts for r in manager._incoming)
     manager.run(until_idle=True)
     reasons = []
     for prompt, f, rid in zip(prompts, fields, ids):

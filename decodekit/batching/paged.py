@@ -11,6 +11,7 @@ the tables (llama.Attention), with decodekit's C++ kernel where it is loaded and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +167,18 @@ class DecodeRows:
         return out.transpose(0, 1)[None]
 
 
+class DeviceIndex(NamedTuple):
+    """A PagedBatch's index tensors on the cache's device, for attention in torch operations: the tables, each token's
+    row and position, the single-token segments' tokens, and each prompt chunk's slots of its row's positions
+    0..end."""
+
+    tables: torch.Tensor
+    owner: torch.Tensor
+    positions: torch.Tensor
+    singles: torch.Tensor
+    chunk_slots: list
+
+
 class PagedBatch:
     """The `past_key_values` of one forward over the tokens of several request rows, flattened into one
     sequence [1, N]: which table row each token belongs to (`owner`), its position, and the slot its key and
@@ -195,26 +208,24 @@ class PagedBatch:
         device = cache.keys[0].device
         self.position_ids = to_device(self.positions, torch.long, device)[None]
         self._slots = to_device(self.slots, torch.long, device)
-        self._on_device: dict[str, torch.Tensor] | None = None
+        self._on_device: DeviceIndex | None = None
 
-    def on_device(self) -> dict[str, torch.Tensor]:
-        """The batch's index tensors on the cache's device, for the attention in torch operations: the tables, each
-        token's row and position, the single-token segments' tokens, and each prompt chunk's slots of its row's
-        positions 0..end."""
+    def on_device(self) -> DeviceIndex:
+        """The batch's index tensors on the cache's device, made at the first layer's attention for every layer."""
         if self._on_device is None:
             device, bs = self._slots.device, self.cache.block_size
-            self._on_device = {
-                "tables": to_device(self.tables, torch.long, device),
-                "owner": to_device(self.owner, torch.long, device),
-                "positions": self.position_ids[0],
-                "singles": to_device(self._single_tokens, torch.long, device),
-                **{
-                    f"chunk {i}": to_device(
+            self._on_device = DeviceIndex(
+                to_device(self.tables, torch.long, device),
+                to_device(self.owner, torch.long, device),
+                self.position_ids[0],
+                to_device(self._single_tokens, torch.long, device),
+                [
+                    to_device(
                         slots_of(self.tables, s.row, torch.arange(s.first + s.end - s.start), bs), torch.long, device
                     )
-                    for i, s in enumerate(self.chunks)
-                },
-            }
+                    for s in self.chunks
+                ],
+            )
         return self._on_device
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -250,7 +261,7 @@ class PagedBatch:
             out = self.gathered_attention(tokens, keys, values, window, None, int8)
             if len(self.singles):
                 at = self.on_device()
-                singles = at["singles"]
+                singles = at.singles
                 out[singles] = decode_attention(
                     tokens[singles],
                     k[singles],
@@ -258,9 +269,9 @@ class PagedBatch:
                     keys,
                     values,
                     self._slots[singles],
-                    at["tables"],
-                    at["owner"][singles],
-                    at["positions"][singles],
+                    at.tables,
+                    at.owner[singles],
+                    at.positions[singles],
                     self.cache.block_size,
                     window,
                 )
@@ -293,7 +304,7 @@ class PagedBatch:
         out = torch.empty_like(tokens) if out is None else out
         for i, s in enumerate(self.chunks):
             length = s.first + s.end - s.start
-            slots = self.on_device()[f"chunk {i}"]
+            slots = self.on_device().chunk_slots[i]
             # Gathered as [L, KV, D] (whole rows, far faster than [KV, L, D] from the transposed pool) and
             # passed as a [1, KV, L, D] view: the kernel and SDPA read rows at a stride.
             k = keys.index_select(0, slots).transpose(0, 1)[None].to(tokens.dtype)

@@ -22,6 +22,7 @@ from ..core.generate import call_config, check_prompt_ids, prepare_call
 from ..core.processors import check_scores, observe_processors
 from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
+from .sampler import Together, together_key
 from .transfer import to_device
 
 
@@ -121,15 +122,13 @@ class Request:
     observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
     # What its next token is chosen with where it is chosen together with other requests' (batching/sampler.py); None
     # where the request's own step chooses it (apply).
-    together: tuple | None = None
-    race_key: int | None = None  # the sampling selector's key, read once, where `together` holds
+    together: Together | None = None
+    race_key: int | None = None  # the sampling selector's key, read once, where `together` holds and it samples
     _sequences: torch.Tensor | None = None  # the device copy of `tokens`, as far as the last apply() made it
 
     @classmethod
     def of(cls, device, request_id, prompt, gc, pipeline, max_length, streaming, extras, method) -> Request:
         """A fresh request of gc.num_return_sequences rows, each the prompt, unfinished."""
-        from .sampler import together_key
-
         rows = gc.num_return_sequences
         request = cls(
             id=request_id,
@@ -211,13 +210,17 @@ class Request:
         """The next token of a request chosen together with others' (batching/sampler.py's Chosen: one row, stopping
         declared as a length, EOS ids and stop strings, `together`), with its logprobs, and whether it ends there,
         decided on the host."""
-        token, (_, length, eos, texts) = chosen.token, self.together
+        token, together = chosen.token, self.together
         if self.logprobs:
             self.token_logprobs.append(chosen.logprob)
             if self.top_logprobs:
                 self.token_top_logprobs.append(chosen.top)
         self._add([token])
-        ends = token in eos or self.length >= length or any(c.ends_row(self.tokens[0]) for c in texts)
+        ends = (
+            token in together.eos
+            or self.length >= together.length
+            or any(c.ends_row(self.tokens[0]) for c in together.texts)
+        )
         self._going([not ends])
 
     def _add(self, tokens: list[int]) -> None:

@@ -192,7 +192,7 @@ class CacheRunner:
         for work in works:
             r = work.request
             start, end = (work.start, work.end) if work.prefill else (r.length - 1, r.length)
-            ids = torch.tensor([row[start:end] for row in r.tokens], dtype=torch.long, device=self.model.device)
+            ids = to_device([row[start:end] for row in r.tokens], torch.long, self.model.device)
             out = self.model(ids, past_key_values=self.caches[r.id], use_cache=True)
             if not work.prefill or work.ends_prompt:
                 result[r.id] = out.logits[:, -1, :]

@@ -24,9 +24,19 @@ from ..registry.manager import failures_fail_the_request_alone
 from .transfer import to_device
 
 
-def together_key(request) -> tuple | None:
-    """(the processors' keys, the length it stops at, its EOS ids, its stop-string criteria) of a request whose next
-    token can be chosen with others' (see the module), else None."""
+class Together(NamedTuple):
+    """What a request's next token is chosen with in the one pass: its processors' keys (requests with equal keys
+    share one call of them), the length it stops at, its EOS ids, its stop-string criteria (ends_row, on the
+    host)."""
+
+    keys: tuple
+    length: int
+    eos: frozenset
+    texts: tuple
+
+
+def together_key(request) -> Together | None:
+    """The Together of a request whose next token can be chosen with others' (see the module), else None."""
     p = request.pipeline
     if request.rows != 1 or request.observer is not None:
         return None
@@ -44,7 +54,7 @@ def together_key(request) -> tuple | None:
         length = min(length, at) if at is not None else length
         eos |= set(tokens or ())
     keys = tuple(processor_key(processor) for processor in p.processors)
-    return keys, length, frozenset(eos), tuple(texts)
+    return Together(keys, length, frozenset(eos), tuple(texts))
 
 
 class Chosen(NamedTuple):
@@ -66,7 +76,7 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         if len(r.pipeline.processors):
-            groups.setdefault(r.together[0], []).append(i)
+            groups.setdefault(r.together.keys, []).append(i)
     try:
         with failures_fail_the_request_alone():
             for members in groups.values():
@@ -74,7 +84,7 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
     except Exception:  # a processor that fails on these rows fails in the step of each request it belongs to
         return {}
     tokens = scores.argmax(-1)
-    sampled = [i for i, r in enumerate(rows) if drawn_as(r.pipeline.selector) == "race"]
+    sampled = [i for i, r in enumerate(rows) if r.race_key is not None]
     if sampled:
         at = to_device(sampled, torch.long, scores.device)
         keys = to_device([rows[i].race_key for i in sampled], torch.int32, scores.device)
@@ -98,9 +108,10 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
     if any(host[n : 2 * n]):
         return {}
     chosen = {r.id: Chosen(int(token)) for r, token in zip(rows, host[:n])}
-    for j, i in enumerate(asked):
-        r, at = rows[i], 2 * n + m + j * top
-        best = [(int(t), v) for v, t in zip(host[at : at + r.top_logprobs], host[at + m * top :][: r.top_logprobs])]
+    for j, i in enumerate(asked):  # after the tokens and flags: the m logprobs, the m x top values, the m x top ids
+        r, values = rows[i], 2 * n + m + j * top
+        ids = values + m * top
+        best = [(int(t), v) for v, t in zip(host[values : values + r.top_logprobs], host[ids : ids + r.top_logprobs])]
         chosen[r.id] = chosen[r.id]._replace(logprob=host[2 * n + j], top=best if r.top_logprobs else None)
     return chosen
 

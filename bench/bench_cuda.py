@@ -7,7 +7,8 @@ Rows per shape: batch-1 decode tokens/s after a 128-token prompt, eager, compile
 replay) and compile_config={"mode": "default"} (compiled, no graphs), against transformers' eager
 generate() and its static cache (which transformers compiles itself); the time to first token of a 2,048-token
 prompt; a batch of 64 prompts decoded together; 64 prompts of 64-256 tokens through continuous batching
-(decodekit's manager with its compiled step, CUDA graphs per row bucket, against transformers' generate_batch). The
+(decodekit's manager with its compiled step, CUDA graphs per row bucket, its attention over gathered blocks and
+through flex attention, paged_attention="flex", against transformers' generate_batch). The
 batch-1 rows are also given as a fraction of the memory-bandwidth bound: the bytes a step reads (weights, the lm_head's
 table once, the KV cache at the mean context) over the device's measured copy bandwidth. Each figure is the median of
 `runs` rounds run round-robin; ratios are medians of per-round ratios. Prints one JSON line per shape as it finishes
@@ -145,7 +146,13 @@ def shape_rows(path: Path, args) -> dict:
     served = {
         "decodekit": synced(
             lambda: ours.generate_batch(requests, eos_token_id=None, compile=True, progress_bar=False, **fixed)
-        )
+        ),
+        # The compiled step's attention through flex attention over the block tables instead of gathered blocks
+        "decodekit flex": synced(
+            lambda: ours.generate_batch(
+                requests, eos_token_id=None, compile=True, paged_attention="flex", progress_bar=False, **fixed
+            )
+        ),
     }
     if not args.skip_transformers:
         import transformers
@@ -174,6 +181,8 @@ def shape_rows(path: Path, args) -> dict:
             rows[f"{label} ({name}) tok/s"] = round(64 * n / t.median(name), 1)
         if "transformers" in jobs and "decodekit" in jobs:
             rows[f"{label} vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
+        if "decodekit flex" in jobs:
+            rows[f"{label}: flex vs gathered attention"] = round(t.ratio("decodekit", "decodekit flex"), 2)
         show(group, failed)
 
     if "served" in args.groups:

@@ -326,6 +326,14 @@ def _add_serve(sub, verbose) -> argparse.ArgumentParser:
         "before the server listens: about a minute on 2 cores the first time, seconds once "
         "inductor's cache holds it (default: on; --no-compile runs them eagerly)",
     )
+    srv.add_argument(
+        "--paged-attention",
+        choices=["auto", "gathered", "flex"],
+        default="auto",
+        help="how compiled decode steps attend over the paged cache: auto (decodekit's kernel on the CPU, gathered "
+        "blocks elsewhere), gathered, or flex (flex attention reading the blocks in place; GPUs only) "
+        "(default: auto)",
+    )
     srv.set_defaults(func=cmd_serve)
     return srv
 
@@ -516,6 +524,7 @@ def cmd_serve(args) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None,
         compile=args.compile,
+        paged_attention=args.paged_attention,
     )
     warming = time.monotonic()
     sizes = manager.warm_up()

@@ -536,7 +536,7 @@ def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so
 
     manager._race = broken
     if manager.runner.compiled is not None:
-        manager.runner.compiled._step = lambda kernel: broken
+        manager.runner.compiled._step = lambda: broken
     requests = [
         ([4, 2], {"max_new_tokens": 4, "do_sample": True, "top_k": 0, "seed": 2}),
         ([9, 9, 9], {"max_new_tokens": 5}),
@@ -905,6 +905,68 @@ def test_each_request_is_read_one_way_and_a_wrong_reader_is_told_not_left_waitin
     want = model.generate(torch.tensor([[4, 4]]), max_new_tokens=3, eos_token_id=None)[0, 2:].tolist()
     assert manager.get_result(whole, timeout=0).generated_tokens == want
     assert not manager._outputs and not manager._finished  # every reader has what was its own; nothing is kept
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 5, 21])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 3), (8, 2), (4, 4)])
+def test_flex_attention_over_the_block_tables_equals_decode_attention(window, heads, kv_heads):
+    # batching/flex.py's block mask: rows at different positions (the first at 0, one at the end of its last block),
+    # blocks out of order and one shared, windows that start inside a block, at a block's edge and past the row's
+    # start; the partial blocks (first and last seen) masked, the ones between taken whole. Eagerly, flex attention
+    # scores every slot of the pool through the mask, so a wrong mask anywhere shows.
+    from decodekit.batching.paged import decode_attention, route_attention
+
+    q, k, v, keys, values, slots, tables, owner, positions, bs = paged_case(torch.float32, 9, 16, H=heads, KV=kv_heads)
+    tables = torch.cat((tables, torch.zeros(9, 3, dtype=torch.long)), 1)  # padding entries: block 0, read by none
+    want_keys, want_values = keys.clone(), values.clone()
+    want = decode_attention(q, k, v, want_keys, want_values, slots, tables, owner, positions, bs, window)
+    flex_keys, flex_values = keys.clone(), values.clone()
+    got = route_attention("flex")(q, k, v, flex_keys, flex_values, slots, tables, owner, positions, bs, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(flex_keys, want_keys) and torch.equal(flex_values, want_values)
+    # What the fused kernel trusts and eager flex does not show: every slot of a "full" block is seen (no mask is
+    # evaluated there), and the partial and full blocks together are those holding a seen slot.
+    from decodekit.batching.flex import paged_block_mask
+
+    mask = paged_block_mask(tables, owner, positions, bs, keys.shape[0] // bs, window)
+    for i in range(len(positions)):
+        seen = mask.mask_mod(torch.tensor(i), torch.tensor(0), torch.tensor(0), torch.arange(keys.shape[0]))
+        holding = set(torch.unique(torch.nonzero(seen)[:, 0] // bs).tolist())
+        partial = mask.kv_indices[i, 0, 0, : mask.kv_num_blocks[i, 0, 0]].tolist()
+        full = mask.full_kv_indices[i, 0, 0, : mask.full_kv_num_blocks[i, 0, 0]].tolist()
+        assert all(seen[b * bs : (b + 1) * bs].all() for b in full), i
+        assert set(partial) | set(full) == holding and not set(partial) & set(full), i
+
+
+def test_compiled_steps_through_flex_attention_equal_generate_alone(model):
+    # paged_attention="flex": the compiled step's attention through flex attention over the block tables. Traced by
+    # dynamo with the step's dynamic rows and table width, run by aot_eager: inductor's CPU flex template is refused
+    # (next test), and its CUDA lowering is test_cuda's.
+    requests = [
+        ([5, 6, 7], {"max_new_tokens": 3}),
+        ([9] * 13, {"max_new_tokens": 17}),
+        ([4, 2], {"max_new_tokens": 9, "do_sample": True, "seed": 3}),
+        ([8, 1, 8, 1, 3], {"max_new_tokens": 6, "num_return_sequences": 2, "do_sample": True, "seed": 4}),
+    ]
+    manager = model.init_continuous_batching(
+        compile=True, compile_config={"backend": "aot_eager"}, block_size=4, paged_attention="flex"
+    )
+    each_as_alone(manager, model, requests)
+    compiled = manager.runner.compiled
+    assert compiled.route == "flex" and compiled.broken is None and compiled.steps > 10
+
+
+def test_paged_attention_names_what_it_accepts_and_when(model):
+    with pytest.raises(ValueError, match="paged_attention='paged' is invalid; expected one of auto, gathered, flex"):
+        model.init_continuous_batching(compile=True, paged_attention="paged")
+    with pytest.raises(ValueError, match="paged_attention='flex' chooses the compiled decode step's attention; pass"):
+        model.init_continuous_batching(paged_attention="flex")
+    with pytest.raises(ValueError, match="paged_attention='flex' is for compiled steps on a GPU"):
+        model.init_continuous_batching(compile=True, paged_attention="flex")
+    # "gathered" on the CPU: the torch-operations route even where decodekit's kernel could serve
+    manager = model.init_continuous_batching(compile=True, block_size=4, paged_attention="gathered")
+    assert manager.runner.compiled.route == "gathered"
+    each_as_alone(manager, model, [([5, 6, 7], {"max_new_tokens": 5}), ([9] * 6, {"max_new_tokens": 7})])
 
 
 def test_the_compiled_step_marks_its_sizes_dynamic_without_a_constraint():

@@ -311,15 +311,20 @@ def test_a_wrapped_transformers_model_on_the_device_equals_its_own_generate(llam
         assert torch.equal(got, want)
 
 
-def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_falls_back(tmp_path, caplog):
+@pytest.mark.parametrize("attention", ["auto", "flex"])
+def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_falls_back(tmp_path, caplog, attention):
     """The 1B shape's head layout (32 query heads over 8 key/value heads, head_dim 64) at a tiny width and depth, 64
     requests of mixed lengths: the compiled step compiles on real shapes (no fallback logged), is replayed as graphs
     (no 'skipping cudagraphs' for mutated inputs: the pools are static addresses), and every request equals
-    generate() alone. Not run where the suite has no CUDA device."""
+    generate() alone; with its attention over the gathered blocks and through flex attention (batching/flex.py).
+    Not run where the suite has no CUDA device."""
     import logging
     import random
 
     from decodekit.batching import RequestStatus
+
+    if attention == "flex" and DEVICE == "cpu":
+        pytest.skip("paged_attention='flex' is for GPUs (inductor's CPU flex template is refused)")
 
     path = write_tiny_model(
         tmp_path / "gqa", "llama", hidden_size=2048 // 8, num_attention_heads=32, num_key_value_heads=8, head_dim=64
@@ -328,11 +333,12 @@ def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_fa
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(4, 64))] for _ in range(64)]
     with caplog.at_level(logging.INFO):
-        manager = model.init_continuous_batching(compile=True, block_size=16, max_running=64)
+        manager = model.init_continuous_batching(compile=True, block_size=16, max_running=64, paged_attention=attention)
         manager.warm_up()
         ids = [manager.add_request(p, max_new_tokens=16, eos_token_id=None) for p in prompts]
         manager.run(until_idle=True)
     assert manager.runner.compiled.broken is None
+    assert (manager.runner.compiled.route == "flex") is (attention == "flex")
     assert "compiled decode step failed" not in caplog.text and "skipping cudagraphs" not in caplog.text
     for prompt, rid in zip(prompts[:8], ids[:8]):
         out = manager.get_result(rid, timeout=0)

@@ -11,7 +11,9 @@ token runs as one torch.compile'd forward, compiled once for every row count.
 - Attention goes through decodekit's C++ paged kernel on the CPU where it is built, else through torch operations
   (paged.decode_attention: the rows' blocks gathered, one SDPA call), which run on any device: on CUDA the step is
   compiled with mode="reduce-overhead" (core.compile.step_options) and replayed as CUDA graphs, one per row-count
-  bucket (powers of two) and block-table width bucket, the rows and the table padded up to them.
+  bucket (powers of two) and block-table width bucket, the rows and the table padded up to them. The manager's
+  paged_attention="flex" takes flex attention instead (batching/flex.py: the blocks read in place by one fused
+  kernel); ATTENTION says what each choice runs.
 - Steps with prompt chunks run eagerly (their shapes change with every chunk), and so does a step that does not
   compile (logged once on the `decodekit` logger, then eager for good).
 
@@ -55,6 +57,31 @@ def mark_step_dynamic(ids, position, slots, table) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
+ATTENTION = ("auto", "gathered", "flex")  # the manager's paged_attention
+
+
+def attention_route(choice: str, model, keys, options: dict) -> str:
+    """The route (paged.ROUTES) of a compiled step's attention for the manager's paged_attention `choice`: "auto" is
+    decodekit's C++ kernel where it can serve (kernels.paged_step_ready), else "gathered" (decode_attention);
+    "gathered" and "flex" are taken as asked. ValueError where flex cannot run."""
+    if choice == "auto":
+        return "kernel" if kernels.paged_step_ready(model, keys) else "gathered"
+    if choice == "flex":
+        from .flex import available
+
+        missing = available()
+        if missing is not None:
+            raise ValueError(f"paged_attention='flex' cannot run here: {missing}. Use 'auto' or 'gathered'.")
+        if keys.device.type == "cpu" and options.get("backend", "inductor") == "inductor":
+            # Seen with torch 2.13: a step whose mask reads the tables built in the step came out wrong through
+            # inductor's CPU flex template (right eagerly and with the mask built outside the compiled code).
+            raise ValueError(
+                "paged_attention='flex' is for compiled steps on a GPU: inductor's CPU flex template gives wrong "
+                "attention for the paged mask. On the CPU use 'auto' (decodekit's kernel) or 'gathered'."
+            )
+    return choice
+
+
 class KeptRows(NamedTuple):
     """A compiled step's rows as later steps reuse them: where each request row is (its (request id, row) -> its
     index in `table`), the block table and positions on the device, the positions as the host gave them, and what a
@@ -70,12 +97,18 @@ class KeptRows(NamedTuple):
 class CompiledDecode:
     """Decode steps of the rows of a PagedCache through one compiled forward, whatever their number.
 
-    `options`: compile_config (torch.compile's mode/fullgraph/dynamic/backend/options), as for generate()."""
+    `options`: compile_config (torch.compile's mode/fullgraph/dynamic/backend/options), as for generate();
+    `attention`: one of ATTENTION (the manager's paged_attention)."""
 
-    def __init__(self, model, cache: PagedCache, options: dict | None, max_length: int):
+    def __init__(self, model, cache: PagedCache, options: dict | None, max_length: int, attention: str = "auto"):
         self.model, self.cache = model, cache
         keys = cache.keys[0]
         self.options = step_options(options, keys.device)
+        self.route = attention_route(attention, model, keys, self.options)
+        if self.route == "flex":
+            # Flex attention weighs a partial block's unseen slots by 0, and 0 times the NaN that uninitialised memory
+            # may hold is NaN: the pools start at zeros.
+            cache.commit()
         self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
         self.broken: str | None = None
@@ -88,7 +121,7 @@ class CompiledDecode:
             # its StaticCache's tensors).
             for pool in (*cache.keys, *cache.values):
                 torch._dynamo.mark_static_address(pool)
-        if not kernels.paged_step_ready(model, keys):
+        if self.route == "gathered" and attention == "auto":
             logger.info(
                 "continuous batching: compiled decode steps attend through torch operations (decode_attention): "
                 "decodekit's C++ paged kernel takes a float32 or bfloat16 cache on the CPU with the kernels built "
@@ -114,14 +147,15 @@ class CompiledDecode:
         pad = size - rows
         kernels.settle_routes(self.model, size)  # before the step is traced for this many rows
         device = self.cache.keys[0].device
-        kernel = kernels.paged_step_ready(self.model, self.cache.keys[0])
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
         ids = torch.cat((ids, ids.new_zeros(pad)))[None] if pad else ids[None]
-        table, position = self._rows_state(tables, positions, rows_key, size, device if not kernel else "cpu")
+        table, position = self._rows_state(
+            tables, positions, rows_key, size, "cpu" if self.route == "kernel" else device
+        )
         slots = slots_of(table, torch.arange(size, device=table.device), position, self.cache.block_size)
         mark_step_dynamic(ids, position, slots, table)
         try:
-            step = self._step(kernel)
+            step = self._step()
             if self.graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             logits = step(ids, position, slots, table, self.cache.keys, self.cache.values)
@@ -208,7 +242,7 @@ class CompiledDecode:
                     return []
         return sizes
 
-    def _step(self, kernel: bool):
+    def _step(self):
         # Kept on the model, like generate()'s fused steps: a later manager with a cache of the same shape
         # (another generate_batch call, say) reuses what an earlier one compiled. The step's guards check its
         # arguments only (core.compile.argument_guards_only), so the pools' shape is part of the key.
@@ -219,15 +253,15 @@ class CompiledDecode:
             tuple(pool.shape),
             pool.dtype,
             pool.device,
-            kernel,
+            self.route,
             repr(sorted(self.options.items())),
         )
         step = steps.get(key)
         if step is None:
-            model, bs = self.model, self.cache.block_size
+            model, bs, route = self.model, self.cache.block_size, self.route
 
             def decode(ids, positions, slots, tables, keys, values):
-                rows = DecodeRows(keys, values, slots, tables, positions, bs, kernel=kernel)
+                rows = DecodeRows(keys, values, slots, tables, positions, bs, route=route)
                 return model(ids, position_ids=positions[None], past_key_values=rows, use_cache=True).logits[0]
 
             step = steps[key] = compile_own(decode, self.options)

@@ -41,7 +41,15 @@ from .scheduler import Scheduler
 logger = logging.getLogger("decodekit")
 
 # The manager's own options; any other keyword of init_continuous_batching() is a generation config field.
-MANAGER_OPTIONS = ("max_queue_size", "block_size", "max_cache_bytes", "max_batch_tokens", "max_running", "min_prefill")
+MANAGER_OPTIONS = (
+    "max_queue_size",
+    "block_size",
+    "max_cache_bytes",
+    "max_batch_tokens",
+    "max_running",
+    "min_prefill",
+    "paged_attention",
+)
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
 
@@ -123,7 +131,9 @@ class ContinuousBatchingManager:
     cache block; `max_cache_bytes`: the paged cache's size (default: see default_cache_bytes); `max_batch_tokens`:
     tokens per step (decode rows plus prefill chunks); `min_prefill`: prefill tokens a step takes even when decode
     rows fill the budget; `max_running`: requests in the cache at once; `max_queue_size`: requests waiting beyond
-    those (0: no limit); `methods`: a MethodCache.
+    those (0: no limit); `paged_attention`: how compiled decode steps attend over the paged cache, "auto" (decodekit's
+    C++ kernel on the CPU, else the rows' blocks gathered for one SDPA call), "gathered" or "flex" (flex attention
+    reading the blocks in place, for GPUs; batching/flex.py); `methods`: a MethodCache.
     """
 
     def __init__(
@@ -136,6 +146,7 @@ class ContinuousBatchingManager:
         max_batch_tokens: int = 512,
         max_running: int = 64,
         min_prefill: int = 32,
+        paged_attention: str = "auto",
         methods: MethodCache | None = None,
     ):
         for name, value, low in (
@@ -147,12 +158,21 @@ class ContinuousBatchingManager:
         ):
             if not is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
+        from .compiled import ATTENTION
+
+        if paged_attention not in ATTENTION:
+            raise ValueError(f"paged_attention={paged_attention!r} is invalid; expected one of {', '.join(ATTENTION)}.")
         self.model = model
         self.generation_config = generation_config
         self.max_queue_size = max_queue_size
         self.methods = methods or MethodCache()
         compile_options = step_compile_options(model, generation_config)
-        self.runner = make_runner(model, block_size, max_cache_bytes, max_running, compile_options)
+        if compile_options is None and paged_attention != "auto":
+            raise ValueError(
+                f"paged_attention={paged_attention!r} chooses the compiled decode step's attention; pass compile=True "
+                "(eager steps attend through decodekit's kernel on the CPU, else through gathered blocks)."
+            )
+        self.runner = make_runner(model, block_size, max_cache_bytes, max_running, compile_options, paged_attention)
         self.scheduler = Scheduler(self.runner, max_batch_tokens, max_running, min_prefill)
         # Sampling many requests' rows at once: eagerly, the race's noise takes about fifteen passes over [rows, V];
         # compiled, one.
@@ -523,7 +543,7 @@ class ContinuousBatchingManager:
             self.on_end(output)
 
 
-def make_runner(model, block_size: int, max_cache_bytes, max_running: int, compile_options):
+def make_runner(model, block_size: int, max_cache_bytes, max_running: int, compile_options, paged_attention="auto"):
     """The runner of the batch's forwards: a paged cache of `max_cache_bytes` (default_cache_bytes where None) in
     blocks of `block_size` positions where the model has a paged path, else a cache per request."""
     if supports_paged(model):
@@ -540,7 +560,7 @@ def make_runner(model, block_size: int, max_cache_bytes, max_running: int, compi
             block_size,
             human_size(budget // per_block * per_block),
         )
-        return PagedRunner(model, budget // per_block, block_size, compile_options)
+        return PagedRunner(model, budget // per_block, block_size, compile_options, paged_attention)
     if compile_options is not None:
         logger.info("continuous batching: compile=True has no effect on %s (no paged path)", type(model).__name__)
     logger.info(

@@ -128,17 +128,34 @@ def decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions
     return out[:, :, 0, :]
 
 
+ROUTES = ("kernel", "gathered", "flex")  # how decode rows attend: DecodeRows' `route`
+
+
+def route_attention(route: str):
+    """The function behind a decode-rows attention route (each takes decode_attention's arguments): decodekit's C++
+    kernel (the CPU's, reading each row's blocks in place), decode_attention (torch operations over the rows'
+    gathered blocks, any device), or flex attention (one fused kernel reading the blocks in place; compiled steps
+    only, batching/flex.py)."""
+    if route == "kernel":
+        return torch.ops.decodekit.paged_attention
+    if route == "flex":
+        from .flex import flex_decode_attention
+
+        return flex_decode_attention
+    return decode_attention
+
+
 class DecodeRows:
     """Attention for tokens that each decode one row (tensor-only, so the compiler can trace it; PagedBatch uses it
     for its decode rows): each token's key and value written at its slot, and its attention through its row's block
-    table, by decodekit::paged_attention in place (`kernel`, the CPU's) or decode_attention. `owner` [N]: each
-    token's row of `tables` (default: token i, row i)."""
+    table by the `route` of ROUTES (route_attention). `owner` [N]: each token's row of `tables` (default: token i,
+    row i)."""
 
     paged = True
 
-    def __init__(self, keys, values, slots, tables, positions, block_size: int, owner=None, kernel: bool = True):
+    def __init__(self, keys, values, slots, tables, positions, block_size: int, owner=None, route: str = "kernel"):
         self.keys, self.values, self.slots, self.tables = keys, values, slots, tables
-        self.positions, self.block_size, self.kernel = positions, block_size, kernel
+        self.positions, self.block_size, self.route = positions, block_size, route
         self.owner = torch.arange(positions.shape[0], device=positions.device) if owner is None else owner
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -150,8 +167,7 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
-        attention = torch.ops.decodekit.paged_attention if self.kernel else decode_attention
-        out = attention(
+        out = route_attention(self.route)(
             tokens,
             k,
             v,

@@ -48,16 +48,20 @@ class PagedRunner:
 
     paged = True
 
-    def __init__(self, model, num_blocks: int, block_size: int, compile_options: dict | None = None):
+    def __init__(
+        self, model, num_blocks: int, block_size: int, compile_options: dict | None = None, attention: str = "auto"
+    ):
         """compile_options: None for eager steps, else compile_config (a dict, maybe empty): steps whose rows
-        all decode then run compiled (batching/compiled.py)."""
+        all decode then run compiled (batching/compiled.py), attending by `attention` (compiled.ATTENTION)."""
         self.model = model
         self.cache = PagedCache(model, num_blocks, block_size)
         self.compiled = None
         if compile_options is not None:
             from .compiled import CompiledDecode
 
-            self.compiled = CompiledDecode(model, self.cache, compile_options, model.config.max_position_embeddings)
+            self.compiled = CompiledDecode(
+                model, self.cache, compile_options, model.config.max_position_embeddings, attention
+            )
 
     @property
     def total_blocks(self) -> int:

@@ -121,7 +121,7 @@ def step_bytes(model, context: int) -> int:
     return weights + cache
 
 
-GROUPS = ("decode", "first", "batch", "served")
+GROUPS = ("decode", "first", "batch", "served", "profile")
 
 
 def shape_rows(path: Path, args) -> dict:
@@ -208,7 +208,35 @@ def shape_rows(path: Path, args) -> dict:
         if "transformers" in first and "decodekit" in first:
             rows["first token vs transformers"] = round(t.ratio("transformers", "decodekit"), 2)
         show("first", failed)
+    if "profile" in args.groups:
+        rows.update(profile_decode(decode, device))
+        show("profile", {})
     return rows
+
+
+def profile_decode(decode: dict, device: str) -> dict:
+    """Where a batch-1 compiled step's time goes: torch.profiler over one generate(compile=True) call, its wall time
+    against the time the device was busy (the rest: the device waiting for the host), and the call without CUDA
+    graphs kernel by kernel (inside a graph replay the profiler may see no kernels): the largest kernels' shares of
+    the device's time (the lm_head's product over the vocabulary, attention, the sampler's reductions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    out = {}
+    for name in ("decodekit compile=True", "decodekit no graphs"):
+        decode[name]()  # compiled and recorded before the profile
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            decode[name]()
+            wall = time.perf_counter() - start
+        kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        out[f"profile {name}: wall s, device busy s"] = [round(wall, 4), round(busy, 4)]
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+        out[f"profile {name}: largest kernels, share of busy"] = (
+            [[e.key[:80], round(e.self_device_time_total / 1e6 / busy, 3)] for e in top] if busy else []
+        )
+    return out
 
 
 def main() -> int:

@@ -272,6 +272,31 @@ def test_a_compiled_decode_step_of_continuous_batching_waits_for_the_device_once
     assert len(syncs) >= 8 and max(syncs) == 1, syncs
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's synchronisation check is CUDA's")
+@pytest.mark.parametrize("kwargs", [{}, {"num_beams": 3}], ids=["greedy", "beams"])
+def test_a_compiled_generate_waits_for_the_device_only_every_few_steps(llama, kwargs):
+    """generate(compile=True)'s loop reads the device once every SYNC_EVERY steps (whether every row has finished):
+    the step's cache slot (and beam search's length) advance on the device. Made from a Python number each step,
+    they were copies from pageable memory, each waiting for the step before: the host prepared every step while the
+    GPU idled."""
+    import warnings
+
+    from decodekit.core.fused_loop import SYNC_EVERY
+
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    ids, n = PROMPT.to(DEVICE), 64
+    want = model.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True, **kwargs)  # compiled, recorded
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = model.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in seen)
+    assert torch.equal(got, want) and syncs <= n // SYNC_EVERY + 12, syncs
+
+
 def test_methods_run_on_the_device(tmp_path, llama):
     """A hook-only method and a transformers-style loop (which makes its tensors on model.device) run there."""
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)

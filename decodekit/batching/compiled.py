@@ -31,7 +31,7 @@ import torch
 from .. import kernels
 from ..core.compile import compile_own, compiled_steps, replays_graphs, step_options
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
-from .transfer import to_device
+from ..core.transfer import to_device
 
 logger = logging.getLogger("decodekit")
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..families.llama import visible
 from ..kernels import native
 from ..kernels.attention import prompt_attention
-from .transfer import to_device
+from ..core.transfer import to_device
 
 
 class OutOfBlocks(Exception):

@@ -23,7 +23,7 @@ from ..core.processors import check_scores, observe_processors
 from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 from .sampler import Together, together_key
-from .transfer import to_device
+from ..core.transfer import to_device
 
 
 class RequestStatus(str, enum.Enum):

@@ -16,7 +16,7 @@ from ..core.fused_loop import supports_step
 from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
-from .transfer import to_device
+from ..core.transfer import to_device
 
 
 @dataclass

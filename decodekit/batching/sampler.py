@@ -21,7 +21,7 @@ import torch
 from ..core.processors import declares, processor_key, unusable_rows
 from ..core.selectors import drawn_as, race_rows
 from ..registry.manager import failures_fail_the_request_alone
-from .transfer import to_device
+from ..core.transfer import to_device
 
 
 class Together(NamedTuple):

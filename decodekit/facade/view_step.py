@@ -31,6 +31,7 @@ import torch
 from .. import kernels
 from ..core.compile import FusedStep, compiled_steps
 from ..core.fused_loop import bucket, fixed_step_logits, supports_step
+from ..core.transfer import to_device
 
 logger = logging.getLogger("decodekit")
 
@@ -121,7 +122,7 @@ class ViewCompile:
         mask[:, : past + 1] = attention_mask[:, -(past + 1) :] if attention_mask is not None else 1
         if position_ids is None:
             position_ids = torch.full((rows, 1), past, dtype=torch.long, device=dev)
-        slots = torch.tensor([past], device=dev)
+        slots = to_device([past], torch.long, dev)  # not waiting for the device, as torch.tensor(..., device=) would
         with step.lock:
             if not Mirror.free_for(step, cache):
                 return None

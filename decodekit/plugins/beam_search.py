@@ -28,6 +28,7 @@ from ..core.generate import forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput
 from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
+from ..core.transfer import to_device
 from ..registry import hookimpl
 from ..core.fused_loop import (
     FusedLoop,
@@ -447,21 +448,25 @@ class FusedBeams(FusedLoop):
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
         host = [p for p in pipeline.processors if declares(p, "host_mask")]
         cur = T0 + 1
+        # The step's length and cache slot advance on the device (as FusedTokens' slot does: no copy from the host
+        # that would wait for the step before)
+        cur_t, slots = to_device([T0, T0 - 1], torch.long, dev)
         while cur < max_length:
             if (cur - T0) % SYNC_EVERY == 0 and not bool(go):
                 break
             slot = cur - 1
             mask[:, slot] = 1
             positions = positions + 1
+            cur_t, slots = cur_t + 1, slots + 1
             eos_block = block if cur < min_length else no_block
             if host:  # the running beams' sequences, in the rows the step computes (state[0]: running)
                 eos_block = eos_block + host_block(host, state[0][:, :, :cur].reshape(rows, cur), eos_block.shape[-1])
             state, go, logp = fused(
                 state,
                 go,
-                torch.tensor(cur, device=dev),
+                cur_t,
                 positions,
-                torch.tensor([slot], device=dev),
+                slots[None],
                 mask,
                 eos_block,
                 noise_key,

@@ -40,6 +40,7 @@ from ..core.fused_loop import (
 )
 from ..core.outputs import loop_result
 from ..core.rows import Rows
+from ..core.transfer import to_device
 from ..core.selectors import drawn_as, race
 from ..core.processors import declares, processor_key
 from ..registry import hookimpl
@@ -145,13 +146,17 @@ class FusedTokens(FusedLoop):
         alive = [unfinished]
         progress.stream(nxt)
         cur = T0 + 1
+        # The step's cache slot advances on the device, as its positions do: a tensor made from a Python number each
+        # step is a copy from pageable memory, which on a GPU waits for the step before (the host then prepares the
+        # next step while the device idles)
+        slots = to_device([T0 - 1], torch.long, dev)
         while cur < max_length:
             if (cur - T0) % SYNC_EVERY == 0 and not bool(unfinished.any()):
                 break
             slot = cur - 1
             mask[:, slot] = 1
             positions = positions + 1
-            slots = torch.tensor([slot], device=dev)
+            slots = slots + 1
             eos_block = block if cur < min_length else no_block
             if host:
                 eos_block = eos_block + host_block(

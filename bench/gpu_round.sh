@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One round on a lent GPU machine (../shared/gpu/README.md), run from the project root by the device tool with
 # .whl carried (bash ../shared/gpu/wheels.sh made it), in one call of at most 600 s: the CUDA tests of continuous
-# batching and published methods first (their compiles are CPU-bound, so they do not share the GPU with timings);
-# then bench_cuda.py's continuous batching (gathered and flex attention), padded batch and batch-1 rows alone; then,
-# with what time is left, the Hub rollback-over-a-StaticCache row. Every figure is printed as it comes and kept under
+# batching, flex attention and the compiled loops' synchronisations first (so that they do not share the GPU with
+# timings); then bench_cuda.py's continuous batching (gathered and flex attention), padded batch, batch-1 rows and the
+# batch-1 profile alone; then, with what time is left, the Hub rollback-over-a-StaticCache row. The published-methods
+# matrix (tests/test_cuda.py -k published_methods_compiled) is left to `make test-cuda`. Every figure is printed as it comes and kept under
 # $OUT: a call stopped at its limit keeps them.
 set -u
 OUT=${OUT:-/tmp/gpu-round}
@@ -13,8 +14,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-  -k "64_mixed or continuous_batching or waits_for_the_device or published_methods_compiled" \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  -k "64_mixed or continuous_batching or waits_for_the_device or flex" \
   2>&1 | tee "$OUT/cuda_tests.log" | tail -25
 echo "cuda tests exit ${PIPESTATUS[0]} at ${SECONDS} s"
 cd bench

@@ -505,6 +505,14 @@ def cmd_serve(args) -> int:
         print(f"decodekit serve: {error}", file=sys.stderr)
         return 2
     methods = allowed_methods(args.method)  # likewise a bad --method
+    if args.paged_attention != "auto" and not args.compile:
+        sock.close()
+        print(
+            f"decodekit serve: --paged-attention {args.paged_attention} chooses the compiled decode step's attention; "
+            "drop --no-compile (eager steps keep decodekit's kernel or gathered blocks)",
+            file=sys.stderr,
+        )
+        return 2
     started = time.monotonic()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     status(f"decodekit serve: loading {args.model or DEFAULT_MODEL_NAME} ...")

@@ -196,6 +196,16 @@ def test_a_non_number_for_a_count_flag_names_what_is_expected(capsys):
     assert "argument --max-new-tokens: expected an integer >= 1, got 'abc'" in capsys.readouterr().err
 
 
+def test_serve_paged_attention_takes_its_choices_and_needs_the_compiled_step(no_model_loads, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--paged-attention", "paged"])
+    assert "argument --paged-attention: invalid choice: 'paged'" in (capsys.readouterr().err)
+    assert main(["serve", "--port", "0", "--paged-attention", "flex", "--no-compile"]) == 2
+    assert "--paged-attention flex chooses the compiled decode step's attention; drop --no-compile" in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize("command", [["generate", "Hi"], ["serve"], ["batch", "in.jsonl", "out.jsonl"]])
 def test_device_names_a_device_this_torch_has(no_model_loads, command, capsys):
     """--device takes any torch device the process has; one it lacks, or no device at all, is refused before any

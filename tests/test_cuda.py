@@ -372,6 +372,13 @@ def test_continuous_batching_of_64_mixed_requests_on_the_1b_head_layout_never_fa
         assert out.generated_tokens == alone[0, len(prompt) :].tolist()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the flex route's key tiles are the GPU kernel's")
+def test_flex_attention_on_the_device_names_the_block_sizes_it_takes(llama):
+    model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
+    with pytest.raises(ValueError, match=r"key tiles \(64, 32, 16\) divides; got block_size=4"):
+        model.init_continuous_batching(compile=True, block_size=4, paged_attention="flex")
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_published_methods_compiled_on_the_device_equal_their_eager_tokens(

@@ -60,18 +60,23 @@ def mark_step_dynamic(ids, position, slots, table) -> None:
 ATTENTION = ("auto", "gathered", "flex")  # the manager's paged_attention
 
 
-def attention_route(choice: str, model, keys, options: dict) -> str:
+def attention_route(choice: str, model, keys, options: dict, block_size: int) -> str:
     """The route (paged.ROUTES) of a compiled step's attention for the manager's paged_attention `choice`: "auto" is
     decodekit's C++ kernel where it can serve (kernels.paged_step_ready), else "gathered" (decode_attention);
     "gathered" and "flex" are taken as asked. ValueError where flex cannot run."""
     if choice == "auto":
         return "kernel" if kernels.paged_step_ready(model, keys) else "gathered"
     if choice == "flex":
-        from .flex import available
+        from .flex import KEY_TILES, available, key_tile
 
         missing = available()
         if missing is not None:
             raise ValueError(f"paged_attention='flex' cannot run here: {missing}. Use 'auto' or 'gathered'.")
+        if keys.device.type == "cuda" and key_tile(block_size) is None:
+            raise ValueError(
+                f"paged_attention='flex' takes a block_size that one of the fused kernel's key tiles "
+                f"({', '.join(map(str, KEY_TILES))}) divides; got block_size={block_size}."
+            )
         if keys.device.type == "cpu" and options.get("backend", "inductor") == "inductor":
             # Seen with torch 2.13: a step whose mask reads the tables built in the step came out wrong through
             # inductor's CPU flex template (right eagerly and with the mask built outside the compiled code).
@@ -104,7 +109,7 @@ class CompiledDecode:
         self.model, self.cache = model, cache
         keys = cache.keys[0]
         self.options = step_options(options, keys.device)
-        self.route = attention_route(attention, model, keys, self.options)
+        self.route = attention_route(attention, model, keys, self.options, cache.block_size)
         if self.route == "flex":
             # Flex attention weighs a partial block's unseen slots by 0, and 0 times the NaN that uninitialised memory
             # may hold is NaN: the pools start at zeros.

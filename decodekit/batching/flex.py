@@ -17,6 +17,13 @@ import inspect
 import torch
 
 Q_BLOCK = 128  # the mask's query block: one per row (of one query), a multiple of every kernel's query tile
+KEY_TILES = (64, 32, 16)  # the fused kernel's key tiles that fit a cache block (a tile must divide the mask's block)
+
+
+def key_tile(block_size: int) -> int | None:
+    """The largest key tile of KEY_TILES that divides `block_size` (the GPU kernel's BLOCK_N), None where none does:
+    the fused kernel's defaults (64 or 128 keys a tile) divide no cache block of 16."""
+    return next((tile for tile in KEY_TILES if block_size % tile == 0), None)
 
 
 def available() -> str | None:
@@ -72,14 +79,18 @@ def paged_block_mask(tables, owner, positions, block_size: int, pool_blocks: int
     )
 
 
-def flex_decode_attention(tokens, k, v, keys, values, slots, tables, owner, positions, block_size: int, window):
+def flex_decode_attention(
+    tokens, k, v, keys, values, slots, tables, owner, positions, block_size: int, window, mask=None
+):
     """paged.decode_attention's contract through flex attention: each token's key and value written at its slot,
-    then its query [N, H, D] attends its row's positions (within `window`; 0 or None: none). Returns [N, H, D]."""
+    then its query [N, H, D] attends its row's positions (within `window`; 0 or None: none). Returns [N, H, D].
+    `mask`: paged_block_mask's for these rows and window, where the caller made it once for every layer."""
     from torch.nn.attention.flex_attention import flex_attention
 
     keys.index_copy_(0, slots, k)
     values.index_copy_(0, slots, v)
-    mask = paged_block_mask(tables, owner, positions, block_size, keys.shape[0] // block_size, window)
+    if mask is None:
+        mask = paged_block_mask(tables, owner, positions, block_size, keys.shape[0] // block_size, window)
     query = tokens.to(keys.dtype)[:, :, None, :]  # [N, H, 1, D]: a batch of rows, one query each
     out = flex_attention(
         query,
@@ -87,5 +98,6 @@ def flex_decode_attention(tokens, k, v, keys, values, slots, tables, owner, posi
         values.transpose(0, 1)[None],
         block_mask=mask,
         enable_gqa=keys.shape[1] != tokens.shape[1],
+        kernel_options={"BLOCK_N": key_tile(block_size)} if keys.is_cuda else None,
     )
     return out[:, :, 0, :].to(tokens.dtype)

@@ -157,6 +157,7 @@ class DecodeRows:
         self.keys, self.values, self.slots, self.tables = keys, values, slots, tables
         self.positions, self.block_size, self.route = positions, block_size, route
         self.owner = torch.arange(positions.shape[0], device=positions.device) if owner is None else owner
+        self._masks = {}  # the flex route's block mask by window: made at the first layer, read by every layer
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -167,6 +168,16 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
+        extra = {}
+        if self.route == "flex":
+            from .flex import paged_block_mask
+
+            if (window or 0) not in self._masks:
+                pool_blocks = keys.shape[0] // self.block_size
+                self._masks[window or 0] = paged_block_mask(
+                    self.tables, self.owner, self.positions, self.block_size, pool_blocks, window
+                )
+            extra["mask"] = self._masks[window or 0]
         out = route_attention(self.route)(
             tokens,
             k,
@@ -179,6 +190,7 @@ class DecodeRows:
             self.positions,
             self.block_size,
             window or 0,
+            **extra,
         )
         return out.transpose(0, 1)[None]
 

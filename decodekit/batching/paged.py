@@ -142,7 +142,9 @@ def route_attention(route: str):
         from .flex import flex_decode_attention
 
         return flex_decode_attention
-    return decode_attention
+    if route == "gathered":
+        return decode_attention
+    raise ValueError(f"route={route!r} is invalid; expected one of {', '.join(ROUTES)}.")
 
 
 class DecodeRows:

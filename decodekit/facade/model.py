@@ -270,8 +270,8 @@ class Model(GenerationMixin):
     def init_continuous_batching(self, generation_config: GenerationConfig | None = None, **options):
         """A ContinuousBatchingManager over this model (not started: use it as a context manager, start(), or run()
         it). Options: max_queue_size, block_size, max_cache_bytes, max_batch_tokens, max_running, min_prefill,
-        methods (see decodekit.batching.ContinuousBatchingManager); any other keyword is a generation config
-        field, a default of every request."""
+        paged_attention, methods (see decodekit.batching.ContinuousBatchingManager); any other keyword is a
+        generation config field, a default of every request."""
         from ..batching.manager import MANAGER_OPTIONS, ContinuousBatchingManager
 
         if self.holds_recurrent_state:

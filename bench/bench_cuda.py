@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -57,6 +58,28 @@ def synced(fn, inference: bool = True):
             out = fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+def without_fallback(fn):
+    """fn, failing where decodekit logged that a compiled step fell back (to eager steps, or flex attention to
+    gathered blocks) while it ran: a row must be timed on the route it names."""
+
+    def run():
+        said = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: said.append(record.getMessage())
+        log = logging.getLogger("decodekit")
+        log.addHandler(handler)
+        try:
+            out = fn()
+        finally:
+            log.removeHandler(handler)
+        fell = [m for m in said if "failed" in m]
+        if fell:
+            raise RuntimeError(fell[0])
         return out
 
     return run
@@ -144,13 +167,15 @@ def shape_rows(path: Path, args) -> dict:
     first = {"decodekit": synced(lambda: ours(long, use_cache=True, logits_to_keep=1))}
     many = {"decodekit": synced(lambda: ours.generate(batch, **fixed))}
     served = {
-        "decodekit": synced(
-            lambda: ours.generate_batch(requests, eos_token_id=None, compile=True, progress_bar=False, **fixed)
+        "decodekit": without_fallback(
+            synced(lambda: ours.generate_batch(requests, eos_token_id=None, compile=True, progress_bar=False, **fixed))
         ),
         # The compiled step's attention through flex attention over the block tables instead of gathered blocks
-        "decodekit flex": synced(
-            lambda: ours.generate_batch(
-                requests, eos_token_id=None, compile=True, paged_attention="flex", progress_bar=False, **fixed
+        "decodekit flex": without_fallback(
+            synced(
+                lambda: ours.generate_batch(
+                    requests, eos_token_id=None, compile=True, paged_attention="flex", progress_bar=False, **fixed
+                )
             )
         ),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 
@@ -954,6 +955,32 @@ def test_compiled_steps_through_flex_attention_equal_generate_alone(model):
     each_as_alone(manager, model, requests)
     compiled = manager.runner.compiled
     assert compiled.route == "flex" and compiled.broken is None and compiled.steps > 10
+
+
+def test_a_flex_step_that_fails_stays_compiled_over_gathered_blocks_and_says_so(tmp_path, caplog, monkeypatch):
+    # The fused route failing (a lowering the device's compiler refuses, say) keeps the compiled step, through
+    # gathered blocks, rather than dropping every later step to eager; the requests are those of generate() alone.
+    # A model of its own: compiled steps are kept on the model, and one compiled before would not trace the fault.
+    import decodekit.batching.flex as flex
+
+    model = tiny_model(tmp_path, "llama").eval()
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError("no flex kernel for this mask")
+
+    monkeypatch.setattr(flex, "flex_decode_attention", refused)
+    manager = model.init_continuous_batching(
+        compile=True, compile_config={"backend": "aot_eager"}, block_size=4, paged_attention="flex"
+    )
+    with caplog.at_level(logging.WARNING, logger="decodekit"):
+        each_as_alone(manager, model, [([5, 6, 7], {"max_new_tokens": 6}), ([9] * 6, {"max_new_tokens": 9})])
+    compiled = manager.runner.compiled
+    assert compiled.route == "gathered" and compiled.broken is None and compiled.steps > 5
+    # (dynamo names an exception raised while it traces as its own: the reason is whatever torch gives)
+    assert re.search(
+        r"the compiled decode step through flex attention failed \(.+\); it attends through gathered blocks from now on",
+        caplog.text,
+    )
 
 
 def test_paged_attention_names_what_it_accepts_and_when(model):

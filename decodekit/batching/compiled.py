@@ -165,9 +165,21 @@ class CompiledDecode:
                 torch.compiler.cudagraph_mark_step_begin()
             logits = step(ids, position, slots, table, self.cache.keys, self.cache.values)
         except Exception as error:  # not only dynamo's: inductor raises AssertionErrors and the like
+            why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            if self.route == "flex":
+                # The fused route has more of torch's compiler under it than the gathered one: where it fails, the
+                # step stays compiled over gathered blocks (the step is run again whole: what it wrote before it
+                # failed is written again, the same values at the same slots).
+                logger.warning(
+                    "continuous batching: the compiled decode step through flex attention failed (%s); it attends "
+                    "through gathered blocks from now on",
+                    why,
+                )
+                self.route = "gathered"
+                return self(tokens, tables, positions, rows_key)
             # The eager step that follows raises again where the fault is the step's inputs, and fails only the
             # requests concerned; a compiled graph that raised once is not run again.
-            self.broken = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            self.broken = why
             logger.warning("continuous batching: the compiled decode step failed (%s); steps run eagerly", self.broken)
             return None
         # A graph's outputs live in its memory, which the next replay overwrites: the step's logits are copied out.

@@ -231,14 +231,26 @@ def test_continuous_batching_steps_run_compiled_as_cuda_graphs_on_the_device(lla
     assert compiled.broken is None and compiled.steps > 10
 
 
+def synchronisations(call):
+    """(call()'s result, how many times it synchronised with the GPU): torch's sync debug mode warns at each
+    synchronising call (an item(), a tolist(), a copy to or from pageable memory)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in seen)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="torch's synchronisation check is CUDA's")
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_a_compiled_decode_step_of_continuous_batching_waits_for_the_device_once(llama, sample):
     """A decode step of requests chosen together (batching/sampler.py) synchronises with the GPU once: the read of
-    the sampled tokens. torch's sync debug mode warns at each synchronising call (an item(), a tolist(), a copy to or
-    from pageable memory); steps with prompt chunks are not counted."""
-    import warnings
-
+    the sampled tokens (synchronisations()); steps with prompt chunks are not counted."""
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
     manager = model.init_continuous_batching(compile=True, block_size=4, max_running=8)
     manager.warm_up()
@@ -256,15 +268,9 @@ def test_a_compiled_decode_step_of_continuous_batching_waits_for_the_device_once
 
     def step():
         before = len(decode_steps)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                going = loop_once()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        going, count = synchronisations(loop_once)
         if len(decode_steps) > before and decode_steps[-1]:  # a step that ran a forward of decode rows alone
-            syncs.append(sum("synchroniz" in str(w.message) for w in seen))
+            syncs.append(count)
         return going
 
     manager._loop_once = step
@@ -279,21 +285,14 @@ def test_a_compiled_generate_waits_for_the_device_only_every_few_steps(llama, kw
     the step's cache slot (and beam search's length) advance on the device. Made from a Python number each step,
     they were copies from pageable memory, each waiting for the step before: the host prepared every step while the
     GPU idled."""
-    import warnings
-
     from decodekit.core.fused_loop import SYNC_EVERY
 
     model = AutoModelForCausalLM.from_pretrained(llama, device=DEVICE)
     ids, n = PROMPT.to(DEVICE), 64
     want = model.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True, **kwargs)  # compiled, recorded
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            got = model.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in seen)
+    got, syncs = synchronisations(
+        lambda: model.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True, **kwargs)
+    )
     assert torch.equal(got, want) and syncs <= n // SYNC_EVERY + 12, syncs
 
 

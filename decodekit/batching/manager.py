@@ -32,6 +32,7 @@ from ..core.selectors import race_rows
 from ..core.compile import compile_own
 from ..registry.manager import failures_fail_the_request_alone
 from ..sizes import human_size
+from .compiled import ATTENTION
 from .outputs import RequestOutputs
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
@@ -158,8 +159,6 @@ class ContinuousBatchingManager:
         ):
             if not is_int(value) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
-        from .compiled import ATTENTION
-
         if paged_attention not in ATTENTION:
             raise ValueError(f"paged_attention={paged_attention!r} is invalid; expected one of {', '.join(ATTENTION)}.")
         self.model = model

@@ -170,16 +170,17 @@ class DecodeRows:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         tokens = q[0].transpose(0, 1).contiguous()  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)
+        window = window or 0
         extra = {}
         if self.route == "flex":
             from .flex import paged_block_mask
 
-            if (window or 0) not in self._masks:
+            if window not in self._masks:
                 pool_blocks = keys.shape[0] // self.block_size
-                self._masks[window or 0] = paged_block_mask(
+                self._masks[window] = paged_block_mask(
                     self.tables, self.owner, self.positions, self.block_size, pool_blocks, window
                 )
-            extra["mask"] = self._masks[window or 0]
+            extra["mask"] = self._masks[window]
         out = route_attention(self.route)(
             tokens,
             k,
@@ -191,7 +192,7 @@ class DecodeRows:
             self.owner,
             self.positions,
             self.block_size,
-            window or 0,
+            window,
             **extra,
         )
         return out.transpose(0, 1)[None]

@@ -332,3 +332,33 @@ def test_a_hook_only_method_runs_in_the_call_that_named_it(tmp_path, monkeypatch
         banned_token=banned,
     )
     assert banned not in out[0, 3:].tolist() and entered == [str(method)]
+
+
+def test_a_module_in_sys_modules_without_a_spec_counts_as_installed(model, tmp_path, monkeypatch):
+    # As transformers' check decides (import_module finds it): a stub, an injected module or a test double has
+    # __spec__ None, for which find_spec raises ValueError; that read as "not installed" refused the method.
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "fakepkg_xyz", types.ModuleType("fakepkg_xyz"))
+    repo = write_method(tmp_path / "stub", "import fakepkg_xyz\n" + TRANSFORMERS_STYLE_GREEDY)
+    out = model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=3)
+    assert torch.equal(out, model.generate(PROMPT, max_new_tokens=3, eos_token_id=None))
+    monkeypatch.delitem(sys.modules, "fakepkg_xyz")
+    with pytest.raises(ImportError, match="imports 'fakepkg_xyz', not installed"):
+        model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=3)
+
+
+def test_a_missing_relative_import_file_is_a_file_not_found_error_before_requirements(model, tmp_path):
+    # transformers reads the files a method's relative imports need before requirements.txt, and a missing one is
+    # a FileNotFoundError there: code that catches it around generate() works the same here.
+    from decodekit.hub_loader.snapshot import MethodFilesError
+
+    source = "from .helpers import thing\n" + TRANSFORMERS_STYLE_GREEDY
+    repo = write_method(tmp_path / "nohelper", source, requirements="foo-not-installed-anywhere\n")
+    with pytest.raises(FileNotFoundError, match=r"no custom_generate/helpers\.py") as caught:
+        model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=3)
+    assert isinstance(caught.value, MethodFilesError)
+    (repo / "custom_generate" / "helpers.py").write_text("thing = 1\n")
+    with pytest.raises(ImportError, match="(?s)Missing requirements.*foo-not-installed-anywhere"):
+        model.generate(PROMPT, custom_generate=str(repo), trust_remote_code=True, max_new_tokens=3)

@@ -355,3 +355,32 @@ def test_two_threads_running_methods_on_one_model_get_their_own_tokens(llama, re
         thread.join()
     assert not errors, errors[0]
     assert all(torch.equal(a, b) for a, b in zip(got, alone))
+
+
+WHOLE_SEQUENCES = """
+import torch
+from transformers import DynamicCache
+
+
+def generate(model, input_ids, max_new_tokens=4, hidden=False, **kwargs):
+    # As DoLa, SLED and cognitive-compression loops do: every forward runs the whole sequence, none one token a row.
+    for _ in range(max_new_tokens):
+        out = model(input_ids, past_key_values=DynamicCache(), use_cache=True, output_hidden_states=hidden)
+        input_ids = torch.cat([input_ids, out.logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+    return input_ids
+"""
+
+
+@pytest.mark.parametrize(
+    "hidden,reason",
+    [(False, "every forward of the call ran several tokens a row"), (True, "it asks for hidden states")],
+    ids=["several tokens", "hidden states"],
+)
+def test_a_method_without_one_token_forwards_is_told_once_why_it_ran_eagerly(llama, tmp_path, caplog, hidden, reason):
+    repo = str(write_method(tmp_path / "whole", WHOLE_SEQUENCES))
+    call = dict(input_ids=PROMPT, custom_generate=repo, trust_remote_code=True, max_new_tokens=4, hidden=hidden)
+    eager = llama.generate(**call)
+    with caplog.at_level(logging.INFO, logger="decodekit"):
+        got = llama.generate(**call, compile=True)
+    assert torch.equal(got, eager)
+    assert caplog.text.count("a forward runs eagerly") == 1 and reason in caplog.text, caplog.text

@@ -286,8 +286,8 @@ class TransformersView(TransformersGeneration):
         rows, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         past = int(cache.get_seq_length()) if cache is not None else 0
         steps = self.__dict__["steps"]
-        if steps is not None and isinstance(cache, Cache) and length == 1 and past > 0:
-            reason = steps.refusal(cache, input_ids, inputs_embeds, output_hidden_states)
+        if steps is not None:
+            reason = steps.refusal(cache, input_ids, inputs_embeds, output_hidden_states, length, past)
             logits = None if reason else steps.decode(cache, input_ids, attention_mask, position_ids, past)
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE: cache if use_cache else None})

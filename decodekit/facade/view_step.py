@@ -39,6 +39,13 @@ logger = logging.getLogger("decodekit")
 MIRRORED_CACHES = {"DynamicCache": "DynamicLayer", "StaticCache": "StaticLayer"}
 
 
+# A call's prompt always runs eagerly, so this reason is told only for a call none of whose forwards was a step.
+SEVERAL_TOKENS = (
+    "every forward of the call ran several tokens a row or over an empty cache (the prompt, whole sequences, "
+    "verifications); the step runs one new token a row over a cache"
+)
+
+
 class ViewCompile:
     """The decode steps of one call of a method on a TransformersView: the torch.compile `options` of its steps
     (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the weight layout held
@@ -53,24 +60,39 @@ class ViewCompile:
         self.layout_rows: int | None = None
         self.layout_key = None
         self.told: set[str] = set()
+        self.stepped = self.several = False
 
     def close(self) -> None:
         self.layout.close()
         self.layout_rows = self.layout_key = None
+        if self.several and not self.stepped and not self.told:
+            self.tell(SEVERAL_TOKENS)
 
     def eager_because(self, reason: str) -> None:
+        if reason == SEVERAL_TOKENS:
+            self.several = True  # told at close(), where no forward was a step and no other reason was told
+        else:
+            self.tell(reason)
+
+    def tell(self, reason: str) -> None:
         if self.options is not None and reason not in self.told:
             self.told.add(reason)
             logger.info("custom_generate %s: a forward runs eagerly (not compiled): %s", self.method, reason)
 
-    def refusal(self, cache, input_ids, inputs_embeds, output_hidden_states) -> str | None:
-        """Why this forward cannot be a compiled step (None: it can)."""
+    def refusal(self, cache, input_ids, inputs_embeds, output_hidden_states, length: int, past: int) -> str | None:
+        """Why this forward of `length` tokens a row over `past` cached positions cannot be a compiled step (None: it
+        can). The reasons a whole call's forwards may share (DoLa's and SLED's are all several tokens a row and ask
+        for hidden states) come first, so such a call is told why once."""
         if not supports_step(self.module, "fused"):
             return f"{type(self.module).__name__} does not declare a fused step (steps_supported)"
         if inputs_embeds is not None or input_ids is None:
             return "it passes inputs_embeds"
         if output_hidden_states:
             return "it asks for hidden states (output_hidden_states=True)"
+        if cache is None:
+            return "it runs without a cache (use_cache=False)"
+        if length != 1 or past == 0:
+            return SEVERAL_TOKENS
         kind = type(cache).__name__
         layer = MIRRORED_CACHES.get(kind)
         if layer is None or type(cache).__module__.split(".")[0] != "transformers":
@@ -138,6 +160,7 @@ class ViewCompile:
                 return None
             step.compiled_once = True
             step.mirror.written(cache, past)
+        self.stepped = True
         return logits
 
 

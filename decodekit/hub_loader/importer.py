@@ -132,9 +132,23 @@ def _trees(source: MethodSource):
                 continue
 
 
+def importable(name: str) -> bool:
+    """Whether `import name` finds a module, decided as transformers' check_imports decides it: a module already in
+    sys.modules counts whatever its __spec__ (a stub, an injected module, a test double: find_spec raises ValueError
+    for one whose __spec__ is None), else a finder must find it. Nothing is imported here."""
+    if name in sys.modules:
+        return sys.modules[name] is not None  # None in sys.modules is Python's own "this import fails"
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a finder refused it (the guard): the import itself says why
+        return True
+    except ValueError:  # a module that put itself in sys.modules while being found, without a spec
+        return name in sys.modules
+
+
 def missing_modules(source: MethodSource) -> list[str]:
     """The top-level modules the method's files import absolutely, outside a try that catches ImportError, that are
-    not installed here, as transformers' check_imports finds them (without importing them: find_spec)."""
+    not installed here, as transformers' check_imports finds them (importable)."""
     missing = []
     own = {name.split("/")[0].removesuffix(".py") for name, _ in source.files}  # a sibling imported by bare name
     for _, tree in _trees(source):
@@ -150,13 +164,7 @@ def missing_modules(source: MethodSource) -> list[str]:
             for top in {n.split(".")[0] for n in names}:
                 if top in ("custom_generate", *own, *missing) or top in sys.builtin_module_names:
                     continue  # the method's own files: the import says where Python would look (OriginalFolderGuard)
-                try:
-                    found = importlib.util.find_spec(top) is not None
-                except ImportError:  # a finder refused it (the guard): the import itself says why
-                    continue
-                except ValueError:
-                    found = False
-                if not found:
+                if not importable(top):
                     missing.append(top)
     return sorted(missing)
 
@@ -192,7 +200,7 @@ def _relative_target_missing(name: str, node: ast.ImportFrom, method_dir) -> str
 
 def check_imports(source: MethodSource) -> None:
     """MethodFilesError if a file of the method imports custom_generate absolutely (see absolute_self_imports)."""
-    from .snapshot import MethodFilesError
+    from .snapshot import MethodFilesError, MissingMethodFileError
 
     for name, _ in source.files:
         if name.endswith(".py"):
@@ -210,7 +218,7 @@ def check_imports(source: MethodSource) -> None:
             if isinstance(node, ast.ImportFrom) and node.level > 0 and not guarded:
                 missing = _relative_target_missing(name, node, source.method_dir)
                 if missing is not None:
-                    raise MethodFilesError(
+                    raise MissingMethodFileError(
                         f"`{source.label}`: custom_generate/{name}:{node.lineno} imports "
                         f"{'.' * node.level}{node.module or ', '.join(a.name for a in node.names)}, but the method has "
                         f"no custom_generate/{missing}; add the file (it was not in the folder decodekit read)."
@@ -218,13 +226,13 @@ def check_imports(source: MethodSource) -> None:
 
 
 def import_generate_module(source: MethodSource) -> ModuleType:
-    """custom_generate/generate.py of `source`, imported as `<unique package>.generate`."""
+    """custom_generate/generate.py of `source`, imported as `<unique package>.generate` (its files checked first:
+    check_imports)."""
     pkg = package_name(source)
     name = f"{pkg}.generate"
     with _lock:
         if name in sys.modules:
             return sys.modules[name]
-        check_imports(source)
         guard_original(source)
         return _import_package(pkg, name, source.method_dir)
 

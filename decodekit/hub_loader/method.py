@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from . import source as sources
-from .importer import check_modules, import_generate_module
+from .importer import check_imports, check_modules, import_generate_module
 from .requirements import check_requirements
 from .trust import check_trust
 
@@ -41,9 +41,11 @@ def hook_names(module: Any) -> list[str]:
 
 def load(source: sources.MethodSource, trust_remote_code) -> LoadedMethod:
     # In transformers' order: trust first (an untrusted method is told so, whatever it needs), then the modules its
-    # files import (named), then requirements.txt, then its own files (check_imports, when it is imported).
+    # files import (named), then the files its relative imports read (a missing one: FileNotFoundError), then
+    # requirements.txt.
     check_trust(source.label, source.kind, source.revision, list(source.files), trust_remote_code, source.links)
     check_modules(source)
+    check_imports(source)
     check_requirements(source.method_dir, source.label)
     logger.info("running custom_generate from %s (%s) at revision %s", source.label, source.kind, source.revision)
     module = import_generate_module(source)

@@ -59,6 +59,11 @@ class MethodFilesError(UntrustedCodeError):
     file or folder over the size limits, a symlink loop."""
 
 
+class MissingMethodFileError(MethodFilesError, FileNotFoundError):
+    """A file the method's code needs (a relative import's target) is not among its files. A FileNotFoundError too,
+    as transformers raises for it, so code that catches that around generate() keeps working."""
+
+
 def max_total_bytes() -> int:
     value = os.environ.get(TOTAL_VARIABLE, "")
     if not value:
@@ -75,7 +80,13 @@ def _inside(real: str, roots: tuple[str, ...]) -> bool:
 def _check_link(entry: os.DirEntry, name: str, label: str, roots: tuple[str, ...]) -> None:
     """MethodFilesError unless the symlink `entry` (custom_generate/`name`) leads to an existing regular file or
     folder inside `roots`; decided from the link and the target's metadata, before anything is opened."""
-    target, real = os.readlink(entry.path), os.path.realpath(entry.path)
+    try:
+        target, real = os.readlink(entry.path), os.path.realpath(entry.path)
+    except OSError as error:  # removed or replaced since the folder was listed
+        raise MethodFilesError(
+            f"`{label}`: custom_generate/{name} changed while the method was read ({error.strerror or error}); read "
+            "it again once it stops changing."
+        ) from None
     if not os.path.exists(entry.path):
         why = "which does not exist"
     elif not _inside(real, roots):
@@ -184,7 +195,13 @@ class _Snapshots:
         files = _walk(method_dir, label, allowed)
         limit_total, total = max_total_bytes(), 0
         for name, path in files:  # sizes first: a refusal reads nothing
-            size = path.stat().st_size
+            try:
+                size = path.stat().st_size
+            except OSError as error:  # removed since the folder was listed
+                raise MethodFilesError(
+                    f"`{label}`: custom_generate/{name} changed while the method was read ({error.strerror or error}); "
+                    "read it again once it stops changing."
+                ) from None
             total += size
             if size > MAX_FILE_BYTES:
                 raise MethodFilesError(

@@ -513,6 +513,14 @@ def cmd_serve(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.paged_attention == "flex" and str(args.device).split(":")[0] == "cpu":
+        sock.close()
+        print(
+            "decodekit serve: --paged-attention flex is for compiled steps on a GPU (inductor's CPU flex template "
+            "gives wrong attention for the paged cache's mask); on --device cpu use auto or gathered",
+            file=sys.stderr,
+        )
+        return 2
     started = time.monotonic()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     status(f"decodekit serve: loading {args.model or DEFAULT_MODEL_NAME} ...")

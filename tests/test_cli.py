@@ -204,6 +204,9 @@ def test_serve_paged_attention_takes_its_choices_and_needs_the_compiled_step(no_
     assert "--paged-attention flex chooses the compiled decode step's attention; drop --no-compile" in (
         capsys.readouterr().err
     )
+    # On the CPU, flex with inductor is refused: before the model loads, not after.
+    assert main(["serve", "--port", "0", "--paged-attention", "flex"]) == 2
+    assert "--paged-attention flex is for compiled steps on a GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["generate", "Hi"], ["serve"], ["batch", "in.jsonl", "out.jsonl"]])

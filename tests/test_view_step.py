@@ -384,3 +384,17 @@ def test_a_method_without_one_token_forwards_is_told_once_why_it_ran_eagerly(lla
         got = llama.generate(**call, compile=True)
     assert torch.equal(got, eager)
     assert caplog.text.count("a forward runs eagerly") == 1 and reason in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_cache_missing_a_layer_fails_as_transformers_does_not_carried_on(llama, which):
+    # The step's mirror went over the layers the cache had left, and the method carried on with one layer's keys
+    # gone; transformers' forward raises IndexError, and so does the view's, compiled or not.
+    for view in both_views(llama):
+        with view as model:
+            cache = transformers.DynamicCache(config=model.config)
+            model(PROMPT, past_key_values=cache, use_cache=True)
+            model(PROMPT[:, -1:], past_key_values=cache, use_cache=True)  # the step takes the cache
+            del cache.layers[which]
+            with pytest.raises(IndexError):
+                model(PROMPT[:, -1:], past_key_values=cache, use_cache=True)

@@ -97,6 +97,8 @@ class ViewCompile:
         layer = MIRRORED_CACHES.get(kind)
         if layer is None or type(cache).__module__.split(".")[0] != "transformers":
             return f"its cache is a {type(cache).__qualname__}; the step mirrors transformers' DynamicCache and StaticCache"
+        if len(cache.layers) != len(self.module.layers):  # a method removed or added one: the plain forward says so
+            return f"its {kind} holds {len(cache.layers)} layers, the model {len(self.module.layers)}"
         if any(type(entry).__name__ != layer for entry in cache.layers):
             kinds = sorted({type(entry).__name__ for entry in cache.layers})
             return f"its {kind} holds {', '.join(kinds)} layers; the step mirrors {layer}s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,11 @@ from decodekit.core.generate import GenerationMixin
 from decodekit.core.outputs import CausalLMOutput
 from decodekit.kernels.quantize import int_mm_exact
 from decodekit.testing import tiny_config, tiny_state_dict, write_tiny_model  # noqa: F401  (re-exported for the tests)
+
+# How long a test waits for another thread or process (a server's answer, a result, a subprocess) before calling it
+# hung. Far above what any wait takes on a loaded machine: tests bound work by counting it, never by timing it, and
+# this bound is reached only by a hang (DECODEKIT_TEST_PATIENCE changes it).
+PATIENCE = float(os.environ.get("DECODEKIT_TEST_PATIENCE", 600))
 
 # torch._int_mm sums pairs in 16 bits where oneDNN is held below VNNI on a VNNI CPU (ONEDNN_MAX_CPU_ISA=AVX2, as
 # docs/performance.md holds an AVX-512 machine to an AVX2-only one's paths): the int8_split route is then wrong, and

@@ -10,6 +10,7 @@ from decodekit.batch_job import OUTPUT_KEYS, BatchSettings, RowGenerator, run_ba
 from decodekit.cli import main
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method
+from helpers import PATIENCE
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "The best way to learn is"]
 
@@ -243,11 +244,11 @@ def test_ctrl_c_stops_with_one_message_and_exit_130(tmp_path):
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + PATIENCE
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
         time.sleep(0.1)
     run.send_signal(signal.SIGINT)
-    err = run.communicate(timeout=60)[1]
+    err = run.communicate(timeout=PATIENCE)[1]
     assert run.returncode == 130 and "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert "the same command goes on from there" in err
     assert all("generated_token_ids" in row for row in read_output(out))  # every line whole
@@ -274,7 +275,7 @@ def batch_command(source, out, interrupt_at: int):
     process = subprocess.Popen(
         argv, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + PATIENCE
     if interrupt_at == 0:
         time.sleep(0.5)
     while process.poll() is None and time.monotonic() < deadline:
@@ -282,7 +283,7 @@ def batch_command(source, out, interrupt_at: int):
             process.send_signal(signal.SIGINT)
             break
         time.sleep(0.02)
-    err = process.communicate(timeout=300)[1]
+    err = process.communicate(timeout=PATIENCE)[1]
     return process.returncode, err
 
 

@@ -18,6 +18,7 @@ from decodekit.kernels import cpu, native
 from decodekit.testing import tiny_model
 
 from methods import HOOK_METHOD, write_method
+from helpers import PATIENCE
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_twenty_requests_arriving_over_time_equal_generate_alone(model, tmp_path
     feeder.start()
     with manager:  # steps in a background thread here; results are the same in run()
         feeder.join()
-        results = {n: manager.get_result(rid, timeout=120) for n, rid in ids.items()}
+        results = {n: manager.get_result(rid, timeout=PATIENCE) for n, rid in ids.items()}
     assert manager.steps > 1
     for n, (prompt, fields) in enumerate(requests):
         out = results[n]
@@ -381,7 +382,7 @@ def test_requests_sampled_together_draw_the_tokens_each_draws_alone(model, monke
         + [{}, {}, dict(do_sample=True, seed=9)]  # greedy twice; top_k=50 (the default)
         + [dict(do_sample=True, temperature=0.7, top_p=0.9, seed=s) for s in (3, 4)]  # one group of two
         + [dict(do_sample=True, temperature=0.7, min_p=0.05, seed=5)]
-        + [dict(max_time=60.0), dict(do_sample=True, num_return_sequences=2, seed=1)]
+        + [dict(max_time=3600.0), dict(do_sample=True, num_return_sequences=2, seed=1)]  # a time limit never reached
         + [dict(logprobs=True), dict(do_sample=True, temperature=0.7, top_p=0.9, seed=6, logprobs=True, top_logprobs=3)]
     )
     requests = [
@@ -620,7 +621,7 @@ def test_a_request_failing_mid_generation_fails_alone(model):
     with model.init_continuous_batching() as manager:
         bad = manager.add_request([1, 2], max_new_tokens=6, logits_processor=[breaks_on_third_step])
         good = manager.add_request([3, 4], max_new_tokens=6)
-        bad_out, good_out = manager.get_result(bad, timeout=60), manager.get_result(good, timeout=60)
+        bad_out, good_out = manager.get_result(bad, timeout=PATIENCE), manager.get_result(good, timeout=PATIENCE)
     assert bad_out.status == RequestStatus.FAILED and "processor broke" in bad_out.error
     assert (
         good_out.status == RequestStatus.FINISHED
@@ -777,7 +778,7 @@ def test_bad_manager_options_name_the_option(model):
 
 def test_manager_defaults_apply_to_every_request(model):
     with model.init_continuous_batching(max_new_tokens=3, eos_token_id=None) as manager:
-        out = manager.get_result(manager.add_request([1, 2]), timeout=60)
+        out = manager.get_result(manager.add_request([1, 2]), timeout=PATIENCE)
     assert len(out.generated_tokens) == 3
 
 
@@ -813,7 +814,7 @@ def test_a_structured_output_row_shares_the_step_and_equals_generate_alone(defau
     with model.init_continuous_batching() as manager:
         constrained = manager.add_request(ids, json_schema=schema, tokenizer=tok, max_new_tokens=40)
         plain = manager.add_request(ids, max_new_tokens=40)
-        out, free = manager.get_result(constrained, timeout=120), manager.get_result(plain, timeout=120)
+        out, free = manager.get_result(constrained, timeout=PATIENCE), manager.get_result(plain, timeout=PATIENCE)
     eos = model.generation_config.eos_token_ids
     assert (
         out.generated_tokens

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decodekit.chat import ChatSession, parse_setting
+from helpers import PATIENCE
 
 
 PROMPT = "\n> "  # at the start of a line: "> " alone is in messages too ("a number > 0")
@@ -31,7 +32,7 @@ class Terminal:
         os.close(slave)
         self.screen = ""
 
-    def wait_for(self, text: str, timeout: float = 240) -> str:
+    def wait_for(self, text: str, timeout: float = PATIENCE) -> str:
         """Everything printed until `text` appears (and `text`), consumed."""
         end = time.monotonic() + timeout
         while text not in self.screen:
@@ -50,7 +51,7 @@ class Terminal:
 
     def close(self) -> int:
         os.write(self.master, b"\x04")  # Ctrl-D at an empty prompt
-        code = self.process.wait(timeout=60)
+        code = self.process.wait(timeout=PATIENCE)
         os.close(self.master)
         return code
 

@@ -7,6 +7,7 @@ import pytest
 
 import decodekit
 from decodekit.cli import main
+from helpers import PATIENCE
 
 
 @pytest.fixture
@@ -357,7 +358,7 @@ def test_the_shell_completes_commands_flags_and_choices(tmp_path):
             "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
         }
         done = subprocess.run(
-            [sys.executable, "-m", "decodekit.cli"], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "decodekit.cli"], env=env, capture_output=True, text=True, timeout=PATIENCE
         )
         assert done.returncode == 0, done.stderr
         return [word.strip() for word in out.read_text().split("\013")]
@@ -367,6 +368,6 @@ def test_the_shell_completes_commands_flags_and_choices(tmp_path):
     assert set(complete("decodekit generate Hi --dtype ")) == {"float32", "bfloat16", "float16"}
     assert "--system" in complete("decodekit chat --s")
     shell = subprocess.run(
-        [sys.executable, "-m", "decodekit.cli", "completion", "bash"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "decodekit.cli", "completion", "bash"], capture_output=True, text=True, timeout=PATIENCE
     )
     assert shell.returncode == 0 and "complete " in shell.stdout and "decodekit" in shell.stdout

@@ -17,7 +17,7 @@ from decodekit.kernels.linear import Linear
 from decodekit.kernels.packed import PackedLinear
 from decodekit.kernels.quantize import quantize
 from decodekit.testing import cpu_path_settings, tiny_model
-from helpers import needs_exact_int_mm
+from helpers import PATIENCE, needs_exact_int_mm
 
 PROMPT = torch.tensor([[5, 9, 14, 3, 7]])
 BATCH = torch.tensor([[5, 9, 14, 3, 7, 8], [0, 0, 0, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
@@ -250,7 +250,7 @@ def test_cpu_ticks_count_this_process_and_its_cpus():
     # Work until this process's own ticks have moved (however busy the machine, they do; the deadline only stops a
     # broken reading from spinning forever), then check the readings agree with each other: no figure of time.
     before = choices.cpu_ticks()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + PATIENCE
     while (now := choices.cpu_ticks())[2] - before[2] < 5:
         assert time.monotonic() < deadline, "this process's own CPU ticks never moved in /proc/self/stat"
         sum(range(10_000))
@@ -289,7 +289,7 @@ def test_a_choice_made_while_another_is_measured_does_not_deadlock(tmp_path):
         "packed.eager_layout(torch.float32)\nprint(sorted(choices._made))\n"
     )
     env = {**os.environ, "DECODEKIT_CACHE_DIR": str(tmp_path), "DECODEKIT_CHOICES": "measure"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 0, done.stderr
     assert "eager_weights_float32" in done.stdout and "float32_rows_128" in done.stdout  # the inner one was made too
 

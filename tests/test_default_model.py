@@ -6,6 +6,7 @@ import torch
 from decodekit import TextIteratorStreamer, TextStreamer
 from decodekit.cli import main
 from decodekit.loading import default as default_module
+from helpers import PATIENCE
 
 
 def test_greedy_says_paris(default_model):
@@ -35,7 +36,7 @@ def test_streamers_see_the_same_text(default_model, capsys):
     out = model.generate(**enc, max_new_tokens=12, streamer=TextStreamer(tok, skip_prompt=True))
     expected = tok.decode(out[0, enc["input_ids"].shape[1] :])
     assert capsys.readouterr().out == expected + "\n"
-    it = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)
+    it = TextIteratorStreamer(tok, skip_prompt=True, timeout=PATIENCE)
     model.generate(**enc, max_new_tokens=12, streamer=it)
     assert "".join(it) == expected
 

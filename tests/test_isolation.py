@@ -10,6 +10,7 @@ import torch
 from decodekit.batching import RequestStatus
 from decodekit.testing import tiny_model
 
+from helpers import PATIENCE
 from methods import write_method
 
 BANS = '''
@@ -81,6 +82,9 @@ def test_a_method_in_continuous_batching_stays_in_its_own_request(tmp_path):
             prompt, max_new_tokens=5, eos_token_id=None, custom_generate=str(method), trust_remote_code=True
         )
         alone = manager.add_request(prompt, max_new_tokens=5, eos_token_id=None)
-        out_banned, out_alone = manager.get_result(banned, timeout=60), manager.get_result(alone, timeout=60)
+        out_banned, out_alone = (
+            manager.get_result(banned, timeout=PATIENCE),
+            manager.get_result(alone, timeout=PATIENCE),
+        )
     assert out_alone.status == out_banned.status == RequestStatus.FINISHED
     assert out_alone.generated_tokens == plain and plain[0] not in out_banned.generated_tokens

@@ -11,6 +11,7 @@ import torch
 from decodekit.batching import RequestStatus
 from decodekit.core.sampler_chain import DRYLogitsProcessor, QuadraticSmoothingLogitsWarper, TopNSigmaLogitsWarper
 from decodekit.testing import tiny_model
+from helpers import PATIENCE
 
 PROMPT = torch.tensor([[5, 9, 14, 9, 14]])
 
@@ -169,8 +170,8 @@ def test_a_seed_reproduces_and_continuous_batching_rows_equal_generate_alone(mod
     with model.init_continuous_batching() as manager:
         request = manager.add_request(PROMPT[0].tolist(), **kwargs)
         other = manager.add_request([3, 4, 5], max_new_tokens=10)
-        out = manager.get_result(request, timeout=60)
-        assert manager.get_result(other, timeout=60).status == RequestStatus.FINISHED
+        out = manager.get_result(request, timeout=PATIENCE)
+        assert manager.get_result(other, timeout=PATIENCE).status == RequestStatus.FINISHED
     assert out.generated_tokens == alone
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from helpers import PATIENCE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def test_the_wheel_holds_what_runs_and_works_installed_on_its_own(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PATIENCE,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     # A data folder with an importable name printed setuptools' 40-line "Package would be ignored" on every install.
@@ -67,7 +68,7 @@ def test_the_wheel_holds_what_runs_and_works_installed_on_its_own(tmp_path):
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PATIENCE,
     )
     assert installed.returncode == 0, installed.stderr[-3000:]
     from test_templates import venv_without_decodekit
@@ -84,7 +85,7 @@ def test_the_wheel_holds_what_runs_and_works_installed_on_its_own(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PATIENCE,
         env={**os.environ, "PYTHONPATH": str(target)},
     )
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]

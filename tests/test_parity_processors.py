@@ -232,8 +232,8 @@ def test_stopping_criteria_take_transformers_arguments():
             T.MaxTimeCriteria(max_time=0.5, initial_timestamp=time.time() - 1),
         ),
         (
-            S.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()),
-            T.MaxTimeCriteria(max_time=5, initial_timestamp=time.time()),
+            S.MaxTimeCriteria(max_time=3600, initial_timestamp=time.time()),
+            T.MaxTimeCriteria(max_time=3600, initial_timestamp=time.time()),
         ),
     ]
     for ours, theirs in pairs:

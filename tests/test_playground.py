@@ -17,6 +17,7 @@ from decodekit.hub_loader.source import resolve  # noqa: E402
 from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
 
 from methods import HOOK_METHOD, write_method  # noqa: E402
+from helpers import PATIENCE
 
 KEY = "playground-key"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -37,7 +38,7 @@ def served(default_model, tmp_path_factory):
     manager.start()
     yield server, str(method)
     server.stop()
-    manager.join(timeout=30)
+    manager.join(timeout=PATIENCE)
 
 
 def call(server, path: str, body: dict | None = None, key: str | None = KEY):
@@ -47,7 +48,7 @@ def call(server, path: str, body: dict | None = None, key: str | None = KEY):
         headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
     )
     try:
-        with urllib.request.urlopen(request, timeout=300) as response:
+        with urllib.request.urlopen(request, timeout=PATIENCE) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
@@ -138,7 +139,7 @@ def test_step_runs_as_a_request_of_the_manager_under_its_queue_and_cache_limits(
         status, text = call(server, "/playground/step", {"messages": MESSAGES}, key=None)
         assert status == 429, text
         manager.start()
-        assert manager.get_result(first, timeout=120).status == RequestStatus.FINISHED
+        assert manager.get_result(first, timeout=PATIENCE).status == RequestStatus.FINISHED
         status, text = call(server, "/playground/step", {"messages": MESSAGES, "temperature": 0}, key=None)
         step = json.loads(text)
         assert status == 200 and step["chosen"]["id"] == step["scores"][0]["id"]

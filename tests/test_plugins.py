@@ -9,7 +9,7 @@ from decodekit import DynamicCache, hookimpl
 from decodekit.core.selectors import GreedySelector
 from decodekit.registry import get_plugin_manager
 
-from helpers import TableModel
+from helpers import PATIENCE, TableModel
 
 V = 8
 
@@ -188,7 +188,7 @@ def test_trace_shows_each_hook_call_and_who_answered(tmp_path, monkeypatch, caps
     assert "decodekit trace: decodekit_token_selector answered by ['sampling']" in lines
     assert any("decodekit_logits_processors answered by" in line and "'processors'" in line for line in lines), lines
     cli = subprocess.run(
-        [sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "decodekit.cli", "--trace", "list"], capture_output=True, text=True, timeout=PATIENCE
     )
     assert cli.returncode == 0 and "decodekit trace: decodekit_config_fields answered by [" in cli.stderr
 

@@ -12,7 +12,7 @@ import torch
 
 from decodekit import AutoModelForCausalLM
 from decodekit.facade.as_transformers import OUTPUT_CACHE
-from helpers import write_tiny_model
+from helpers import PATIENCE, write_tiny_model
 from methods import HOOK_METHOD, TRANSFORMERS_INTERNALS, TRANSFORMERS_STYLE_GREEDY, write_method
 from published_methods import (
     BEAM_LOOP,
@@ -258,7 +258,7 @@ def test_without_transformers_a_method_importing_it_names_the_extra(checkpoint, 
         hooks = model.generate(prompt, max_new_tokens=4, custom_generate={repos["hooks"]!r}, trust_remote_code=True)
         print("equal:", torch.equal(full_loop, greedy), "hooks:", hooks.shape[1] == 9)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=PATIENCE)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "refused:" in result.stdout and "pip install 'decodekit[transformers]'" in result.stdout
     assert "equal: True hooks: True" in result.stdout

@@ -23,6 +23,7 @@ from decodekit.registry.manager import get_plugin_manager  # noqa: E402
 from decodekit.serve import Server, ServerSettings, allowed_methods  # noqa: E402
 
 from methods import HOOK_METHOD, TRANSFORMERS_STYLE_GREEDY, write_method  # noqa: E402
+from helpers import PATIENCE  # noqa: E402
 
 NAME = "smol"
 KEY = "secret-key"
@@ -45,13 +46,13 @@ def server(default_model, method_dir):
     manager.start()  # the tests' own thread stays free to be the clients
     yield srv
     srv.stop()
-    manager.join(timeout=30)
+    manager.join(timeout=PATIENCE)
     assert not srv.thread.is_alive() and not manager.is_running()  # a clean shutdown
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
 
 
 def expected(default_model, ids: list[int], **kwargs) -> str:
@@ -241,7 +242,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server, client):
     next(iter(stream))
     assert manager.free_blocks < manager.total_blocks
     stream.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while manager.free_blocks != manager.total_blocks and time.monotonic() < deadline:
         time.sleep(0.05)
     assert manager.free_blocks == manager.total_blocks and manager.counts["cancelled"] == cancelled + 1
@@ -266,7 +267,7 @@ def test_thirty_two_concurrent_streaming_clients(default_model, client):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=PATIENCE)
     assert not errors and len(got) == 32
     assert all(text == want[prompt] for prompt, text in got.values())
 
@@ -292,7 +293,7 @@ def test_cancelled_results_name_their_status(default_model):
     rid = manager.add_request([1, 2, 3], max_new_tokens=5)
     manager.stop()  # stopping before any step cancels what waits
     manager.run()
-    assert manager.get_result(rid, timeout=1).status == RequestStatus.CANCELLED
+    assert manager.get_result(rid, timeout=PATIENCE).status == RequestStatus.CANCELLED
 
 
 def test_the_cli_refuses_a_method_without_a_pinned_revision(capsys, tmp_path):
@@ -341,7 +342,7 @@ def raw(server, method: str, path: str, body: bytes | None = None, **headers) ->
         server.url + path, data=body, method=method, headers={"Authorization": f"Bearer {KEY}", **headers}
     )
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=PATIENCE) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers), error.read()
@@ -425,7 +426,7 @@ def test_a_body_that_is_not_json_is_415_before_anything_runs(server, kind):
     if kind is None:
         request.remove_header("Content-type")  # urllib adds a form type of its own
     try:
-        urllib.request.urlopen(request, timeout=60)
+        urllib.request.urlopen(request, timeout=PATIENCE)
         status, data = 200, b""
     except urllib.error.HTTPError as error:
         status, data = error.code, error.read()
@@ -485,7 +486,7 @@ def test_an_unexpected_fault_is_a_json_500_and_the_connection_stays_usable(serve
         raise RuntimeError("a fault of the server's own code")
 
     monkeypatch.setattr(generation.Job, "whole", broken)
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=PATIENCE)
     headers = {"Authorization": f"Bearer {KEY}", **JSON_TYPE}
     connection.request("POST", "/v1/chat/completions", body=json.dumps(CHAT), headers=headers)
     response = connection.getresponse()
@@ -592,7 +593,7 @@ def test_mutated_bodies_are_each_a_2xx_or_a_4xx_and_the_connection_lives(server)
     import random
 
     rng = random.Random(0)
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=PATIENCE)
     headers = {"Authorization": f"Bearer {KEY}", **JSON_TYPE}
     for _ in range(400):
         body = json.loads(json.dumps(CHAT))

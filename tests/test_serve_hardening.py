@@ -28,6 +28,7 @@ from decodekit.hub_loader.source import resolve  # noqa: E402
 from decodekit.loading.tokenizer import chat_ids  # noqa: E402
 
 from methods import FAULT_METHOD, write_method  # noqa: E402
+from helpers import PATIENCE
 
 KEY = "secret-key"
 LIMITS = [
@@ -56,7 +57,7 @@ class Response:
 class ServeProcess:
     """`decodekit serve` in a child process; its stderr is drained in a thread (and kept for failure messages)."""
 
-    def __init__(self, *flags: str, timeout: float = 600):
+    def __init__(self, *flags: str, timeout: float = PATIENCE):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "decodekit.cli", "serve", *flags],
             stderr=subprocess.PIPE,
@@ -85,12 +86,12 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(PATIENCE)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
     def request(self, method: str, path: str, body: bytes | None = None, key: str | None = KEY) -> Response:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=PATIENCE)
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
         try:
             connection.request(method, path, body=body, headers=headers)
@@ -132,7 +133,7 @@ class ServeProcess:
                 total += value
         return total
 
-    def idle(self, timeout: float = 30) -> bool:
+    def idle(self, timeout: float = PATIENCE) -> bool:
         """Waits until no request runs or waits and every cache block is free."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -219,7 +220,7 @@ def test_a_chunked_body_is_cut_at_the_byte_limit(server):
     finally:
         sock.close()
     assert sent < 200 * 2**20 or server.metric("request_rejected", status="413") == rejected + 1
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while server.metric("request_rejected", status="413") < rejected + 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.metric("request_rejected", status="413") == rejected + 1
@@ -238,13 +239,13 @@ def test_every_disconnect_cancels_its_request_at_once(server, stream):
         "decodekit": {"eos_token_id": None},
     }
     socks = [raw_request(server.port, "/v1/completions", body) for _ in range(10)]  # 4 run, 6 wait for blocks
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while server.metric("num_requests_running") < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.metric("num_requests_running") == 4 and server.metric("num_requests_waiting") == 6
     for sock in socks:
         sock.close()
-    assert server.idle(timeout=60), server.metrics()
+    assert server.idle(timeout=PATIENCE), server.metrics()
     # Counted in tokens, not seconds (a busy machine's steps are slow too): the four running requests stopped before
     # half of the 64 tokens each asked for, and the six waiting ones never ran.
     assert server.metric("generation_tokens") - generated < 4 * 64 / 2
@@ -424,7 +425,7 @@ def test_tokenize_and_detokenize_refuse_what_no_request_could_use(server):
 
 def stream_text(server, path: str, body: dict) -> dict[int, str]:
     """{choice index: its text} of a streamed answer read to its end: content, tool calls' names and arguments."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=PATIENCE)
     try:
         connection.request(
             "POST",
@@ -513,7 +514,7 @@ def test_a_storm_of_streams_whose_clients_leave_at_random_leaves_nothing_behind(
         results = list(pool.map(one, range(24)))
     read = [r for r in results if r is not None]
     assert len(read) >= 6 and all(read), results
-    assert server.idle(timeout=60), server.metrics()
+    assert server.idle(timeout=PATIENCE), server.metrics()
     assert server.rss() - rss < RSS_BOUND and server.healthy()
 
 
@@ -571,7 +572,7 @@ def test_serve_refuses_a_bad_address_before_loading_the_model(flags, words):
         busy.listen()
         flags = [str(busy.getsockname()[1]) if f == "IN_USE" else f for f in flags]
         done = subprocess.run(
-            [sys.executable, "-m", "decodekit.cli", "serve", *flags], capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "decodekit.cli", "serve", *flags], capture_output=True, text=True, timeout=PATIENCE
         )
     assert done.returncode == 2 and words in done.stderr
     assert "compiling" not in done.stderr
@@ -634,5 +635,5 @@ def test_a_soak_of_mixed_requests_with_faults_leaves_the_server_as_it_found_it(s
         results = list(pool.map(one, range(240)))
     wrong = [(kind, status) for kind, status in results if status is not None and status != expected[kind]]
     assert not wrong, wrong
-    assert server.idle(timeout=30), server.metrics()
+    assert server.idle(timeout=PATIENCE), server.metrics()
     assert server.rss() - rss < RSS_BOUND and server.healthy()

@@ -17,6 +17,7 @@ pydantic = pytest.importorskip("pydantic", reason="openai's parse takes pydantic
 from decodekit.serve import Server, ServerSettings  # noqa: E402
 from decodekit.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest  # noqa: E402
 from decodekit.serve.tools import ToolPlan, plan_tools  # noqa: E402
+from helpers import PATIENCE  # noqa: E402
 
 NAME = "smol"
 WEATHER = {
@@ -49,12 +50,12 @@ def server(default_model):
     manager.start()
     yield srv
     srv.stop()
-    manager.join(timeout=30)
+    manager.join(timeout=PATIENCE)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=PATIENCE)
 
 
 def test_openai_parse_with_a_pydantic_model(client):
@@ -434,7 +435,7 @@ def test_responses_validate_against_openais_own_types(server, stream):
             **body,
             **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
         }
-        response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=300)
+        response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=PATIENCE)
         assert response.status_code == 200, response.text
         if not stream:
             validated(whole_type, response.json())

@@ -13,6 +13,7 @@ from decodekit.cli import main
 from decodekit.registry import manager
 from decodekit.templates import render, template_choices
 from decodekit.testing import tiny_model
+from helpers import PATIENCE
 
 HUB_FILES = {
     "README.md",
@@ -40,7 +41,7 @@ def run_pytest(project: Path, pythonpath: Path | None = None) -> subprocess.Comp
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=PATIENCE,
     )
 
 
@@ -73,7 +74,7 @@ def test_hub_repos_render_and_their_tests_pass(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=PATIENCE,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     ran = int(result.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
@@ -135,7 +136,7 @@ def test_a_hub_repos_first_ci_run_passes_where_decodekit_is_not_installed(tmp_pa
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=PATIENCE,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
@@ -182,7 +183,7 @@ def test_hook_only_repos_run_under_transformers_without_decodekit(tmp_path):
         f" max_new_tokens=8, eos_token_id=None, **option).tolist() for repo, option in {runs!r}]\n"
         "print(json.dumps(outs))\n"
     )
-    done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
@@ -210,7 +211,7 @@ def test_plugin_packages_install_list_and_generate(tmp_path, monkeypatch, capsys
         + ["--target", str(target), *(str(project) for project, _ in projects.values())],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PATIENCE,
     )
     assert install.returncode == 0, install.stderr
     import os
@@ -222,7 +223,7 @@ def test_plugin_packages_install_list_and_generate(tmp_path, monkeypatch, capsys
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(target)},
-        timeout=300,
+        timeout=PATIENCE,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

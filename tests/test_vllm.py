@@ -18,6 +18,7 @@ from decodekit.hub_loader.source import resolve  # noqa: E402
 from decodekit.testing import default_model_as_transformers  # noqa: E402
 
 from methods import CACHE_METHOD, HOOK_METHOD, RECENT_TOKENS_BAN, SELECTOR_METHOD, write_method  # noqa: E402
+from helpers import PATIENCE
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
 
@@ -188,7 +189,7 @@ def test_the_openai_server_runs_a_method_per_request(engine):
     )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        deadline = time.time() + 240
+        deadline = time.time() + PATIENCE
         while True:
             try:
                 client.models.list()
@@ -215,7 +216,7 @@ def test_the_openai_server_runs_a_method_per_request(engine):
             )
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        server.wait(timeout=PATIENCE)
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat-template"])

@@ -61,10 +61,15 @@ class ViewCompile:
         self.layout_key = None
         self.told: set[str] = set()
         self.stepped = self.several = False
+        self.holds_layout = False  # whether this call holds the model's layout lock (kernels/layout.py)
+        self.thread = threading.get_ident()  # the call's: the lock is taken and released there
 
     def close(self) -> None:
         self.layout.close()
         self.layout_rows = self.layout_key = None
+        if self.holds_layout:
+            self.holds_layout = False
+            kernels.layout_lock(self.module).release()
         if self.several and not self.stepped and not self.told:
             self.tell(SEVERAL_TOKENS)
 
@@ -106,7 +111,17 @@ class ViewCompile:
 
     def step_for(self, rows: int, capacity: int) -> FusedStep | None:
         """The compiled step for `rows` one-token rows over `capacity` cache slots (made at first use; None where it
-        failed to compile before), with the model's weights in that step's layout."""
+        failed to compile before, or where another thread's call holds the model's weight layout), with the model's
+        weights in that step's layout."""
+        if threading.get_ident() != self.thread:
+            return None  # a thread the method started: the plain forward, on the layout the call holds
+        if not self.holds_layout:
+            # Held from the call's first step to its end: a method's forwards come between its steps. Never
+            # waited for: another thread's method may hold it for the whole of its own loop.
+            if not kernels.layout_lock(self.module).acquire(blocking=False):
+                self.tell("another thread's call holds the model's weight layout for its own steps")
+                return None
+            self.holds_layout = True
         if self.layout_rows != rows:
             self.layout.close()
             self.layout_key = self.layout.enter_context(kernels.step_layout(self.module, rows))

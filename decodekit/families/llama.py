@@ -18,6 +18,7 @@ from torch import nn
 
 from ..kernels import elementwise, native
 from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
+from ..kernels.layout import if_layout_free
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import by_route, prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
@@ -355,7 +356,9 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(cache_position, torch.Tensor):
             return self._forward_fixed(x, attention_mask, position_ids, past_key_values, cache_position, logits_to_keep)
         if not torch.is_grad_enabled():
-            pack_linears(self)
+            with if_layout_free(self) as free:
+                if free:  # else another thread's compiled call holds the layout: run on it as it is
+                    pack_linears(self)
 
         cache = past_key_values
         if cache is None and use_cache:
@@ -507,7 +510,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return None if torch.is_grad_enabled() else self._native_bound
-        return self.bind_native_layers()
+        with if_layout_free(self) as free:
+            # Another thread's compiled call holds the layout and what it bound: read that, rebind nothing.
+            return self.bind_native_layers() if free else self._native_bound
 
     def _native_layers(self, x, cos, sin, cache, masks, slots, stack: int):
         B = x.shape[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from . import linear, native
+from .layout import if_layout_free, layout_lock
 from .linear import Linear
 from .packed import pack_linears, plain_weights
 from .quantize import QUANTIZATIONS, Int8Linear, many_rows_route
@@ -29,18 +30,20 @@ def step_layout(model, rows: int):
     On CPU the kernels are loaded first (the traced products read whether they are there) and the routes for
     `rows` rows are measured (settle_routes). A step of up to PLAIN_WEIGHTS_ROWS rows runs on plain
     weights, unpacked for the duration; a wider one on packed weights where packing pays on this CPU. The choice
-    is made here, once per call: a model holds one layout at a time."""
+    is made here, once per call: a model holds one layout at a time, and the caller holds the model's layout lock
+    for the duration (layout.py)."""
     quantization = getattr(model, "quantization", None)
-    if model.device.type != "cpu":
-        yield (model.dtype, model.device, pack_linears(model), quantization)
-        return
-    native.load()
-    settle_routes(model, rows)
-    if rows <= PLAIN_WEIGHTS_ROWS:
-        with plain_weights(model):
-            yield (model.dtype, model.device, False, quantization)
-    else:
-        yield (model.dtype, model.device, pack_linears(model), quantization)
+    with layout_lock(model):  # held while the call runs: another thread's call waits (kernels/layout.py)
+        if model.device.type != "cpu":
+            yield (model.dtype, model.device, pack_linears(model), quantization)
+            return
+        native.load()
+        settle_routes(model, rows)
+        if rows <= PLAIN_WEIGHTS_ROWS:
+            with plain_weights(model):
+                yield (model.dtype, model.device, False, quantization)
+        else:
+            yield (model.dtype, model.device, pack_linears(model), quantization)
 
 
 def settle_routes(model, rows: int) -> None:

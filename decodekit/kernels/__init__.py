@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from . import linear, native
-from .layout import if_layout_free, layout_lock
+from .layout import layout_lock
 from .linear import Linear
 from .packed import pack_linears, plain_weights
 from .quantize import QUANTIZATIONS, Int8Linear, many_rows_route

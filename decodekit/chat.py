@@ -65,6 +65,7 @@ class ChatSession:
         self.turns.append({"role": "user", "content": text})
         try:
             ids = torch.tensor([chat_ids(self.tokenizer, self.messages())], device=self.model.device)
+            self.check_context(ids.shape[1])
             streamer = _Printer(self.tokenizer, self.out)
             method = (
                 {"custom_generate": self.method, "trust_remote_code": self.trust_for(self.method)}
@@ -91,6 +92,16 @@ class ChatSession:
         self.out.flush()
         self.turns.append({"role": "assistant", "content": answer.strip()})
         return answer
+
+    def check_context(self, length: int) -> None:
+        """ValueError before any forward where the conversation of `length` tokens leaves the model no position to
+        answer in (a pasted file, say: a prompt past the context ran until memory ran out)."""
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if isinstance(context, int) and length >= context:
+            raise ValueError(
+                f"the conversation is {length} tokens with this message, and the model's context is {context} "
+                "positions (max_position_embeddings): send a shorter message, or /reset to start over."
+            )
 
     # --- commands -------------------------------------------------------------------------------------------
 

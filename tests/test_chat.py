@@ -204,3 +204,16 @@ def test_the_trust_gate_s_advice_in_a_chat_names_the_flag_and_the_pin_file(tmp_p
     assert cmd_chat(build_parser().parse_args(["chat"])) == 0
     assert "pass --trust-remote-code" in told[0] and "trust_remote_code=" not in told[0]
     assert f"the line '{method} " in told[0] and str(tmp_path / "config" / "trusted_revisions.txt") in told[0]
+
+
+def test_a_message_past_the_model_s_context_is_refused_before_any_forward(default_model, monkeypatch):
+    # Before: a 2 MB line was told "The prompt has 400031 tokens" and run anyway, until memory ran out.
+    model, tokenizer = default_model
+    session = ChatSession(model, tokenizer, {"max_new_tokens": 4}, out=io.StringIO())
+    session.reply("Hi")
+    forwards = []
+    monkeypatch.setattr(type(model.module), "forward", lambda *a, **k: forwards.append(1))
+    context = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"model's context is {context} positions"):
+        session.reply("word " * context)
+    assert not forwards and len(session.messages()) == 2  # the long message forgotten, the conversation kept

@@ -821,3 +821,44 @@ def test_a_wrong_loop_or_cache_hook_names_its_plugin_and_is_disabled(model, clea
     record = next(r for r in manager.plugin_records() if r.name == "odd")
     assert record.error is not None and manager.get_plugin_manager().get_plugin("odd") is None
     assert torch.equal(model.generate(PROMPT, max_new_tokens=3), baseline)
+
+
+def test_a_plugin_disabled_by_another_thread_mid_call_stays_in_the_call_that_was_prepared_with_it(model, clean_manager):
+    # Before: between this call's validation of the plugin's field and its processors hook, another thread's failure
+    # disabled the plugin, and this call was answered without its effect (its argument taken, nothing done).
+    plain = model.generate(PROMPT, max_new_tokens=4)
+    banned = int(plain[0, PROMPT.shape[1]])
+
+    class Plugin:
+        @decodekit.hookimpl
+        def decodekit_config_fields(self):
+            return {"ban_one": None, "explode": False}
+
+        @decodekit.hookimpl
+        def decodekit_validate_config(self, generation_config):
+            if generation_config.ban_one is not None:  # another thread's call fails in this plugin, now
+                other = threading.Thread(
+                    target=model.generate, args=(PROMPT,), kwargs=dict(max_new_tokens=2, explode=True)
+                )
+                other.start()
+                other.join(timeout=PATIENCE)
+
+        @decodekit.hookimpl
+        def decodekit_logits_processors(self, generation_config):
+            if generation_config.explode:
+                raise RuntimeError("boom")
+            token = generation_config.ban_one
+
+            def ban(input_ids, scores):
+                scores = scores.clone()
+                scores[:, token] = -float("inf")
+                return scores
+
+            return [] if token is None else [ban]
+
+    decodekit.register(Plugin(), name="flaky")
+    out = model.generate(PROMPT, max_new_tokens=4, ban_one=banned)
+    assert manager.get_plugin_manager().get_plugin("flaky") is None  # the other call disabled it
+    assert int(out[0, PROMPT.shape[1]]) != banned  # this call kept it: the ban took effect
+    with pytest.raises(ValueError, match="ban_one"):  # and the next call runs without it
+        model.generate(PROMPT, max_new_tokens=4, ban_one=banned)

@@ -88,3 +88,102 @@ def test_a_method_in_continuous_batching_stays_in_its_own_request(tmp_path):
         )
     assert out_alone.status == out_banned.status == RequestStatus.FINISHED
     assert out_alone.generated_tokens == plain and plain[0] not in out_banned.generated_tokens
+
+
+# Processors that declare score_only (so they may run inside a compiled step and in continuous batching's shared
+# pass) whose behaviour their key must tell apart. Two methods' classes of one name, their token in the class body:
+SAME_NAME = """
+from decodekit import hookimpl
+from decodekit.core.processors import Processor
+
+
+class Rule(Processor):
+    score_only = True
+    token = {token}
+
+    def __call__(self, input_ids, scores):
+        {body}
+        return scores
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    return [Rule()]
+"""
+BAN = "scores = scores.clone(); scores[:, self.token] = -float('inf')"
+FORCE = "scores = torch.full_like(scores, -float('inf')); scores[:, self.token] = 0.0"
+
+# A class made inside the hook, reading the request's value through a closure.
+CLOSURE = """
+import torch
+from decodekit import hookimpl
+from decodekit.core.processors import Processor
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"forced_token": None}
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    token = generation_config.forced_token
+
+    class Force(Processor):
+        score_only = True
+
+        def __call__(self, input_ids, scores):
+            scores = torch.full_like(scores, -float("inf"))
+            scores[:, token] = 0.0
+            return scores
+
+    return [] if token is None else [Force()]
+"""
+
+
+def _rules(tmp_path, token):
+    ban = write_method(tmp_path / "ban", "import torch\n" + SAME_NAME.format(token=token, body=BAN))
+    force = write_method(tmp_path / "force", "import torch\n" + SAME_NAME.format(token=token, body=FORCE))
+    return str(ban), str(force)
+
+
+def test_processors_of_one_name_or_one_closure_are_never_shared_between_requests(tmp_path):
+    # Before: the shared pass ran the first request's processors on every row with an equal key (class name and
+    # vars), so a client banning a token got another client's forcing of it (answered 200).
+    model = tiny_model(tmp_path / "model", "llama").eval()
+    prompt = PROMPTS[0]
+    token = model.generate(torch.tensor([prompt]), max_new_tokens=1)[0, -1].item()
+    ban, force = _rules(tmp_path, token)
+    closure = str(write_method(tmp_path / "closure", CLOSURE))
+    calls = [
+        dict(custom_generate=force),
+        dict(custom_generate=ban),
+        dict(custom_generate=closure, forced_token=11),
+        dict(custom_generate=closure, forced_token=7),
+    ]
+    for call in calls:
+        call.update(max_new_tokens=5, eos_token_id=None, trust_remote_code=True)
+    alone = [model.generate(torch.tensor([prompt]), **call)[0, len(prompt) :].tolist() for call in calls]
+    assert alone[0] == [token] * 5 and token not in alone[1] and alone[2] == [11] * 5 and alone[3] == [7] * 5
+    with model.init_continuous_batching() as manager:
+        ids = [manager.add_request(prompt, **call) for call in calls]
+        got = [manager.get_result(rid, timeout=PATIENCE) for rid in ids]
+    assert [out.generated_tokens for out in got] == alone
+
+
+def test_a_compiled_step_is_not_reused_for_a_processor_it_cannot_prove_equal(tmp_path):
+    # Before: generate(compile=True) forcing token 11 after a call forcing 7 reused the first call's step: [11, 7, 7, 7].
+    model = tiny_model(tmp_path / "model", "llama").eval()
+    ban, force = _rules(tmp_path, 5)
+    closure = str(write_method(tmp_path / "closure", CLOSURE))
+    prompt = torch.tensor([PROMPTS[0]])
+    call = dict(max_new_tokens=4, eos_token_id=None, trust_remote_code=True, compile=True)
+    for method, options, want in [
+        (closure, dict(forced_token=7), [7] * 4),
+        (closure, dict(forced_token=11), [11] * 4),
+        (force, {}, [5] * 4),
+    ]:
+        out = model.generate(prompt, custom_generate=method, **options, **call)[0, prompt.shape[1] :].tolist()
+        assert out == want, (method, options, out)
+    out = model.generate(prompt, custom_generate=ban, **call)[0, prompt.shape[1] :].tolist()
+    assert 5 not in out

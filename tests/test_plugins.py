@@ -1,6 +1,8 @@
 """Strategies are pluggy plugins: built-ins are registered like outside ones, and an outside plugin
 can add a processor, replace the selector, add a stopping rule, supply a cache and declare config fields."""
 
+import re
+
 import pytest
 import torch
 
@@ -266,14 +268,33 @@ def test_an_outside_processor_runs_before_llama_cpps_chain(registered):
     assert [name for name, _ in order] == ["outside", "DRYLogitsProcessor", "TopKLogitsWarper"]
 
 
-def test_a_processor_declaring_no_known_stage_is_its_plugins_failure(registered):
-    from decodekit.registry.manager import PluginError
+class RaisingStage(Marker):
+    @property
+    def stage(self):
+        raise RuntimeError("no stage here")
 
-    registered(staged_plugin(Marker("lost", stage="sideways")), "lost")
-    with pytest.raises(PluginError, match=r"the logits processor lost of plugin 'lost'.*stage='sideways'.*'guidance'"):
-        model().generate(torch.tensor([[1]]), max_new_tokens=1)
+
+@pytest.mark.parametrize(
+    "marker,words",
+    [(Marker("lost", stage="sideways"), r"stage='sideways'.*'guidance'"), (RaisingStage("lost"), "no stage here")],
+    ids=["unknown stage", "stage raises"],
+)
+def test_a_processor_whose_declarations_cannot_be_read_is_its_plugins_failure(registered, marker, words):
+    # As a hook that raises: the plugin is disabled, named, and the call goes on without it. Before: an unknown stage
+    # failed that first call, and a stage property that raised failed every later call with a bare RuntimeError.
+    from decodekit.registry.manager import plugin_records
+
+    registered(staged_plugin(marker), "lost")
+    for _ in range(2):
+        assert model().generate(torch.tensor([[1]]), max_new_tokens=1).tolist() == [[1, 5]]
     assert get_plugin_manager().get_plugin("lost") is None  # disabled, as a processor that raises is
-    assert model().generate(torch.tensor([[1]]), max_new_tokens=1).tolist() == [[1, 5]]
+    record = {r.name: r for r in plugin_records()}["lost"]
+    assert re.search(r"the logits processor lost of plugin 'lost'.*" + words, record.error), record.error
+
+
+def test_a_processor_passed_to_generate_with_an_unreadable_stage_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="logits_processor: .*no stage here"):
+        model().generate(torch.tensor([[1]]), max_new_tokens=1, logits_processor=[RaisingStage("given")])
 
 
 def test_a_fresh_host_keeps_its_plugins_to_itself():

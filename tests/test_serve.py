@@ -638,3 +638,59 @@ def test_a_large_body_is_parsed_and_its_prompt_tokenized_off_the_event_loop(serv
     assert [kind for kind, _ in where] == ["parse", "encode", "parse", "encode"]
     assert where[0][1] is loop  # a small body is parsed where it is read
     assert all(thread is not loop for kind, thread in where[1:])
+
+
+def test_clients_methods_with_processors_of_one_name_or_one_closure_get_their_own(default_model, tmp_path):
+    # Before: one client's method banning " The" was answered "TheTheThe..." while another's forcing it ran in the
+    # same step (the shared pass took processors of one class name, or one closure class, as the same).
+    from test_isolation import CLOSURE, _rules
+
+    model, tok = default_model
+    token = tok.encode(" The")[0]
+    ban, force = _rules(tmp_path, token)
+    closure = str(write_method(tmp_path / "closure", CLOSURE))
+    specs = [f"{m}@{resolve(m).revision}" for m in (ban, force, closure)]
+    manager = model.init_continuous_batching(max_queue_size=16, max_cache_bytes=64 * 2**20)
+    settings = ServerSettings(model_name=NAME, api_key=KEY, max_tokens_limit=16, methods=allowed_methods(specs))
+    server = Server(manager, tok, settings, port=0).start()
+    manager.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
+        prompt = "The capital of France is"
+        choices = [
+            {"method": force},
+            {"method": ban},
+            {"method": closure, "forced_token": token},
+            {"method": closure, "forced_token": tok.encode(" Paris")[0]},
+        ]
+        want = [
+            expected(
+                default_model,
+                tok.encode(prompt),
+                max_new_tokens=5,
+                custom_generate=c["method"],
+                trust_remote_code=True,
+                **{k: v for k, v in c.items() if k != "method"},
+            )
+            for c in choices
+        ]
+        assert want[0] == " The" * 5 and " The" not in want[1]
+        got = [None] * len(choices)
+        start = threading.Barrier(len(choices))
+
+        def ask(i):
+            start.wait()
+            r = client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"decodekit": choices[i]}
+            )
+            got[i] = r.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(choices))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=PATIENCE)
+        assert got == want
+    finally:
+        server.stop()
+        manager.join(timeout=PATIENCE)

@@ -441,17 +441,24 @@ class GenerationMixin:
         Returns the sequences [B * num_return_sequences, T], prompt included, or a GenerateOutput when
         return_dict_in_generate=True.
         """
+        from ..registry.manager import pinned_plugins
+
         given = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor)
         given.update(stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, seed=seed)
         given.update(generator=generator)
-        if isinstance(custom_generate, (str, os.PathLike)):
-            return run_method(self, custom_generate, trust_remote_code, given, kwargs)
-        if custom_generate is not None and not callable(custom_generate):
+        if (
+            custom_generate is not None
+            and not callable(custom_generate)
+            and not isinstance(custom_generate, (str, os.PathLike))
+        ):
             raise ValueError(
                 f"custom_generate={custom_generate!r} is invalid; it accepts a Hub repo id 'org/name', a local "
                 "directory holding custom_generate/generate.py, or a callable."
             )
-        return self.generate_call(given, kwargs, custom_generate)
+        with pinned_plugins():  # one set of plugins for the whole call, whatever other threads' failures disable
+            if isinstance(custom_generate, (str, os.PathLike)):
+                return run_method(self, custom_generate, trust_remote_code, given, kwargs)
+            return self.generate_call(given, kwargs, custom_generate)
 
     def generate_call(self, given: dict, kwargs: dict, custom_generate=None):
         """generate() once its method is known: `given` its named arguments (inputs, generation_config,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .processors import STAGES, LogitsProcessorList, stage_of
+from .processors import CAPABILITIES, STAGES, LogitsProcessorList, declares, stage_of
 from .selectors import checked_selector
 from .stopping import StoppingCriteriaList
 
@@ -68,24 +68,52 @@ def staged(contributions: list[tuple[str, Any]], plugin_order: list[str]) -> Log
     (processors.STAGES), then by owner (`plugin_order`, registration order; an owner not in it, such as generate()'s
     argument, after them in the order given), then as each owner listed them. A stage no pipeline has is the
     plugin's failure (PluginError naming the processor)."""
-    from ..registry.manager import PluginError, described, plugin_failure
-
     rank = {name: i for i, name in enumerate(plugin_order)}
     for owner, _ in contributions:
         rank.setdefault(owner, len(rank))
     keyed = []
     for owner, processors in contributions:
-        for processor in processors:
-            try:
-                stage = STAGES.index(stage_of(processor))
-            except ValueError as error:
-                failure = PluginError(f"{described('logits processor', processor, owner)}: {error}")
-                raise plugin_failure(failure, owner, "decodekit_logits_processors's result", "") from None
+        stages = declared_stages(owner, processors)
+        if stages is None:
+            continue  # the plugin failed and is disabled: this call goes on without its processors
+        for processor, stage in zip(processors, stages):
             keyed.append(((stage, rank[owner], len(keyed)), owner, processor))
     out = LogitsProcessorList()
     for _, owner, processor in sorted(keyed, key=lambda item: item[0]):
         out.extend_from(owner, [processor])
     return out
+
+
+def declared_stages(owner: str, processors: list) -> list[int] | None:
+    """The stage (its index in STAGES) of each of `owner`'s processors, their declarations (stage and CAPABILITIES)
+    read here, inside the plugin guard: a declaration that raises or names no stage is the plugin's failure, as its
+    hook raising would be (disabled, or raised naming it, by the host's policy; None: go on without it). For the
+    processors passed to generate(), ValueError naming the argument."""
+    from ..registry.manager import PluginError, described, host
+
+    try:
+        stages = [STAGES.index(stage_of(processor)) for processor in processors]
+        for processor in processors:
+            for capability in CAPABILITIES:
+                declares(processor, capability)
+        return stages
+    except Exception as error:  # a property of the plugin's raising anything
+        processor = next((p for p in processors if not _readable(p)), processors[0])
+        what = f"{described('logits processor', processor, owner)}: its declarations cannot be read ({type(error).__name__}: {error})"
+        if owner == GIVEN_PROCESSORS:
+            raise ValueError(f"logits_processor: {what}") from error
+        failure = host().on_failure(owner, "decodekit_logits_processors", PluginError(what))
+        if failure is None:
+            return None
+        raise failure from error
+
+
+def _readable(processor) -> bool:
+    try:
+        stage_of(processor)
+        return all(declares(processor, c) in (True, False) for c in CAPABILITIES)
+    except Exception:
+        return False
 
 
 def refuse_kept_hooks(engine, generation_config, context, only: set[str] | None) -> None:

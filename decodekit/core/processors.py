@@ -43,10 +43,13 @@ class Processor:
                 an int: its whole effect is banning its `eos` token ids until the sequence is that long (min_length):
                 a compiled step applies it as an EOS mask that changes with the length, not as code.
 
-    A processor's `key()` says what decides its effect, for reuse of a compiled step: two processors with equal keys
-    compile to the same code. Processor's own is its class and settings (a tensor setting by identity, its contents
-    never read); a class whose settings hold tensors gives its own. Anything else (a plain function, transformers'
-    processors) is keyed by identity: a new one compiles anew.
+    What identifies a processor's effect (processor_key), for reuse of a compiled step and for running one pass
+    over several requests' rows in continuous batching: two processors with equal keys must behave the same, so a
+    key names behaviour, never just a name. decodekit's own classes are keyed by class and settings where every
+    setting is plain (numbers, strings, tuples of them); a class of another package that defines its own `key()`
+    is keyed by its class object and that key; anything else (a plugin's class on the default key, a class made
+    inside a hook that reads a closure, a setting that is a tensor or an object, a plain function, transformers'
+    processors) by identity: it is never shared with another request or reused by another call.
     """
 
     score_only: bool = False
@@ -60,22 +63,40 @@ class Processor:
     def finish(self, result) -> None:
         pass
 
-    def key(self) -> tuple:
-        return (type(self).__qualname__, tuple(sorted((k, _setting(v)) for k, v in vars(self).items())))
+    def key(self) -> tuple | None:
+        """Class and settings, where every setting is plain; None (keyed by identity) otherwise."""
+        settings = vars(self)
+        if not all(_plain(v) for v in settings.values()):
+            return None
+        return (type(self).__module__, type(self).__qualname__, tuple(sorted(settings.items())))
 
 
-def _setting(value):
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return repr(value)
+PLAIN = (type(None), bool, int, float, str, torch.dtype)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, PLAIN)
+
+
+def _own(cls) -> bool:
+    return cls.__module__ == "decodekit" or cls.__module__.startswith("decodekit.")
 
 
 def processor_key(processor) -> tuple:
-    """What identifies `processor`'s effect for reuse of a compiled step (see Processor)."""
+    """What identifies `processor`'s effect (see Processor): equal keys behave the same. Objects kept by identity
+    stay alive as long as what holds their key (a compiled step closes over its pipeline), so an id is not reused
+    meanwhile."""
+    cls = type(processor)
     key = getattr(processor, "key", None)
-    return tuple(key()) if callable(key) else ("object", id(processor))
+    declared = getattr(cls, "key", None)
+    if not callable(key) or (declared is Processor.key and not _own(cls)):
+        return ("object", id(processor))
+    value = key()
+    if value is None:
+        return ("object", id(processor))
+    return tuple(value) if _own(cls) else (cls, *value)
 
 
 CAPABILITIES = ("score_only", "host_mask", "finishes")

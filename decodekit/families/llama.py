@@ -356,9 +356,12 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(cache_position, torch.Tensor):
             return self._forward_fixed(x, attention_mask, position_ids, past_key_values, cache_position, logits_to_keep)
         if not torch.is_grad_enabled():
-            with if_layout_free(self) as free:
-                if free:  # else another thread's compiled call holds the layout: run on it as it is
-                    pack_linears(self)
+            if torch.compiler.is_compiling():
+                pack_linears(self)  # decided before the trace, under the caller's lock: an attribute read
+            else:
+                with if_layout_free(self) as free:
+                    if free:  # else another thread's compiled call holds the layout: run on it as it is
+                        pack_linears(self)
 
         cache = past_key_values
         if cache is None and use_cache:

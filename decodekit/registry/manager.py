@@ -111,6 +111,7 @@ class Scope:
     methods: tuple[tuple[str, Any], ...] = ()
     manager: pluggy.PluginManager | None = None
     mode: str = ""
+    dropped: set[str] | None = None  # plugins this call's own failures disabled: its later hook calls skip them
 
 
 _scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("decodekit_plugin_scope", default=Scope())
@@ -287,8 +288,12 @@ class PluginHost:
 
         @functools.wraps(function)
         def hook(*args):
-            if name not in self.propagating and self.pm.get_plugin(name) is None and not _is_method(name):
-                return None  # disabled during this call, in a call's manager that still holds it
+            # A plugin disabled by another call's failure meanwhile is still called here: the call holding this
+            # manager was prepared with it (pinned_plugins) and keeps it whole. One this call's failure disabled
+            # is not.
+            dropped = _scope.get().dropped
+            if dropped and name in dropped:
+                return None
             try:
                 result = function(*args)
             except BaseException as error:  # SystemExit from a plugin is a plugin failure too
@@ -408,6 +413,9 @@ class PluginHost:
             record = self.records.get(name) or PluginRecord(name, "runtime")
             record.error = f"disabled after {phase} raised {summary}{location}"
             self.records[name] = record
+        dropped = _scope.get().dropped
+        if dropped is not None:
+            dropped.add(name)
         logger.warning("plugin %r is disabled for this process: %s", name, record.error)
 
     # ---- calling hooks --------------------------------------------------------------------------------------
@@ -585,6 +593,20 @@ def plugins_for_call(plugin: Any, name: str):
     (before the block runs) for a hook that names no hookspec."""
     methods = _scope.get().methods + ((name, plugin),)
     with _scoped(methods=methods, manager=_host.manager_for(methods)):
+        yield
+
+
+@contextlib.contextmanager
+def pinned_plugins():
+    """The plugins of this context as they are when the block starts, for every hook call inside it: one call of
+    generate() sees one set of plugins from its first hook call to its last. A plugin that another thread's failure
+    disables meanwhile stays in this call (validated with its argument, applied with its effect), and is gone from
+    the next."""
+    scope = _scope.get()
+    if scope.manager is not None:
+        yield
+        return
+    with _scoped(manager=_host.manager_for(scope.methods), dropped=set()):
         yield
 
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "get_plugin_manager": ".registry",
     "hookimpl": ".registry",
     "register": ".registry",
+    "set_threads": ".kernels.threads",
     "unregister": ".registry",
 }
 

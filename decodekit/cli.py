@@ -593,6 +593,14 @@ def _model_flags(parser, generation: bool = True) -> None:
         "--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)"
     )
     parser.add_argument(
+        "--threads",
+        type=_threads,
+        metavar="N|auto|torch",
+        help="CPU threads for the model's kernels: a number, auto (the CPUs other work leaves free, one per "
+        "physical core: what a busy machine needs) or torch (torch's own, one per CPU) (default: "
+        "$DECODEKIT_THREADS, else auto)",
+    )
+    parser.add_argument(
         "--device",
         type=_device,
         default="cpu",
@@ -610,6 +618,18 @@ def _model_flags(parser, generation: bool = True) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message"
     )
+
+
+def _threads(text: str):
+    """--threads: a count, auto or torch."""
+    from .kernels.threads import ACCEPTED
+
+    value = text.strip().lower()
+    if value in ("auto", "torch"):
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected {ACCEPTED}, got {text!r}")
 
 
 def _device(value: str) -> str:
@@ -652,6 +672,7 @@ def load_model_of(args, say: bool = False):
             gguf_file=args.gguf_file,
             backend=args.backend,
             device=args.device,
+            threads=args.threads,
         )
     finally:
         if spinner is not None:

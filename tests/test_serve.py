@@ -368,8 +368,9 @@ def test_an_eos_token_id_of_generate_s_own_form_ends_the_reply(default_model, cl
     "masking",
     [{"top_k": 2}, {"top_p": 0.3}, {"min_p": 0.2}, {"response_format": {"type": "json_object"}}],
 )
-def test_logprobs_of_masked_tokens_are_openai_s_finite_floor(server, stream, masking):
-    # top_logprobs asks for more alternatives than the mask leaves: the others are -inf, which JSON cannot carry.
+def test_masked_tokens_are_not_listed_among_top_logprobs(server, stream, masking):
+    # top_logprobs asks for more alternatives than the mask leaves: the others cannot come (-inf, which JSON cannot
+    # carry either), and are not listed; before, they were listed at OpenAI's floor, -9999.0.
     body = {**CHAT, "max_tokens": 4, "temperature": 1, "seed": 1, "logprobs": True, "top_logprobs": 5, "stream": stream}
     body.update(masking)
     status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode(), **JSON_TYPE)
@@ -383,8 +384,10 @@ def test_logprobs_of_masked_tokens_are_openai_s_finite_floor(server, stream, mas
     )
     entries = [e for event in events for c in event["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
     tops = [t["logprob"] for e in entries for t in e["top_logprobs"]]
-    assert len(entries) >= 1 and all(len(e["top_logprobs"]) == 5 for e in entries)
-    assert -9999.0 in tops and all(-9999.0 <= v <= 0 for v in tops)
+    assert len(entries) >= 1 and all(1 <= len(e["top_logprobs"]) < 5 for e in entries)
+    assert all(-9999.0 < v <= 0 for v in tops)
+    if "top_k" in masking:
+        assert all(len(e["top_logprobs"]) <= 2 for e in entries)
 
 
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -691,6 +694,66 @@ def test_clients_methods_with_processors_of_one_name_or_one_closure_get_their_ow
         for t in threads:
             t.join(timeout=PATIENCE)
         assert got == want
+    finally:
+        server.stop()
+        manager.join(timeout=PATIENCE)
+
+
+FORCE_INF = """
+import math
+
+from decodekit import hookimpl
+
+
+@hookimpl
+def decodekit_config_fields():
+    return {"sure_token": None}
+
+
+@hookimpl
+def decodekit_logits_processors(generation_config):
+    token = generation_config.sure_token
+
+    def sure(input_ids, scores):
+        scores = scores.clone()
+        scores[:, token] = math.inf
+        return scores
+
+    return [] if token is None else [sure]
+"""
+
+
+def test_a_forced_token_s_logprob_is_zero_and_tokens_that_cannot_come_are_not_listed(default_model, tmp_path):
+    # Before: a +inf score gave NaN from log_softmax, reported as -9999.0 for the forced token, and the other tokens
+    # were listed at -9999.0 among top_logprobs.
+    model, tok = default_model
+    method = str(write_method(tmp_path / "sure", FORCE_INF))
+    token = tok.encode(" Paris")[0]
+    manager = model.init_continuous_batching(max_queue_size=8, max_cache_bytes=64 * 2**20)
+    settings = ServerSettings(
+        model_name=NAME,
+        api_key=KEY,
+        max_tokens_limit=16,
+        methods=allowed_methods([f"{method}@{resolve(method).revision}"]),
+    )
+    server = Server(manager, tok, settings, port=0).start()
+    manager.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
+        for extra in ({"temperature": 0}, {}, {"temperature": 0.7, "top_p": 0.9, "seed": 3}):  # greedy and sampled
+            r = client.chat.completions.create(
+                model=NAME,
+                messages=[{"role": "user", "content": "Capital of France?"}],
+                max_tokens=3,
+                logprobs=True,
+                top_logprobs=3,
+                extra_body={"decodekit": {"method": method, "sure_token": token}},
+                **extra,
+            )
+            entries = r.choices[0].logprobs.content
+            assert [e.token for e in entries] == [" Paris"] * 3
+            assert all(e.logprob == 0.0 for e in entries), [e.logprob for e in entries]
+            assert all([(t.token, t.logprob) for t in e.top_logprobs] == [(" Paris", 0.0)] for e in entries)
     finally:
         server.stop()
         manager.join(timeout=PATIENCE)

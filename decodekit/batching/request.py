@@ -19,7 +19,7 @@ import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_config, check_prompt_ids, prepare_call
-from ..core.processors import check_scores, observe_processors
+from ..core.processors import check_scores, log_probs, observe_processors
 from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 from .sampler import Together, together_key
@@ -194,7 +194,7 @@ class Request:
         if self.observer is not None:
             self.observer(None, logits.float(), scores)
         if self.logprobs:
-            logp = torch.log_softmax(scores[0], dim=-1)
+            logp = log_probs(scores[0])
             self.token_logprobs.append(float(logp[chosen[0]]))
             if self.top_logprobs:
                 values, ids = logp.topk(self.top_logprobs)

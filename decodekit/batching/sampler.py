@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.processors import declares, processor_key, unusable_rows
+from ..core.processors import declares, log_probs, processor_key, unusable_rows
 from ..core.selectors import drawn_as, race_rows
 from ..registry.manager import failures_fail_the_request_alone
 from ..core.transfer import to_device
@@ -98,7 +98,7 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
     top = max((rows[i].top_logprobs for i in asked), default=0)
     if asked:
         at = to_device(asked, torch.long, scores.device)
-        logp = torch.log_softmax(scores[at], dim=-1)
+        logp = log_probs(scores[at])
         parts.append(logp.gather(1, tokens[at, None])[:, 0])
         if top:
             values, ids = logp.topk(top)

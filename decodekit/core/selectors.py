@@ -124,13 +124,22 @@ def race_rows(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor)
     """The exponential race of rows of different calls: row i of `scores` [R, V] drawn with keys[i] at
     positions[i] (int32, [R, 1]), as race() draws the first row of its call. Continuous batching's requests."""
     noise = row_noise(keys, positions, torch.zeros_like(positions), scores.shape[-1])
-    return (scores.softmax(dim=-1) / noise).argmax(dim=-1)
+    return (probabilities(scores) / noise).argmax(dim=-1)
 
 
 def race(scores: torch.Tensor, key: torch.Tensor, position) -> torch.Tensor:
     """The exponential race over softmax(scores) [B, V] with race_noise(key, position): the sampled tokens [B]."""
     noise = race_noise(key, position, scores.shape[0], scores.shape[-1])
-    return (scores.softmax(dim=-1) / noise).argmax(dim=-1)
+    return (probabilities(scores) / noise).argmax(dim=-1)
+
+
+def probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """softmax(scores) over the vocabulary, where a +inf score (a processor forcing a token) means certainty: the
+    +inf tokens share the probability (softmax alone gives NaN there, and the race then drew token 0). Exactly
+    softmax where no score is +inf."""
+    forced = scores == float("inf")
+    count = forced.sum(-1, keepdim=True)
+    return torch.where(count > 0, forced / count.clamp(min=1), scores.softmax(dim=-1))
 
 
 class CheckedSelector:

@@ -42,7 +42,9 @@ def load_default(dtype=None, device=None):
     return load_model(None, dtype=dtype, device=device)
 
 
-def load_model(source=None, dtype=None, quantize=None, device=None, revision=None, gguf_file=None, backend=None):
+def load_model(
+    source=None, dtype=None, quantize=None, device=None, revision=None, gguf_file=None, backend=None, threads=None
+):
     """(model, tokenizer) from `source` (a model directory, a Hub repo id or a .gguf file; the default model when
     None), with from_pretrained's options: what the command line and batch jobs load."""
     from .pretrained import AutoModelForCausalLM
@@ -51,4 +53,7 @@ def load_model(source=None, dtype=None, quantize=None, device=None, revision=Non
     path = source or default_model_path()
     load = {"revision": revision, "gguf_file": gguf_file, "backend": backend}
     tokenizer = AutoTokenizer.from_pretrained(path, **load)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantize=quantize, device=device, **load), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantize=quantize, device=device, threads=threads, **load
+    )
+    return model, tokenizer

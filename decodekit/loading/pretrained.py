@@ -189,6 +189,7 @@ class AutoModelForCausalLM:
         trust_remote_code=None,
         quantize: str | None = None,
         backend: str | None = None,
+        threads=None,
         **transformers_kwargs,
     ):
         """`name_or_path`: a local directory, a Hub repo id or a .gguf file.
@@ -196,8 +197,12 @@ class AutoModelForCausalLM:
         for the transformers backend, lets the repo's own modeling code run, as in transformers).
         `quantize="int8"`: native models store linear weights as int8 with per-channel scales (kernels/quantize.py).
         `backend`: None picks native for the Llama families and transformers for the rest; "native" or
-        "transformers" forces one. `transformers_kwargs` (device_map, quantization_config, ...) go to transformers."""
+        "transformers" forces one. `threads`: torch's CPU thread count for the process, an int, "auto" or "torch"
+        (None: DECODEKIT_THREADS, else "auto" at the first CPU model a process loads, unless the count was chosen
+        outside decodekit; kernels/threads.py). `transformers_kwargs` (device_map, quantization_config, ...) go to
+        transformers."""
         from ..kernels.quantize import QUANTIZATIONS
+        from ..kernels.threads import parse, threads_for_load
 
         if isinstance(name_or_path, (torch.nn.Module, Model)):
             raise TypeError(
@@ -208,6 +213,10 @@ class AutoModelForCausalLM:
             raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
         check_backend(backend)
         check_model_name(name_or_path)
+        if threads is not None:
+            parse(threads)  # a bad value refused before anything loads
+        if device is None or torch.device(device).type == "cpu":
+            threads_for_load(threads)
         path = Path(name_or_path).expanduser()
         if gguf_file is None and path.is_file() and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name

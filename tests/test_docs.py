@@ -49,12 +49,16 @@ def test_runnable_blocks_run_as_written(page, tmp_path, monkeypatch):
             exec(compile(code, f"{page.name} block {i + 1}", "exec"), namespace)
 
 
-def test_the_readme_quick_start_commands_run_as_written(tmp_path, monkeypatch, capsys):
+def test_the_readme_quick_start_commands_then_the_docs_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    # In one folder, in a reader's order: the README's quick start, then docs/custom-generate.md's commands, each
+    # naming folders of its own (the README's my-method is the logits-processor template, the docs' my-loop a loop).
     from decodekit.cli import main
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     quick_start = text[text.index("## Quick start") : text.index("\n## ", text.index("## Quick start") + 1)]
     commands = re.search(r"^```bash\n(.*?)^```", quick_start, re.S | re.M).group(1)
+    docs = (ROOT / "docs" / "custom-generate.md").read_text(encoding="utf-8")
+    commands += "".join(re.findall(r"^```bash\n(.*?)^```", docs, re.S | re.M))
     monkeypatch.chdir(tmp_path)
     for line in commands.splitlines():
         argv = shlex.split(line, comments=True)

@@ -25,11 +25,21 @@ COMMANDS = {
 }
 
 
+class TrustOffer(ValueError):
+    """The trust gate refused a method the chat could trust for itself: its refusal (the files and their hashes),
+    the method and the revision a pin would hold."""
+
+    def __init__(self, message: str, method: str, revision: str):
+        super().__init__(message)
+        self.method, self.revision = method, revision
+
+
 class ChatSession:
     """The conversation with `model` through `tokenizer`'s chat template. `fields`: generate() keywords of every
     reply; `method`: a custom_generate method for the replies, run with trust_remote_code=`trust_for(method)`;
-    `check(fields, method)` raises ValueError for what the command line would refuse; `out`: where replies go;
-    `seed`: each reply's sampling seed (generate(seed=))."""
+    `check(fields, method)` raises ValueError for what the command line would refuse (TrustOffer where trusting the
+    method would do, which /method then offers, and `pin(method, revision)` records for the chat); `out`: where
+    replies go; `seed`: each reply's sampling seed (generate(seed=))."""
 
     def __init__(
         self,
@@ -42,10 +52,12 @@ class ChatSession:
         check: Callable[[dict, str | None], None] = lambda fields, method: None,
         out=None,
         seed: int | None = None,
+        pin: Callable[[str, str], None] | None = None,
     ):
         self.model, self.tokenizer, self.seed = model, tokenizer, seed
         self.fields, self.system, self.method = dict(fields), system, method
-        self.trust_for, self.check = trust_for, check
+        self.trust_for, self.check, self.pin = trust_for, check, pin
+        self.read: Callable[[str], str] = input
         self.out = out or sys.stdout
         self.turns: list[dict[str, str]] = []
 
@@ -123,7 +135,13 @@ class ChatSession:
             self.say("(system message set; the conversation starts over)" if rest else "(no system message)")
         elif name == "/method":
             method = None if rest in ("", "off") else rest
-            self.check(self.fields, method)
+            try:
+                self.check(self.fields, method)
+            except TrustOffer as offer:
+                if self.pin is None or not self.asked_to_trust(offer):
+                    raise
+                self.pin(offer.method, offer.revision)
+                self.check(self.fields, method)
             self.method = method
             self.say(f"(replies come from {method})" if method else "(replies come from the built-in generate)")
         elif name == "/set":
@@ -142,6 +160,16 @@ class ChatSession:
                 "(/help says what each does)."
             )
         return True
+
+    def asked_to_trust(self, offer: TrustOffer) -> bool:
+        """Shows the gate's refusal (the method's files and hashes) and asks whether to run that revision in this
+        chat; only "y" or "yes" says so (end of input or Ctrl-C: no)."""
+        self.say(str(offer))
+        try:
+            answer = self.read(f"Run {offer.method} at revision {offer.revision[:12]} in this chat? [y/N] ")
+        except (EOFError, KeyboardInterrupt):
+            return False
+        return answer.strip().lower() in ("y", "yes")
 
     def turns_sampling_on(self, key: str, fields: dict) -> bool:
         """Whether setting `key` turns sampling on in `fields` (done here): a field that changes sampling alone
@@ -164,6 +192,7 @@ class ChatSession:
 
     def run(self, read: Callable[[str], str] = input) -> int:
         """Reads lines with `read(prompt)` until /exit or end of input; returns the exit code (0)."""
+        self.read = read
         self.say("Chatting with the model: type a message and press Enter; /help lists the commands, Ctrl-D ends.")
         while True:
             try:

@@ -1176,17 +1176,18 @@ class Spinner:
 
 
 def cmd_chat(args) -> int:
-    from .chat import ChatSession
-    from .hub_loader import trusted_revision
+    from .chat import ChatSession, TrustOffer
+    from .hub_loader import UntrustedCodeError, resolve, trusted_revision
 
     fields = generation_kwargs(args)
+    pinned: dict[str, str] = {}  # methods trusted in this chat, at the revision shown
 
     def trust_for(method: str):
-        return True if args.trust_remote_code else trusted_revision(method)
+        return True if args.trust_remote_code else pinned.get(method) or trusted_revision(method)
 
     def check(fields: dict, method: str | None) -> None:
         """The fields and method of the next replies, checked as the flags are (CLIError is a ValueError), errors
-        told in the command line's words."""
+        told in the command line's words; the trust gate's refusal of a method as a TrustOffer."""
         try:
             if method is None:
                 check_fields(fields)
@@ -1194,7 +1195,11 @@ def cmd_chat(args) -> int:
                 check_method_args(method, trust_for(method), {}, fields)
         except CLIError:
             raise
-        except (ValueError, PermissionError) as error:  # the trust gate's refusal is a PermissionError
+        except UntrustedCodeError as error:
+            if type(error) is not UntrustedCodeError:  # a file refused (MethodFilesError): no trust would do
+                raise CLIError(cli_names(str(error))) from None
+            raise TrustOffer(cli_names(str(error)), method, resolve(method).revision) from None
+        except (ValueError, PermissionError) as error:
             raise CLIError(cli_names(str(error))) from None
 
     if args.custom_generate:  # the method and its --arg fields, checked before the model loads
@@ -1219,6 +1224,7 @@ def cmd_chat(args) -> int:
         trust_for=trust_for,
         check=check,
         seed=args.seed,
+        pin=pinned.__setitem__,
     )
     return session.run()
 

@@ -217,3 +217,24 @@ def test_a_message_past_the_model_s_context_is_refused_before_any_forward(defaul
     with pytest.raises(ValueError, match=f"model's context is {context} positions"):
         session.reply("word " * context)
     assert not forwards and len(session.messages()) == 2  # the long message forgotten, the conversation kept
+
+
+@pytest.mark.parametrize("answer", ["y", "n"])
+def test_method_in_a_chat_offers_to_trust_the_folder_showing_its_hashes(
+    default_model, tmp_path, monkeypatch, capsys, answer
+):
+    # Before: /method ./dir only said to restart the chat with --trust-remote-code.
+    from decodekit.cli import build_parser, cmd_chat
+    from methods import HOOK_METHOD, write_method
+
+    method = write_method(tmp_path / "ban", HOOK_METHOD)
+    monkeypatch.setenv("DECODEKIT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setattr("decodekit.cli.load_model_of", lambda args, say=False: default_model)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/method {method}\n{answer}\n/settings\n"))
+    assert cmd_chat(build_parser().parse_args(["chat"])) == 0
+    out = capsys.readouterr().out
+    assert "generate.py  sha256:" in out and f"Run {method} at revision " in out
+    if answer == "y":
+        assert f"(replies come from {method})" in out and f"method: {method}" in out
+    else:
+        assert "(replies come from" not in out and "method: built-in" in out

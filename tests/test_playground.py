@@ -146,3 +146,70 @@ def test_step_runs_as_a_request_of_the_manager_under_its_queue_and_cache_limits(
     finally:
         server.stop()
         manager.stop()
+
+
+def test_fields_json_cannot_fill_are_not_offered_and_token_fields_take_lists(served, default_model):
+    # Before: the page offered prefix_allowed_tokens_fn (a Python function) and negative_prompt_ids, which a request
+    # could only send as a JSON list and was refused "must be an integer tensor".
+    server, _ = served
+    offered = {m["name"]: m for m in json.loads(call(server, "/playground/methods")[1])["methods"]}
+    assert "prefix_allowed_tokens_fn" not in offered["processors"]["fields"]
+    assert "negative_prompt_ids" in offered["guidance"]["fields"]
+    assert "token ids" in offered["guidance"]["forms"]["negative_prompt_ids"]
+    model, tok = default_model
+    negative = tok.encode("Paris")
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 4}
+    body["decodekit"] = {"method": "guidance", "guidance_scale": 1.5, "negative_prompt_ids": negative}
+    status, text = call(server, "/v1/chat/completions", body)
+    assert status == 200, text
+    from decodekit.loading.tokenizer import chat_ids
+
+    ids = torch.tensor([chat_ids(tok, MESSAGES)])
+    want = model.generate(ids, max_new_tokens=4, guidance_scale=1.5, negative_prompt_ids=torch.tensor([negative]))
+    assert json.loads(text)["choices"][0]["message"]["content"] == tok.decode(
+        want[0, ids.shape[1] :], skip_special_tokens=True
+    )
+    for fields, words in [
+        (
+            {"prefix_allowed_tokens_fn": "x"},
+            'prefix_allowed_tokens_fn" cannot be set by a request: it takes a Python function',
+        ),
+        (
+            {"guidance_scale": 1.5, "negative_prompt_ids": "Paris"},
+            "decodekit.negative_prompt_ids='Paris' is invalid; expected a non-empty list of token ids",
+        ),
+        ({"guidance_scale": 1.5, "negative_prompt_ids": [[1, 2], [3]]}, "all of one length"),
+    ]:
+        status, text = call(server, "/v1/chat/completions", {**body, "decodekit": fields})
+        assert status == 400 and words in json.loads(text)["error"]["message"], text
+
+
+def test_an_unknown_method_s_refusal_lists_only_what_can_be_served(served):
+    status, text = call(served[0], "/v1/chat/completions", {"messages": MESSAGES, "decodekit": {"method": "nope"}})
+    available = json.loads(text)["error"]["message"].split("available: ")[1]
+    assert status == 400 and "processors" in available
+    for refused in ("beam_search", "contrastive", "speculative", "dola"):
+        assert refused not in available, available
+
+
+def test_explain_after_a_reply_cut_by_max_tokens_goes_on_with_that_reply(served, default_model):
+    # Before: the page sent the cut reply as a finished turn, and the step explained the first token of a new one.
+    server, _ = served
+    short = json.loads(
+        call(server, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "max_tokens": 3})[1]
+    )
+    longer = json.loads(
+        call(server, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "max_tokens": 4})[1]
+    )
+    assert short["choices"][0]["finish_reason"] == "length"
+    cut = short["choices"][0]["message"]["content"]
+    body = {
+        "messages": [*MESSAGES, {"role": "assistant", "content": cut}],
+        "temperature": 0,
+        "continue_final_message": True,
+    }
+    status, text = call(server, "/playground/step", body)
+    assert status == 200, text
+    assert cut + json.loads(text)["chosen"]["text"] == longer["choices"][0]["message"]["content"]
+    status, text = call(server, "/playground/step", {**body, "messages": MESSAGES})
+    assert status == 400 and "continue_final_message needs the last message to be an assistant's" in text

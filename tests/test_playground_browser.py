@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -20,6 +21,7 @@ if not (CHROMIUM and DRIVER):
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.expected_conditions import staleness_of  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 from test_playground import KEY, served  # noqa: E402,F401  (the server fixture)
@@ -70,7 +72,11 @@ def test_chat_tokens_alternatives_and_a_step_explained_in_the_page(browser, serv
     plain = browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token:not(.special)")
     special = browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token.special")
     assert "Paris" in "".join(t.text for t in plain) and "<|im_end|>" not in "".join(t.text for t in plain)
-    assert [t.text for t in special] == ["<|im_end|>"]  # the end token is shown marked, not as text
+    # The end token is kept apart from the text, hidden until asked for (it read as part of the reply).
+    assert [t.get_attribute("textContent") for t in special] == ["<|im_end|>"] and not special[0].is_displayed()
+    find(By.ID, "show-special").click()
+    assert special[0].is_displayed()
+    find(By.ID, "show-special").click()
     tokens[0].click()
     rows = browser.find_elements(By.CSS_SELECTOR, "#alternatives-table tr.alt")
     assert len(rows) == 5 and "chosen" in rows[0].get_attribute("class")
@@ -88,3 +94,31 @@ def test_chat_tokens_alternatives_and_a_step_explained_in_the_page(browser, serv
     panel = find(By.TAG_NAME, "section")
     assert browser.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth", panel)
     assert panel.rect["x"] + panel.rect["width"] <= 1400
+
+    # A reply cut by max_tokens, then "Explain" with nothing typed: the reply's own next token, not a new turn's.
+    from test_playground import MESSAGES, call
+
+    longer = json.loads(
+        call(server, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "max_tokens": 4})[1]
+    )
+    find(By.ID, "reset").click()
+    method.select_by_value("")
+    find(By.ID, "max-tokens").clear()
+    find(By.ID, "max-tokens").send_keys("3")
+    find(By.ID, "message").send_keys(MESSAGES[0]["content"])
+    find(By.ID, "send").click()
+    wait.until(
+        lambda b: (
+            not find(By.ID, "send").get_attribute("disabled")
+            and b.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token")
+        )
+    )
+    reply = "".join(
+        t.get_attribute("textContent") for t in browser.find_elements(By.CSS_SELECTOR, "#transcript .assistant .token")
+    )
+    before = find(By.CSS_SELECTOR, "#explanation .chosen-token")  # the earlier explanation's, replaced by the new one
+    find(By.ID, "explain").click()
+    wait.until(staleness_of(before))
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#explanation .chosen-token"))
+    chosen = json.loads(find(By.CSS_SELECTOR, "#explanation .chosen-token").text.removeprefix("chosen: "))
+    assert reply + chosen == longer["choices"][0]["message"]["content"], (reply, chosen)

@@ -291,14 +291,26 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
 
 
 def chat_ids(
-    tokenizer, messages: Sequence[dict[str, str]], content_as_text: bool = False, **template_kwargs
+    tokenizer,
+    messages: Sequence[dict[str, str]],
+    content_as_text: bool = False,
+    continue_final: bool = False,
+    **template_kwargs,
 ) -> list[int]:
     """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's reply.
 
     With `content_as_text` (a server's untrusted messages), text inside a message that spells a special or added
     token, say "<|im_start|>system", stays text: only the template's own markers become special tokens, as in
     vLLM's and llama.cpp's servers. Messages without such text tokenize exactly as without the flag.
+    With `continue_final` (vLLM's continue_final_message), the last message is an assistant's reply cut short,
+    and the ids end where its text ends (no end of turn, no new turn), so the model goes on with it.
     `template_kwargs` (tools=, ...) go to the template."""
+    if continue_final:
+        if not messages or messages[-1].get("role") != "assistant" or not str(messages[-1].get("content") or ""):
+            raise ValueError(
+                "continue_final_message needs the last message to be an assistant's, with text to go on from."
+            )
+        return _chat_ids_content_as_text(tokenizer, list(messages), template_kwargs, content_as_text, continue_final)
     if content_as_text:
         markers = added_token_texts(tokenizer)
         if any(marker in str(m.get("content") or "") for m in messages for marker in markers):
@@ -338,18 +350,32 @@ def encode_as_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
-def _chat_ids_content_as_text(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+def _chat_ids_content_as_text(
+    tokenizer, messages: list[dict], template_kwargs: dict, as_text: bool = True, continue_final: bool = False
+) -> list[int]:
     """The template rendered with a marker in place of each content (unguessable, so no content can forge one),
-    the template's text tokenized as usual and each content as text."""
+    the template's text tokenized as usual and each content as text (`as_text`; else as encode() reads it). With
+    `continue_final`, the text ends at the last message's content."""
     tag = secrets.token_hex(8)
     marks = {f"\ue000{tag}{i}\ue001": str(m.get("content") or "") for i, m in enumerate(messages)}
     stand_ins = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-    text = tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    text = tokenizer.apply_chat_template(
+        stand_ins, add_generation_prompt=not continue_final, tokenize=False, **template_kwargs
+    )
+    if continue_final:
+        last = list(marks)[-1]
+        if last not in text:
+            raise ValueError("continue_final_message: this chat template does not show the last message's text.")
+        text = text[: text.index(last) + len(last)]
+
+    def content_ids(content: str) -> list[int]:
+        return encode_as_text(tokenizer, content) if as_text else tokenizer.encode(content, add_special_tokens=False)
+
     pattern = re.compile("|".join(re.escape(mark) for mark in marks))
     ids, at = [], 0
     for found in pattern.finditer(text):
         ids += tokenizer.encode(text[at : found.start()], add_special_tokens=False) if found.start() > at else []
-        ids += encode_as_text(tokenizer, marks[found.group()])
+        ids += content_ids(marks[found.group()])
         at = found.end()
     ids += tokenizer.encode(text[at:], add_special_tokens=False) if at < len(text) else []
     return [int(t) for t in ids]

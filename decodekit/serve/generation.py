@@ -40,6 +40,21 @@ def finite(logprob: float) -> float:
     return logprob if logprob >= MASKED_LOGPROB else MASKED_LOGPROB
 
 
+def continued_chat_ids(tokenizer, messages: list[dict], body, template: dict | None = None) -> list[int]:
+    """A chat body's prompt ids: ready for the assistant's reply, or going on with the last assistant message where
+    the body asks (continue_final_message); BadRequest for a body that cannot."""
+    try:
+        return chat_ids(
+            tokenizer,
+            messages,
+            content_as_text=True,
+            continue_final=bool(body.continue_final_message),
+            **(template or {}),
+        )
+    except ValueError as error:
+        raise BadRequest(str(error), "continue_final_message") from None
+
+
 def router(served: Served) -> APIRouter:
     routes = APIRouter()
     manager, tokenizer, settings = served.manager, served.tokenizer, served.settings
@@ -68,7 +83,7 @@ def router(served: Served) -> APIRouter:
 
                 def prompt_of():
                     tokens_within(tokenizer, [m["content"] for m in messages], served.context)
-                    return chat_ids(tokenizer, messages, content_as_text=True, **template)
+                    return continued_chat_ids(tokenizer, messages, body, template)
 
                 return await answer(request, body, prompt_of, plan)
             prompt = completion_prompt(body.prompt)

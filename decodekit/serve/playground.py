@@ -21,9 +21,17 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..batching import RequestStatus
-from ..loading.tokenizer import chat_ids, special_token_texts
-from .generation import Job
-from .protocol import INFRASTRUCTURE_PLUGINS, BadRequest, ChatCompletionRequest, chat_messages
+from ..loading.tokenizer import special_token_texts
+from .generation import Job, continued_chat_ids
+from .protocol import (
+    DECODEKIT_FORBIDDEN,
+    INFRASTRUCTURE_PLUGINS,
+    TOKEN_FIELDS,
+    BadRequest,
+    ChatCompletionRequest,
+    chat_messages,
+    own_loop_plugins,
+)
 from .served import Served, tokens_within
 
 PAGE = Path(__file__).with_name("playground.html")
@@ -35,24 +43,19 @@ OWN_LOOP = "its decoding loop cannot share the server's steps (decodekit generat
 
 
 def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> list[dict]:
-    """[{"name", "kind", "fields": {field: default}, "refused": why or None}] of what a request's decodekit.method
+    """[{"name", "kind", "fields": {field: default}, "forms", "refused": why or None}] of what a request's decodekit.method
     may name; `refused` for a plugin whose own decoding loop the server cannot run (beam search, contrastive
     search, speculative decoding, DoLa: /v1/chat/completions answers a 400 once its fields are set)."""
     from ..hub_loader.method import registered_for_call
-    from ..registry.manager import call_hooks, get_plugin_manager
+    from ..registry.manager import call_hooks
 
-    pm = get_plugin_manager()
-    own_loop = {
-        pm.get_name(impl.plugin)
-        for hook in ("decodekit_decoding_loop", "decodekit_next_token_logits")
-        for impl in getattr(pm.hook, hook).get_hookimpls()
-    }
+    own_loop = own_loop_plugins()
     declared = {name: dict(fields) for name, fields in call_hooks("decodekit_config_fields")}
     offered = [
         {
             "name": name,
             "kind": "plugin",
-            "fields": jsonable(declared.get(name, {})),
+            **fillable(declared.get(name, {})),
             "refused": OWN_LOOP if name in own_loop else None,
         }
         for name in sorted(plugins - infrastructure)
@@ -60,8 +63,15 @@ def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> l
     for name, method in sorted(settings.methods.items()):
         with registered_for_call(method):
             own = dict(call_hooks("decodekit_config_fields")).get(method.plugin_name, {})
-        offered.append({"name": name, "kind": "method", "fields": jsonable(own), "refused": None})
+        offered.append({"name": name, "kind": "method", **fillable(own), "refused": None})
     return offered
+
+
+def fillable(fields: dict) -> dict:
+    """{"fields": what a request can fill, with their defaults; "forms": the JSON form of those that take token ids}:
+    a field that takes a Python object (a function, a model) is not offered."""
+    kept = {name: value for name, value in fields.items() if name not in DECODEKIT_FORBIDDEN}
+    return {"fields": jsonable(kept), "forms": {name: TOKEN_FIELDS[name] for name in kept if name in TOKEN_FIELDS}}
 
 
 def jsonable(fields: dict) -> dict:
@@ -162,7 +172,7 @@ def router(served: Served) -> APIRouter:
 
             def prompt_of():
                 tokens_within(served.tokenizer, [m["content"] for m in messages], served.context)
-                return chat_ids(served.tokenizer, messages, content_as_text=True)
+                return continued_chat_ids(served.tokenizer, messages, body)
 
             await job.add(prompt_of)
             output = await job.final(request)

@@ -245,6 +245,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the last message is an assistant's reply cut short, which the answer goes on with (no new turn).
+    continue_final_message: bool | None = None
 
     chat: ClassVar[bool] = True
 
@@ -375,6 +377,14 @@ DECODEKIT_FORBIDDEN = {
     "logprobs": "set logprobs instead",
     "top_logprobs": "set top_logprobs (chat) or logprobs (completions) instead",
     "max_length": "set max_tokens instead",
+    # Fields that take Python objects, which JSON cannot carry.
+    "prefix_allowed_tokens_fn": "it takes a Python function; response_format or a method constrains a served reply",
+    "assistant_model": "it takes a model object",
+}
+# Fields that take token tensors: a request gives them as JSON lists of token ids, as the playground says.
+TOKEN_FIELDS = {
+    "negative_prompt_ids": "token ids of the negative prompt, e.g. [1, 2, 3]",
+    "negative_prompt_attention_mask": "1 or 0 per negative prompt token, e.g. [1, 1, 1]",
 }
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -547,6 +557,9 @@ def method_fields(spec: dict | None, settings: ServerSettings, plugins: set[str]
     for name, why in DECODEKIT_FORBIDDEN.items():
         if name in fields:
             raise BadRequest(f'"decodekit.{name}" cannot be set by a request: {why}.', f"decodekit.{name}")
+    for name in TOKEN_FIELDS:
+        if fields.get(name) is not None:
+            fields[name] = token_tensor(fields[name], f"decodekit.{name}")
     name = fields.pop("method", None)
     if name is None:
         return fields
@@ -559,7 +572,7 @@ def method_fields(spec: dict | None, settings: ServerSettings, plugins: set[str]
     if name in settings.methods:
         fields["custom_generate"] = settings.methods[name]
     elif name not in plugins:
-        offered = sorted((plugins - INFRASTRUCTURE_PLUGINS) | set(settings.methods))
+        offered = sorted((plugins - INFRASTRUCTURE_PLUGINS - own_loop_plugins()) | set(settings.methods))
         close = difflib.get_close_matches(name, offered, n=1)
         raise BadRequest(
             f"decodekit method {name!r} is neither a registered decodekit plugin nor a method allowed when "
@@ -567,6 +580,36 @@ def method_fields(spec: dict | None, settings: ServerSettings, plugins: set[str]
             "decodekit.method",
         )
     return fields
+
+
+def token_tensor(value, where: str):
+    """A JSON list of token ids (or one list of them per row) as the [rows, tokens] tensor a field takes."""
+    import torch
+
+    rows = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
+    if (
+        not all(isinstance(row, list) and row and all(is_int(t) and t >= 0 for t in row) for row in rows)
+        or len({len(row) for row in rows}) != 1
+    ):
+        raise BadRequest(
+            f"{where}={value!r} is invalid; expected a non-empty list of token ids (integers >= 0), or one such "
+            "list per row, all of one length.",
+            where,
+        )
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def own_loop_plugins() -> set[str]:
+    """The registered plugins that own the decoding loop (or how logits are read): a server's shared steps cannot
+    run them, so they are offered as refused, never as available."""
+    from ..registry.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    return {
+        pm.get_name(impl.plugin)
+        for hook in ("decodekit_decoding_loop", "decodekit_next_token_logits")
+        for impl in getattr(pm.hook, hook).get_hookimpls()
+    }
 
 
 def chat_messages(messages) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
@@ -327,6 +328,13 @@ def _add_serve(sub, verbose) -> argparse.ArgumentParser:
         "inductor's cache holds it (default: on; --no-compile runs them eagerly)",
     )
     srv.add_argument(
+        "--wait-for-compile",
+        action="store_true",
+        help="listen only once the decode step is compiled (benchmarks); by default the server answers at once, "
+        "stepping eagerly while another process compiles the step into torch's cache, then switches to it",
+    )
+    srv.add_argument("--warm-compile-cache", action="store_true", help=argparse.SUPPRESS)  # that other process
+    srv.add_argument(
         "--paged-attention",
         choices=["auto", "gathered", "flex"],
         default="auto",
@@ -499,6 +507,8 @@ def cmd_serve(args) -> int:
     from .loading.default import DEFAULT_MODEL_NAME
     from .serve import Server, ServerSettings, allowed_methods, bind
 
+    if args.warm_compile_cache:
+        return warm_compile_cache(args)
     try:
         sock = bind(args.host, args.port)  # before the model loads and compiles: a bad address fails at once
     except OSError as error:
@@ -525,29 +535,21 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     status(f"decodekit serve: loading {args.model or DEFAULT_MODEL_NAME} ...")
     model, tokenizer = load_model_of(args)
+    first = args.compile and args.wait_for_compile
     status(
         f"decodekit serve: loaded in {time.monotonic() - started:.1f} s; preparing the cache"
-        + (
-            " and compiling the decode step (about a minute the first time; --no-compile skips it)"
-            if args.compile
-            else ""
-        )
+        + (" and compiling the decode step (about a minute the first time)" if first else "")
         + " ..."
     )
-    manager = model.init_continuous_batching(
-        max_queue_size=args.max_queue,
-        max_running=args.max_running,
-        max_batch_tokens=args.max_batch_tokens,
-        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None,
-        compile=args.compile,
-        paged_attention=args.paged_attention,
-    )
+    manager = serving_manager(model, args)
     warming = time.monotonic()
-    sizes = manager.warm_up()
+    sizes = manager.warm_up(compile=first or not args.compile)
     status(
         f"decodekit serve: warmed up in {time.monotonic() - warming:.1f} s"
         + (f" (decode steps compiled for {', '.join(map(str, sizes))} rows)" if sizes else "")
     )
+    if args.compile and not first:
+        compile_in_background(manager, args, started)
     settings = ServerSettings(
         model_name=name,
         api_key=args.api_key,
@@ -562,6 +564,57 @@ def cmd_serve(args) -> int:
     )
     server.run_steps()
     return 0
+
+
+def serving_manager(model, args):
+    """The continuous-batching manager `decodekit serve`'s flags describe (the same in the process that warms the
+    compile cache, so its compiled step is the server's)."""
+    return model.init_continuous_batching(
+        max_queue_size=args.max_queue,
+        max_running=args.max_running,
+        max_batch_tokens=args.max_batch_tokens,
+        max_cache_bytes=args.cache_mb * 2**20 if args.cache_mb else None,
+        compile=args.compile,
+        paged_attention=args.paged_attention,
+    )
+
+
+def warm_compile_cache(args) -> int:
+    """`decodekit serve --warm-compile-cache`: compiles the server's decode step into torch's on-disk compile caches
+    (inductor's and AOT autograd's) and exits; the server then compiles the same step in seconds."""
+    model, _ = load_model_of(args)
+    serving_manager(model, args).warm_up()
+    return 0
+
+
+def compile_in_background(manager, args, started: float) -> None:
+    """The server steps eagerly while another process compiles the same decode step into torch's compile caches;
+    once it has, the stepping thread compiles it (seconds, from the caches) and switches. A compile that fails
+    there is the same step's failure here: the server then goes on as CompiledDecode decides (eagerly, logged)."""
+    import subprocess
+
+    import torch
+
+    argv = [a for a in args.argv if a != "--wait-for-compile"] + ["--warm-compile-cache"]
+    # The server's own thread count: inductor's CPU kernels are compiled for it, and cached under it.
+    env = {**os.environ, "DECODEKIT_THREADS": str(torch.get_num_threads())}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "decodekit.cli", *argv],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    atexit.register(lambda: child.poll() is None and child.kill())
+    status("decodekit serve: decode steps run eagerly while the compiled step is prepared (about a minute)")
+
+    def switched(sizes: list[int]) -> None:
+        status(
+            f"decodekit serve: compiled decode steps in use ({', '.join(map(str, sizes))} rows), "
+            f"{time.monotonic() - started:.1f} s after start"
+        )
+
+    manager.compile_when(lambda: child.poll() is not None, switched)
 
 
 def status(line: str) -> None:
@@ -1368,11 +1421,12 @@ def main(argv: list[str] | None = None) -> int:
             import argcomplete
 
             argcomplete.autocomplete(parser)
+        argv = list(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(argv)
         if getattr(args, "config", None):
-            args = parser.parse_args(
-                with_config(parser, list(sys.argv[1:] if argv is None else argv), args.command, args.config)
-            )
+            argv = with_config(parser, argv, args.command, args.config)
+            args = parser.parse_args(argv)
+        args.argv = argv  # as given, config files read: what a helper process of this command is started with
         if args.trace:
             os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -1011,3 +1011,22 @@ def test_the_compiled_step_marks_its_sizes_dynamic_without_a_constraint():
     )
     weak = {name: getattr(t, "_dynamo_weak_dynamic_indices", set()) for name, t in tensors.items()}
     assert weak == {"i": {1}, "p": {0}, "s": {0}, "t": {0, 1}}
+
+
+def test_steps_run_eagerly_until_the_compile_is_ready_then_compiled(model):
+    # A server listens at once: warm_up(compile=False), then compile_when(ready) compiles between two steps once
+    # ready() says so (torch's caches warmed by another process); every request equals generate() alone either way.
+    manager = model.init_continuous_batching(max_running=3, compile=True)
+    assert manager.warm_up(compile=False) == []
+    ready, told = [], []
+    manager.compile_when(lambda: bool(ready), told.append)
+    requests = [
+        ([3, 5, 7], dict(max_new_tokens=5, eos_token_id=None)),
+        ([9, 2], dict(max_new_tokens=4, do_sample=True, seed=3)),
+    ]
+    each_as_alone(manager, model, requests)
+    compiled = manager.runner.compiled
+    assert compiled.steps == 0 and not told  # eager so far
+    ready.append(True)
+    each_as_alone(manager, model, requests)
+    assert told == [[1, 3]] and compiled.steps > 2 + 3 and compiled.broken is None

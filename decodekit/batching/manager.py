@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -178,11 +178,11 @@ class ContinuousBatchingManager:
         # Every guard kept: with the steps' filter (argument_guards_only, which knows none of race_rows' argument
         # names) a graph specialised to one sampled row was replayed for several and inductor raised.
         self._eager_race = race_in_parts if model.device.type == "cpu" else race_rows
-        self._race = (
-            self._eager_race
-            if compile_options is None
-            else compile_own(race_rows, {"dynamic": True}, guard_filter=None)
+        self._compiled_race = (
+            None if compile_options is None else compile_own(race_rows, {"dynamic": True}, guard_filter=None)
         )
+        self._race = self._compiled_race or self._eager_race
+        self._compile_later: tuple[Callable[[], bool], Callable | None] | None = None
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._cancels: set[str] = set()
@@ -280,15 +280,36 @@ class ContinuousBatchingManager:
         return self.runner.total_blocks
 
     # ---- requests ----
-    def warm_up(self) -> list[int]:
+    def warm_up(self, compile: bool = True) -> list[int]:
         """Does now what the first requests would otherwise pay for (a server calls it before taking requests):
         writes the paged cache once, so its memory (max_cache_bytes) is taken now rather than page by page during
         steps, and with compile=True compiles the decode step and runs it at 1 and max_running rows. Returns
-        those row counts, [] where steps are not compiled. Call it from the thread that will run the steps."""
-        sizes = self.runner.warm_up(self.scheduler.max_running)
-        if self._race is not self._eager_race:
-            self._race_rows_warm_up()
+        those row counts, [] where steps are not compiled. Call it from the thread that will run the steps.
+
+        `compile` False: the cache only; steps run eagerly until compile_when's condition holds."""
+        sizes = self.runner.warm_up(self.scheduler.max_running, compile)
+        if self._compiled_race is not None:
+            self._race = self._compiled_race if compile else self._eager_race
+            if compile:
+                self._race_rows_warm_up()
         return sizes
+
+    def compile_when(self, ready: Callable[[], bool], then: Callable[[list[int]], None] | None = None) -> None:
+        """After warm_up(compile=False): the stepping thread compiles the steps (warm_up) at the first moment
+        `ready()` is true, between two steps, and calls then(row counts). A server listens at once and serves
+        eagerly meanwhile; `ready` says when torch's compile caches are warm (a process compiling the same step),
+        so the pause is seconds."""
+        self._compile_later = (ready, then)
+
+    def _compile_due(self) -> bool:
+        later = self._compile_later
+        if later is None or not later[0]():
+            return False
+        self._compile_later = None
+        sizes = self.warm_up(compile=True)
+        if later[1] is not None:
+            later[1](sizes)
+        return True
 
     def _race_rows_warm_up(self) -> None:
         vocab = self.model.config.vocab_size
@@ -424,10 +445,17 @@ class ContinuousBatchingManager:
             while not self._stopping and not self._incoming and not self._cancels and self.scheduler.idle:
                 if self._until_idle:
                     return False
+                if self._compile_later is not None:
+                    break  # the compile's condition is looked at outside the lock, below
                 self._cv.wait(0.5)
             incoming, self._incoming = self._incoming, []
             cancels, self._cancels = self._cancels, set()
             stopping = self._stopping
+        if self._compile_later is not None and not stopping:
+            if not self._compile_due() and not incoming and not cancels and self.scheduler.idle:
+                with self._cv:
+                    self._cv.wait(0.5)  # idle: look again in a moment
+                return True
         for request in incoming:
             self.scheduler.waiting.append(request)
         if stopping:

@@ -56,6 +56,7 @@ class PagedRunner:
         self.model = model
         self.cache = PagedCache(model, num_blocks, block_size)
         self.compiled = None
+        self.compiled_ready = True  # False: steps run eagerly until warm_up compiles (a server that listens first)
         if compile_options is not None:
             from .compiled import CompiledDecode
 
@@ -72,10 +73,12 @@ class PagedRunner:
     def free_blocks(self) -> int:
         return self.cache.allocator.free_blocks
 
-    def warm_up(self, max_rows: int) -> list[int]:
-        """The cache's memory taken now, and with compiled steps the step compiled (CompiledDecode.warm_up)."""
+    def warm_up(self, max_rows: int, compile: bool = True) -> list[int]:
+        """The cache's memory taken now, and with compiled steps the step compiled (CompiledDecode.warm_up); with
+        `compile` False, steps run eagerly until a later warm_up compiles."""
         self.cache.commit()
-        return [] if self.compiled is None else self.compiled.warm_up(max_rows)
+        self.compiled_ready = compile
+        return [] if self.compiled is None or not compile else self.compiled.warm_up(max_rows)
 
     def _row_blocks(self, prompt_length: int, max_length: int) -> tuple[int, int]:
         """(blocks of one row up to max_length, of those the prompt's full blocks, which the rows share)."""
@@ -130,7 +133,7 @@ class PagedRunner:
             owners.append((r.id, r.rows))
         ids = to_device(ids, torch.long, self.model.device)
         logits = None
-        if self.compiled is not None and not any(work.prefill for work in works):
+        if self.compiled is not None and self.compiled_ready and not any(work.prefill for work in works):
             rows = tuple((work.request.id, work.request.rows) for work in works)
             logits = self.compiled(ids, tables, [s.first for s in segments], rows)
         if logits is None:

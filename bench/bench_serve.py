@@ -149,6 +149,7 @@ def main() -> None:
                 "-m",
                 "decodekit.cli",
                 "serve",
+                "--wait-for-compile",  # timed on the compiled steps from the first request
                 "--model",
                 model_dir,
                 "--served-model-name",

@@ -72,7 +72,17 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "decodekit.cli", "serve", "--port", str(port), "--served-model-name", "smol"],
+        [
+            sys.executable,
+            "-m",
+            "decodekit.cli",
+            "serve",
+            "--wait-for-compile",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "smol",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

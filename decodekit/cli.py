@@ -675,14 +675,12 @@ def _model_flags(parser, generation: bool = True) -> None:
 
 def _threads(text: str):
     """--threads: a count, auto or torch."""
-    from .kernels.threads import ACCEPTED
+    from .kernels.threads import ACCEPTED, parse
 
-    value = text.strip().lower()
-    if value in ("auto", "torch"):
-        return value
-    if value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise argparse.ArgumentTypeError(f"expected {ACCEPTED}, got {text!r}")
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {ACCEPTED}, got {text!r}") from None
 
 
 def _device(value: str) -> str:

@@ -62,6 +62,7 @@ class ViewCompile:
         self.told: set[str] = set()
         self.stepped = self.several = False
         self.holds_layout = False  # whether this call holds the model's layout lock (kernels/layout.py)
+        self.refused_layout = False  # another thread held it at this call's first step
         self.thread = threading.get_ident()  # the call's: the lock is taken and released there
 
     def close(self) -> None:
@@ -115,10 +116,14 @@ class ViewCompile:
         weights in that step's layout."""
         if threading.get_ident() != self.thread:
             return None  # a thread the method started: the plain forward, on the layout the call holds
+        if self.refused_layout:
+            return None
         if not self.holds_layout:
             # Held from the call's first step to its end: a method's forwards come between its steps. Never
-            # waited for: another thread's method may hold it for the whole of its own loop.
+            # waited for: another thread's method may hold it for the whole of its own loop. Refused once, the
+            # call runs the plain forward to its end (one path for all of its tokens).
             if not kernels.layout_lock(self.module).acquire(blocking=False):
+                self.refused_layout = True
                 self.tell("another thread's call holds the model's weight layout for its own steps")
                 return None
             self.holds_layout = True

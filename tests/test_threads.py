@@ -86,3 +86,36 @@ def test_compiled_published_methods_from_two_threads_never_fail_and_keep_their_t
             if dtype == torch.float32:
                 assert torch.equal(out, compiled[index]), (index, compiled[index].tolist(), out.tolist())
     assert all(isinstance(out, torch.Tensor) for out in outcomes[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_compiled_method_beside_continuous_batching_on_one_model(checkpoint, tmp_path, dtype):
+    # Before, in bf16: the manager's compiled step failed (KeyError: 'weight') when the method's step changed the
+    # weights' layout under it, and every later step ran eagerly. Now each waits for nothing: the one that finds the
+    # layout held steps eagerly on it, and the manager's step stays compiled.
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    repo = str(write_method(tmp_path / "top_n_sigma", TOP_N_SIGMA))
+    call = dict(
+        input_ids=PROMPTS[0], max_new_tokens=10, custom_generate=repo, trust_remote_code=True, eos_token_id=None
+    )
+    want = model.generate(**call, compile=True)
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [1, 2]]
+    alone = [
+        model.generate(torch.tensor([p]), max_new_tokens=8, eos_token_id=None)[0, len(p) :].tolist() for p in prompts
+    ]
+    with model.init_continuous_batching(compile=True, max_running=4) as manager:
+        outcomes, batches = [], []
+        thread = threading.Thread(
+            target=lambda: outcomes.extend(model.generate(**call, compile=True) for _ in range(ROUNDS))
+        )
+        thread.start()
+        for _ in range(ROUNDS):
+            ids = [manager.add_request(p, max_new_tokens=8, eos_token_id=None) for p in prompts]
+            batches.append([manager.get_result(i, timeout=PATIENCE).generated_tokens for i in ids])
+        thread.join(timeout=PATIENCE)
+        compiled = manager.runner.compiled
+    assert all(batch == alone for batch in batches)
+    assert compiled.broken is None and compiled.steps > 0
+    assert len(outcomes) == ROUNDS and all(out.shape == want.shape for out in outcomes)
+    if dtype == torch.float32:
+        assert all(torch.equal(out, want) for out in outcomes)

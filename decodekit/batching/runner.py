@@ -17,6 +17,8 @@ from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
 from ..core.transfer import to_device
+from ..kernels.layout import if_layout_free, layout_lock
+from ..kernels.packed import pack_linears
 
 
 @dataclass
@@ -54,9 +56,11 @@ class PagedRunner:
         """compile_options: None for eager steps, else compile_config (a dict, maybe empty): steps whose rows
         all decode then run compiled (batching/compiled.py), attending by `attention` (compiled.ATTENTION)."""
         self.model = model
+        self.weights = getattr(model, "module", model)  # the module whose weight layout the steps run on
         self.cache = PagedCache(model, num_blocks, block_size)
         self.compiled = None
         self.compiled_ready = True  # False: steps run eagerly until warm_up compiles (a server that listens first)
+        self.compiled_layout = None  # whether the weights were packed when the step compiled (kernels.pack_linears)
         if compile_options is not None:
             from .compiled import CompiledDecode
 
@@ -78,7 +82,19 @@ class PagedRunner:
         `compile` False, steps run eagerly until a later warm_up compiles."""
         self.cache.commit()
         self.compiled_ready = compile
-        return [] if self.compiled is None or not compile else self.compiled.warm_up(max_rows)
+        if self.compiled is None or not compile:
+            return []
+        with layout_lock(self.weights):  # compiled on the layout in force, which no other thread changes meanwhile
+            self.on_compiled_layout()
+            return self.compiled.warm_up(max_rows)
+
+    def on_compiled_layout(self) -> bool:
+        """Whether the model's weights are in the layout the compiled step was (or, at its first use, will be)
+        compiled on; the caller holds the model's layout lock. An eager forward would decide the layout here too."""
+        layout = pack_linears(self.weights)
+        if self.compiled_layout is None:
+            self.compiled_layout = layout
+        return layout == self.compiled_layout
 
     def _row_blocks(self, prompt_length: int, max_length: int) -> tuple[int, int]:
         """(blocks of one row up to max_length, of those the prompt's full blocks, which the rows share)."""
@@ -135,7 +151,12 @@ class PagedRunner:
         logits = None
         if self.compiled is not None and self.compiled_ready and not any(work.prefill for work in works):
             rows = tuple((work.request.id, work.request.rows) for work in works)
-            logits = self.compiled(ids, tables, [s.first for s in segments], rows)
+            # The compiled step runs on the layout it was compiled on. Where another thread's compiled call holds the
+            # model's layout (a method on the same model), or left another one in force, this step runs eagerly on
+            # what is there rather than wait for that call, step while the layout changes, or compile again.
+            with if_layout_free(self.weights) as free:
+                if free and self.on_compiled_layout():
+                    logits = self.compiled(ids, tables, [s.first for s in segments], rows)
         if logits is None:
             batch = PagedBatch(self.cache, tables, segments)
             out = self.model(

@@ -91,29 +91,24 @@ def declared_stages(owner: str, processors: list) -> list[int] | None:
     processors passed to generate(), ValueError naming the argument."""
     from ..registry.manager import PluginError, described, host
 
-    try:
-        stages = [STAGES.index(stage_of(processor)) for processor in processors]
-        for processor in processors:
+    stages = []
+    for processor in processors:
+        try:
+            stages.append(STAGES.index(stage_of(processor)))
             for capability in CAPABILITIES:
                 declares(processor, capability)
-        return stages
-    except Exception as error:  # a property of the plugin's raising anything
-        processor = next((p for p in processors if not _readable(p)), processors[0])
-        what = f"{described('logits processor', processor, owner)}: its declarations cannot be read ({type(error).__name__}: {error})"
-        if owner == GIVEN_PROCESSORS:
-            raise ValueError(f"logits_processor: {what}") from error
-        failure = host().on_failure(owner, "decodekit_logits_processors", PluginError(what))
-        if failure is None:
-            return None
-        raise failure from error
-
-
-def _readable(processor) -> bool:
-    try:
-        stage_of(processor)
-        return all(declares(processor, c) in (True, False) for c in CAPABILITIES)
-    except Exception:
-        return False
+        except Exception as error:  # a property of the plugin's raising anything
+            what = (
+                f"{described('logits processor', processor, owner)}: its declarations cannot be read "
+                f"({type(error).__name__}: {error})"
+            )
+            if owner == GIVEN_PROCESSORS:
+                raise ValueError(f"logits_processor: {what}") from error
+            failure = host().on_failure(owner, "decodekit_logits_processors", PluginError(what))
+            if failure is None:
+                return None
+            raise failure from error
+    return stages
 
 
 def refuse_kept_hooks(engine, generation_config, context, only: set[str] | None) -> None:

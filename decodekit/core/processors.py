@@ -238,11 +238,10 @@ def log_probs(scores: torch.Tensor) -> torch.Tensor:
     """log_softmax of `scores` [..., V] over the vocabulary, where a +inf score (a processor forcing a token) means
     certainty: the +inf tokens share the probability (log 1/k: 0.0 for one), every other token -inf. log_softmax
     alone gives NaN for every token of such a row. No synchronisation: the same code for every row."""
-    logp = torch.log_softmax(scores, dim=-1)
-    forced = scores == math.inf
-    count = forced.sum(-1, keepdim=True)
-    share = torch.where(forced, -torch.log(count.clamp(min=1).to(logp.dtype)), torch.full_like(logp, NEG_INF))
-    return torch.where(count > 0, share, logp)
+    from .selectors import probabilities  # the same rule for the race's probabilities
+
+    forced = (scores == math.inf).any(-1, keepdim=True)
+    return torch.where(forced, probabilities(scores).log(), torch.log_softmax(scores, dim=-1))
 
 
 def check_scores(

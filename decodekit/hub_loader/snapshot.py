@@ -64,6 +64,14 @@ class MissingMethodFileError(MethodFilesError, FileNotFoundError):
     as transformers raises for it, so code that catches that around generate() keeps working."""
 
 
+def changed_while_read(label: str, name: str, what: str) -> MethodFilesError:
+    """The error for custom_generate/`name` of `label` changing between the folder's listing and its read."""
+    return MethodFilesError(
+        f"`{label}`: custom_generate/{name} changed while the method was read ({what}); read it again once it stops "
+        "changing."
+    )
+
+
 def max_total_bytes() -> int:
     value = os.environ.get(TOTAL_VARIABLE, "")
     if not value:
@@ -83,10 +91,7 @@ def _check_link(entry: os.DirEntry, name: str, label: str, roots: tuple[str, ...
     try:
         target, real = os.readlink(entry.path), os.path.realpath(entry.path)
     except OSError as error:  # removed or replaced since the folder was listed
-        raise MethodFilesError(
-            f"`{label}`: custom_generate/{name} changed while the method was read ({error.strerror or error}); read "
-            "it again once it stops changing."
-        ) from None
+        raise changed_while_read(label, name, error.strerror or str(error)) from None
     if not os.path.exists(entry.path):
         why = "which does not exist"
     elif not _inside(real, roots):
@@ -160,20 +165,16 @@ def _opened(real: str, name: str, label: str, roots: tuple[str, ...]):
     `allowed`), not a link (O_NOFOLLOW: one swapped in since the path was resolved is refused), a regular file
     (fstat on the descriptor: a FIFO swapped in is refused, and never waited on: O_NONBLOCK). What the walk saw
     may have changed since; what is read is what this checks."""
-    changed = (
-        f"`{label}`: custom_generate/{name} changed while the method was read (it is now {{}}); read it again "
-        "once it stops changing."
-    )
     if not _inside(real, roots):
-        raise MethodFilesError(changed.format(f"a link out of the method's folder, to {real}"))
+        raise changed_while_read(label, name, f"it is now a link out of the method's folder, to {real}")
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(real, flags)
     except OSError as error:
-        raise MethodFilesError(changed.format(f"unreadable: {error.strerror or error}")) from None
+        raise changed_while_read(label, name, f"it is now unreadable: {error.strerror or error}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise MethodFilesError(changed.format("not a regular file"))
+        raise changed_while_read(label, name, "it is now not a regular file")
     return os.fdopen(fd, "rb")
 
 
@@ -198,10 +199,7 @@ class _Snapshots:
             try:
                 size = path.stat().st_size
             except OSError as error:  # removed since the folder was listed
-                raise MethodFilesError(
-                    f"`{label}`: custom_generate/{name} changed while the method was read ({error.strerror or error}); "
-                    "read it again once it stops changing."
-                ) from None
+                raise changed_while_read(label, name, error.strerror or str(error)) from None
             total += size
             if size > MAX_FILE_BYTES:
                 raise MethodFilesError(

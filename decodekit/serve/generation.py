@@ -3,10 +3,9 @@ the manager, and its outputs answered as they come (a Job), streamed or whole.""
 
 from __future__ import annotations
 
-import math
-
 import asyncio
 import json
+import math
 import time
 import uuid
 

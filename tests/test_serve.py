@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import contextlib
 import threading
 import time
 import urllib.error
@@ -670,6 +671,23 @@ def test_a_large_body_is_parsed_and_its_prompt_tokenized_off_the_event_loop(serv
     assert all(thread is not loop for kind, thread in where[1:])
 
 
+@contextlib.contextmanager
+def serving_methods(default_model, methods: list[str]):
+    """An openai client of a server of its own over the default model, allowing `methods` (local folders) pinned at
+    their revisions; stopped at the end of the block."""
+    model, tok = default_model
+    specs = [f"{m}@{resolve(m).revision}" for m in methods]
+    manager = model.init_continuous_batching(max_queue_size=16, max_cache_bytes=64 * 2**20)
+    settings = ServerSettings(model_name=NAME, api_key=KEY, max_tokens_limit=16, methods=allowed_methods(specs))
+    server = Server(manager, tok, settings, port=0).start()
+    manager.start()
+    try:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
+    finally:
+        server.stop()
+        manager.join(timeout=PATIENCE)
+
+
 def test_clients_methods_with_processors_of_one_name_or_one_closure_get_their_own(default_model, tmp_path):
     # Before: one client's method banning " The" was answered "TheTheThe..." while another's forcing it ran in the
     # same step (the shared pass took processors of one class name, or one closure class, as the same).
@@ -679,13 +697,7 @@ def test_clients_methods_with_processors_of_one_name_or_one_closure_get_their_ow
     token = tok.encode(" The")[0]
     ban, force = _rules(tmp_path, token)
     closure = str(write_method(tmp_path / "closure", CLOSURE))
-    specs = [f"{m}@{resolve(m).revision}" for m in (ban, force, closure)]
-    manager = model.init_continuous_batching(max_queue_size=16, max_cache_bytes=64 * 2**20)
-    settings = ServerSettings(model_name=NAME, api_key=KEY, max_tokens_limit=16, methods=allowed_methods(specs))
-    server = Server(manager, tok, settings, port=0).start()
-    manager.start()
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
+    with serving_methods(default_model, [ban, force, closure]) as client:
         prompt = "The capital of France is"
         choices = [
             {"method": force},
@@ -721,9 +733,6 @@ def test_clients_methods_with_processors_of_one_name_or_one_closure_get_their_ow
         for t in threads:
             t.join(timeout=PATIENCE)
         assert got == want
-    finally:
-        server.stop()
-        manager.join(timeout=PATIENCE)
 
 
 FORCE_INF = """
@@ -756,17 +765,7 @@ def test_a_forced_token_s_logprob_is_zero_and_tokens_that_cannot_come_are_not_li
     model, tok = default_model
     method = str(write_method(tmp_path / "sure", FORCE_INF))
     token = tok.encode(" Paris")[0]
-    manager = model.init_continuous_batching(max_queue_size=8, max_cache_bytes=64 * 2**20)
-    settings = ServerSettings(
-        model_name=NAME,
-        api_key=KEY,
-        max_tokens_limit=16,
-        methods=allowed_methods([f"{method}@{resolve(method).revision}"]),
-    )
-    server = Server(manager, tok, settings, port=0).start()
-    manager.start()
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=PATIENCE)
+    with serving_methods(default_model, [method]) as client:
         for extra in ({"temperature": 0}, {}, {"temperature": 0.7, "top_p": 0.9, "seed": 3}):  # greedy and sampled
             r = client.chat.completions.create(
                 model=NAME,
@@ -781,6 +780,3 @@ def test_a_forced_token_s_logprob_is_zero_and_tokens_that_cannot_come_are_not_li
             assert [e.token for e in entries] == [" Paris"] * 3
             assert all(e.logprob == 0.0 for e in entries), [e.logprob for e in entries]
             assert all([(t.token, t.logprob) for t in e.top_logprobs] == [(" Paris", 0.0)] for e in entries)
-    finally:
-        server.stop()
-        manager.join(timeout=PATIENCE)

@@ -22,6 +22,7 @@ from ..kernels.layout import if_layout_free
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import by_route, prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
+from ..kernels.blocks import BlockLinear
 from ..kernels.quantize import Int8Linear
 from .cache import DynamicCache, StaticCache
 from .config import ModelConfig
@@ -194,13 +195,17 @@ class Block(nn.Module):
 
     def native_operands(self) -> tuple | None:
         """(weights, scales, biases, norms) for decodekit::decode_layers (cpu_kernels.cpp), or None where a
-        linear layer's weight is not one it reads: plain float32/bfloat16, or int8 interleaved (width % 32 == 0)."""
+        linear layer's weight is not one it reads: plain float32/bfloat16, int8 interleaved (width % 32 == 0), or
+        blocks (kernels/blocks.py)."""
         linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
         weights, scales = [], []
         for linear in linears:
             if isinstance(linear, Int8Linear) and linear.in_features % 32 == 0:
                 weights.append(linear.weight_int8)
                 scales.append(linear.scales.float())
+            elif type(linear) is BlockLinear:
+                weights.append(linear.blocks)
+                scales.append(None)
             elif type(linear) is Linear and linear.weight.dtype in native.LAYER_DTYPES:
                 weights.append(linear.weight)
                 scales.append(None)
@@ -321,11 +326,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype: the norms' (linear and embedding weights may be kept in blocks or int8)."""
+        return self.norm.weight.dtype
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed

@@ -170,6 +170,95 @@ void dots(const float* x, const int8_t* w, int64_t K, float* y, int64_t N) {
   for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]);
 }
 
+// ---- Block-quantized weights as GGUF files hold them (kernels/blocks.py): a row of K weights is K / 32 blocks. ----
+// A weight's tensor dtype names its block format, so the same WeightRef carries it through the products and the
+// layer stack: uint8 rows of Q4Blocks (GGUF's Q4_1 block: weight = d * q + m, q a 4-bit value, the low nibbles
+// of qs weights 0-15 of the block and the high nibbles weights 16-31), int16 rows of Q8Blocks (GGUF's Q8_0:
+// weight = d * q, q an int8). Each block is converted in registers to float32 and multiplied in float32, so the
+// product is the dequantized weight's to float32 rounding.
+constexpr int64_t kBlockSize = 32;
+struct Q4Block {
+  uint16_t d, m;  // float16
+  uint8_t qs[16];
+};
+struct Q8Block {
+  uint16_t d;  // float16
+  int8_t qs[32];
+};
+static_assert(sizeof(Q4Block) == 20 && sizeof(Q8Block) == 34);
+
+inline void load_block(const Q4Block& b, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d)), m = _mm256_set1_ps(_cvtsh_ss(b.m));
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+}
+
+inline void load_block(const Q8Block& b, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
+  for (int j = 0; j < 4; ++j) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * j));
+    w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), d);
+  }
+}
+
+template <typename B>
+constexpr bool is_block = std::is_same_v<B, Q4Block> || std::is_same_v<B, Q8Block>;
+
+// A row by one weight row of blocks; two accumulators, as the four products of a block would else wait on each other.
+template <typename B>
+float block_dot(const float* x, const B* w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (int64_t b = 0; b < K / kBlockSize; ++b, x += kBlockSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    __m256 q[4];
+    load_block(w[b], q);
+    a0 = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(x), a0);
+    a1 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), a1);
+    a0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), a0);
+    a1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), a1);
+  }
+  return horizontal_sum(_mm256_add_ps(a0, a1));
+}
+
+// M rows (stride K) by one weight row of blocks, each block converted once for all rows.
+template <int M, typename B>
+void block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0, k = 0; k < K; ++b, k += kBlockSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    __m256 q[4];
+    load_block(w[b], q);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      acc[m] = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xm), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]);
+}
+
+float dot(const float* x, const Q4Block* w, int64_t K) { return block_dot(x, w, K); }
+float dot(const float* x, const Q8Block* w, int64_t K) { return block_dot(x, w, K); }
+template <int M>
+void dots(const float* x, const Q4Block* w, int64_t K, float* y, int64_t N) { block_dots<M>(x, w, K, y, N); }
+template <int M>
+void dots(const float* x, const Q8Block* w, int64_t K, float* y, int64_t N) { block_dots<M>(x, w, K, y, N); }
+
+// Weight row n's first element: a row of blocks holds K / 32 of them.
+template <typename W>
+inline const W* row_at(const W* w, int64_t n, int64_t K) {
+  if constexpr (is_block<W>) return w + n * (K / kBlockSize);
+  return w + n * K;
+}
+
 // The rows' count as a template argument: the accumulators stay in registers.
 template <typename Fn>
 void with_row_count(int64_t M, Fn fn) {
@@ -196,20 +285,35 @@ void in_chunks(int64_t M, Fn pass) {
 // A weight as these kernels read it, checked beforehand, so that the loops below never throw (they run
 // inside parallel regions).
 struct WeightRef {
-  at::ScalarType dtype;  // float32, bfloat16, or int8 interleaved (unscaled; K % 32 == 0)
+  at::ScalarType dtype;  // float32, bfloat16, int8 interleaved (unscaled; K % 32 == 0), Q4Block (uint8), Q8Block (int16)
   const void* data;
   int64_t N, K;
 };
+
+// The input width of a weight [out, stored]: the stored width, or for rows of blocks 32 weights a block.
+int64_t stored_width(const at::Tensor& weight, const char* op) {
+  const int64_t width = weight.size(1), bytes = weight.element_size() * width;
+  if (weight.scalar_type() == at::kByte) {
+    TORCH_CHECK(bytes % sizeof(Q4Block) == 0, op, ": a row of 4-bit blocks is a multiple of 20 bytes, not ", bytes);
+    return bytes / sizeof(Q4Block) * kBlockSize;
+  }
+  if (weight.scalar_type() == at::kShort) {
+    TORCH_CHECK(bytes % sizeof(Q8Block) == 0, op, ": a row of 8-bit blocks is a multiple of 34 bytes, not ", bytes);
+    return bytes / sizeof(Q8Block) * kBlockSize;
+  }
+  return width;
+}
 
 WeightRef weight_ref(const at::Tensor& weight, const char* op) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(), op,
               ": weight must be a contiguous [out, in] matrix on the CPU");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar, op,
-              ": weights must be float32, bfloat16 or int8, not ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar || dtype == at::kByte ||
+                  dtype == at::kShort,
+              op, ": weights must be float32, bfloat16, int8, or blocks (uint8: 4-bit, int16: 8-bit), not ", dtype);
   TORCH_CHECK(dtype != at::kChar || weight.size(1) % 32 == 0, op,
               ": the input width of an int8 weight must be a multiple of 32, not ", weight.size(1));
-  return {dtype, weight.data_ptr(), weight.size(0), weight.size(1)};
+  return {dtype, weight.data_ptr(), weight.size(0), stored_width(weight, op)};
 }
 
 // y[m * N + n] = x[m] . w[n] for the weight rows n in [begin, end) and the M rows of x (W: float, bfloat16,
@@ -217,13 +321,13 @@ WeightRef weight_ref(const at::Tensor& weight, const char* op) {
 template <typename W>
 void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* y, int64_t begin, int64_t end) {
   if (M == 1) {
-    for (int64_t n = begin; n < end; ++n) y[n] = dot(x, w + n * K, K);
+    for (int64_t n = begin; n < end; ++n) y[n] = dot(x, row_at(w, n, K), K);
     return;
   }
   in_chunks(M, [&](int64_t split, auto first, auto rest) {
     for (int64_t n = begin; n < end; ++n) {
-      dots<first()>(x, w + n * K, K, y + n, N);
-      if constexpr (rest() > 0) dots<rest()>(x + split * K, w + n * K, K, y + split * N + n, N);
+      dots<first()>(x, row_at(w, n, K), K, y + n, N);
+      if constexpr (rest() > 0) dots<rest()>(x + split * K, row_at(w, n, K), K, y + split * N + n, N);
     }
   });
 }
@@ -233,6 +337,8 @@ void weight_rows(const float* x, int64_t M, const WeightRef& w, float* y, int64_
     case at::kFloat: return weight_rows(x, M, static_cast<const float*>(w.data), w.N, w.K, y, begin, end);
     case at::kBFloat16:
       return weight_rows(x, M, static_cast<const c10::BFloat16*>(w.data), w.N, w.K, y, begin, end);
+    case at::kByte: return weight_rows(x, M, static_cast<const Q4Block*>(w.data), w.N, w.K, y, begin, end);
+    case at::kShort: return weight_rows(x, M, static_cast<const Q8Block*>(w.data), w.N, w.K, y, begin, end);
     default: return weight_rows(x, M, static_cast<const int8_t*>(w.data), w.N, w.K, y, begin, end);
   }
 }
@@ -253,8 +359,9 @@ at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const char*
 }
 
 at::Tensor row_product(const at::Tensor& rows, const at::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
-              "row_product: weight must be float32 or bfloat16, not ", weight.scalar_type());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kByte || dtype == at::kShort,
+              "row_product: weight must be float32, bfloat16 or blocks (uint8: 4-bit, int16: 8-bit), not ", dtype);
   return product(rows, weight, "row_product");
 }
 
@@ -860,6 +967,15 @@ inline void to_float(const int8_t* w, const float* scale, float* out, int64_t K)
   for (; k < K; ++k) out[k] = static_cast<float>(w[k]) * by;
 }
 
+template <typename B, std::enable_if_t<is_block<B>, int> = 0>
+inline void to_float(const B* w, const float*, float* out, int64_t K) {
+  for (int64_t b = 0; b < K / kBlockSize; ++b, out += kBlockSize) {
+    __m256 q[4];
+    load_block(w[b], q);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, q[j]);
+  }
+}
+
 // An interleaved int8 row (see load32_int8; K % 32 == 0) into float32 in the input's column order, times its scale.
 inline void to_float_interleaved(const int8_t* w, const float* scale, float* out, int64_t K) {
   const __m256 s = _mm256_set1_ps(scale == nullptr ? 1.f : *scale);
@@ -1117,7 +1233,7 @@ void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int6
               continue;
             }
           }
-          to_float(w + (n0 + n) * K, scale, buffer.data() + n * K, K);
+          to_float(row_at(w, n0 + n, K), scale, buffer.data() + n * K, K);
         }
         converted = at::from_blob(buffer.data(), {rows, K}, x.options());
       }
@@ -1136,17 +1252,19 @@ void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int6
 // in the input's order all the same.
 at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                          bool interleaved, bool blocks, bool wide) {
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
-              "tiled_product: rows [M, K] and weight [N, K] expected");
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2, "tiled_product: rows [M, K] and weight [N, K] expected");
+  const auto dtype = weight.scalar_type();
+  const bool int8 = dtype == at::kChar, fp32 = dtype == at::kFloat, q4 = dtype == at::kByte, q8 = dtype == at::kShort;
+  TORCH_CHECK(int8 || fp32 || q4 || q8 || dtype == at::kBFloat16,
+              "tiled_product: a float32, bfloat16, int8 or block (uint8: 4-bit, int16: 8-bit) weight expected");
+  TORCH_CHECK(rows.size(1) == stored_width(weight, "tiled_product"), "tiled_product: rows have ", rows.size(1),
+              " values, weight rows ", stored_width(weight, "tiled_product"));
   TORCH_CHECK(rows.scalar_type() == at::kFloat, "tiled_product: float32 rows expected");
-  const bool int8 = weight.scalar_type() == at::kChar, fp32 = weight.scalar_type() == at::kFloat;
-  TORCH_CHECK(int8 || fp32 || weight.scalar_type() == at::kBFloat16,
-              "tiled_product: a float32, bfloat16 or int8 weight expected");
   TORCH_CHECK(int8 || !scales.has_value(), "tiled_product: scales go with an int8 weight");
   TORCH_CHECK(!interleaved || (int8 && weight.size(1) % 32 == 0),
               "tiled_product: interleaved columns are an int8 weight's, of a width that is a multiple of 32");
-  TORCH_CHECK(!blocks || weight.size(1) % 8 == 0, "tiled_product: blocks=True takes rows of a width that is a multiple of 8");
-  TORCH_CHECK(!wide || (blocks && weight.size(1) % 16 == 0),
+  TORCH_CHECK(!blocks || rows.size(1) % 8 == 0, "tiled_product: blocks=True takes rows of a width that is a multiple of 8");
+  TORCH_CHECK(!wide || (blocks && rows.size(1) % 16 == 0),
               "tiled_product: wide=True goes with blocks=True and rows of a width that is a multiple of 16");
   TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "tiled_product: wide=True needs a CPU with avx512f");
   const at::Tensor x = rows.contiguous(), w = weight.contiguous();
@@ -1158,6 +1276,10 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
     tiled_product_as(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), N, out, interleaved, blocks, wide);
   } else if (int8) {
     tiled_product_as(x, w.data_ptr<int8_t>(), nullptr, N, out, interleaved, blocks, wide);
+  } else if (q4) {
+    tiled_product_as(x, static_cast<const Q4Block*>(w.data_ptr()), nullptr, N, out, false, blocks, wide);
+  } else if (q8) {
+    tiled_product_as(x, static_cast<const Q8Block*>(w.data_ptr()), nullptr, N, out, false, blocks, wide);
   } else if (fp32) {
     tiled_product_as(x, w.data_ptr<float>(), nullptr, N, out, false, blocks, wide);
   } else {

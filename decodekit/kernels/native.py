@@ -39,7 +39,7 @@ from . import cpu
 logger = logging.getLogger("decodekit")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
 # Activation dtypes of decodekit::decode_layers, the C++ layer stack of a fixed-shape decode step.
 LAYER_DTYPES = (torch.float32, torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Reading a GGUF file: the model config, the (dequantized) weights under Hugging Face names, and the tokenizer.
+"""Reading a GGUF file: the model config, the weights under Hugging Face names (dequantized, or kept in the file's
+blocks), and the tokenizer.
 
 llama.cpp's converter permutes the rows of the q and k projections of `llama` models so its rotary
 kernel can rotate adjacent pairs; the Hugging Face layout rotates halves. `_unpermute` undoes it.
@@ -6,12 +7,16 @@ kernel can rotate adjacent pairs; the Hugging Face layout rotates halves. `_unpe
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("decodekit")
 
 # GGUF architecture -> config.json model_type. llama.cpp writes Mistral models as `llama`.
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -29,6 +34,20 @@ _TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+@dataclass
+class BlockWeight:
+    """A weight matrix kept in blocks (kernels/blocks.py): `data` [out, stored] in its layout, `in_features` wide."""
+
+    data: torch.Tensor
+    in_features: int
+
+    @property
+    def layout(self) -> str:
+        from ..kernels.blocks import layout_of
+
+        return layout_of(self.data)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -106,14 +125,26 @@ class GGUFModel:
             cfg["model_type"], cfg["sliding_window"] = "mistral", int(window)
         return cfg
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights, dequantized to float32, under Hugging Face parameter names."""
+    def state_dict(self, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+        """The weights under Hugging Face parameter names, read one tensor at a time: dequantized to float32, or with
+        `keep_blocks` the matrices of a type kernels/blocks.py keeps (Q4_0, Q4_1, Q4_K, Q8_0) as BlockWeights, in
+        about the file's bytes; a matrix of another type is dequantized, with a log line naming the types."""
         from gguf.quants import dequantize
 
+        from ..kernels import blocks
+
         cfg = self.config()
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor | BlockWeight] = {}
+        dequantized: set[str] = set()
         for t in self.reader.tensors:
-            w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+            shape = [int(d) for d in reversed(t.shape)]
+            kept = keep_blocks and len(shape) == 2 and t.tensor_type.name in blocks.KEPT_TYPES
+            if kept:
+                w = np.asarray(t.data).reshape(shape[0], -1)  # rows of blocks, not yet copied out of the file's map
+            else:
+                w = dequantize(t.data, t.tensor_type).reshape(shape)
+                if keep_blocks and len(shape) == 2:
+                    dequantized.add(t.tensor_type.name)
             stem, _, kind = t.name.rpartition(".")
             if stem == "token_embd":
                 name = "model.embed_tokens"
@@ -130,7 +161,16 @@ class GGUFModel:
                 name = f"model.layers.{layer}.{_TENSOR_NAMES[part]}"
             else:
                 raise ValueError(f"Unexpected tensor {t.name!r} in {self.path.name}.")
-            out[f"{name}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32))
+            if kept:
+                layout, rows = blocks.from_gguf(w, t.tensor_type.name)
+                out[f"{name}.{kind}"] = BlockWeight(blocks.as_stored(rows, layout), shape[1])
+            else:
+                out[f"{name}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32))
+        if dequantized:
+            logger.info(
+                "%s: matrices of type %s are dequantized to float32 (kept in blocks: %s)",
+                self.path.name, ", ".join(sorted(dequantized)), ", ".join(sorted(blocks.KEPT_TYPES)),
+            )  # fmt: skip
         return out
 
     def tokenizer_fields(self) -> dict[str, Any]:

@@ -19,7 +19,9 @@ from ..facade import Model
 from ..facade.transformers_model import TRANSFORMERS_EXTRA
 from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..kernels.blocks import dequantize
 from .files import check_backend, check_model_name, resolve_model_dir
+from .gguf_file import BlockWeight
 
 logger = logging.getLogger("decodekit")
 
@@ -66,7 +68,7 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        out[p + "attn.qkv.weight"] = torch.cat([s.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
+        out[p + "attn.qkv.weight"] = _rows([s.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
         if config.qkv_bias:
             out[p + "attn.qkv.bias"] = torch.cat([s.pop(f"{attn}{n}_proj.bias") for n in "qkv"])
         out[p + "attn.o.weight"] = s.pop(attn + "o_proj.weight")
@@ -75,7 +77,7 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         if config.qk_norm:
             out[p + "attn.q_norm.weight"] = s.pop(attn + "q_norm.weight")
             out[p + "attn.k_norm.weight"] = s.pop(attn + "k_norm.weight")
-        out[p + "mlp.gate_up.weight"] = torch.cat([s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")])
+        out[p + "mlp.gate_up.weight"] = _rows([s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")])
         out[p + "mlp.down.weight"] = s.pop(mlp + "down_proj.weight")
         if config.mlp_bias:
             out[p + "mlp.gate_up.bias"] = torch.cat([s.pop(mlp + "gate_proj.bias"), s.pop(mlp + "up_proj.bias")])
@@ -88,8 +90,37 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return out
 
 
-def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device):
-    """The family's module (decodekit.families.llama) with `hf_state`'s weights, in `dtype` on `device`, eval mode."""
+def _rows(parts: list):
+    """Weight matrices stacked by rows (a fused q/k/v or gate/up): tensors, or BlockWeights of one layout, which
+    stack as their blocks; a mix is dequantized to float32 (a Q4_K_M file's Q6_K v beside Q4_K q and k)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, BlockWeight) for p in parts) and len({p.layout for p in parts}) == 1:
+        return BlockWeight(torch.cat([p.data for p in parts]), parts[0].in_features)
+    return torch.cat([dequantize(p.data) if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def _place_blocks(model, native: dict) -> None:
+    """Replaces the layers whose weights `native` holds as BlockWeights by block layers (kernels/blocks.py), taking
+    those entries (and their biases) out of `native`; a tied lm_head shares the embedding's blocks."""
+    from ..kernels.blocks import BlockEmbedding, BlockLinear
+
+    for key in [k for k, v in native.items() if isinstance(v, BlockWeight)]:
+        weight = native.pop(key)
+        path = key.removesuffix(".weight")
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if path == "embed":
+            layer = BlockEmbedding(weight.data, weight.in_features)
+        else:
+            layer = BlockLinear(weight.data, weight.in_features, native.pop(path + ".bias", None))
+        setattr(parent, name, layer)
+        native[path + ".blocks"] = weight.data  # one tensor for a tied lm_head and the embedding
+
+
+def build_model(config: ModelConfig, hf_state: dict, dtype: torch.dtype, device):
+    """The family's module (decodekit.families.llama) with `hf_state`'s weights, in `dtype` on `device`, eval mode.
+    Weights given as BlockWeights stay in their blocks (the model's `quantization` is then "blocks")."""
     from ..families.llama import LlamaForCausalLM
 
     try:
@@ -100,10 +131,16 @@ def build_model(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: t
         ) from None
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    blocks = any(isinstance(v, BlockWeight) for v in native.values())
+    if blocks:
+        _place_blocks(model, native)
     model.load_state_dict(native, strict=True, assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not blocks:
         model.lm_head.weight = model.embed.weight
-    return model.to(dtype=dtype, device=device).eval()
+    model = model.to(dtype=dtype, device=device).eval()
+    if blocks:
+        model.quantization = "blocks"
+    return model
 
 
 def choose_backend(backend, model_type, native: bool, label: str) -> str:
@@ -147,9 +184,10 @@ def _architecture(model_dir: Path, gguf_file: str | None) -> tuple[str | None, b
     return model_type, model_type in SUPPORTED_MODEL_TYPES, fields
 
 
-def _native_files(name_or_path, gguf_file, config_fields, revision, local_files_only, token):
+def _native_files(name_or_path, gguf_file, config_fields, revision, local_files_only, token, keep_blocks=False):
     """(the model's directory, its ModelConfig, its weights, its GenerationConfig) for a native load: the GGUF file
-    (and a generation_config.json beside it), else the safetensors checkpoint."""
+    (and a generation_config.json beside it; `keep_blocks`: its quantized matrices kept as the file holds them),
+    else the safetensors checkpoint."""
     from ..core.config import GenerationConfig
     from .gguf_file import open_gguf
 
@@ -159,7 +197,7 @@ def _native_files(name_or_path, gguf_file, config_fields, revision, local_files_
         )
         gguf = open_gguf(model_dir / gguf_file)
         config = ModelConfig(**gguf.config())
-        state = gguf.state_dict()
+        state = gguf.state_dict(keep_blocks=keep_blocks)
     else:
         model_dir = resolve_model_dir(name_or_path, revision, local_files_only, token)
         config = ModelConfig(**config_fields)
@@ -246,8 +284,10 @@ def _load_natively(
     name_or_path, gguf_file, config_fields, revision, local_files_only, token, dtype, device, quantize, trust
 ) -> Model:
     """A Model over decodekit's own module, built from the files `from_pretrained` found (safetensors or GGUF)."""
+    # A GGUF file's quantized weights stay as the file holds them unless a dtype or another quantization is asked for.
+    keep_blocks = gguf_file is not None and dtype is None and quantize is None
     model_dir, config, state, generation_config = _native_files(
-        name_or_path, gguf_file, config_fields, revision, local_files_only, token
+        name_or_path, gguf_file, config_fields, revision, local_files_only, token, keep_blocks
     )
     module = build_model(
         config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")

@@ -1,0 +1,199 @@
+"""Weights in blocks of 32, as GGUF files hold them: fewer bytes per decoded token than any float copy of them.
+
+Two layouts, each one GGUF block format kept byte for byte:
+- "q4" (GGUF's Q4_1 block, 20 bytes for 32 weights, 5 bits a weight): a float16 scale d and minimum m, then 16
+  bytes of 4-bit values q (low nibbles weights 0-15, high nibbles 16-31); weight = d * q + m. Q4_1 tensors are
+  kept as read; Q4_0's blocks (weight = d * (q - 8)) become q4 blocks with m = -8 d, exactly; Q4_K's super-blocks
+  become q4 blocks with d and m the products of the super-block's and sub-block's scales, rounded to float16
+  (relative error at most 2^-11 of a scale: a Q4_K weight moves by at most that fraction of its group's range).
+- "q8" (GGUF's Q8_0 block, 34 bytes for 32 weights): a float16 scale d, then 32 int8 values q; weight = d * q.
+  Q8_0 tensors are kept as read; Q6_K and Q5_K super-blocks are not converted (their 16-weight groups and
+  6-bit values have no exact q8 form at 32 weights a scale): they load dequantized, as other formats do.
+
+A row of K weights is K / 32 blocks, stored as a [out, K / 32 * 20] uint8 ("q4") or [out, K / 32 * 17] int16
+("q8") tensor: the dtype names the layout for decodekit's C++ kernels (cpu_kernels.cpp), which multiply rows by
+the blocks converted in registers, in float32, so every route computes the dequantized weight's product.
+`quantize="int4"` / `"q8"` make these layouts from float weights (safetensors, Hub models), with the rounding of
+the `gguf` package's own Q4_1 and Q8_0 quantizers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import native
+
+BLOCK = 32
+LAYOUTS = {"q4": (torch.uint8, 20), "q8": (torch.int16, 34)}  # layout -> (stored dtype, bytes a block)
+# GGUF tensor types kept in blocks, and the layout each becomes.
+KEPT_TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8"}
+
+
+def layout_of(blocks: torch.Tensor) -> str:
+    for name, (dtype, _) in LAYOUTS.items():
+        if blocks.dtype == dtype:
+            return name
+    raise ValueError(f"blocks of dtype {blocks.dtype} are no block layout; expected uint8 (q4) or int16 (q8)")
+
+
+def as_stored(raw: np.ndarray, layout: str) -> torch.Tensor:
+    """Bytes [rows, blocks * bytes a block] (numpy uint8) as the tensor a layout is stored in (a copy)."""
+    dtype, _ = LAYOUTS[layout]
+    data = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).copy())
+    return data if dtype == torch.uint8 else data.view(dtype)
+
+
+def from_gguf(raw: np.ndarray, type_name: str) -> tuple[str, np.ndarray]:
+    """A GGUF tensor's block bytes [rows, row bytes] (GGUFReader's `data`, type `type_name`) -> (layout, the rows
+    in that layout's blocks, uint8 [rows, K / 32 * bytes a block])."""
+    rows = raw.shape[0]
+    if type_name in ("Q4_1", "Q8_0"):
+        return KEPT_TYPES[type_name], np.asarray(raw, dtype=np.uint8)
+    if type_name == "Q4_0":
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, 18)
+        d = blocks[:, :2].copy().view(np.float16)
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)  # exact: a power of two times a float16
+        out = np.concatenate([d.view(np.uint8), m.view(np.uint8), blocks[:, 2:]], axis=1)
+        return "q4", out.reshape(rows, -1)
+    if type_name == "Q4_K":
+        return "q4", _q4_from_q4k(np.asarray(raw, dtype=np.uint8)).reshape(rows, -1)
+    raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept: {sorted(KEPT_TYPES)}")
+
+
+def _q4_from_q4k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks (144 bytes: float16 d and dmin, 12 bytes of 6-bit sub-block scales and minimums, 128 bytes
+    of 4-bit values for 256 weights; weight = d * sc * q - dmin * mn) -> q4 blocks [n * 8, 20]."""
+    blocks = raw.reshape(-1, 144)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:16].astype(np.uint8)
+    sc = np.empty((n, 8), np.uint8)
+    mn = np.empty((n, 8), np.uint8)
+    sc[:, :4] = packed[:, 0:4] & 63
+    mn[:, :4] = packed[:, 4:8] & 63
+    sc[:, 4:] = (packed[:, 8:12] & 15) | ((packed[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
+    qs = blocks[:, 16:].reshape(n, 4, 32)  # four chunks of 64 weights: low nibbles the first 32, high the next
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)  # sub-block j: its 32 values in order
+    scale = (d * sc).astype(np.float16)
+    minimum = (-dmin * mn).astype(np.float16)
+    nibbles = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
+    out = np.concatenate(
+        [scale.reshape(n, 8, 1).view(np.uint8), minimum.reshape(n, 8, 1).view(np.uint8), nibbles], axis=2
+    )
+    return out.reshape(n * 8, 20)
+
+
+def quantize_rows(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """A float weight [out, in] (in % 32 == 0) in `layout`'s blocks, rounded as the `gguf` package's Q4_1
+    (q4: d = (max - min) / 15, m = min, q = round((w - m) / d)) and Q8_0 (q8: d = max|w| / 127) quantizers do."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"block layouts take input widths that are multiples of {BLOCK}, not {in_features}")
+    kind = GGMLQuantizationType.Q4_1 if layout == "q4" else GGMLQuantizationType.Q8_0
+    raw = quantize(weight.detach().float().cpu().numpy(), kind)
+    return as_stored(raw.reshape(out_features, -1), layout)
+
+
+def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [rows, stored] -> float32 weights [rows, K], with torch operations (any device)."""
+    layout = layout_of(blocks)
+    _, size = LAYOUTS[layout]
+    raw = blocks.view(torch.uint8).reshape(blocks.shape[0], -1, size)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()
+    if layout == "q8":
+        return (raw[..., 2:].contiguous().view(torch.int8).float() * d).reshape(blocks.shape[0], -1)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()
+    qs = raw[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()
+    return (q * d + m).reshape(blocks.shape[0], -1)
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """The bytes of a module's parameters and buffers, each tensor once (tied weights share one)."""
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+class BlockLinear(nn.Module):
+    """A linear layer whose weight is kept in blocks (`layout`: "q4" or "q8"); y = x @ W^T + b, W the dequantized
+    weight. On CPU with decodekit's kernels, up to native.MAX_ROWS rows (decode steps, eager or compiled) go through
+    decodekit::row_product and more (prompts) through decodekit::tiled_product, a tile of dequantized rows at a time
+    in cache; elsewhere the weight is dequantized for the call."""
+
+    def __init__(self, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.layout = layout_of(blocks)
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        expected = in_features // BLOCK * LAYOUTS[self.layout][1] // blocks.element_size()
+        if in_features % BLOCK or blocks.dim() != 2 or blocks.shape[1] != expected:
+            raise ValueError(
+                f"{self.layout} blocks of shape {tuple(blocks.shape)} do not hold [{blocks.shape[0]}, {in_features}] "
+                f"weights (expected [{blocks.shape[0]}, {expected}])"
+            )
+        self.register_buffer("blocks", blocks)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, layout: str) -> "BlockLinear":
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(quantize_rows(linear.weight, layout), linear.in_features, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (float32, a new tensor each read): for code that reads a layer's weight."""
+        return self.dequantized()
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu" and flat.shape[0] >= 1 and native.ready(x):
+            rows = flat.float().contiguous()
+            if flat.shape[0] <= native.MAX_ROWS:
+                y = torch.ops.decodekit.row_product(rows, self.blocks)
+            else:
+                y = torch.ops.decodekit.tiled_product(rows, self.blocks)
+        else:
+            y = F.linear(flat.float(), self.dequantized().to(flat.device))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in blocks (shared with a tied BlockLinear lm_head): a lookup dequantizes the rows it
+    reads, in the model's dtype (an empty buffer that .to() converts with the rest says which)."""
+
+    def __init__(self, blocks: torch.Tensor, embedding_dim: int):
+        super().__init__()
+        self.layout = layout_of(blocks)
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("like", torch.empty(0, device=blocks.device), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table (a new tensor each read), for code that reads an embedding's weight."""
+        return dequantize(self.blocks).to(self.like.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.blocks[ids.reshape(-1)])
+        return rows.to(self.like.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, layout={self.layout}"

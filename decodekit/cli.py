@@ -640,10 +640,16 @@ def _model_flags(parser, generation: bool = True) -> None:
         "Llama families, transformers for every other architecture)",
     )
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype (default: float32)"
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weight dtype (default: as the files hold them: a GGUF file's 4- and 8-bit matrices kept in their "
+        "blocks, computed in float32; other weights float32)",
     )
     parser.add_argument(
-        "--quantize", choices=["int8"], help="store linear weights as int8 (weight-only; about 3x faster on CPU)"
+        "--quantize",
+        choices=["int8", "int4"],
+        help="store linear weights as int8 (per channel) or int4 (blocks of 32, as GGUF's Q4_1): weight-only, "
+        "fewer bytes per token on CPU",
     )
     parser.add_argument(
         "--threads",

@@ -109,6 +109,72 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, shard
     return path
 
 
+# Hugging Face names -> GGUF's (gguf_file._TENSOR_NAMES, the other way).
+_GGUF_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_tiny_gguf(
+    path: Path, matrices: str = "Q4_1", embedding: str | None = None, seed: int = 0, types: dict | None = None,
+    **overrides,
+) -> Path:  # fmt: skip
+    """A tiny llama model as one GGUF file, its random weights (tiny_state_dict) quantized by the `gguf` package's own
+    quantizers: the layers' matrices as `matrices` (a GGMLQuantizationType name: Q4_0, Q4_1, Q8_0, F32, ...), the
+    embedding as `embedding` (default: the same), `types` naming another for a GGUF part ("attn_v": "Q8_0").
+    Widths are multiples of 32 (the block size). The q and k rows are permuted as llama.cpp's converter writes them."""
+    import gguf
+    from gguf.quants import quantize
+
+    config = tiny_config("llama", **{"intermediate_size": 128, **overrides})
+    sd = tiny_state_dict(config, seed)
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    for name, tensor in sd.items():
+        stem = name.removeprefix("model.").removesuffix(".weight")
+        if stem == "embed_tokens":
+            gguf_name, kind = "token_embd", embedding or matrices
+        elif stem in ("norm", "lm_head"):
+            gguf_name, kind = ("output_norm", "F32") if stem == "norm" else ("output", matrices)
+        else:
+            _, layer, part = stem.split(".", 2)
+            gguf_name = f"blk.{layer}.{_GGUF_PARTS[part]}"
+            kind = (types or {}).get(_GGUF_PARTS[part], matrices if tensor.dim() == 2 else "F32")
+        data = tensor.float().numpy()
+        if gguf_name.endswith(("attn_q", "attn_k")):  # llama.cpp's rotary layout (gguf_file._unpermute undoes it)
+            n = heads if gguf_name.endswith("attn_q") else kv
+            data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name + ".weight", data)
+        else:
+            writer.add_tensor(gguf_name + ".weight", quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides):
     """A loaded tiny model, its checkpoint written under `directory`."""
     from .loading import AutoModelForCausalLM

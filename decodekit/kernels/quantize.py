@@ -22,7 +22,7 @@ from torch import nn
 from . import choices, native
 from .linear import HoldsPackedCopy, copied_route, one_row, packed_route, prompt_product, sample_layer
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 
 def interleaved_columns(in_features: int) -> torch.Tensor:
@@ -265,13 +265,19 @@ def many_rows_route() -> str:
 
 
 def quantize(model: nn.Module, method: str) -> nn.Module:
-    """Replaces every nn.Linear of `model` (lm_head included) in place; returns the model."""
+    """Replaces every nn.Linear of `model` (lm_head included) in place; returns the model. "int8": Int8Linear
+    (per-channel scales); "int4": blocks.BlockLinear in q4 blocks of 32 (a scale and minimum each, as GGUF's Q4_1),
+    for layers whose input width is a multiple of 32 (the others stay as they are)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantize={method!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
+    from .blocks import BLOCK, BlockLinear
     from .packed import linear_children, unpack_linears
 
     unpack_linears(model)  # quantize from plain nn.Linear weights
     for parent, name, linear in linear_children(model):
-        setattr(parent, name, Int8Linear(linear))
+        if method == "int8":
+            setattr(parent, name, Int8Linear(linear))
+        elif linear.in_features % BLOCK == 0:
+            setattr(parent, name, BlockLinear.from_linear(linear, "q4"))
     model.quantization = method
     return model

@@ -89,12 +89,15 @@ def memory_bandwidth_gbs(runs: int = 5) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads: every linear layer's weights as stored (packed, int8 and
-    scales, or plain), norms, and the embedding table only where a plain lm_head reads it (a lookup reads one row)."""
+    scales, blocks, or plain), norms, and the embedding table only where the lm_head reads it (tied: a lookup reads
+    one row)."""
     from decodekit.kernels.packed import PackedLinear
 
-    embed = model.get_input_embeddings().weight
-    seen, total = {id(embed)}, 0
+    embedding = model.get_input_embeddings()
+    seen, total = set(), 0
     for module in model.modules():
+        if module is embedding:
+            continue
         if isinstance(module, PackedLinear):
             total += module.packed.numel() * module.packed.element_size()
             seen.add(id(module.shared_weight))
@@ -103,9 +106,6 @@ def weight_bytes(model) -> int:
             if id(t) not in seen and t.layout == torch.strided:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
-    head = model.get_output_embeddings()
-    if not isinstance(head, PackedLinear) and getattr(head, "weight", None) is embed:
-        total += embed.numel() * embed.element_size()
     return total
 
 

@@ -125,12 +125,13 @@ _GGUF_PARTS = {
 
 def write_tiny_gguf(
     path: Path, matrices: str = "Q4_1", embedding: str | None = None, seed: int = 0, types: dict | None = None,
-    **overrides,
+    tokenizer: dict | None = None, **overrides,
 ) -> Path:  # fmt: skip
     """A tiny llama model as one GGUF file, its random weights (tiny_state_dict) quantized by the `gguf` package's own
     quantizers: the layers' matrices as `matrices` (a GGMLQuantizationType name: Q4_0, Q4_1, Q8_0, F32, ...), the
     embedding as `embedding` (default: the same), `types` naming another for a GGUF part ("attn_v": "Q8_0").
-    Widths are multiples of 32 (the block size). The q and k rows are permuted as llama.cpp's converter writes them."""
+    Widths are multiples of 32 (the block size). The q and k rows are permuted as llama.cpp's converter writes them.
+    `tokenizer`: another GGUF file's tokenizer fields (gguf_file.GGUFModel.tokenizer_fields) to write beside."""
     import gguf
     from gguf.quants import quantize
 
@@ -147,6 +148,16 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    if tokenizer:
+        writer.add_tokenizer_model(tokenizer["model"])
+        if tokenizer.get("pre"):
+            writer.add_tokenizer_pre(tokenizer["pre"])
+        writer.add_token_list(tokenizer["tokens"])
+        writer.add_token_types(tokenizer["token_type"])
+        if tokenizer.get("merges"):
+            writer.add_token_merges(tokenizer["merges"])
+        config["bos_token_id"], config["eos_token_id"] = tokenizer["bos_token_id"], tokenizer["eos_token_id"]
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     for name, tensor in sd.items():

@@ -43,7 +43,7 @@ class BatchSettings:
     gguf_file: str | None = None
     revision: str | None = None
     backend: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: as the files hold them (a GGUF file's blocks kept)
     quantize: str | None = None
     device: str = "cpu"
     method: str | None = None

@@ -116,6 +116,43 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (q * d + m).reshape(blocks.shape[0], -1)
 
 
+def block_lanes() -> str:
+    """The vector width of decodekit's products of a few rows by blocks on this CPU, "8" (AVX2) or "16" (AVX-512,
+    offered where the CPU has avx512f and avx512bw), measured once (choices.py) on a default-model-sized layer and
+    set in the kernels (decodekit::set_block_lanes, which they read at every call: compiled steps follow it too).
+    On the AVX512-BF16 EPYC, 16 lanes took the default model's compiled decode from 5.3 to 3.9 ms a token."""
+    from . import choices, cpu
+
+    def candidates() -> dict:
+        if not native.load():
+            return {}
+        generator = torch.Generator().manual_seed(0)
+        weight = quantize_rows(torch.randn(1536, 576, generator=generator), "q4")
+        row = torch.randn(1, 576, generator=generator)
+        offered = {"8": 8}
+        if cpu.has("avx512f"):
+            try:
+                torch.ops.decodekit.set_block_lanes(16)  # refused without avx512bw
+                offered["16"] = 16
+            except RuntimeError:
+                pass
+
+        def product(lanes: int):
+            def run():
+                torch.ops.decodekit.set_block_lanes(lanes)
+                for _ in range(8):
+                    torch.ops.decodekit.row_product(row, weight)
+
+            return run
+
+        return {label: product(lanes) for label, lanes in offered.items()}
+
+    chosen = choices.decide("block_lanes", candidates, otherwise="8")
+    if native.loaded() and not torch.compiler.is_compiling():
+        torch.ops.decodekit.set_block_lanes(int(chosen))
+    return chosen
+
+
 def stored_bytes(module: nn.Module) -> int:
     """The bytes of a module's parameters and buffers, each tensor once (tied weights share one)."""
     seen, total = set(), 0
@@ -161,6 +198,8 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.device.type == "cpu" and flat.shape[0] >= 1 and native.ready(x):
+            if not torch.compiler.is_compiling():
+                block_lanes()  # measured once, then a lookup
             rows = flat.float().contiguous()
             if flat.shape[0] <= native.MAX_ROWS:
                 y = torch.ops.decodekit.row_product(rows, self.blocks)

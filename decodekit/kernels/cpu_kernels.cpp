@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -209,86 +210,121 @@ inline void load_block(const Q8Block& b, __m256 w[4]) {
 template <typename B>
 constexpr bool is_block = std::is_same_v<B, Q4Block> || std::is_same_v<B, Q8Block>;
 
-// Rows multiplied by blocks are first quantized as llama.cpp quantizes them (its Q8_1 rows): per block of 32 values,
-// int8 values q = round(x / s) with s = max|x| / 127, kept with s and s * sum(q). The products are then int8 dot
-// products of 32 pairs (maddubs, the AVX2 instruction that multiplies unsigned by signed bytes and adds pairs),
-// scaled per block: a third of the instructions of converting each weight to float32, which left the products
-// compute-bound at 0.4x the memory's speed on the 2-core AVX512-BF16 EPYC.
-struct QuantizedRows {
-  int64_t M, blocks;
-  std::vector<int8_t> q;
-  std::vector<float> scale, sum;  // per row and block
-  QuantizedRows(const float* x, int64_t M, int64_t K)
-      : M(M), blocks(K / kBlockSize), q(M * K), scale(M * blocks), sum(M * blocks) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int64_t i = 0; i < M * blocks; ++i) {
-      const float* v = x + i * kBlockSize;
-      __m256 top = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j)));
-      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_max_ss(t, _mm_movehdup_ps(t));
-      const float s = _mm_cvtss_f32(t) / 127.f;
-      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
-      __m256i n[4];
-      for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), inv));
-      // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back.
-      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-      const __m256i bytes = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + i * kBlockSize), bytes);
-      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      h = _mm_hadd_epi32(h, h);
-      h = _mm_hadd_epi32(h, h);
-      scale[i] = s;
-      sum[i] = s * static_cast<float>(_mm_cvtsi128_si32(h));
-    }
+// A row by one weight row of blocks; two accumulators, as the four products of a block would else wait on each other.
+template <typename B>
+float block_dot(const float* x, const B* w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (int64_t b = 0; b < K / kBlockSize; ++b, x += kBlockSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    __m256 q[4];
+    load_block(w[b], q);
+    a0 = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(x), a0);
+    a1 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), a1);
+    a0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), a0);
+    a1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), a1);
   }
-};
-
-// The 32 weights of a block as bytes for maddubs (the unsigned side) and the row's values with the sign it needs.
-struct BlockBytes {
-  __m256i weights, signs;
-  float d, m;
-};
-
-inline BlockBytes block_bytes(const Q4Block& b) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // low nibbles weights 0-15, high 16-31
-  return {_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), __m256i{}, _cvtsh_ss(b.d), _cvtsh_ss(b.m)};
+  return horizontal_sum(_mm256_add_ps(a0, a1));
 }
 
-inline BlockBytes block_bytes(const Q8Block& b) {
-  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
-  return {_mm256_sign_epi8(q, q), q, _cvtsh_ss(b.d), 0.f};  // |q| unsigned; the row takes q's signs
+// M rows (stride K) by one weight row of blocks, each block converted once for all rows.
+template <int M, typename B>
+void block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0, k = 0; k < K; ++b, k += kBlockSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    __m256 q[4];
+    load_block(w[b], q);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      acc[m] = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(xm), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), acc[m]);
+      acc[m] = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]);
+}
+
+// The same products with AVX-512 (16 lanes), where the CPU has it: a block's 32 weights are two vectors, half the
+// conversions and products of AVX2's four. `block_lanes` (set_block_lanes) says which run: 16 where the CPU has
+// AVX-512 (blocks.py may measure and set 8), else 8.
+#define DECODEKIT_BLOCKS512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+std::atomic<int> block_lanes{__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 16 : 8};
+
+DECODEKIT_BLOCKS512 inline void load_block16(const Q4Block& b, __m512 w[2]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d)), m = _mm512_set1_ps(_cvtsh_ss(b.m));
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))), d, m);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))), d, m);
+}
+
+DECODEKIT_BLOCKS512 inline void load_block16(const Q8Block& b, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d));
+  for (int j = 0; j < 2; ++j) {
+    const __m128i sixteen = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * j));
+    w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sixteen)), d);
+  }
 }
 
 template <typename B>
-inline __m256 block_product(const BlockBytes& w, const int8_t* xq) {
-  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  if constexpr (std::is_same_v<B, Q8Block>) x = _mm256_sign_epi8(x, w.signs);
-  const __m256i pairs = _mm256_maddubs_epi16(w.weights, x);  // |products| <= 2 * 128 * 127: no saturation
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+DECODEKIT_BLOCKS512 float wide_block_dot(const float* x, const B* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  for (int64_t b = 0; b < K / kBlockSize; ++b, x += kBlockSize) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    __m512 q[2];
+    load_block16(w[b], q);
+    a0 = _mm512_fmadd_ps(q[0], _mm512_loadu_ps(x), a0);
+    a1 = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// M rows (of `x`, from row `first`) by one weight row of blocks into y[m * N]; the same operations in the same
-// order for a row whatever M is, so a row's product does not depend on the rows beside it (a batch, a beam).
 template <int M, typename B>
-void quantized_dots(const QuantizedRows& x, int64_t first, const B* w, float* y, int64_t N) {
-  __m256 acc[M];
-  float minimums[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), minimums[m] = 0.f;
-  for (int64_t b = 0; b < x.blocks; ++b) {
+DECODEKIT_BLOCKS512 void wide_block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0, k = 0; k < K; ++b, k += kBlockSize) {
     _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    const BlockBytes block = block_bytes(w[b]);
+    __m512 q[2];
+    load_block16(w[b], q);
     for (int m = 0; m < M; ++m) {
-      const int64_t i = (first + m) * x.blocks + b;
-      const __m256 scale = _mm256_set1_ps(block.d * x.scale[i]);
-      acc[m] = _mm256_fmadd_ps(block_product<B>(block, x.q.data() + i * kBlockSize), scale, acc[m]);
-      if constexpr (std::is_same_v<B, Q4Block>) minimums[m] += block.m * x.sum[i];
+      const float* xm = x + m * K + k;
+      acc[m] = _mm512_fmadd_ps(q[0], _mm512_loadu_ps(xm), acc[m]);
+      acc[m] = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xm + 16), acc[m]);
     }
   }
-  for (int m = 0; m < M; ++m) y[m * N] = horizontal_sum(acc[m]) + minimums[m];
+  for (int m = 0; m < M; ++m) y[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <typename B>
+float any_block_dot(const float* x, const B* w, int64_t K) {
+  return block_lanes.load(std::memory_order_relaxed) == 16 ? wide_block_dot(x, w, K) : block_dot(x, w, K);
+}
+
+template <int M, typename B>
+void any_block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
+  if (block_lanes.load(std::memory_order_relaxed) == 16) return wide_block_dots<M>(x, w, K, y, N);
+  block_dots<M>(x, w, K, y, N);
+}
+
+float dot(const float* x, const Q4Block* w, int64_t K) { return any_block_dot(x, w, K); }
+float dot(const float* x, const Q8Block* w, int64_t K) { return any_block_dot(x, w, K); }
+template <int M>
+void dots(const float* x, const Q4Block* w, int64_t K, float* y, int64_t N) { any_block_dots<M>(x, w, K, y, N); }
+template <int M>
+void dots(const float* x, const Q8Block* w, int64_t K, float* y, int64_t N) { any_block_dots<M>(x, w, K, y, N); }
+
+// Which block products run: 8 (AVX2) or 16 (AVX-512, where the CPU has it) lanes; 0 leaves it. Returns the lanes
+// in force before.
+int64_t set_block_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "set_block_lanes: lanes must be 0, 8 or 16, not ", lanes);
+  TORCH_CHECK(lanes != 16 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")),
+              "set_block_lanes: 16 lanes need a CPU with avx512f and avx512bw");
+  const int before = block_lanes.load();
+  if (lanes != 0) block_lanes.store(static_cast<int>(lanes));
+  return before;
 }
 
 // Weight row n's first element: a row of blocks holds K / 32 of them.
@@ -371,30 +407,13 @@ void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, fl
   });
 }
 
-// The same for a weight of blocks, the rows quantized beforehand (QuantizedRows).
-template <typename B>
-void weight_rows(const QuantizedRows& x, const B* w, int64_t N, int64_t K, float* y, int64_t begin, int64_t end) {
-  in_chunks(x.M, [&](int64_t split, auto first, auto rest) {
-    for (int64_t n = begin; n < end; ++n) {
-      quantized_dots<first()>(x, 0, row_at(w, n, K), y + n, N);
-      if constexpr (rest() > 0) quantized_dots<rest()>(x, split, row_at(w, n, K), y + split * N + n, N);
-    }
-  });
-}
-
-void weight_rows(const QuantizedRows& x, const WeightRef& w, float* y, int64_t begin, int64_t end) {
-  if (w.dtype == at::kByte) return weight_rows(x, static_cast<const Q4Block*>(w.data), w.N, w.K, y, begin, end);
-  weight_rows(x, static_cast<const Q8Block*>(w.data), w.N, w.K, y, begin, end);
-}
-
-inline bool holds_blocks(const WeightRef& w) { return w.dtype == at::kByte || w.dtype == at::kShort; }
-
 void weight_rows(const float* x, int64_t M, const WeightRef& w, float* y, int64_t begin, int64_t end) {
-  if (holds_blocks(w)) return weight_rows(QuantizedRows(x, M, w.K), w, y, begin, end);  // one thread's share
   switch (w.dtype) {
     case at::kFloat: return weight_rows(x, M, static_cast<const float*>(w.data), w.N, w.K, y, begin, end);
     case at::kBFloat16:
       return weight_rows(x, M, static_cast<const c10::BFloat16*>(w.data), w.N, w.K, y, begin, end);
+    case at::kByte: return weight_rows(x, M, static_cast<const Q4Block*>(w.data), w.N, w.K, y, begin, end);
+    case at::kShort: return weight_rows(x, M, static_cast<const Q8Block*>(w.data), w.N, w.K, y, begin, end);
     default: return weight_rows(x, M, static_cast<const int8_t*>(w.data), w.N, w.K, y, begin, end);
   }
 }
@@ -410,11 +429,6 @@ at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const char*
   at::Tensor out = at::empty({M, w.N}, rows.options());
   const float* x = rows.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  if (holds_blocks(w)) {  // the rows quantized once for every task
-    const QuantizedRows quantized(x, M, w.K);
-    at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t begin, int64_t end) { weight_rows(quantized, w, y, begin, end); });
-    return out;
-  }
   at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t begin, int64_t end) { weight_rows(x, M, w, y, begin, end); });
   return out;
 }
@@ -2738,6 +2752,7 @@ TORCH_LIBRARY_FRAGMENT(decodekit, m) {  // packed.py defines the namespace
   m.def("prompt_layer_finish(Tensor(a!) x, Tensor attended, Tensor o, int o_route, Tensor? o_bias, Tensor? o_scales, "
         "Tensor norm, float eps, Tensor gate_up, int gate_up_route, Tensor? gate_up_bias, Tensor? gate_up_scales, "
         "Tensor down, int down_route, Tensor? down_bias, Tensor? down_scales, int intermediate) -> Tensor(a!)");
+  m.def("set_block_lanes(int lanes=0) -> int", &set_block_lanes);
   m.def("tiled_product(Tensor rows, Tensor weight, Tensor? scales=None, bool interleaved=False, bool blocks=False, "
         "bool wide=False) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor tables, "

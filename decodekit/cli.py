@@ -1340,7 +1340,18 @@ def cmd_generate(args) -> int:
         print(text if args.chat else args.prompt + text)
     if args.stats:
         print(stats_line(int(out.shape[1] - input_ids.shape[1]), began, loaded, done, stats), file=sys.stderr)
+        print(weights_line(model), file=sys.stderr)
     return 0
+
+
+def weights_line(model) -> str:
+    """--stats: the formats the model's weights are held in and their bytes (decodekit's own models)."""
+    from .kernels.blocks import weight_formats
+    from .sizes import human_size
+
+    formats = weight_formats(model.module)
+    parts = [f"{name} {human_size(size)}" for name, size in sorted(formats.items(), key=lambda kv: -kv[1])]
+    return f"weights: {human_size(sum(formats.values()))} ({', '.join(parts)})"
 
 
 def generate_shown(args, model, tokenizer, input_ids, streamer, kwargs: dict):

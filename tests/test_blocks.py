@@ -205,3 +205,18 @@ def test_quantize_int4_keeps_a_checkpoint_in_q4_blocks(tmp_path):
     assert (got - want).norm() / want.norm() < 0.2  # 4 bits a weight: close, not equal
     with pytest.raises(ValueError, match=r"quantize='int3' is not supported; use one of \['int8', 'int4'\] or None"):
         AutoModelForCausalLM.from_pretrained(path, quantize="int3")
+
+
+def test_stats_say_the_weights_formats_and_bytes(files):
+    from decodekit.cli import weights_line
+
+    model = AutoModelForCausalLM.from_pretrained(files["Q4_1"])  # Q4_1 layers, a Q8_0 embedding, an untied lm_head
+    formats = blocks.weight_formats(model.module)
+    assert set(formats) == {"q4 blocks", "q8 blocks", "float32"} and sum(formats.values()) == blocks.stored_bytes(
+        model.module
+    )
+    assert formats["q8 blocks"] == model.module.embed.blocks.numel() * 2  # int16 elements: 34 bytes a block
+    line = weights_line(model)
+    assert line.startswith("weights: ") and "q4 blocks" in line and "q8 blocks" in line
+    plain = AutoModelForCausalLM.from_pretrained(files["Q4_1"], dtype="float32")
+    assert set(blocks.weight_formats(plain.module)) == {"float32"}

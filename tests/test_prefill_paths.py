@@ -94,7 +94,7 @@ def test_tiled_product_refuses_what_it_does_not_take():
     x = torch.randn(20, 16)
     with pytest.raises(RuntimeError, match="rows \\[M, K\\] and weight \\[N, K\\]"):
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 15))
-    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 weight"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16, int8 or block"):
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16).half())
     with pytest.raises(RuntimeError, match="scales go with an int8 weight"):
         torch.ops.decodekit.tiled_product(x, torch.randn(8, 16), torch.ones(8))

@@ -66,8 +66,8 @@ def test_quantized_tiny_model_generates_and_rejects_unknown_methods(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape == (1, 7)
-    with pytest.raises(ValueError, match=r"quantize='int4' is not supported; use one of \['int8'\]"):
-        AutoModelForCausalLM.from_pretrained(path, quantize="int4")
+    with pytest.raises(ValueError, match=r"quantize='int2' is not supported; use one of \['int8', 'int4'\]"):
+        AutoModelForCausalLM.from_pretrained(path, quantize="int2")
 
 
 def mean_loglik(model, sequences, prompt_lengths):

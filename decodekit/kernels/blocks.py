@@ -153,6 +153,30 @@ def block_lanes() -> str:
     return chosen
 
 
+def weight_formats(module: nn.Module) -> dict[str, int]:
+    """{format: bytes} of a module's weights as held, each tensor once: "q4 blocks", "q8 blocks", "int8" (with its
+    scales), or the dtype's name ("float32", "bfloat16", ...)."""
+    from .quantize import Int8Linear
+
+    seen, formats = set(), {}
+    for layer in module.modules():
+        if isinstance(layer, (BlockLinear, BlockEmbedding)):
+            kind = f"{layer.layout} blocks"
+        elif isinstance(layer, Int8Linear):
+            kind = "int8"
+        else:
+            kind = None
+        for t in [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]:
+            if t is None or t.data_ptr() in seen or t.numel() == 0:
+                continue
+            seen.add(t.data_ptr())
+            # A block layer's bias is float; an int8 layer's scales and column order count as its format.
+            held = kind == "int8" or (kind is not None and not t.is_floating_point())
+            name = kind if held else str(t.dtype).removeprefix("torch.")
+            formats[name] = formats.get(name, 0) + t.numel() * t.element_size()
+    return formats
+
+
 def stored_bytes(module: nn.Module) -> int:
     """The bytes of a module's parameters and buffers, each tensor once (tied weights share one)."""
     seen, total = set(), 0

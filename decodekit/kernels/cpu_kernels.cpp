@@ -1332,8 +1332,9 @@ at::Tensor tiled_product(const at::Tensor& rows, const at::Tensor& weight, const
   const bool int8 = dtype == at::kChar, fp32 = dtype == at::kFloat, q4 = dtype == at::kByte, q8 = dtype == at::kShort;
   TORCH_CHECK(int8 || fp32 || q4 || q8 || dtype == at::kBFloat16,
               "tiled_product: a float32, bfloat16, int8 or block (uint8: 4-bit, int16: 8-bit) weight expected");
-  TORCH_CHECK(rows.size(1) == stored_width(weight, "tiled_product"), "tiled_product: rows have ", rows.size(1),
-              " values, weight rows ", stored_width(weight, "tiled_product"));
+  TORCH_CHECK(rows.size(1) == stored_width(weight, "tiled_product"),
+              "tiled_product: rows [M, K] and weight [N, K] expected; rows have ", rows.size(1), " values, weight rows ",
+              stored_width(weight, "tiled_product"));
   TORCH_CHECK(rows.scalar_type() == at::kFloat, "tiled_product: float32 rows expected");
   TORCH_CHECK(int8 || !scales.has_value(), "tiled_product: scales go with an int8 weight");
   TORCH_CHECK(!interleaved || (int8 && weight.size(1) % 32 == 0),

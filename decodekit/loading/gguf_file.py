@@ -8,6 +8,7 @@ kernel can rotate adjacent pairs; the Hugging Face layout rotates halves. `_unpe
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -166,12 +167,21 @@ class GGUFModel:
                 out[f"{name}.{kind}"] = BlockWeight(blocks.as_stored(rows, layout), shape[1])
             else:
                 out[f"{name}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32))
+        self._release_pages()
         if dequantized:
             logger.info(
                 "%s: matrices of type %s are dequantized to float32 (kept in blocks: %s)",
                 self.path.name, ", ".join(sorted(dequantized)), ", ".join(sorted(blocks.KEPT_TYPES)),
             )  # fmt: skip
         return out
+
+    def _release_pages(self) -> None:
+        """Drops the file's pages this read brought into the process's resident memory (the weights are copies now;
+        a later read of the map faults them in again from the file), so the load leaves the model's bytes, not the
+        model's and the file's."""
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def tokenizer_fields(self) -> dict[str, Any]:
         r = self.reader

@@ -93,6 +93,11 @@ class GGUFModel:
         self.reader = GGUFReader(str(self.path))
         self.arch = _field(self.reader, "general.architecture")
         self.native = self.arch in _ARCHITECTURES
+        # The reader parses each string of the vocabulary into objects of its own (about 150 MB for the default
+        # model's 49,152 tokens and merges): read once here, as plain lists, and the parsed arrays let go.
+        self._tokenizer = self._read_tokenizer_fields()
+        for key in [k for k, f in self.reader.fields.items() if k.startswith("tokenizer.") and len(f.data) > 1]:
+            del self.reader.fields[key]
 
     def config(self) -> dict[str, Any]:
         if not self.native:
@@ -103,7 +108,7 @@ class GGUFModel:
         heads = int(_field(r, f"{a}.attention.head_count"))
         hidden = int(_field(r, f"{a}.embedding_length"))
         names = {t.name for t in r.tensors}
-        tokens = _field(r, "tokenizer.ggml.tokens") or []
+        tokens = self._tokenizer["tokens"] or []
         cfg = {
             "model_type": _ARCHITECTURES[a],
             "vocab_size": int(_field(r, f"{a}.vocab_size", len(tokens))),
@@ -184,6 +189,9 @@ class GGUFModel:
             mapped.madvise(mmap.MADV_DONTNEED)
 
     def tokenizer_fields(self) -> dict[str, Any]:
+        return dict(self._tokenizer)
+
+    def _read_tokenizer_fields(self) -> dict[str, Any]:
         r = self.reader
         return {
             "model": _field(r, "tokenizer.ggml.model"),

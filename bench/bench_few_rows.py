@@ -39,9 +39,9 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(path)
     # One model per layout, so that no timed call switches a model between packed and plain weights.
     models = {
-        "eager": AutoModelForCausalLM.from_pretrained(path),
-        "plain": AutoModelForCausalLM.from_pretrained(path),
-        "packed": AutoModelForCausalLM.from_pretrained(path),
+        "eager": AutoModelForCausalLM.from_pretrained(path, dtype="float32"),
+        "plain": AutoModelForCausalLM.from_pretrained(path, dtype="float32"),
+        "packed": AutoModelForCausalLM.from_pretrained(path, dtype="float32"),
     }
     four = tok(PROMPTS, return_tensors="pt", padding=True)
     three = tok(PROMPTS[:3], return_tensors="pt", padding=True)

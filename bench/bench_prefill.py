@@ -168,8 +168,8 @@ def main() -> int:
     from decodekit import AutoModelForCausalLM
     from decodekit.kernels import cpu
 
-    ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
-    ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
+    ours = {"fp32": AutoModelForCausalLM.from_pretrained(path, dtype="float32")}
+    ours["bf16"] = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
     ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     config = ours["fp32"].config
     if tok is None:

@@ -76,8 +76,8 @@ def main() -> int:
     from decodekit import AutoModelForCausalLM
     from decodekit.loading.tokenizer import prompt_ids
 
-    ours = {"fp32": AutoModelForCausalLM.from_pretrained(path)}
-    ours["bf16"] = AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16)
+    ours = {"fp32": AutoModelForCausalLM.from_pretrained(path, dtype="float32")}
+    ours["bf16"] = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
     ours["int8"] = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     text = " The quick brown fox jumps over the lazy dog, and the dog sleeps on." * 120

@@ -101,7 +101,9 @@ def test_a_compiled_product_equals_the_eager_one(lanes):
 
 
 def test_a_block_layer_refuses_blocks_of_another_shape():
-    with pytest.raises(ValueError, match=r"q4 blocks of shape \(4, 40\) do not hold \[4, 96\] weights \(expected \[4, 60\]\)"):
+    with pytest.raises(
+        ValueError, match=r"q4 blocks of shape \(4, 40\) do not hold \[4, 96\] weights \(expected \[4, 60\]\)"
+    ):
         BlockLinear(torch.zeros(4, 40, dtype=torch.uint8), 96)
     with pytest.raises(ValueError, match="multiples of 32, not 48"):
         blocks.quantize_rows(torch.zeros(4, 48), "q4")
@@ -141,7 +143,9 @@ def test_a_gguf_file_keeps_its_blocks_and_computes_what_its_dequantized_weights_
         assert type(layers["layers.0.mlp.gate_up"]) is BlockLinear
     else:
         assert isinstance(module.embed, BlockEmbedding) and type(module.lm_head) is BlockLinear
-        assert all(type(layers[f"layers.1.{p}"]) is BlockLinear for p in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"))
+        assert all(
+            type(layers[f"layers.1.{p}"]) is BlockLinear for p in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+        )
         assert blocks.stored_bytes(module) <= 1.15 * file_bytes(files[name])
     if name == "Q4_0":  # tied: one table
         assert module.lm_head.blocks is module.embed.blocks

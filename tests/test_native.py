@@ -51,7 +51,9 @@ def test_row_product_int8_reads_the_interleaved_layout(width):
 
 def test_bad_operands_are_refused_with_the_reason():
     row = torch.randn(1, 64)
-    with pytest.raises(RuntimeError, match=r"weight must be float32, bfloat16 or blocks \(uint8: 4-bit, int16: 8-bit\), not Half"):
+    with pytest.raises(
+        RuntimeError, match=r"weight must be float32, bfloat16 or blocks \(uint8: 4-bit, int16: 8-bit\), not Half"
+    ):
         torch.ops.decodekit.row_product(row, torch.ones(8, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="rows have 64 values, weight rows 32"):
         torch.ops.decodekit.row_product(row, torch.ones(8, 32))

@@ -77,7 +77,7 @@ def decodekit_validate_config(generation_config):
 def decodekit_decoding_loop(generation_config):
     # trylast: a strategy with its own loop (beam search, ...) claims the call first and runs eagerly.
     gc = generation_config
-    return FusedTokens() if gc.compile or gc.compile_config is not None else None
+    return FusedTokens(compiles=bool(gc.compile or gc.compile_config is not None))
 
 
 class FusedTokens(FusedLoop):

@@ -59,6 +59,21 @@ def supports_step(model, step: str) -> bool:
     return step in getattr(getattr(model, "module", model), "steps_supported", ())
 
 
+def eager_steps_fused(model) -> bool:
+    """Whether a call of `model` without compile=True runs the fused step uncompiled: on CPU, a native model whose
+    weights are held quantized (GGUF blocks or int8), which never change layout (kernels/packed.py packs float
+    weights only), so holding the model's layout for a call takes nothing from another thread. The step runs the
+    layers in decodekit's C++ stack (decodekit::decode_layers) instead of the eager loop's Python layers: the default
+    model's eager decode 7.3 -> 4.1 ms a token in its q4 blocks. (Float weights would gain too, 15.7 -> 12.9 ms, but
+    their eager calls switch between packed and plain layouts, which a call holding the layout would take from
+    other threads' forwards: kept to the eager loop until the layout has one owner.)"""
+    return (
+        model.device.type == "cpu"
+        and supports_step(model, "fused")
+        and getattr(model, "quantization", None) is not None
+    )
+
+
 def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False, max_length: int | None = None) -> str | None:
     """Why this call cannot run as a fused step, or None: read from what the model, the processors, the selector and
     the criteria declare, never from their classes."""
@@ -130,14 +145,12 @@ class FusedLoop:
     compiles = True
 
     def __init__(self, compiles: bool = True):
-        # False: the same step over its static cache, not compiled, for a call without compile=True on CPU, where it
-        # runs the layers in decodekit's C++ stack (decodekit::decode_layers) instead of the eager loop's Python
-        # layers: the default model's eager decode 7.3 -> 4.1 ms a token (q4 blocks), 15.7 -> 12.9 (float32). A
-        # call it cannot take runs the eager loop, silently.
+        # False: a call without compile=True, which runs the same step over its static cache, not compiled, where
+        # eager_steps_fused says so; a call it cannot take runs the eager loop, silently.
         self.compiles = compiles
 
     def __call__(self, model, input_ids, attention_mask, pipeline, gc, streamer, context):
-        if not self.compiles and (model.device.type != "cpu" or not supports_step(model, "fused")):
+        if not self.compiles and not eager_steps_fused(model):
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
         reason = unfusable_reason(model, pipeline, gc, self.takes_host_masks, context.max_length)
         if reason is not None:

@@ -77,7 +77,11 @@ def decodekit_validate_config(generation_config):
 def decodekit_decoding_loop(generation_config):
     # trylast: a strategy with its own loop (beam search, ...) claims the call first and runs eagerly.
     gc = generation_config
-    return FusedTokens(compiles=bool(gc.compile or gc.compile_config is not None))
+    if gc.compile or gc.compile_config is not None:
+        return FusedTokens()
+    if gc.output_hidden_states or gc.output_attentions:
+        return None  # the core loop gives them
+    return FusedTokens(compiles=False)  # the step uncompiled, where core.fused_loop.eager_steps_fused says so
 
 
 class FusedTokens(FusedLoop):

@@ -188,11 +188,19 @@ struct Q8Block {
 };
 static_assert(sizeof(Q4Block) == 20 && sizeof(Q8Block) == 34);
 
+// A q4 block's scale and minimum as the first two float32 lanes: one load and one conversion for both.
+inline __m128 scale_and_minimum(const Q4Block& b) {
+  int32_t both;
+  std::memcpy(&both, &b, sizeof(both));
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+}
+
 inline void load_block(const Q4Block& b, __m256 w[4]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d)), m = _mm256_set1_ps(_cvtsh_ss(b.m));
+  const __m128 dm = scale_and_minimum(b);
+  const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
   w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
   w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
   w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
@@ -255,7 +263,8 @@ std::atomic<int> block_lanes{__builtin_cpu_supports("avx512f") && __builtin_cpu_
 DECODEKIT_BLOCKS512 inline void load_block16(const Q4Block& b, __m512 w[2]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(b.d)), m = _mm512_set1_ps(_cvtsh_ss(b.m));
+  const __m128 dm = scale_and_minimum(b);
+  const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
   w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))), d, m);
   w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))), d, m);
 }

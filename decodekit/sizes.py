@@ -29,3 +29,19 @@ def host_memory_available() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def return_freed_memory() -> None:
+    """Hands the C heap's freed memory back to the system where the C library can (glibc's malloc_trim): a load's
+    transient copies (a GGUF file's q, k and v blocks before they are fused, say) otherwise stay in the process's
+    resident memory, about 500 MB after loading a 1B-shaped Q4_0 file of 576 MB."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)

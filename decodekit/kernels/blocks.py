@@ -19,6 +19,8 @@ the `gguf` package's own Q4_1 and Q8_0 quantizers.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 from torch import nn
@@ -40,10 +42,22 @@ def layout_of(blocks: torch.Tensor) -> str:
 
 
 def as_stored(raw: np.ndarray, layout: str) -> torch.Tensor:
-    """Bytes [rows, blocks * bytes a block] (numpy uint8) as the tensor a layout is stored in (a copy)."""
+    """Bytes [rows, blocks * bytes a block] (numpy uint8) as the tensor a layout is stored in: a copy where they are
+    a file's mapped bytes, else the array itself (a conversion's own result, copied once is enough)."""
     dtype, _ = LAYOUTS[layout]
-    data = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).copy())
+    array = np.ascontiguousarray(raw, dtype=np.uint8)
+    if _mapped(array):
+        array = array.copy()
+    data = torch.from_numpy(array)
     return data if dtype == torch.uint8 else data.view(dtype)
+
+
+def _mapped(array: np.ndarray) -> bool:
+    """Whether `array`'s bytes belong to a memory-mapped file (a GGUFReader's tensor data)."""
+    base = array
+    while isinstance(base, np.ndarray) and not isinstance(base, np.memmap) and base.base is not None:
+        base = base.base
+    return isinstance(base, (np.memmap, mmap.mmap))
 
 
 def from_gguf(raw: np.ndarray, type_name: str) -> tuple[str, np.ndarray]:

@@ -172,7 +172,7 @@ class GGUFModel:
                 out[f"{name}.{kind}"] = BlockWeight(blocks.as_stored(rows, layout), shape[1])
             else:
                 out[f"{name}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32))
-        self._release_pages()
+            self._release_pages(int(t.data_offset), int(t.n_bytes))  # copied: the file's pages are not needed
         if dequantized:
             logger.info(
                 "%s: matrices of type %s are dequantized to float32 (kept in blocks: %s)",
@@ -180,13 +180,15 @@ class GGUFModel:
             )  # fmt: skip
         return out
 
-    def _release_pages(self) -> None:
-        """Drops the file's pages this read brought into the process's resident memory (the weights are copies now;
-        a later read of the map faults them in again from the file), so the load leaves the model's bytes, not the
-        model's and the file's."""
+    def _release_pages(self, start: int, length: int) -> None:
+        """Drops the pages of bytes [start, start + length) of the file that reading a tensor brought into the
+        process's resident memory (the tensor is a copy now; a later read of the map faults them in again from the
+        file), so that a load holds the model's bytes and one tensor of the file's, not the model's and the file's."""
         mapped = getattr(self.reader.data, "_mmap", None)
-        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, first, min(start + length, len(mapped)) - first)
 
     def tokenizer_fields(self) -> dict[str, Any]:
         return dict(self._tokenizer)

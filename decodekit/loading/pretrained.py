@@ -20,6 +20,7 @@ from ..facade.transformers_model import TRANSFORMERS_EXTRA
 from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from ..kernels.blocks import dequantize
+from ..sizes import return_freed_memory
 from .files import check_backend, check_model_name, resolve_model_dir
 from .gguf_file import BlockWeight
 
@@ -60,8 +61,10 @@ def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face parameter names -> this package's, fusing q/k/v and gate/up into single matrices."""
+    """Hugging Face parameter names -> this package's, fusing q/k/v and gate/up into single matrices; `hf_state` is
+    emptied."""
     s = {k.removeprefix("model."): v for k, v in hf_state.items()}
+    hf_state.clear()  # the parts are dropped as they are fused (the caller's dict held them all until the end)
     out = {"embed.weight": s.pop("embed_tokens.weight"), "norm.weight": s.pop("norm.weight")}
     lm_head = s.pop("lm_head.weight", None)
     out["lm_head.weight"] = out["embed.weight"] if config.tie_word_embeddings or lm_head is None else lm_head
@@ -120,7 +123,8 @@ def _place_blocks(model, native: dict) -> None:
 
 def build_model(config: ModelConfig, hf_state: dict, dtype: torch.dtype, device):
     """The family's module (decodekit.families.llama) with `hf_state`'s weights, in `dtype` on `device`, eval mode.
-    Weights given as BlockWeights stay in their blocks (the model's `quantization` is then "blocks")."""
+    Weights given as BlockWeights stay in their blocks (the model's `quantization` is then "blocks"). `hf_state` is
+    emptied: each layer's q, k and v (gate and up) are let go once fused, so a load holds one layer's parts at a time."""
     from ..families.llama import LlamaForCausalLM
 
     try:
@@ -293,6 +297,7 @@ def _load_natively(
         config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")
     )
     module.name_or_path = str(name_or_path)
+    return_freed_memory()  # what the load copied on the way (build_model let it go) is handed back
     if quantize is not None:
         from ..kernels.quantize import quantize as quantize_model
 

@@ -1030,3 +1030,23 @@ def test_steps_run_eagerly_until_the_compile_is_ready_then_compiled(model):
     ready.append(True)
     each_as_alone(manager, model, requests)
     assert told == [[1, 3]] and compiled.steps > 2 + 3 and compiled.broken is None
+
+
+def test_a_request_is_recorded_before_its_reader_has_it(model):
+    # serve's metrics are the manager's on_end: a client that has its answer and reads /metrics right after must find
+    # its request counted. Before, on_end ran after the output reached its reader (a CI run missed 3 tokens).
+    recorded = []
+
+    def slow_watcher(output):
+        time.sleep(0.3)  # a watcher slower than the reader
+        recorded.append(output.request_id)
+
+    manager = model.init_continuous_batching(block_size=4)
+    manager.on_end = slow_watcher
+    manager.start()
+    try:
+        rid = manager.add_request([5, 6, 7], max_new_tokens=3)
+        out = manager.get_result(rid, timeout=PATIENCE)
+        assert out.status == RequestStatus.FINISHED and recorded == [rid]
+    finally:
+        manager.stop()

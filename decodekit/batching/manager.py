@@ -543,11 +543,17 @@ class ContinuousBatchingManager:
         self._end(request, RequestStatus.FAILED)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
-        """The request's final output, to its reader (nobody's, for a client that went away), then to on_end."""
+        """The request's final output, to on_end, then to its reader (nobody's, for a client that went away): a
+        client that has its answer finds it counted (serve's /metrics read right after a response missed it)."""
         self.scheduler.remove(request)
         request.status = status
         request.finished_time = time.monotonic()
         output = request.output()
+        if self.on_end is not None:
+            try:
+                self.on_end(output)
+            except Exception:  # noqa: BLE001 - a watcher's failure must not keep the output from its reader
+                logger.exception("on_end failed for request %s", request.id)
         with self._cv:
             self.counts[status.value] += 1
             self._active.discard(request.id)
@@ -566,8 +572,6 @@ class ContinuousBatchingManager:
             self._cv.notify_all()
         if outputs is not None:
             outputs.put(output)
-        if self.on_end is not None:
-            self.on_end(output)
 
 
 def make_runner(model, block_size: int, max_cache_bytes, max_running: int, compile_options, paged_attention="auto"):

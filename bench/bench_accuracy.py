@@ -114,6 +114,7 @@ def main() -> int:
     parser.add_argument("--file", help="a GGUF file (default: the default model's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of the 20 prompts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -124,6 +125,7 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(path)
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype="float32")  # gguf's dequantize
     kept = AutoModelForCausalLM.from_pretrained(path)
+    del PROMPTS[args.prompts :]
     sequences = continuations(oracle, tok, args.new_tokens)
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     text_ids = tok(readme).input_ids[:512]

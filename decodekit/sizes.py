@@ -34,7 +34,7 @@ def host_memory_available() -> int | None:
 def return_freed_memory() -> None:
     """Hands the C heap's freed memory back to the system where the C library can (glibc's malloc_trim): a load's
     transient copies (a GGUF file's q, k and v blocks before they are fused, say) otherwise stay in the process's
-    resident memory, about 500 MB after loading a 1B-shaped Q4_0 file of 576 MB."""
+    resident memory."""
     import ctypes
     import ctypes.util
 

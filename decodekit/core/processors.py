@@ -161,7 +161,7 @@ class LogitsProcessorList(list):
     processor's output (a tensor of the scores' shape, dtype and device: attribute checks, no synchronisation) and
     raises PluginError naming the processor, its plugin and the position if one is wrong; an exception inside a
     processor gets a note naming them too. Either way an installed or run-time plugin is then disabled for the
-    process (registry.failed_at_run_time), so the next generate() runs without it. A compiled step's trace only
+    process (the registry's on_failure), so the next generate() runs without it. A compiled step's trace only
     applies the processors.
     """
 

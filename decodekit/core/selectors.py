@@ -146,7 +146,7 @@ class CheckedSelector:
     """A plugin's selector whose outputs are checked at every eager step: one integer token id per row, on the
     scores' device, inside the vocabulary. A wrong one, or an exception, raises PluginError naming the plugin and the
     position (instead of a broadcast that would give every row one row's token, or an IndexError deep inside the
-    next forward), and an installed or run-time plugin is disabled for the process (registry.failed_at_run_time)."""
+    next forward), and an installed or run-time plugin is disabled for the process (the registry's on_failure)."""
 
     def __init__(self, selector, owner: str):
         self.selector, self.owner = selector, owner

@@ -27,7 +27,7 @@ class StoppingCriteriaList(list):
     returns (a bool tensor [batch] on the ids' device, or one Python bool for every row, as transformers' older
     criteria return): a tensor of another shape would be broadcast and stop rows it never judged. A wrong output or
     an exception raises PluginError naming the criterion, its plugin and the position, and an installed or
-    run-time plugin is disabled for the process (registry.failed_at_run_time), as a processor's is.
+    run-time plugin is disabled for the process (the registry's on_failure), as a processor's is.
     """
 
     def extend_from(self, owner: str, criteria) -> None:

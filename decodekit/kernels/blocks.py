@@ -134,7 +134,7 @@ def block_lanes() -> str:
     """The vector width of decodekit's products of a few rows by blocks on this CPU, "8" (AVX2) or "16" (AVX-512,
     offered where the CPU has avx512f and avx512bw), measured once (choices.py) on a default-model-sized layer and
     set in the kernels (decodekit::set_block_lanes, which they read at every call: compiled steps follow it too).
-    On the AVX512-BF16 EPYC, 16 lanes took the default model's compiled decode from 5.3 to 3.9 ms a token."""
+    Half the conversions and products a block of AVX2's (docs/performance.md has what it measured)."""
     from . import choices, cpu
 
     def candidates() -> dict:

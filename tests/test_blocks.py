@@ -224,3 +224,14 @@ def test_stats_say_the_weights_formats_and_bytes(files):
     assert line.startswith("weights: ") and "q4 blocks" in line and "q8 blocks" in line
     plain = AutoModelForCausalLM.from_pretrained(files["Q4_1"], dtype="float32")
     assert set(blocks.weight_formats(plain.module)) == {"float32"}
+
+
+def test_without_the_kernels_a_file_loads_dequantized(files, caplog):
+    # A block layer without decodekit's kernels dequantizes its weight on every call: the loader keeps blocks only
+    # where the kernels multiply them, and says why it did not.
+    import logging
+
+    with cpu.forced(native_kernels=False), caplog.at_level(logging.INFO, logger="decodekit"):
+        model = AutoModelForCausalLM.from_pretrained(files["Q4_1"])
+    assert getattr(model.module, "quantization", None) is None and type(model.module.lm_head) is Linear
+    assert "blocks load dequantized to float32: decodekit's C++ kernels are not built here" in caplog.text

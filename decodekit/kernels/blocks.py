@@ -191,6 +191,20 @@ def weight_formats(module: nn.Module) -> dict[str, int]:
     return formats
 
 
+def kept_on(device) -> bool:
+    """Whether weights in blocks are multiplied fast on `device`: on CPU with decodekit's kernels. Elsewhere (a GPU,
+    a machine where the kernels do not build) a block layer would dequantize its weight on every call, so a file's
+    blocks load dequantized there instead."""
+    import logging
+
+    where = torch.device(device if device is not None else "cpu")
+    if where.type == "cpu" and native.load() and native.loaded():  # loaded(): the probe a test may force off
+        return True
+    reason = "decodekit's C++ kernels are not built here" if where.type == "cpu" else f"on {where.type}"
+    logging.getLogger("decodekit").info("a GGUF file's blocks load dequantized to float32: %s", reason)
+    return False
+
+
 def stored_bytes(module: nn.Module) -> int:
     """The bytes of a module's parameters and buffers, each tensor once (tied weights share one)."""
     seen, total = set(), 0

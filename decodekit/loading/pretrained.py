@@ -19,7 +19,7 @@ from ..facade import Model
 from ..facade.transformers_model import TRANSFORMERS_EXTRA
 from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from ..kernels.blocks import dequantize
+from ..kernels.blocks import dequantize, kept_on
 from ..sizes import return_freed_memory
 from .files import check_backend, check_model_name, resolve_model_dir
 from .gguf_file import BlockWeight
@@ -289,7 +289,7 @@ def _load_natively(
 ) -> Model:
     """A Model over decodekit's own module, built from the files `from_pretrained` found (safetensors or GGUF)."""
     # A GGUF file's quantized weights stay as the file holds them unless a dtype or another quantization is asked for.
-    keep_blocks = gguf_file is not None and dtype is None and quantize is None
+    keep_blocks = gguf_file is not None and dtype is None and quantize is None and kept_on(device)
     model_dir, config, state, generation_config = _native_files(
         name_or_path, gguf_file, config_fields, revision, local_files_only, token, keep_blocks
     )

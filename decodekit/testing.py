@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -123,12 +124,30 @@ _GGUF_PARTS = {
 }
 
 
+# K-quant super-blocks of 256 weights: bytes each, and where their float16 scales sit (scale, minimum scale).
+K_QUANT_SCALES = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def random_k_quant(kind: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """Random `kind` (Q4_K, Q6_K) rows [rows, width / 256 * bytes]: any bytes are valid values once the float16
+    scales are set to small ones (0.001-0.02), so that the weights come out near the scale of a trained model's."""
+    size, scales = K_QUANT_SCALES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, width // 256 * size), dtype=np.uint8)
+    supers = raw.reshape(-1, size)
+    for at in scales:
+        values = rng.uniform(0.001, 0.02, (len(supers), 1)).astype(np.float16)
+        supers[:, at : at + 2] = values.view(np.uint8)
+    return raw
+
+
 def write_tiny_gguf(
     path: Path, matrices: str = "Q4_1", embedding: str | None = None, seed: int = 0, types: dict | None = None,
     tokenizer: dict | None = None, **overrides,
 ) -> Path:  # fmt: skip
     """A tiny llama model as one GGUF file, its random weights (tiny_state_dict) quantized by the `gguf` package's own
-    quantizers: the layers' matrices as `matrices` (a GGMLQuantizationType name: Q4_0, Q4_1, Q8_0, F32, ...), the
+    quantizers (random valid super-blocks for Q4_K and Q6_K, which it cannot quantize: random_k_quant): the layers'
+    matrices as `matrices` (a GGMLQuantizationType name: Q4_0, Q4_1, Q8_0, Q4_K, F32, ...), the
     embedding as `embedding` (default: the same), `types` naming another for a GGUF part ("attn_v": "Q8_0").
     Widths are multiples of 32 (the block size). The q and k rows are permuted as llama.cpp's converter writes them.
     `tokenizer`: another GGUF file's tokenizer fields (gguf_file.GGUFModel.tokenizer_fields) to write beside."""
@@ -177,6 +196,8 @@ def write_tiny_gguf(
         qtype = gguf.GGMLQuantizationType[kind]
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name + ".weight", data)
+        elif kind in K_QUANT_SCALES:  # the gguf package has no K-quant quantizer: valid random super-blocks
+            writer.add_tensor(gguf_name + ".weight", random_k_quant(kind, *data.shape, seed=seed), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name + ".weight", quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

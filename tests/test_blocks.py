@@ -169,7 +169,7 @@ def test_a_gguf_file_keeps_its_blocks_and_computes_what_its_dequantized_weights_
         assert torch.equal(kept.generate(torch.tensor([ids]), **call), oracle.generate(torch.tensor([ids]), **call))
 
 
-def test_compiled_and_batched_routes_give_the_eager_tokens(files):
+def test_compiled_batched_beam_and_sampled_calls_give_the_dequantized_files_tokens(files):
     model = AutoModelForCausalLM.from_pretrained(files["Q4_1"])
     oracle = AutoModelForCausalLM.from_pretrained(files["Q4_1"], dtype="float32")
     prompt = torch.tensor([PROMPTS[0]])

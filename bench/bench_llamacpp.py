@@ -135,15 +135,9 @@ print(rss() - before)
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def file_rows(args, name: str) -> dict:
-    from decodekit import AutoModelForCausalLM
-    from decodekit.kernels.blocks import stored_bytes
-    from gguf import GGUFReader
-
-    path = file_path(name)
-    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
-    llm = llamacpp_model(path, args.threads)
-    eager, compiled = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
+def interleaved_jobs(args, llm, eager, compiled) -> tuple[dict, dict, int]:
+    """({name: job}, {name: the tokens its last run gave}, the bytes the memory job reads) for both libraries: prefill of 64 and 512 tokens (and the
+    first token), decode of --new-tokens after 64, decodekit's compiled decode (compiled here), a memory read."""
     short, long = prompt_tokens(64), prompt_tokens(512)
     jobs, outputs = {}, {}
     for label, prompt, tokens in (
@@ -159,30 +153,19 @@ def file_rows(args, name: str) -> dict:
     jobs["decodekit_compiled decode"]()  # the first compiled call compiles
     read, read_bytes = memory_read_job()
     jobs["memory_read"] = lambda: [read() for _ in range(5)]
-    timings = interleaved(jobs, args.runs)
-    bandwidth = 5 * read_bytes / timings.median("memory_read")
-    head = eager.module.lm_head
-    # A decode step reads every matrix but the embedding table (one row); tied, the table is the lm_head's.
-    read_per_token = stored_bytes(eager.module) - stored_bytes(eager.module.embed) + stored_bytes(head)
-    bound_ms = 1000 * read_per_token / bandwidth
+    return jobs, outputs, 5 * read_bytes
+
+
+def speed_fields(args, timings, jobs, bound_ms: float) -> dict:
+    """Decode ms a token (the time past the 64-token prefill and its first token, per further token; the compiled
+    model's prefill is the eager one's: prompts run eagerly), against the bound and llama.cpp; prefill ms and ratios."""
     ms = {k: 1000 * timings.median(k) for k in jobs if k != "memory_read"}
-    # Decode: the time past the 64-token prefill and its first token, per further token (the compiled model's
-    # prefill is the eager one's: prompts run eagerly).
     decode_ms = {
         k: (ms[k] - ms[k.split()[0].removesuffix("_compiled") + " prefill_64"]) / (args.new_tokens - 1)
         for k in ms
         if k.endswith(" decode")
     }
-    first = min(len(outputs["llama.cpp decode"]), 16)
-    row = {
-        "file": path.name,
-        "file_MB": round(file_bytes / 2**20, 1),
-        "decodekit_weights_MB": round(stored_bytes(eager.module) / 2**20, 1),
-        "weights_read_per_token_MB": round(read_per_token / 2**20, 1),
-        "bandwidth_GBps_in_these_rounds": round(bandwidth / 1e9, 1),
-        "bandwidth_bound_ms_per_token": round(bound_ms, 2),
-        "same_first_16_greedy_tokens": outputs["llama.cpp decode"][:first] == outputs["decodekit decode"][:first],
-    }
+    row = {}
     for k, v in decode_ms.items():
         row[f"{k.split()[0]}_decode_ms_per_token"] = round(v, 2)
         row[f"{k.split()[0]}_decode_vs_bound"] = round(v / bound_ms, 2)
@@ -194,7 +177,37 @@ def file_rows(args, name: str) -> dict:
         row[f"decodekit_{label}_speed_vs_llama.cpp"] = round(
             timings.ratio(f"llama.cpp {label}", f"decodekit {label}"), 3
         )
-    del llm, eager, compiled
+    return row
+
+
+def file_rows(args, name: str) -> dict:
+    from decodekit import AutoModelForCausalLM
+    from decodekit.kernels.blocks import stored_bytes
+    from gguf import GGUFReader
+
+    path = file_path(name)
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    llm = llamacpp_model(path, args.threads)
+    eager, compiled = (AutoModelForCausalLM.from_pretrained(path) for _ in range(2))
+    jobs, outputs, read_bytes = interleaved_jobs(args, llm, eager, compiled)
+    timings = interleaved(jobs, args.runs)
+    bandwidth = read_bytes / timings.median("memory_read")
+    # A decode step reads every matrix but the embedding table (one row); tied, the table is the lm_head's.
+    module = eager.module
+    read_per_token = stored_bytes(module) - stored_bytes(module.embed) + stored_bytes(module.lm_head)
+    bound_ms = 1000 * read_per_token / bandwidth
+    first = min(len(outputs["llama.cpp decode"]), 16)
+    row = {
+        "file": path.name,
+        "file_MB": round(file_bytes / 2**20, 1),
+        "decodekit_weights_MB": round(stored_bytes(module) / 2**20, 1),
+        "weights_read_per_token_MB": round(read_per_token / 2**20, 1),
+        "bandwidth_GBps_in_these_rounds": round(bandwidth / 1e9, 1),
+        "bandwidth_bound_ms_per_token": round(bound_ms, 2),
+        "same_first_16_greedy_tokens": outputs["llama.cpp decode"][:first] == outputs["decodekit decode"][:first],
+        **speed_fields(args, timings, jobs, bound_ms),
+    }
+    del llm, eager, compiled, module
     if not args.skip_memory:
         mem = {lib: resident_mb(lib, path, args.threads, 16) for lib in ("llama.cpp", "decodekit")}
         row["resident_MB"] = {k: round(v, 1) for k, v in mem.items()}

@@ -141,6 +141,33 @@ def random_k_quant(kind: str, rows: int, width: int, seed: int = 0) -> np.ndarra
     return raw
 
 
+def _write_gguf_fields(writer, config: dict, tokenizer: dict | None) -> None:
+    """The llama metadata of `config` (and `tokenizer`'s fields, whose BOS and EOS ids then win) on a GGUFWriter."""
+    heads = config["num_attention_heads"]
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    bos, eos = config["bos_token_id"], config["eos_token_id"]
+    if tokenizer:
+        writer.add_tokenizer_model(tokenizer["model"])
+        if tokenizer.get("pre"):
+            writer.add_tokenizer_pre(tokenizer["pre"])
+        writer.add_token_list(tokenizer["tokens"])
+        writer.add_token_types(tokenizer["token_type"])
+        if tokenizer.get("merges"):
+            writer.add_token_merges(tokenizer["merges"])
+        bos, eos = tokenizer["bos_token_id"], tokenizer["eos_token_id"]
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+
+
 def write_tiny_gguf(
     path: Path, matrices: str = "Q4_1", embedding: str | None = None, seed: int = 0, types: dict | None = None,
     tokenizer: dict | None = None, **overrides,
@@ -158,27 +185,7 @@ def write_tiny_gguf(
     sd = tiny_state_dict(config, seed)
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    if tokenizer:
-        writer.add_tokenizer_model(tokenizer["model"])
-        if tokenizer.get("pre"):
-            writer.add_tokenizer_pre(tokenizer["pre"])
-        writer.add_token_list(tokenizer["tokens"])
-        writer.add_token_types(tokenizer["token_type"])
-        if tokenizer.get("merges"):
-            writer.add_token_merges(tokenizer["merges"])
-        config["bos_token_id"], config["eos_token_id"] = tokenizer["bos_token_id"], tokenizer["eos_token_id"]
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    _write_gguf_fields(writer, config, tokenizer)
     for name, tensor in sd.items():
         stem = name.removeprefix("model.").removesuffix(".weight")
         if stem == "embed_tokens":

@@ -1,6 +1,6 @@
-// decodekit's CPU kernels (AVX2 and FMA), built and loaded by native.py:
+// decodekit's CPU kernels (AVX2, FMA and F16C; AVX-512 forms where the CPU has it), built and loaded by native.py:
 // - row_product / row_product_int8: out[M, N] = rows[M, K] @ W[N, K]^T for M = 1 to 16, the shapes of decode
-//   steps and short prompts;
+//   steps and short prompts (W float32, bfloat16, or GGUF's blocks of 32: Q4Block, Q8Block);
 // - decode_layers (with bind_weights / unbind_weights): the decoder layers of the Llama family for a
 //   fixed-shape decode step, in one call;
 // - split_product: a prompt's rows by an int8 weight through int8 x int8 products (its int8 prefill);

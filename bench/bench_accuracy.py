@@ -85,7 +85,7 @@ def nll(logits: torch.Tensor, ids: list[int], start: int) -> tuple[float, int]:
     return float(-logp.gather(1, target[:, None]).sum()), len(target)
 
 
-def compare(name: str, logits_of, oracle_logits: dict, sequences, text_ids, stepwise: bool = False) -> dict:
+def compare(logits_of, oracle_logits: dict, sequences, text_ids, stepwise: bool = False) -> dict:
     agree = total = 0
     max_diff, diffs = 0.0, []
     loss = count = 0.0
@@ -130,9 +130,9 @@ def main() -> int:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     text_ids = tok(readme).input_ids[:512]
     oracle_logits = {k: decodekit_logits(oracle, ids) for k, (_, ids) in enumerate(sequences)}
-    rows = {"dequantized_float32 (oracle)": compare("oracle", lambda ids: decodekit_logits(oracle, ids), oracle_logits,
+    rows = {"dequantized_float32 (oracle)": compare(lambda ids: decodekit_logits(oracle, ids), oracle_logits,
                                                     sequences, text_ids)}  # fmt: skip
-    rows["decodekit_blocks"] = compare("blocks", lambda ids, start=None: decodekit_logits(kept, ids, start),
+    rows["decodekit_blocks"] = compare(lambda ids, start=None: decodekit_logits(kept, ids, start),
                                        oracle_logits, sequences, text_ids, stepwise=True)  # fmt: skip
     try:
         from llama_cpp import Llama
@@ -140,7 +140,7 @@ def main() -> int:
         rows["llama.cpp"] = "not installed here (make test-llamacpp builds it)"
     else:
         llm = Llama(str(path), n_threads=args.threads, n_ctx=1024, n_batch=512, logits_all=True, verbose=False)
-        rows["llama.cpp"] = compare("llama.cpp", lambda ids: llamacpp_logits(llm, ids), oracle_logits, sequences,
+        rows["llama.cpp"] = compare(lambda ids: llamacpp_logits(llm, ids), oracle_logits, sequences,
                                     text_ids)  # fmt: skip
     result = {"file": path.name, "prompts": len(PROMPTS), "new_tokens": args.new_tokens, "rows": rows}
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -36,11 +36,9 @@ def return_freed_memory() -> None:
     transient copies (a GGUF file's q, k and v blocks before they are fused, say) otherwise stay in the process's
     resident memory."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's, where it runs
     except OSError:
         return
     if trim is not None:

@@ -19,6 +19,7 @@ package's own Q4_1 quantizer (quantize_rows makes q8 blocks as its Q8_0 quantize
 
 from __future__ import annotations
 
+import logging
 import mmap
 
 import numpy as np
@@ -27,6 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import native
+
+logger = logging.getLogger("decodekit")
 
 BLOCK = 32
 LAYOUTS = {"q4": (torch.uint8, 20), "q8": (torch.int16, 34)}  # layout -> (stored dtype, bytes a block)
@@ -151,6 +154,9 @@ def block_lanes() -> str:
             except RuntimeError:
                 pass
 
+        global _lanes_set
+        _lanes_set = None  # measuring sets the lanes of each candidate
+
         def product(lanes: int):
             def run():
                 torch.ops.decodekit.set_block_lanes(lanes)
@@ -161,10 +167,15 @@ def block_lanes() -> str:
 
         return {label: product(lanes) for label, lanes in offered.items()}
 
+    global _lanes_set
     chosen = choices.decide("block_lanes", candidates, otherwise="8")
-    if native.loaded() and not torch.compiler.is_compiling():
-        torch.ops.decodekit.set_block_lanes(int(chosen))
+    if native.loaded() and not torch.compiler.is_compiling() and _lanes_set != chosen:
+        torch.ops.decodekit.set_block_lanes(int(chosen))  # a call into the kernels only when the choice changes
+        _lanes_set = chosen
     return chosen
+
+
+_lanes_set: str | None = None  # the lanes block_lanes last set in the kernels (the measurement sets others)
 
 
 def weight_formats(module: nn.Module) -> dict[str, int]:
@@ -195,24 +206,17 @@ def kept_on(device) -> bool:
     """Whether weights in blocks are multiplied fast on `device`: on CPU with decodekit's kernels. Elsewhere (a GPU,
     a machine where the kernels do not build) a block layer would dequantize its weight on every call, so a file's
     blocks load dequantized there instead."""
-    import logging
-
     where = torch.device(device if device is not None else "cpu")
     if where.type == "cpu" and native.load() and native.loaded():  # loaded(): the probe a test may force off
         return True
     reason = "decodekit's C++ kernels are not built here" if where.type == "cpu" else f"on {where.type}"
-    logging.getLogger("decodekit").info("a GGUF file's blocks load dequantized to float32: %s", reason)
+    logger.info("a GGUF file's blocks load dequantized to float32: %s", reason)
     return False
 
 
 def stored_bytes(module: nn.Module) -> int:
     """The bytes of a module's parameters and buffers, each tensor once (tied weights share one)."""
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    return sum(weight_formats(module).values())
 
 
 class BlockLinear(nn.Module):

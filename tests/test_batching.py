@@ -13,7 +13,7 @@ import torch
 
 from decodekit.batching import QueueFull, RequestStatus
 from decodekit.batching.paged import PagedBatch, PagedCache, Segment
-from decodekit.core.compile import compiled_steps
+from decodekit.kernels import StepHost
 from decodekit.kernels import cpu, native
 from decodekit.testing import tiny_model
 
@@ -352,10 +352,10 @@ def test_warm_up_compiles_the_step_for_every_row_count_before_any_request(tmp_pa
         manager = model.init_continuous_batching(compile=True, max_running=18, block_size=4)
         blocks = manager.free_blocks
         assert manager.warm_up() == [1, 18]
-        steps, graphs = dict(compiled_steps(model, "paged decode")), counters["stats"]["unique_graphs"]
+        steps, graphs = dict(StepHost.of(model).steps("paged decode")), counters["stats"]["unique_graphs"]
         ids = [manager.add_request([7, i + 1], max_new_tokens=3 + i) for i in range(18)]
         manager.run(until_idle=True)  # decode steps of 18, 17, ..., 1 rows
-        assert dict(compiled_steps(model, "paged decode")) == steps and manager.runner.compiled.steps > 2 + 16
+        assert dict(StepHost.of(model).steps("paged decode")) == steps and manager.runner.compiled.steps > 2 + 16
         assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up, for any row count
         for i, rid in enumerate(ids):
             assert (
@@ -528,9 +528,11 @@ def test_compiled_sampling_first_made_for_one_row_serves_steps_of_several(model)
     assert manager._race is not race_rows  # still compiled: no fallback was needed
 
 
-def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so(model, caplog):
+def test_a_compiled_step_or_sampling_that_raises_falls_back_to_eager_and_says_so(model, caplog, monkeypatch):
     # Any exception from compiled code (inductor raises AssertionErrors, not dynamo's exceptions) runs that step
     # eagerly and is logged; the loop goes on and every request gets the tokens it gets alone.
+    # The model's host records the failure for good: one of the test's own, so other tests' steps compile.
+    monkeypatch.setattr(getattr(model, "module", model), "step_host", StepHost(), raising=False)
     manager = model.init_continuous_batching(compile=True, block_size=4)
 
     def broken(*args):

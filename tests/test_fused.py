@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from decodekit.kernels import native
-from decodekit.core.compile import argument_guards_only, compiled_steps
+from decodekit.core.compile import argument_guards_only
+from decodekit.kernels import StepHost
 from decodekit.core.fused_loop import bucket
 from decodekit.testing import tiny_model
 
@@ -191,7 +192,7 @@ def test_a_fresh_model_compiles_its_step_once(tmp_path, caplog):
     fresh = tiny_model(tmp_path, "llama")  # never run eagerly: its weights get packed during the first call
     with caplog.at_level(logging.INFO, logger="decodekit"):
         outputs = [fresh.generate(PROMPT, max_new_tokens=6, compile=True) for _ in range(3)]
-    assert caplog.text.count("compiling the decode step") == 1 and len(compiled_steps(fresh, "fused")) == 1
+    assert caplog.text.count("compiling the decode step") == 1 and len(StepHost.of(fresh).steps("fused")) == 1
     assert all(torch.equal(out, fresh.generate(PROMPT, max_new_tokens=6)) for out in outputs)
 
 
@@ -217,7 +218,7 @@ def test_steps_follow_the_model_through_dtype_moves_and_quantization(tmp_path):
     assert torch.equal(m.generate(**kwargs, compile=True), changed)
     quantize(m, "int8")
     assert torch.equal(m.generate(**kwargs, compile=True), m.generate(**kwargs))
-    assert len({key[-1] for key in compiled_steps(m, "fused")}) == 3  # fp32, bf16, int8
+    assert len({key[-1] for key in StepHost.of(m).steps("fused")}) == 3  # fp32, bf16, int8
 
 
 def test_bad_compile_config(model):

@@ -11,7 +11,7 @@ from torch import nn
 from decodekit.kernels import choices, cpu
 from decodekit.kernels import packed as packed_module
 from decodekit.kernels.packed import PackedLinear, pack_linears, unpack_linears
-from decodekit.core.compile import compiled_steps
+from decodekit.kernels import StepHost
 from decodekit.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
@@ -127,7 +127,7 @@ def test_a_compiled_call_of_few_rows_runs_on_plain_weights_and_the_next_eager_ca
     assert torch.equal(tied.generate(few, max_new_tokens=6), eager) and linears(tied, PackedLinear)
     out = tied.generate(wide, max_new_tokens=6, compile=True)
     assert linears(tied, PackedLinear) and torch.equal(out, tied.generate(wide, max_new_tokens=6))
-    assert sorted(key[-1][2] for key in compiled_steps(tied, "fused")) == [False, True]  # one step per layout
+    assert sorted(key[-1][2] for key in StepHost.of(tied).steps("fused")) == [False, True]  # one step per layout
 
 
 def test_one_row_in_a_compiled_step_goes_through_one_row_and_nothing_else_does(monkeypatch):

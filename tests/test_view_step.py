@@ -11,6 +11,7 @@ import torch
 
 from decodekit import AutoModelForCausalLM
 from decodekit.core.compile import FusedStep, step_options
+from decodekit.kernels import StepHost
 from helpers import write_tiny_model
 from methods import TRANSFORMERS_INTERNALS, write_method
 from published_methods import BEAM_LOOP, CACHELESS, CONTRASTIVE, ROLLBACK, SINK_CACHE, TOP_N_SIGMA
@@ -282,7 +283,7 @@ def test_a_step_that_does_not_compile_runs_eagerly_saying_so(llama, repos, monke
         return broken
 
     monkeypatch.setattr(view_step, "one_token_forward", untraceable)
-    monkeypatch.setitem(llama.module.__dict__, "_compiled_steps", {})  # steps made here go with the test
+    monkeypatch.setattr(llama.module, "step_host", StepHost())  # steps made and failed here go with the test
     with caplog.at_level(logging.INFO, logger="decodekit"):
         assert torch.equal(llama.generate(**call, compile=True), eager)
     assert caplog.text.count("the step did not compile") == 1

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
-from ..core.compile import compile_own, compiled_steps, replays_graphs, step_options
+from ..core.compile import compile_own, replays_graphs, step_options
 from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 from ..core.transfer import to_device
 
@@ -116,7 +116,7 @@ class CompiledDecode:
             cache.commit()
         self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
-        self.broken: str | None = None
+        self.host = kernels.StepHost.of(model)
         self._kept: KeptRows | None = None  # the previous step's rows on the device (_rows_state)
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
@@ -134,6 +134,27 @@ class CompiledDecode:
                 str(keys.dtype).removeprefix("torch."),
                 keys.device,
             )
+
+    @property
+    def key(self) -> tuple:
+        """What decides this manager's compiled code: its step is kept by the model's StepHost under it, so a later
+        manager with a cache of the same shape (another generate_batch call, say) reuses what an earlier one
+        compiled. The step's guards check its arguments only (core.compile.argument_guards_only), so the pools'
+        shape is part of the key."""
+        pool = self.cache.keys[0]
+        return (
+            self.cache.block_size,
+            tuple(pool.shape),
+            pool.dtype,
+            pool.device,
+            self.route,
+            repr(sorted(self.options.items())),
+        )
+
+    @property
+    def broken(self) -> str | None:
+        """Why this manager's compiled step failed (its steps then run eagerly), or None."""
+        return self.host.failure("paged decode", self.key)
 
     def usable(self) -> bool:
         return self.broken is None
@@ -165,22 +186,22 @@ class CompiledDecode:
                 torch.compiler.cudagraph_mark_step_begin()
             logits = step(ids, position, slots, table, self.cache.keys, self.cache.values)
         except Exception as error:  # not only dynamo's: inductor raises AssertionErrors and the like
-            why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
             if self.route == "flex":
                 # The fused route has more of torch's compiler under it than the gathered one: where it fails, the
                 # step stays compiled over gathered blocks (the step is run again whole: what it wrote before it
                 # failed is written again, the same values at the same slots).
                 logger.warning(
-                    "continuous batching: the compiled decode step through flex attention failed (%s); it attends "
-                    "through gathered blocks from now on",
-                    why,
+                    "continuous batching: the compiled decode step through flex attention failed (%s: %s); it "
+                    "attends through gathered blocks from now on",
+                    type(error).__name__,
+                    (str(error).splitlines() or [""])[0],
                 )
                 self.route = "gathered"
                 return self(tokens, tables, positions, rows_key)
             # The eager step that follows raises again where the fault is the step's inputs, and fails only the
             # requests concerned; a compiled graph that raised once is not run again.
-            self.broken = why
-            logger.warning("continuous batching: the compiled decode step failed (%s); steps run eagerly", self.broken)
+            what = "continuous batching: the compiled decode step failed; steps run eagerly"
+            self.host.failed("paged decode", self.key, error, what, redo=True)
             return None
         # A graph's outputs live in its memory, which the next replay overwrites: the step's logits are copied out.
         return logits[:rows].clone() if self.graphs else logits[:rows]
@@ -260,28 +281,16 @@ class CompiledDecode:
         return sizes
 
     def _step(self):
-        # Kept on the model, like generate()'s fused steps: a later manager with a cache of the same shape
-        # (another generate_batch call, say) reuses what an earlier one compiled. The step's guards check its
-        # arguments only (core.compile.argument_guards_only), so the pools' shape is part of the key.
-        steps = compiled_steps(self.model, "paged decode", limit=None)
-        pool = self.cache.keys[0]
-        key = (
-            self.cache.block_size,
-            tuple(pool.shape),
-            pool.dtype,
-            pool.device,
-            self.route,
-            repr(sorted(self.options.items())),
-        )
-        step = steps.get(key)
-        if step is None:
-            model, bs, route = self.model, self.cache.block_size, self.route
+        model, bs, route = self.model, self.cache.block_size, self.route
 
+        def make():
             def decode(ids, positions, slots, tables, keys, values):
                 rows = DecodeRows(keys, values, slots, tables, positions, bs, route=route)
                 return model(ids, position_ids=positions[None], past_key_values=rows, use_cache=True).logits[0]
 
-            step = steps[key] = compile_own(decode, self.options)
             logger.info("continuous batching: compiling the decode step")
+            return compile_own(decode, self.options)
+
+        step = self.host.step("paged decode", self.key, make, limit=None)
         self.steps += 1
         return step

@@ -17,7 +17,7 @@ from ..families.cache import new_cache
 from .paged import PagedBatch, PagedCache, Segment
 from .request import Request
 from ..core.transfer import to_device
-from ..kernels.layout import if_layout_free, layout_lock
+from ..kernels.step_host import StepHost
 from ..kernels.packed import pack_linears
 
 
@@ -84,7 +84,7 @@ class PagedRunner:
         self.compiled_ready = compile
         if self.compiled is None or not compile:
             return []
-        with layout_lock(self.weights):  # compiled on the layout in force, which no other thread changes meanwhile
+        with StepHost.of(self.weights).lock:  # compiled on the layout in force, which no other thread changes meanwhile
             self.on_compiled_layout()
             return self.compiled.warm_up(max_rows)
 
@@ -154,7 +154,7 @@ class PagedRunner:
             # The compiled step runs on the layout it was compiled on. Where another thread's compiled call holds the
             # model's layout (a method on the same model), or left another one in force, this step runs eagerly on
             # what is there rather than wait for that call, step while the layout changes, or compile again.
-            with if_layout_free(self.weights) as free:
+            with StepHost.of(self.weights).if_free() as free:
                 if free and self.on_compiled_layout():
                     logits = self.compiled(ids, tables, [s.first for s in segments], rows)
         if logits is None:

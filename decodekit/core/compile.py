@@ -1,24 +1,19 @@
-"""Compiling decode steps: torch.compile's settings for a step, the guards it keeps, CUDA-graph replays, and the
-per-model cache of compiled steps. The fused decode loops (plugins/fused.py, beam search's) and continuous batching's
-step (batching/compiled.py) compile through here.
+"""Compiling decode steps: torch.compile's settings for a step, the guards it keeps, CUDA-graph replays. The fused
+decode loops (plugins/fused.py, beam search's), a published method's step (facade/view_step.py) and continuous
+batching's step (batching/compiled.py) compile through here.
 
-Compiled steps are kept on the model, in `compiled_steps(model, name)`: one StepCache per kind of step ("fused" for
-generate(compile=True)'s, "paged decode" for continuous batching's), keyed by everything that decides the compiled
-code (batch, cache bucket, processors, options, weight layout). A later call with the same key reuses the step;
-the least recently used goes when a cache is full (each step holds a static cache of its own).
+The compiled steps themselves are kept by the model's StepHost (kernels/step_host.py), by kind and by everything that
+decides the compiled code (batch, cache bucket, processors, options, weight layout): a later call with the same key
+reuses the step; the least recently used goes when a kind is full (each fused step holds a static cache of its own).
 """
 
 from __future__ import annotations
 
 import types
-from collections import OrderedDict
-from typing import Callable
 
 import torch
 
 from ..families.cache import StaticCache
-
-MAX_STEPS = 8  # compiled steps kept per model and kind (each fused step holds a static cache)
 
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
@@ -259,29 +254,3 @@ def compile_own(step, options: dict, guard_filter=argument_guards_only):
 
 
 compile_own.made = 0
-
-
-class StepCache(OrderedDict):
-    """Compiled steps by key, the most recently used last; at most `limit` (None: no limit)."""
-
-    def __init__(self, limit: int | None = MAX_STEPS):
-        super().__init__()
-        self.limit = limit
-
-    def get_or_make(self, key, make: Callable[[], object]):
-        """The step for `key`, made by make() and kept where there is none, and marked most recently used."""
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        while self.limit is not None and len(self) >= self.limit:
-            self.popitem(last=False)
-        self[key] = step = make()
-        return step
-
-
-def compiled_steps(model, name: str, limit: int | None = MAX_STEPS) -> StepCache:
-    """The model's StepCache of kind `name` (module docstring), made at first use."""
-    caches = model.__dict__.setdefault("_compiled_steps", {})
-    if name not in caches:
-        caches[name] = StepCache(limit)
-    return caches[name]

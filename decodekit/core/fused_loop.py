@@ -12,7 +12,7 @@ import torch
 
 from .. import kernels
 from ..families.cache import StaticCache
-from .compile import FusedStep, compiled_steps, step_options
+from .compile import FusedStep, step_options
 from .processors import declares, processor_key
 from .selectors import selector_declares
 
@@ -157,27 +157,26 @@ class FusedLoop:
             if self.compiles:
                 logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
-        with kernels.step_layout(model, input_ids.shape[0]) as layout:
-            return self._fused(model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
+        host = kernels.StepHost.of(model)
+        with host.layout(model, input_ids.shape[0]) as layout:
+            return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
 
-    def _fused(self, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout):
-        fused = self._step_for(model, input_ids.shape[0], context.max_length, pipeline, gc, layout)
+    def _fused(self, host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout):
+        options = step_options(gc.compile_config, model.device) if self.compiles else None
+        key = (input_ids.shape[0], bucket(context.max_length), self.kind(pipeline, gc), _hashable(options), layout)
+        fused = host.step("fused", key, lambda: self._make_step(model, key, options, pipeline, gc, host))
         if fused is None:
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
         if model.device.type == "cpu":
-            model.bind_native_layers()  # after _step_for, which may pack the weights; before any tracing
+            model.bind_native_layers()  # after the layout is held, which may pack the weights; before any tracing
         try:
             return self.run(model, fused, input_ids, attention_mask, pipeline, gc, streamer, context)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            if fused.compiled_once:
-                raise
+        except torch._dynamo.exc.TorchDynamoException as error:
             # Something in the step could not be compiled (a plugin processor dynamo cannot trace, say).
-            compiled_steps(model, "fused")[fused.key] = None
-            logger.info(
-                "compile=True falls back to the eager loop: the step did not compile (%s)", str(e).splitlines()[0]
-            )
+            what = "compile=True falls back to the eager loop: the step did not compile"
+            host.failed("fused", key, error, what, redo=not fused.compiled_once)
             if streamer is not None:
-                raise
+                raise  # it has been handed the prompt: the eager loop would hand it again
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
 
     @staticmethod
@@ -197,22 +196,12 @@ class FusedLoop:
             positions = torch.full((B, 1), T0 - 1, device=dev)
         return out.logits[:, -1, :].float(), mask, positions
 
-    def _step_for(self, model, batch, max_length, pipeline, gc, layout) -> FusedStep | None:
-        options = step_options(gc.compile_config, model.device) if self.compiles else None
-        length = bucket(max_length)
-        kind = self.kind(pipeline, gc)
-        key = (batch, length, kind, _hashable(options), layout)
-        steps = compiled_steps(model, "fused")
-
-        def make() -> FusedStep:
-            why = "first compiled call" if not steps else "new batch size, cache bucket or processors"
-            if self.compiles:
-                logger.info("compiling the decode step (batch %d, cache %d slots, %s; %s)", batch, length, kind[0], why)
-            step = FusedStep(model, batch, length, options, lambda m, cache: self.make_step(m, cache, pipeline, gc))
-            step.key = key
-            return step
-
-        return steps.get_or_make(key, make)
+    def _make_step(self, model, key, options, pipeline, gc, host) -> FusedStep:
+        batch, length, kind = key[:3]
+        if self.compiles:
+            why = "first compiled call" if not host.steps("fused") else "new batch size, cache bucket or processors"
+            logger.info("compiling the decode step (batch %d, cache %d slots, %s; %s)", batch, length, kind[0], why)
+        return FusedStep(model, batch, length, options, lambda m, cache: self.make_step(m, cache, pipeline, gc))
 
 
 def eos_blocks(scores_width: int, eos: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, Cache, DynamicCache
 from transformers import GenerationMixin as TransformersGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .view_step import Incremental, ViewCompile, mirror_of
+from .view_step import Incremental, ViewCompile
 
 # The output's cache field: `past_key_values` in transformers 5.16-5.23 (the oldest the extra takes), `cache` after.
 OUTPUT_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -274,9 +274,9 @@ class TransformersView(TransformersGeneration):
         inputs.update(inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
         if cache is None and use_cache:
             return self._cacheless(logits_to_keep, **inputs)
-        state = self.__dict__["incremental"]
+        state = self.incremental
         if state is not None and cache is state.cache:
-            self.__dict__["incremental"] = None  # the method runs that cache itself from now on
+            self.incremental = None  # the method runs that cache itself from now on
         return self._run(cache, use_cache, logits_to_keep, **inputs)
 
     def _run(self, cache, use_cache, logits_to_keep, input_ids, attention_mask, position_ids, inputs_embeds,
@@ -285,7 +285,7 @@ class TransformersView(TransformersGeneration):
             cache = DynamicCache(config=self.config)
         rows, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         past = int(cache.get_seq_length()) if cache is not None else 0
-        steps = self.__dict__["steps"]
+        steps = self.steps
         if steps is not None:
             reason = steps.refusal(cache, input_ids, inputs_embeds, output_hidden_states, length, past)
             logits = None if reason else steps.decode(cache, input_ids, attention_mask, position_ids, past)
@@ -293,7 +293,7 @@ class TransformersView(TransformersGeneration):
                 return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE: cache if use_cache else None})
             if reason:
                 steps.eager_because(reason)
-        mirror = mirror_of(cache)
+        mirror = steps.mirror_of(cache) if steps is not None else None
         if mirror is not None:
             mirror.stale_from(past)
         native_cache = _ViewedCache(cache, past) if isinstance(cache, Cache) else cache
@@ -322,16 +322,14 @@ class TransformersView(TransformersGeneration):
         that call (a compiled step where the call compiles and it is one token a row); any other call runs whole
         and starts the state again. Linear work where the method's is quadratic; the logits are the full forward's
         within float rounding (a cached loop's: in bfloat16 a near tie can fall the other way)."""
-        state = self.__dict__["incremental"]
+        state = self.incremental
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         whole = logits_to_keep not in (0, None) or inputs["inputs_embeds"] is not None
         whole = whole or inputs["output_hidden_states"] or inputs["position_ids"] is not None or input_ids is None
         if whole or state is None or not state.extended_by(input_ids, attention_mask):
             out = self._run(None, True, logits_to_keep, **inputs)
             keep = not whole and input_ids.shape[1] > 0
-            self.__dict__["incremental"] = (
-                Incremental(input_ids, attention_mask, out[OUTPUT_CACHE], out.logits) if keep else None
-            )
+            self.incremental = Incremental(input_ids, attention_mask, out[OUTPUT_CACHE], out.logits) if keep else None
             return out
         new = self._run(state.cache, True, 0, **{**inputs, "input_ids": input_ids[:, state.length :]})
         logits = state.extend(input_ids, attention_mask, new.logits)

@@ -151,7 +151,7 @@ class Model(GenerationMixin):
 
     def __setattr__(self, name: str, value) -> None:
         if name in self._OWN or name.startswith("__"):
-            self.__dict__[name] = value
+            object.__setattr__(self, name, value)
         else:
             setattr(self.module, name, value)
 

@@ -21,7 +21,6 @@ compile. Why a mirror rather than decodekit cache classes handed to the method: 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -29,7 +28,7 @@ import weakref
 import torch
 
 from .. import kernels
-from ..core.compile import FusedStep, compiled_steps
+from ..core.compile import FusedStep
 from ..core.fused_loop import bucket, fixed_step_logits, supports_step
 from ..core.transfer import to_device
 
@@ -46,31 +45,43 @@ SEVERAL_TOKENS = (
 )
 
 
+class MirroredStep(FusedStep):
+    """A method's compiled step: a FusedStep whose static cache mirrors one transformers cache at a time (`mirror`),
+    its buffers taken by one thread's forward at a time (`lock`)."""
+
+    def __init__(self, module, rows: int, capacity: int, options: dict | None):
+        super().__init__(module, rows, capacity, options, one_token_forward)
+        self.mirror: Mirror | None = None
+        self.lock = threading.Lock()
+
+
 class ViewCompile:
     """The decode steps of one call of a method on a TransformersView: the torch.compile `options` of its steps
-    (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the weight layout held
-    while it runs (kernels.step_layout) and the reasons a forward ran as the view's plain forward instead (logged
-    once each, when compiling). `close()` when the method returns."""
+    (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the call's session on the
+    model's StepHost (the weight layout it holds from its first step to its end) and the reasons a forward ran as the
+    view's plain forward instead (logged once each, when compiling). The caches this call's steps mirrored are its
+    own (`mirrors`), given memory of their own again at `close()`, when the method returns."""
 
     def __init__(self, module, options: dict | None, method: str):
         self.module, self.options, self.method = module, options, method
         # What the options add to a step's key, made once: decode() asks for its step at every token.
         self.options_key = None if options is None else tuple(sorted((k, repr(v)) for k, v in options.items()))
-        self.layout = contextlib.ExitStack()
-        self.layout_rows: int | None = None
-        self.layout_key = None
+        self.host = kernels.StepHost.of(module)
+        self.session = self.host.session(module)
+        self.bound_rows: int | None = None
+        self.mirrors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> the Mirror that holds it
         self.told: set[str] = set()
         self.stepped = self.several = False
-        self.holds_layout = False  # whether this call holds the model's layout lock (kernels/layout.py)
-        self.refused_layout = False  # another thread held it at this call's first step
-        self.thread = threading.get_ident()  # the call's: the lock is taken and released there
 
     def close(self) -> None:
-        self.layout.close()
-        self.layout_rows = self.layout_key = None
-        if self.holds_layout:
-            self.holds_layout = False
-            kernels.layout_lock(self.module).release()
+        # A step outlives the call (the host keeps it for the next): the caches it mirrored stop viewing its buffers.
+        for cache, mirror in list(self.mirrors.items()):
+            if mirror.step.mirror is mirror:
+                mirror.release(cache)
+                mirror.step.mirror = None
+        self.mirrors.clear()
+        self.session.close()
+        self.bound_rows = None
         if self.several and not self.stepped and not self.told:
             self.tell(SEVERAL_TOKENS)
 
@@ -110,33 +121,23 @@ class ViewCompile:
             return f"its {kind} holds {', '.join(kinds)} layers; the step mirrors {layer}s"
         return None
 
-    def step_for(self, rows: int, capacity: int) -> FusedStep | None:
-        """The compiled step for `rows` one-token rows over `capacity` cache slots (made at first use; None where it
-        failed to compile before, or where another thread's call holds the model's weight layout), with the model's
-        weights in that step's layout."""
-        if threading.get_ident() != self.thread:
-            return None  # a thread the method started: the plain forward, on the layout the call holds
-        if self.refused_layout:
-            return None
-        if not self.holds_layout:
-            # Held from the call's first step to its end: a method's forwards come between its steps. Never
-            # waited for: another thread's method may hold it for the whole of its own loop. Refused once, the
-            # call runs the plain forward to its end (one path for all of its tokens).
-            if not kernels.layout_lock(self.module).acquire(blocking=False):
-                self.refused_layout = True
+    def step_for(self, rows: int, capacity: int) -> MirroredStep | None:
+        """The compiled step for `rows` one-token rows over `capacity` cache slots (made at first use), with the
+        model's weights in that step's layout; None where it failed to compile before, where another thread's call
+        holds the model's weight layout (refused once, the call runs the plain forward to its end: one path for all
+        of its tokens) or on a thread the method started."""
+        refused = self.session.refused
+        layout = self.session.hold(rows)
+        if layout is None:
+            if self.session.refused and not refused:
                 self.tell("another thread's call holds the model's weight layout for its own steps")
-                return None
-            self.holds_layout = True
-        if self.layout_rows != rows:
-            self.layout.close()
-            self.layout_key = self.layout.enter_context(kernels.step_layout(self.module, rows))
-            self.layout_rows = rows
-            if self.module.device.type == "cpu":
-                self.module.bind_native_layers()
-        key = (rows, capacity, self.options_key, self.layout_key)
-        steps = compiled_steps(self.module, "method decode")
+            return None
+        if self.bound_rows != rows and self.module.device.type == "cpu":
+            self.module.bind_native_layers()  # after the layout for these rows is in force
+        self.bound_rows = rows
+        key = (rows, capacity, self.options_key, layout)
 
-        def make() -> FusedStep:
+        def make() -> MirroredStep:
             if self.options is not None:
                 logger.info(
                     "custom_generate %s: compiling the decode step (%d rows, %d cache slots)",
@@ -144,12 +145,13 @@ class ViewCompile:
                     rows,
                     capacity,
                 )
-            step = FusedStep(self.module, rows, capacity, self.options, one_token_forward)
-            step.key, step.mirror = key, None
-            step.lock = threading.Lock()  # two threads' methods on one model take the buffers in turn
-            return step
+            return MirroredStep(self.module, rows, capacity, self.options)
 
-        return steps.get_or_make(key, make)
+        return self.host.step("method decode", key, make)
+
+    def mirror_of(self, cache) -> Mirror | None:
+        """The Mirror that took `cache` into a step's buffers in this call, if any."""
+        return self.mirrors.get(cache)
 
     def decode(self, cache, input_ids, attention_mask, position_ids, past: int):
         """The logits [rows, 1, vocab] of one token per row over `cache` (a transformers Cache holding `past`
@@ -158,7 +160,8 @@ class ViewCompile:
         if attention_mask is not None and attention_mask.shape[-1] < past + 1:
             return None  # a mask short of the cache: the plain forward says what it takes
         rows = input_ids.shape[0]
-        step = self.step_for(rows, bucket(past + 1))
+        capacity = bucket(past + 1)
+        step = self.step_for(rows, capacity)
         if step is None:
             return None
         dev = input_ids.device
@@ -170,15 +173,14 @@ class ViewCompile:
         with step.lock:
             if not Mirror.free_for(step, cache):
                 return None
-            Mirror.serve(step, cache, past)
+            self.mirrors[cache] = Mirror.serve(step, cache, past)
             try:
                 # A method's one-token inputs are often views of a longer sequence: the compiled code takes them dense.
                 logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
             except torch._dynamo.exc.TorchDynamoException as error:
-                if step.compiled_once or not step.compiles:
-                    raise
-                compiled_steps(self.module, "method decode")[step.key] = None
-                self.eager_because(f"the step did not compile ({str(error).splitlines()[0]})")
+                what = f"custom_generate {self.method}: a forward runs eagerly (not compiled): the step did not compile"
+                key = (rows, capacity, self.options_key, self.session.key)
+                self.host.failed("method decode", key, error, what, redo=step.compiles and not step.compiled_once)
                 return None
             step.compiled_once = True
             step.mirror.written(cache, past)
@@ -200,12 +202,12 @@ class Mirror:
     """Which transformers cache a step's buffers hold (`owner`, weakly), how many positions of it they hold
     (`length`), and the memory each of its layers was in when they did (`addresses`)."""
 
-    def __init__(self, step: FusedStep, owner):
+    def __init__(self, step: MirroredStep, owner):
         self.step, self.owner, self.length, self.addresses = step, weakref.ref(owner), 0, []
         self.thread = threading.get_ident()
 
     @staticmethod
-    def free_for(step: FusedStep, cache) -> bool:
+    def free_for(step: MirroredStep, cache) -> bool:
         """Whether `cache` may take `step`'s buffers now: they hold nothing, or `cache`, or a cache no longer alive,
         or one of this thread's. A cache of another thread's method keeps them (that thread may be reading its views
         of them or changing its layers at this moment); `cache` then runs the plain forward."""
@@ -216,22 +218,23 @@ class Mirror:
         return owner is None or owner is cache
 
     @staticmethod
-    def serve(step: FusedStep, cache, past: int) -> None:
-        """Makes `step`'s buffers hold the first `past` positions of `cache`: nothing to do where they already do,
-        else one copy (the step's previous cache, if another, first gets memory of its own)."""
+    def serve(step: MirroredStep, cache, past: int) -> Mirror:
+        """Makes `step`'s buffers hold the first `past` positions of `cache`, and returns the Mirror that says so:
+        nothing to do where they already do, else one copy (the step's previous cache, if another, first gets memory
+        of its own)."""
         mirror = step.mirror
         owner = mirror.owner() if mirror is not None else None
         if owner is cache and mirror.holds(cache, past):
-            return
+            return mirror
         if owner is not None and owner is not cache:
             mirror.release(owner)
         step.mirror = mirror = Mirror(step, cache)
-        cache._decodekit_mirror = mirror  # an eager forward over the cache tells it (stale_from)
         buffers = step.cache
         for layer, keys, values in zip(cache.layers, buffers.keys, buffers.values):
             keys[:, :, :past].copy_(layer.keys[:, :, :past])
             values[:, :, :past].copy_(layer.values[:, :, :past])
         mirror.held(cache, past)
+        return mirror
 
     @staticmethod
     def layer_addresses(cache) -> list:
@@ -266,11 +269,6 @@ class Mirror:
         for layer, keys in zip(cache.layers, buffers.keys):
             if layer.keys.data_ptr() == keys.data_ptr():
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-
-
-def mirror_of(cache) -> Mirror | None:
-    """The Mirror that last took `cache` into a step's buffers (set on the cache by Mirror.serve), if any."""
-    return getattr(cache, "_decodekit_mirror", None)
 
 
 class Incremental:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels import elementwise, native
 from ..kernels.linear import INTERLEAVED, PROMPT_ROUTES, Linear, lacks_matmul_instructions, prompt_choice
-from ..kernels.layout import if_layout_free
+from ..kernels.step_host import StepHost
 from ..kernels.packed import pack_linears, unpack_linears
 from ..kernels.attention import by_route, prompt_attention, prompt_attention_route, wide_softmax
 from ..kernels import quantize
@@ -313,6 +313,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(config.head_dim, config.rope(), min(config.max_position_embeddings, 4096))
         self.windows = {layer.attn.window for layer in self.layers}
         self._native_handle = self._native_bound = None  # see bind_native_layers
+        self.step_host = StepHost()  # its compiled steps and the lock over its weight layout (kernels/step_host.py)
 
     def _apply(self, fn, recurse=True):
         # .to(), .half(), .cuda() and friends act on plain weights; the next forward decides again whether
@@ -365,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
             if torch.compiler.is_compiling():
                 pack_linears(self)  # decided before the trace, under the caller's lock: an attribute read
             else:
-                with if_layout_free(self) as free:
+                with self.step_host.if_free() as free:
                     if free:  # else another thread's compiled call holds the layout: run on it as it is
                         pack_linears(self)
 
@@ -519,7 +520,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return None if torch.is_grad_enabled() else self._native_bound
-        with if_layout_free(self) as free:
+        with self.step_host.if_free() as free:
             # Another thread's compiled call holds the layout and what it bound: read that, rebind nothing.
             return self.bind_native_layers() if free else self._native_bound
 

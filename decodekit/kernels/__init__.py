@@ -2,8 +2,8 @@
 cpu_kernels.cpp), oneDNN-packed weights (packed.py), the linear layers that pick a product per call (linear.py),
 int8 weights (quantize.py) and choices measured once per CPU (choices.py).
 
-The model families build their layers from Linear and Int8Linear; a compiled step asks `step_layout` for the
-weight layout it runs on. Nothing here imports the rest of decodekit.
+The model families build their layers from Linear and Int8Linear; a model's StepHost (step_host.py) holds its compiled
+steps and its weight layout, which a compiled step asks for through `step_layout`. Nothing here imports the rest of decodekit.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 
 from . import linear, native
-from .layout import layout_lock
 from .linear import Linear
 from .packed import pack_linears, plain_weights
 from .quantize import QUANTIZATIONS, Int8Linear, many_rows_route
+from .step_host import StepHost, StepSession
 
 MAX_ROWS = native.MAX_ROWS
 # Compiled steps of up to this many rows on CPU multiply plain weights (the C++ layer stack and row products,
@@ -22,28 +22,33 @@ MAX_ROWS = native.MAX_ROWS
 PLAIN_WEIGHTS_ROWS = MAX_ROWS
 
 
-@contextlib.contextmanager
 def step_layout(model, rows: int):
-    """Holds `model`'s weights in the layout a compiled step of `rows` rows runs fastest on, for the duration, and
-    yields that layout's key (dtype, device, packed, quantization), part of the compiled step's own key.
+    """Holds `model`'s weights in the layout a compiled step of `rows` rows runs fastest on, under its StepHost's
+    lock, for the duration (a context manager yielding the layout's key: step_layout_of)."""
+    return StepHost.of(model).layout(model, rows)
+
+
+@contextlib.contextmanager
+def step_layout_of(model, rows: int):
+    """The body of step_layout, for a caller that holds `model`'s StepHost lock: puts the weights in the layout a
+    compiled step of `rows` rows runs fastest on, for the duration, and yields that layout's key (dtype, device,
+    packed, quantization), part of the compiled step's own key.
 
     On CPU the kernels are loaded first (the traced products read whether they are there) and the routes for
     `rows` rows are measured (settle_routes). A step of up to PLAIN_WEIGHTS_ROWS rows runs on plain
     weights, unpacked for the duration; a wider one on packed weights where packing pays on this CPU. The choice
-    is made here, once per call: a model holds one layout at a time, and the caller holds the model's layout lock
-    for the duration (layout.py)."""
+    is made here, once per call: a model holds one layout at a time."""
     quantization = getattr(model, "quantization", None)
-    with layout_lock(model):  # held while the call runs: another thread's call waits (kernels/layout.py)
-        if model.device.type != "cpu":
-            yield (model.dtype, model.device, pack_linears(model), quantization)
-            return
-        native.load()
-        settle_routes(model, rows)
-        if rows <= PLAIN_WEIGHTS_ROWS:
-            with plain_weights(model):
-                yield (model.dtype, model.device, False, quantization)
-        else:
-            yield (model.dtype, model.device, pack_linears(model), quantization)
+    if model.device.type != "cpu":
+        yield (model.dtype, model.device, pack_linears(model), quantization)
+        return
+    native.load()
+    settle_routes(model, rows)
+    if rows <= PLAIN_WEIGHTS_ROWS:
+        with plain_weights(model):
+            yield (model.dtype, model.device, False, quantization)
+    else:
+        yield (model.dtype, model.device, pack_linears(model), quantization)
 
 
 def settle_routes(model, rows: int) -> None:
@@ -74,6 +79,8 @@ __all__ = [
     "MAX_ROWS",
     "PLAIN_WEIGHTS_ROWS",
     "QUANTIZATIONS",
+    "StepHost",
+    "StepSession",
     "paged_step_ready",
     "settle_routes",
     "step_layout",

@@ -224,7 +224,7 @@ def test_quantize_int4_keeps_a_checkpoint_in_q4_blocks(tmp_path):
 
 
 def test_stats_say_the_weights_formats_and_bytes(files):
-    from decodekit.cli import weights_line
+    from decodekit.cli.terminal import weights_line
 
     model = AutoModelForCausalLM.from_pretrained(files["Q4_1"])  # Q4_1 layers, a Q8_0 embedding, an untied lm_head
     formats = blocks.weight_formats(model.module)

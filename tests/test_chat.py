@@ -182,7 +182,8 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
 
 
 def test_the_trust_gate_s_advice_in_a_chat_names_the_flag_and_the_pin_file(tmp_path, monkeypatch):
-    from decodekit.cli import build_parser, cmd_chat
+    from decodekit.cli.commands import cmd_chat
+    from decodekit.cli.parser import build_parser
     from methods import HOOK_METHOD, write_method
 
     method = write_method(tmp_path / "ban", HOOK_METHOD)
@@ -200,7 +201,7 @@ def test_the_trust_gate_s_advice_in_a_chat_names_the_flag_and_the_pin_file(tmp_p
             return 0
 
     monkeypatch.setattr("decodekit.chat.ChatSession", Session)
-    monkeypatch.setattr("decodekit.cli.load_model_of", lambda args, say=False: (None, None))
+    monkeypatch.setattr("decodekit.cli.commands.load_model_of", lambda args, say=False: (None, None))
     assert cmd_chat(build_parser().parse_args(["chat"])) == 0
     assert "pass --trust-remote-code" in told[0] and "trust_remote_code=" not in told[0]
     assert f"the line '{method} " in told[0] and str(tmp_path / "config" / "trusted_revisions.txt") in told[0]
@@ -224,12 +225,13 @@ def test_method_in_a_chat_offers_to_trust_the_folder_showing_its_hashes(
     default_model, tmp_path, monkeypatch, capsys, answer
 ):
     # Before: /method ./dir only said to restart the chat with --trust-remote-code.
-    from decodekit.cli import build_parser, cmd_chat
+    from decodekit.cli.commands import cmd_chat
+    from decodekit.cli.parser import build_parser
     from methods import HOOK_METHOD, write_method
 
     method = write_method(tmp_path / "ban", HOOK_METHOD)
     monkeypatch.setenv("DECODEKIT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setattr("decodekit.cli.load_model_of", lambda args, say=False: default_model)
+    monkeypatch.setattr("decodekit.cli.commands.load_model_of", lambda args, say=False: default_model)
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/method {method}\n{answer}\n/settings\n"))
     assert cmd_chat(build_parser().parse_args(["chat"])) == 0
     out = capsys.readouterr().out

@@ -106,7 +106,7 @@ def test_the_spinner_turns_then_clears_its_line():
     import io
     import time
 
-    from decodekit.cli import Spinner
+    from decodekit.cli.terminal import Spinner
 
     out = io.StringIO()
     spinner = Spinner("compiling", stream=out, interval=0.01).start()
@@ -120,7 +120,7 @@ def test_the_spinner_turns_then_clears_its_line():
 def test_stats_holds_tokens_back_until_the_step_after_the_first():
     import torch
 
-    from decodekit.cli import Stats
+    from decodekit.cli.terminal import Stats
 
     seen, events = [], []
 
@@ -184,7 +184,7 @@ def test_a_methods_own_validation_runs_before_the_model_loads(no_model_loads, tm
 
 
 def test_verbose_is_taken_after_the_subcommand_too():
-    from decodekit.cli import build_parser
+    from decodekit.cli.parser import build_parser
 
     assert build_parser().parse_args(["generate", "-v", "Hi"]).verbose is True
     assert build_parser().parse_args(["-v", "generate", "Hi"]).verbose is True
@@ -216,7 +216,7 @@ def test_device_names_a_device_this_torch_has(no_model_loads, command, capsys):
     model loads, with what is there."""
     import torch
 
-    from decodekit.cli import build_parser
+    from decodekit.cli.parser import build_parser
 
     assert build_parser().parse_args([*command, "--device", "cpu"]).device == "cpu"
     assert build_parser().parse_args(command).device == "cpu"
@@ -270,7 +270,8 @@ def test_check_names_a_misspelt_hook_and_prints_the_pin_to_trust(tmp_path, capsy
 
 
 def test_config_files_give_flags_and_the_command_line_wins(tmp_path):
-    from decodekit.cli import build_parser, with_config
+    from decodekit.cli.config_file import with_config
+    from decodekit.cli.parser import build_parser
 
     (tmp_path / "chat.yaml").write_text(
         "max_new_tokens: 5\ndo_sample: true\ntemperature: 0.7\narg: {repetition_penalty: 1.2}\nsystem: Be brief.\n"

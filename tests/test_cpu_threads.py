@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodekit.cli import build_parser
+from decodekit.cli.parser import build_parser
 from decodekit.kernels import threads
 
 

@@ -127,7 +127,7 @@ def test_cli_chat(default_model, capsys):
 
 
 def test_cli_help_explains_every_flag(capsys):
-    from decodekit.cli import build_parser
+    from decodekit.cli.parser import build_parser
 
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

@@ -315,6 +315,7 @@ def test_serve_listens_at_once_and_compiles_the_step_once_another_process_has(
     # Before: the server compiled before it listened (45 s on 2 cores, 274 s seen cold on a loaded machine). Now it
     # steps eagerly while a process of its own compiles the same step into torch's caches, then switches to it.
     import decodekit.cli as cli
+    import decodekit.cli.serving as serving
     import decodekit.serve as serve
     from decodekit.testing import tiny_model
 
@@ -352,7 +353,7 @@ def test_serve_listens_at_once_and_compiles_the_step_once_another_process_has(
         def run_steps(self):
             order.append("steps")
 
-    monkeypatch.setattr(cli, "load_model_of", lambda args: (tiny_model(tmp_path, "llama").eval(), default_model[1]))
+    monkeypatch.setattr(serving, "load_model_of", lambda args: (tiny_model(tmp_path, "llama").eval(), default_model[1]))
     monkeypatch.setattr(serve, "Server", Listening)
     assert cli.main(["serve", *flags, "--max-running", "3", "--port", "0"]) == 0
     assert order == [warm_up_steps, "steps"]  # --wait-for-compile: run at 1 and 3 rows before listening

@@ -315,7 +315,8 @@ def test_a_chat_compiles_its_methods_steps(default_model, repos, steps):
     import io
 
     from decodekit.chat import ChatSession
-    from decodekit.cli import build_parser, generation_kwargs
+    from decodekit.cli.arguments import generation_kwargs
+    from decodekit.cli.parser import build_parser
 
     model, tokenizer = default_model
     fields = generation_kwargs(build_parser().parse_args(["chat", "--compile", "--max-new-tokens", "5"]))

@@ -444,7 +444,9 @@ def test_what_can_fuse_is_read_from_declarations():
     from decodekit.core.config import GenerationConfig
     from decodekit.core.fused_loop import min_length_of, supports_step, unfusable_reason
     from decodekit.core.pipeline import last_position_logits
-    from decodekit.core.processors import MinLengthLogitsProcessor, TopKLogitsWarper, processor_key
+    from decodekit.core.penalties import MinLengthLogitsProcessor
+    from decodekit.core.processors import processor_key
+    from decodekit.core.warpers import TopKLogitsWarper
     from decodekit.core.selectors import GreedySelector
     from decodekit.families.llama import LlamaForCausalLM
 

@@ -5,7 +5,8 @@ against transformers' generate() on the same weights."""
 import pytest
 import torch
 
-from decodekit.core import processors as P
+from decodekit.core import penalties as N
+from decodekit.core import warpers as W
 
 from tiny_transformers import PAD, tiny_transformers_model, transformers
 
@@ -22,28 +23,28 @@ def scores_and_ids(seed=0, rows=3, vocab=50, length=7):
 @pytest.mark.parametrize(
     "ours, theirs",
     [
-        (lambda: P.EpsilonLogitsWarper(0.02), lambda: LP.EpsilonLogitsWarper(0.02)),
+        (lambda: W.EpsilonLogitsWarper(0.02), lambda: LP.EpsilonLogitsWarper(0.02)),
         (
-            lambda: P.EpsilonLogitsWarper(0.3, min_tokens_to_keep=3),
+            lambda: W.EpsilonLogitsWarper(0.3, min_tokens_to_keep=3),
             lambda: LP.EpsilonLogitsWarper(0.3, min_tokens_to_keep=3),
         ),
-        (lambda: P.EtaLogitsWarper(0.05), lambda: LP.EtaLogitsWarper(0.05)),
-        (lambda: P.EtaLogitsWarper(0.9, min_tokens_to_keep=2), lambda: LP.EtaLogitsWarper(0.9, min_tokens_to_keep=2)),
+        (lambda: W.EtaLogitsWarper(0.05), lambda: LP.EtaLogitsWarper(0.05)),
+        (lambda: W.EtaLogitsWarper(0.9, min_tokens_to_keep=2), lambda: LP.EtaLogitsWarper(0.9, min_tokens_to_keep=2)),
         (
-            lambda: P.ExponentialDecayLengthPenalty((2, 1.7), [4, 9], 3),
+            lambda: N.ExponentialDecayLengthPenalty((2, 1.7), [4, 9], 3),
             lambda: LP.ExponentialDecayLengthPenalty((2, 1.7), [4, 9], 3),
         ),
         (
-            lambda: P.SuppressTokensAtBeginLogitsProcessor([1, 5], 7),
+            lambda: N.SuppressTokensAtBeginLogitsProcessor([1, 5], 7),
             lambda: LP.SuppressTokensAtBeginLogitsProcessor([1, 5], 7),
         ),
         (
-            lambda: P.SuppressTokensAtBeginLogitsProcessor([1, 5], 6),
+            lambda: N.SuppressTokensAtBeginLogitsProcessor([1, 5], 6),
             lambda: LP.SuppressTokensAtBeginLogitsProcessor([1, 5], 6),
         ),
-        (lambda: P.LogitNormalization(), lambda: LP.LogitNormalization()),
+        (lambda: W.LogitNormalization(), lambda: LP.LogitNormalization()),
         (
-            lambda: P.PrefixConstrainedLogitsProcessor(lambda b, s: [b, int(s[-1]) % 50], 1),
+            lambda: N.PrefixConstrainedLogitsProcessor(lambda b, s: [b, int(s[-1]) % 50], 1),
             lambda: LP.PrefixConstrainedLogitsProcessor(lambda b, s: [b, int(s[-1]) % 50], 1),
         ),
     ],
@@ -70,7 +71,7 @@ def test_inf_nan_removal_equals_transformers():
     ids, scores = scores_and_ids()
     scores[0, 1], scores[1, 2], scores[2, 3] = float("nan"), float("inf"), -float("inf")
     assert torch.equal(
-        P.InfNanRemoveLogitsProcessor()(ids, scores.clone()), LP.InfNanRemoveLogitsProcessor()(ids, scores)
+        W.InfNanRemoveLogitsProcessor()(ids, scores.clone()), LP.InfNanRemoveLogitsProcessor()(ids, scores)
     )
 
 

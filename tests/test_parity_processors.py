@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import decodekit
-from decodekit.core import processors as P
+from decodekit.core import penalties as N
 
 from tiny_transformers import tiny_transformers_model, transformers
 
@@ -18,22 +18,22 @@ def scores():
 
 CASES = {
     "no bad words": (
-        lambda: P.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
+        lambda: N.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
         lambda: transformers.NoBadWordsLogitsProcessor([[3], [5, 6, 2], [11]], eos_token_id=11),
     ),
     "no repeat ngram": (
-        lambda: P.NoRepeatNGramLogitsProcessor(2),
+        lambda: N.NoRepeatNGramLogitsProcessor(2),
         lambda: transformers.NoRepeatNGramLogitsProcessor(2),
     ),
     "exponential decay": (
-        lambda: P.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
+        lambda: N.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
         lambda: transformers.ExponentialDecayLengthPenalty((1, 1.5), eos_token_id=2, input_ids_seq_length=3),
     ),
     "min length": (
-        lambda: P.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
+        lambda: N.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
         lambda: transformers.MinLengthLogitsProcessor(8, eos_token_id=[2, 4]),
     ),
-    "forced bos": (lambda: P.ForcedBOSTokenLogitsProcessor(6), lambda: transformers.ForcedBOSTokenLogitsProcessor(6)),
+    "forced bos": (lambda: N.ForcedBOSTokenLogitsProcessor(6), lambda: transformers.ForcedBOSTokenLogitsProcessor(6)),
 }
 
 # Every class both libraries have, built with transformers' own constructor arguments, passed by name as

@@ -211,7 +211,7 @@ def test_penalties_change_a_repetitive_continuation_as_openai_defines_them(clien
 
 
 def test_the_penalty_processor_subtracts_count_times_frequency_plus_presence():
-    from decodekit.core.processors import FrequencyPresencePenaltyLogitsProcessor
+    from decodekit.core.penalties import FrequencyPresencePenaltyLogitsProcessor
 
     scores = torch.zeros(1, 6)
     ids = torch.tensor([[5, 1, 1, 1, 2]])  # prompt [5]; generated 1 three times, 2 once

@@ -16,7 +16,7 @@ state following each beam (core.sampler_chain.MirostatLogitsProcessor).
 
 from __future__ import annotations
 
-from ..core.processors import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+from ..core.warpers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
 from ..core.config import is_int, is_number
 from ..core.sampler_chain import (
     DRYLogitsProcessor,

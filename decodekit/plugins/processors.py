@@ -6,18 +6,13 @@ chain replaces them where the call asks for it: plugins/llamacpp_samplers.py, it
 last of all ("final").
 """
 
-from ..core.processors import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
+from ..core.penalties import (
     ExponentialDecayLengthPenalty,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
@@ -25,6 +20,13 @@ from ..core.processors import (
     SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
+)
+from ..core.warpers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopHLogitsWarper,
     TopKLogitsWarper,

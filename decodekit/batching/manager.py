@@ -125,6 +125,21 @@ def step_compile_options(model, generation_config) -> dict | None:
     return dict(gc.compile_config or {})
 
 
+def check_sizes(max_queue_size, block_size, max_batch_tokens, max_running, min_prefill, paged_attention) -> None:
+    """The manager's sizes and its paged_attention, checked: a ValueError naming the argument and what it takes."""
+    for name, value, low in (
+        ("max_queue_size", max_queue_size, 0),
+        ("block_size", block_size, 1),
+        ("max_batch_tokens", max_batch_tokens, 1),
+        ("max_running", max_running, 1),
+        ("min_prefill", min_prefill, 1),
+    ):
+        if not is_int(value) or value < low:
+            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
+    if paged_attention not in ATTENTION:
+        raise ValueError(f"paged_attention={paged_attention!r} is invalid; expected one of {', '.join(ATTENTION)}.")
+
+
 class ContinuousBatchingManager:
     """Schedules requests over one model; its steps run in run() or, after start(), in a background thread.
 
@@ -150,17 +165,7 @@ class ContinuousBatchingManager:
         paged_attention: str = "auto",
         methods: MethodCache | None = None,
     ):
-        for name, value, low in (
-            ("max_queue_size", max_queue_size, 0),
-            ("block_size", block_size, 1),
-            ("max_batch_tokens", max_batch_tokens, 1),
-            ("max_running", max_running, 1),
-            ("min_prefill", min_prefill, 1),
-        ):
-            if not is_int(value) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {low}.")
-        if paged_attention not in ATTENTION:
-            raise ValueError(f"paged_attention={paged_attention!r} is invalid; expected one of {', '.join(ATTENTION)}.")
+        check_sizes(max_queue_size, block_size, max_batch_tokens, max_running, min_prefill, paged_attention)
         self.model = model
         self.generation_config = generation_config
         self.max_queue_size = max_queue_size

@@ -285,28 +285,7 @@ class PagedBatch:
         tokens = q[0].transpose(0, 1)  # [N, H, D]
         k, v = k[0].transpose(0, 1).to(keys.dtype), v[0].transpose(0, 1).to(values.dtype)  # [N, KV, D]
         if not native_ok:
-            # Every token's key and value written, each prompt chunk's attention over its row gathered, and the
-            # single-token rows' (decode rows beside the chunks) in one decode_attention call for them all.
-            keys.index_copy_(0, self._slots, k)
-            values.index_copy_(0, self._slots, v)
-            out = self.gathered_attention(tokens, keys, values, window, None, int8)
-            if len(self.singles):
-                at = self.on_device()
-                singles = at.singles
-                out[singles] = decode_attention(
-                    tokens[singles],
-                    k[singles],
-                    v[singles],
-                    keys,
-                    values,
-                    self._slots[singles],
-                    at.tables,
-                    at.owner[singles],
-                    at.positions[singles],
-                    self.cache.block_size,
-                    window,
-                )
-            return out.transpose(0, 1)[None]
+            return self._attend_in_torch(tokens, k, v, keys, values, window, int8).transpose(0, 1)[None]
         out = torch.empty_like(tokens)
         chunk_at = self._chunk_tokens  # the C++ kernel's route: on the CPU
         keys.index_copy_(0, self._slots[chunk_at], k[chunk_at])
@@ -328,6 +307,31 @@ class PagedBatch:
                 window or 0,
             )
         return out.transpose(0, 1)[None]
+
+    def _attend_in_torch(self, tokens, k, v, keys, values, window, int8) -> torch.Tensor:
+        """attend's route where decodekit's kernel cannot serve, [N, H, D]: every token's key and value written, each
+        prompt chunk's attention over its row gathered, and the single-token rows' (decode rows beside the chunks)
+        in one decode_attention call for them all."""
+        keys.index_copy_(0, self._slots, k)
+        values.index_copy_(0, self._slots, v)
+        out = self.gathered_attention(tokens, keys, values, window, None, int8)
+        if len(self.singles):
+            at = self.on_device()
+            singles = at.singles
+            out[singles] = decode_attention(
+                tokens[singles],
+                k[singles],
+                v[singles],
+                keys,
+                values,
+                self._slots[singles],
+                at.tables,
+                at.owner[singles],
+                at.positions[singles],
+                self.cache.block_size,
+                window,
+            )
+        return out
 
     def gathered_attention(self, tokens, keys, values, window, out=None, int8=False) -> torch.Tensor:
         """Attention through SDPA for the prompt chunks, one at a time over its row's gathered keys and values

@@ -23,21 +23,10 @@ def cmd_serve(args) -> int:
         print(f"decodekit serve: {error}", file=sys.stderr)
         return 2
     methods = allowed_methods(args.method)  # likewise a bad --method
-    if args.paged_attention != "auto" and not args.compile:
+    refused = attention_refusal(args)
+    if refused:
         sock.close()
-        print(
-            f"decodekit serve: --paged-attention {args.paged_attention} chooses the compiled decode step's attention; "
-            "drop --no-compile (eager steps keep decodekit's kernel or gathered blocks)",
-            file=sys.stderr,
-        )
-        return 2
-    if args.paged_attention == "flex" and str(args.device).split(":")[0] == "cpu":
-        sock.close()
-        print(
-            "decodekit serve: --paged-attention flex is for compiled steps on a GPU (inductor's CPU flex template "
-            "gives wrong attention for the paged cache's mask); on --device cpu use auto or gathered",
-            file=sys.stderr,
-        )
+        print(f"decodekit serve: {refused}", file=sys.stderr)
         return 2
     started = time.monotonic()
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -72,6 +61,21 @@ def cmd_serve(args) -> int:
     )
     server.run_steps()
     return 0
+
+
+def attention_refusal(args) -> str | None:
+    """Why --paged-attention cannot be taken with the other flags (before the model loads), or None."""
+    if args.paged_attention != "auto" and not args.compile:
+        return (
+            f"--paged-attention {args.paged_attention} chooses the compiled decode step's attention; "
+            "drop --no-compile (eager steps keep decodekit's kernel or gathered blocks)"
+        )
+    if args.paged_attention == "flex" and str(args.device).split(":")[0] == "cpu":
+        return (
+            "--paged-attention flex is for compiled steps on a GPU (inductor's CPU flex template "
+            "gives wrong attention for the paged cache's mask); on --device cpu use auto or gathered"
+        )
+    return None
 
 
 def serving_manager(model, args):

@@ -237,28 +237,14 @@ class AutoModelForCausalLM:
         """`name_or_path`: a local directory, a Hub repo id or a .gguf file.
         `trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate (and,
         for the transformers backend, lets the repo's own modeling code run, as in transformers).
-        `quantize="int8"`: native models store linear weights as int8 with per-channel scales (kernels/quantize.py).
+        `quantize`: "int8" (native models store linear weights as int8 with per-channel scales: kernels/quantize.py)
+        or "int4" (in GGUF's 4-bit blocks of 32 with a scale and a minimum each: kernels/blocks.py).
         `backend`: None picks native for the Llama families and transformers for the rest; "native" or
         "transformers" forces one. `threads`: torch's CPU thread count for the process, an int, "auto" or "torch"
         (None: DECODEKIT_THREADS, else "auto" at the first CPU model a process loads, unless the count was chosen
         outside decodekit; kernels/threads.py). `transformers_kwargs` (device_map, quantization_config, ...) go to
         transformers."""
-        from ..kernels.quantize import QUANTIZATIONS
-        from ..kernels.threads import parse, threads_for_load
-
-        if isinstance(name_or_path, (torch.nn.Module, Model)):
-            raise TypeError(
-                f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
-                f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model)."
-            )
-        if quantize is not None and quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
-        check_backend(backend)
-        check_model_name(name_or_path)
-        if threads is not None:
-            parse(threads)  # a bad value refused before anything loads
-        if device is None or torch.device(device).type == "cpu":
-            threads_for_load(threads)
+        _check_load_arguments(name_or_path, quantize, backend, threads, device)
         path = Path(name_or_path).expanduser()
         if gguf_file is None and path.is_file() and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name
@@ -282,6 +268,27 @@ class AutoModelForCausalLM:
             name_or_path, gguf_file, config_fields, revision, local_files_only, token, dtype, device, quantize,
             trust_remote_code,
         )  # fmt: skip
+
+
+def _check_load_arguments(name_or_path, quantize, backend, threads, device) -> None:
+    """from_pretrained's arguments checked before anything loads (an error naming the argument and what it takes),
+    and the process's thread count chosen for a CPU load."""
+    from ..kernels.quantize import QUANTIZATIONS
+    from ..kernels.threads import parse, threads_for_load
+
+    if isinstance(name_or_path, (torch.nn.Module, Model)):
+        raise TypeError(
+            f"from_pretrained() loads from a directory, a Hub repo id or a GGUF file, got a "
+            f"{type(name_or_path).__name__} object; for a model you already hold use decodekit.wrap(model)."
+        )
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize={quantize!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
+    check_backend(backend)
+    check_model_name(name_or_path)
+    if threads is not None:
+        parse(threads)  # a bad value refused before anything loads
+    if device is None or torch.device(device).type == "cpu":
+        threads_for_load(threads)
 
 
 def _load_natively(

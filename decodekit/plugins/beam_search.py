@@ -422,22 +422,31 @@ class FusedBeams(FusedLoop):
 
         return step
 
+    def _first_step(
+        self, model, cache, input_ids, attention_mask, pipeline, gc, plan, noise_key, scores_out, max_length
+    ):
+        """Prefill and the first step, run eagerly as in the eager loop (the prompt's length varies): the search after
+        it, the step's log-probabilities, and the step's key mask and positions."""
+        T0 = input_ids.shape[1]
+        search = plan.start(input_ids, gc, cache.max_cache_len)
+        logits, mask, positions = self.prefill(model, cache, input_ids, attention_mask)
+        logp = pipeline.processors(input_ids, torch.log_softmax(logits, dim=-1))
+        if scores_out is not None:
+            scores_out.append(logp)
+        at = torch.tensor(T0, device=input_ids.device)
+        plan.advance(search, logp, at, _stopping_hits(pipeline.stopping, T0), gc, max_length, noise_key)
+        return search, logp, mask, positions
+
     def run(self, model, fused, input_ids, attention_mask, pipeline, gc, streamer, context):
         rows, T0 = input_ids.shape
         dev = input_ids.device
         cache = fused.cache
         max_length = context.max_length
         plan = _Plan(rows, gc, dev)
-        search = plan.start(input_ids, gc, cache.max_cache_len)
         noise_key = draw_key(context.generator).to(dev) if gc.do_sample else None
         scores_out = [] if gc.output_scores else None
-        # Prefill and the first step run eagerly, as in the eager loop (the prompt's length varies).
-        logits, mask, positions = self.prefill(model, cache, input_ids, attention_mask)
-        logp = pipeline.processors(input_ids, torch.log_softmax(logits, dim=-1))
-        if scores_out is not None:
-            scores_out.append(logp)
-        plan.advance(
-            search, logp, torch.tensor(T0, device=dev), _stopping_hits(pipeline.stopping, T0), gc, max_length, noise_key
+        search, logp, mask, positions = self._first_step(
+            model, cache, input_ids, attention_mask, pipeline, gc, plan, noise_key, scores_out, max_length
         )
         go = search.searching(gc)
         searching = [go]  # before each compiled step: whether it was a real one

@@ -400,3 +400,29 @@ def test_a_cache_missing_a_layer_fails_as_transformers_does_not_carried_on(llama
             del cache.layers[which]
             with pytest.raises(IndexError):
                 model(PROMPT[:, -1:], past_key_values=cache, use_cache=True)
+
+
+def test_a_model_repos_own_method_compiles_its_steps_as_custom_generate_does(tmp_path, steps):
+    # One Hub route (core.generate.prepare_method_call): before, a method bound at from_pretrained got compile= and
+    # compile_config among its own arguments and never a compiled step.
+    repo = write_method(write_tiny_model(tmp_path / "model", "llama"), TOP_N_SIGMA)
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    eager = model.generate(input_ids=PROMPT, max_new_tokens=6)
+    assert not steps
+    assert torch.equal(model.generate(input_ids=PROMPT, max_new_tokens=6, compile=True), eager) and steps
+    with pytest.raises(ValueError, match="compile_config"):
+        model.generate(input_ids=PROMPT, max_new_tokens=6, compile_config={"modes": "default"})
+
+
+@pytest.mark.parametrize("route", ["custom_generate", "bound"])
+def test_a_loop_methods_config_is_validated_once_whichever_route(tmp_path, repos, route):
+    # Before: the fields were merged into the method's config outside call_config and never checked, so a loop
+    # method ran with top_p=3.0 (or failed somewhere inside its loop).
+    if route == "bound":
+        repo = write_method(write_tiny_model(tmp_path / "model", "llama"), TOP_N_SIGMA)
+        model, call = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True), {}
+    else:
+        model = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "model", "llama"))
+        call = dict(custom_generate=repos["top_n_sigma"], trust_remote_code=True)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(input_ids=PROMPT, max_new_tokens=4, top_p=3.0, **call)

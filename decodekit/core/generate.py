@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -601,60 +601,84 @@ def prepared_config(gc: GenerationConfig, prompt_length: int, max_length: int) -
     return gc
 
 
-def method_arguments(model, fn, arguments: dict) -> dict:
-    """The arguments of a method's own generate(fn): what the caller gave, and `generation_config` (where fn takes
-    it) as the call's prepared config: the model's config or the one passed, with the call's config fields
-    applied and the lengths set (prepared_config). Fields are left among the keyword arguments too, for methods
-    that read them there."""
+class MethodCall(NamedTuple):
+    """A full-loop method's call, prepared once (prepare_method_call): the keyword arguments its generate() gets, the
+    torch.compile options of its one-token steps (None: run eagerly, the same step's function) and the method file and
+    label its model view is made for."""
+
+    arguments: dict
+    compile: dict | None
+    method_file: Any
+    label: str
+
+    def run(self, model, fn, *args):
+        """fn(the view of `model` made for this call, *args, **arguments)."""
+        with model.for_method(self.method_file, self.compile, self.label) as target:
+            return fn(target, *args, **self.arguments)
+
+
+# Fields that are decodekit's request about how the method's steps run, not the method's own arguments (transformers'
+# generate() would take compile_config as its own): taken out of what the method gets.
+COMPILE_FIELDS = ("compile", "compile_config", "disable_compile")
+
+
+def prepare_method_call(model, method, arguments: dict, kwargs: dict) -> MethodCall:
+    """The one preparation of a full-loop method's call, whichever route it comes by: generate(custom_generate=...)
+    (`arguments`: generate()'s named arguments, `kwargs` the rest) or a model repo's own custom_generate/ bound at
+    from_pretrained (every argument in `kwargs`). The call's config is merged and validated once, through call_config:
+    the model's config (or the generation_config given) with the config fields among the arguments and the compile
+    fields applied. The method gets every argument as given (fields too, for methods that read them there) and, where
+    its generate() takes it, that config as `generation_config` with the call's lengths set (prepared_config); the
+    compile fields go to the steps' options instead."""
+    from ..hub_loader.method import forwarded_arguments
+
+    fn = method.generate
+    asked = {name: kwargs.pop(name) for name in COMPILE_FIELDS if name in kwargs}
+    given = forwarded_arguments(fn, arguments, kwargs)
+    base = given.get("generation_config")
+    gc = method_config(model, base, given, asked)
+    options = step_options(gc.compile_config, model.device) if gc.compile or gc.compile_config is not None else None
+    if asked:  # the steps' request, not the method's: its config keeps the values the call started from
+        start = base if isinstance(base, GenerationConfig) else getattr(model, "generation_config", None)
+        defaults = GenerationConfig()
+        add_plugin_fields(defaults)
+        gc = gc.copy()
+        gc.update(**{name: getattr(start, name, getattr(defaults, name)) for name in asked})
     parameters = inspect.signature(fn).parameters
     takes_config = "generation_config" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    base = arguments.get("generation_config", getattr(model, "generation_config", None))
-    if not takes_config or (base is not None and not isinstance(base, GenerationConfig)):
-        return arguments
-    gc = base.copy() if base is not None else GenerationConfig()
-    known = add_plugin_fields(gc)
-    gc.update(**{k: v for k, v in arguments.items() if k in known and k != "generation_config"})
-    prompt = arguments.get("input_ids", arguments.get("inputs"))
-    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
-        length = prompt.shape[1]
-        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        gc = prepared_config(gc, length, gc.max_length_for(length, max_positions))
-    convert = getattr(model, "method_generation_config", None)  # the facade's: transformers' config for its models
-    return {**arguments, "generation_config": convert(gc) if convert is not None else gc}
+    if takes_config and (base is None or isinstance(base, GenerationConfig)):
+        prompt = given.get("input_ids", given.get("inputs"))
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+            length = prompt.shape[1]
+            max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            gc = prepared_config(gc, length, gc.max_length_for(length, max_positions))
+        convert = getattr(model, "method_generation_config", None)  # the facade's: transformers' config for its models
+        given["generation_config"] = convert(gc) if convert is not None else gc
+    return MethodCall(given, options, method.source.method_dir / "generate.py", method.source.label)
+
+
+def method_config(model, base, given: dict, asked: dict) -> GenerationConfig:
+    """The config of a method's call: call_config over `base` (None: the model's; a transformers config: the fields
+    decodekit knows) with the config fields among `given` (a method's own arguments are not fields: left out) and the
+    compile fields `asked`, checked (check_compile_config)."""
+    probe = GenerationConfig()
+    known = add_plugin_fields(probe)
+    fields = {k: v for k, v in given.items() if k in known and k != "generation_config"}
+    gc, _ = call_config(model, base, {**fields, **asked})
+    check_compile_config(gc)
+    return gc
 
 
 def run_method(model, spec, trust_remote_code, arguments: dict, kwargs: dict):
     """custom_generate given as a Hub repo id or a local directory."""
-    from ..hub_loader.method import forwarded_arguments, load_method, registered_for_call
+    from ..hub_loader.method import load_method, registered_for_call
 
     load_options = {k: kwargs.pop(k) for k in ("revision", "token", "local_files_only") if k in kwargs}
     method = load_method(spec, trust_remote_code, **load_options)
     if method.generate is not None:
-        options = method_compile_options(model, arguments.get("generation_config"), kwargs)
-        given = method_arguments(model, method.generate, forwarded_arguments(method.generate, arguments, kwargs))
-        with model.for_method(method.source.method_dir / "generate.py", options, method.source.label) as target:
-            return method.generate(target, **given)
+        return prepare_method_call(model, method, arguments, kwargs).run(model, method.generate)
     with registered_for_call(method):  # its hooks, for this call's hook calls alone
         return model.generate_call(arguments, kwargs)
-
-
-COMPILE_FIELDS = ("compile", "compile_config", "disable_compile")
-
-
-def method_compile_options(model, generation_config, kwargs: dict) -> dict | None:
-    """torch.compile's options for a method's decode steps (core/compile.step_options) where the call asks to
-    compile (compile=True or a compile_config, in kwargs or the generation_config given), else None. The fields are
-    taken out of kwargs: they are decodekit's request, not the method's (transformers' generate() would take
-    compile_config as its own)."""
-    asked = {name: kwargs.pop(name) for name in COMPILE_FIELDS if name in kwargs}
-    base = generation_config if isinstance(generation_config, GenerationConfig) else model.generation_config
-    gc = base.copy() if isinstance(base, GenerationConfig) else GenerationConfig()
-    add_plugin_fields(gc)
-    gc.update(**asked)
-    check_compile_config(gc)
-    if not (gc.compile or gc.compile_config is not None):
-        return None
-    return step_options(gc.compile_config, model.device)
 
 
 def prefill_in_chunks(model, step_ids, step_positions, attention_mask, cache, cached: int, chunk: int, keep_one: bool):

@@ -117,16 +117,17 @@ def forwarded_arguments(fn: Callable, arguments: dict[str, Any], kwargs: dict[st
     return args
 
 
-def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict], dict] | None = None) -> None:
+def bind_to_model(model, method: LoadedMethod, prepare: Callable[[LoadedMethod, dict], Any]) -> None:
     """Makes the method the model's generate(), with its own signature (minus `model`) visible to inspect.
     A hook-only method instead has its hooks registered around each call of the built-in generate().
 
     The method is handed the model as it was before the binding (a shallow copy without it: the same weights,
     config and facade), so a method that prepares its own inputs and then calls model.generate(...) runs the
     built-in generate, as in transformers, where the binding is not on the model the method receives either. A
-    call naming custom_generate= runs the built-in generate too (which runs that method). `prepare(fn, keyword
-    arguments)`, where given, rewrites a method's keyword arguments first (the caller hands in the call's prepared
-    config there).
+    call naming custom_generate= runs the built-in generate too (which runs that method). `prepare(method, keyword
+    arguments)` prepares each call as generate(custom_generate=...) does (core.generate.prepare_method_call: the
+    config merged and validated, compile= and compile_config turned into its steps' options) and returns what runs
+    it: `run(model, fn)`.
     """
     builtin = model.generate
     if method.generate is None:
@@ -145,15 +146,11 @@ def bind_to_model(model, method: LoadedMethod, prepare: Callable[[Callable, dict
     def generate(*args, **kwargs):
         if "custom_generate" in kwargs:
             return builtin(*args, **kwargs)
-        if prepare is not None:
-            if args:  # the prompt given positionally: by name, so prepare sees it
-                kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
-                args = ()
-            kwargs = prepare(fn, kwargs)
+        if args:  # the prompt given positionally: by name, so the preparation sees it
+            kwargs = {**dict(zip(list(inspect.signature(fn).parameters)[1:], args)), **kwargs}
         unbound = copy.copy(model)
         unbound.__dict__.pop("generate", None)
-        with unbound.for_method(method.source.method_dir / "generate.py", method=method.source.label) as target:
-            return fn(target, *args, **kwargs)
+        return prepare(method, kwargs).run(unbound, fn)
 
     signature = inspect.signature(fn)
     generate.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])

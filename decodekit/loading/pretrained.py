@@ -377,7 +377,7 @@ def _load_with_transformers(
 
 
 def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_code) -> None:
-    from ..core.generate import method_arguments
+    from ..core.generate import prepare_method_call
     from ..hub_loader import bind_to_model, from_directory, load
 
     if trust_remote_code in (None, False):
@@ -391,5 +391,7 @@ def _attach_custom_generate(model, model_dir: Path, label: str, trust_remote_cod
     # A Hub snapshot lives under snapshots/<commit sha>/: that sha is the revision being trusted.
     source = from_directory(model_dir, label, "local" if local else "hub", revision=None if local else model_dir.name)
     bind_to_model(
-        model, load(source, trust_remote_code), prepare=lambda fn, kwargs: method_arguments(model, fn, kwargs)
+        model,
+        load(source, trust_remote_code),
+        prepare=lambda method, kwargs: prepare_method_call(model, method, {}, kwargs),
     )

@@ -103,11 +103,12 @@ BY_NAME = {
 
 
 def ours_named(name):
-    import decodekit.core.processors as core
+    import decodekit.core.penalties as penalties
+    import decodekit.core.warpers as warpers
     import decodekit.plugins.guidance as guidance
     import decodekit.plugins.watermark as watermark
 
-    for module in (core, guidance, watermark):
+    for module in (warpers, penalties, guidance, watermark):
         if hasattr(module, name):
             return getattr(module, name)
     raise AssertionError(f"decodekit has no class {name}")

@@ -987,7 +987,10 @@ def test_a_flex_step_that_fails_stays_compiled_over_gathered_blocks_and_says_so(
 
 
 def test_paged_attention_names_what_it_accepts_and_when(model):
-    with pytest.raises(ValueError, match="paged_attention='paged' is invalid; expected one of auto, gathered, flex"):
+    # The accepted values are "auto" and the routes themselves (paged.ROUTES): one vocabulary, "kernel" among them.
+    with pytest.raises(
+        ValueError, match="paged_attention='paged' is invalid; expected one of auto, kernel, gathered, flex"
+    ):
         model.init_continuous_batching(compile=True, paged_attention="paged")
     with pytest.raises(ValueError, match="paged_attention='flex' chooses the compiled decode step's attention; pass"):
         model.init_continuous_batching(paged_attention="flex")
@@ -997,6 +1000,11 @@ def test_paged_attention_names_what_it_accepts_and_when(model):
     manager = model.init_continuous_batching(compile=True, block_size=4, paged_attention="gathered")
     assert manager.runner.compiled.route == "gathered"
     each_as_alone(manager, model, [([5, 6, 7], {"max_new_tokens": 5}), ([9] * 6, {"max_new_tokens": 7})])
+    if cpu.has("native_kernels"):
+        kernel = model.init_continuous_batching(compile=True, block_size=4, paged_attention="kernel")
+        assert kernel.runner.compiled.route == "kernel"
+    with cpu.forced(native_kernels=False), pytest.raises(ValueError, match="paged_attention='kernel' cannot run here"):
+        model.init_continuous_batching(compile=True, block_size=4, paged_attention="kernel")
 
 
 def test_the_compiled_step_marks_its_sizes_dynamic_without_a_constraint():
@@ -1052,3 +1060,43 @@ def test_a_request_is_recorded_before_its_reader_has_it(model):
         assert out.status == RequestStatus.FINISHED and recorded == [rid]
     finally:
         manager.stop()
+
+
+def test_one_way_to_choose_groups_of_one_beside_the_shared_pass(model):
+    # sampler.choose: the requests that can share a pass are chosen in it, every other one is a group of one (its own
+    # step), and a request whose own step raises gets its exception, the others their tokens; each Chosen equals the
+    # request's tokens alone, and a request records it one way (Request.take).
+    from decodekit.batching.manager import MethodCache
+    from decodekit.batching.request import prepare_request
+    from decodekit.batching.sampler import Chosen, ReadBack, choose
+    from decodekit.core.selectors import race_rows
+
+    def boom(ids, scores):
+        raise RuntimeError("this processor fails")
+
+    fields = [dict(do_sample=True, top_k=0, seed=3), dict(num_return_sequences=2, do_sample=True, seed=4), {}]
+    requests = [
+        prepare_request(model, [5 + i, 6], None, f"q{i}", False, dict(f, max_new_tokens=2), MethodCache())
+        for i, f in enumerate(fields)
+    ]
+    failing = prepare_request(
+        model, [9, 9], None, "bad", False, dict(max_new_tokens=2, logits_processor=[boom]), MethodCache()
+    )
+    assert [r.together is not None for r in requests] == [True, False, True] and failing.together is None
+    generator = torch.Generator().manual_seed(1)
+    logits = {r.id: 2 * torch.randn(r.rows, model.config.vocab_size, generator=generator) for r in [*requests, failing]}
+    chosen = choose([*requests, failing], logits, race_rows)
+    assert isinstance(chosen["bad"], RuntimeError) and "this processor fails" in str(chosen["bad"])
+    assert chosen["q0"].going is None and chosen["q2"].going is None  # decided on the host from what they declare
+    own = chosen["q1"]
+    assert len(own.tokens) == 2 and own.going == [True, True] and own.sequences.shape == (2, 3)
+    for r in requests:
+        want = r.pipeline.selector(r.sequences, r.pipeline.processors(r.sequences, logits[r.id].float().clone()))
+        assert chosen[r.id].tokens == want.tolist()
+        r.take(chosen[r.id])
+        assert [row[-1] for row in r.tokens] == want.tolist()
+    assert isinstance(Chosen([7]).token, int) and Chosen([7]).token == 7
+    back = ReadBack()
+    back.add("ids", torch.tensor([[3, 2**40]]))
+    back.add("flags", torch.tensor([True, False]))
+    assert back.read() == {"ids": [3.0, float(2**40)], "flags": [1.0, 0.0]}

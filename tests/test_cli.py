@@ -198,6 +198,12 @@ def test_a_non_number_for_a_count_flag_names_what_is_expected(capsys):
 
 
 def test_serve_paged_attention_takes_its_choices_and_needs_the_compiled_step(no_model_loads, capsys):
+    from decodekit.batching.compiled import ATTENTION
+    from decodekit.cli.parser import build_parser
+
+    serve = build_parser().commands["serve"]
+    flag = next(a for a in serve._actions if "--paged-attention" in a.option_strings)
+    assert tuple(flag.choices) == ATTENTION  # one vocabulary: the manager's and the command line's
     with pytest.raises(SystemExit):
         main(["serve", "--paged-attention", "paged"])
     assert "argument --paged-attention: invalid choice: 'paged'" in (capsys.readouterr().err)

@@ -30,7 +30,7 @@ import torch
 
 from .. import kernels
 from ..core.compile import compile_own, replays_graphs, step_options
-from .paged import DecodeRows, PagedBatch, PagedCache, Segment, slots_of
+from .paged import ROUTES, DecodeRows, PagedBatch, PagedCache, Segment, slots_of
 from ..core.transfer import to_device
 
 logger = logging.getLogger("decodekit")
@@ -57,15 +57,22 @@ def mark_step_dynamic(ids, position, slots, table) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
-ATTENTION = ("auto", "gathered", "flex")  # the manager's paged_attention
+# The manager's paged_attention: "auto" or one of the routes themselves (paged.ROUTES), one vocabulary for both.
+ATTENTION = ("auto", *ROUTES)
 
 
 def attention_route(choice: str, model, keys, options: dict, block_size: int) -> str:
     """The route (paged.ROUTES) of a compiled step's attention for the manager's paged_attention `choice`: "auto" is
-    decodekit's C++ kernel where it can serve (kernels.paged_step_ready), else "gathered" (decode_attention);
-    "gathered" and "flex" are taken as asked. ValueError where flex cannot run."""
+    decodekit's C++ kernel where it can serve (kernels.paged_step_ready), else "gathered" (decode_attention); a route
+    is taken as asked. ValueError where the kernel or flex cannot run."""
     if choice == "auto":
         return "kernel" if kernels.paged_step_ready(model, keys) else "gathered"
+    if choice == "kernel" and not kernels.paged_step_ready(model, keys):
+        raise ValueError(
+            f"paged_attention='kernel' cannot run here: decodekit's C++ paged kernel takes a float32 or bfloat16 cache "
+            f"in the model's dtype on the CPU with the kernels built (here a {str(keys.dtype).removeprefix('torch.')} "
+            f"cache on {keys.device}). Use 'auto' or 'gathered'."
+        )
     if choice == "flex":
         from .flex import KEY_TILES, available, key_tile
 

@@ -36,7 +36,7 @@ from .compiled import ATTENTION
 from .outputs import RequestOutputs
 from .request import DONE, GenerationOutput, Request, RequestStatus, new_request_id, prepare_request
 from .runner import CacheRunner, PagedRunner, supports_paged
-from .sampler import race_in_parts, sample_together
+from .sampler import choose, race_in_parts
 from .scheduler import Scheduler
 
 logger = logging.getLogger("decodekit")
@@ -476,36 +476,33 @@ class ContinuousBatchingManager:
             return True
         logits = self._forward(works)
         self.steps += 1
-        chosen = self._sample_together([work.request for work in works], logits)
+        chosen = self._choose([work.request for work in works], logits)
         for work in works:
             request = work.request
             if work.prefill:
                 request.prefilled = work.end
             if request.id not in logits:
                 continue
-            try:
-                request.status = RequestStatus.DECODING
-                if request.id in chosen:
-                    request.accept(chosen[request.id])
-                else:
-                    with failures_fail_the_request_alone():
-                        request.apply(logits[request.id])
-            except BaseException as error:  # the request's own code: SystemExit and the like end it alone
-                if isinstance(error, KeyboardInterrupt) and self._interrupted:
-                    raise
-                self._fail(request, error)
+            request.status = RequestStatus.DECODING
+            outcome = chosen[request.id]
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, KeyboardInterrupt) and self._interrupted:
+                    raise outcome
+                self._fail(request, outcome)
                 continue
+            request.take(outcome)
             if request.status == RequestStatus.FINISHED:
                 self._end(request, RequestStatus.FINISHED)
             elif request.streaming:
                 self._publish(request)
         return True
 
-    def _sample_together(self, requests: list, logits: dict) -> dict:
+    def _choose(self, requests: list, logits: dict) -> dict:
+        """The step's tokens (sampler.choose); where the compiled race raises, it runs eagerly from then on."""
         if self._race is self._eager_race:
-            return sample_together(requests, logits, self._race)
+            return choose(requests, logits, self._race)
         try:
-            return sample_together(requests, logits, self._race)
+            return choose(requests, logits, self._race)
         except Exception as error:  # inductor's own failures are AssertionErrors and the like, not dynamo's
             logger.warning(
                 "continuous batching: the compiled sampling failed (%s: %s); it runs eagerly from now on",
@@ -513,7 +510,7 @@ class ContinuousBatchingManager:
                 (str(error).splitlines() or [""])[0],
             )
             self._race = self._eager_race
-            return sample_together(requests, logits, self._race)
+            return choose(requests, logits, self._race)
 
     def _forward(self, works: list) -> dict[str, torch.Tensor]:
         """The step's logits. If the shared forward fails, each work runs alone (a work's positions are written

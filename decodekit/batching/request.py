@@ -19,11 +19,9 @@ import torch
 
 from ..core.config import GenerationConfig, is_int
 from ..core.generate import call_config, check_prompt_ids, prepare_call
-from ..core.processors import check_scores, log_probs, observe_processors
 from ..core.selectors import drawn_as
 from ..core.pipeline import Pipeline, build_pipeline, last_position_logits
 from .sampler import Together, together_key
-from ..core.transfer import to_device
 
 
 class RequestStatus(str, enum.Enum):
@@ -92,7 +90,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 class Request:
     """A request's state. Its tokens are kept on the host (`tokens`: every row's, prompt included), where the runner
     reads a step's inputs and output() the result without a device read; `sequences`, the same on the model's device
-    as generate()'s input_ids, is made up to date only where a step of the request's own reads it (apply)."""
+    as generate()'s input_ids, is made up to date only where a step of the request's own reads it
+    (sampler.own_step)."""
 
     id: str
     prompt: list[int]
@@ -121,10 +120,10 @@ class Request:
     # scores the token was chosen from): the playground's explanation of a step, under the server's limits.
     observer: Callable[[str | None, torch.Tensor, torch.Tensor], None] | None = None
     # What its next token is chosen with where it is chosen together with other requests' (batching/sampler.py); None
-    # where the request's own step chooses it (apply).
+    # where the request's own step chooses it (sampler.own_step).
     together: Together | None = None
     race_key: int | None = None  # the sampling selector's key, read once, where `together` holds and it samples
-    _sequences: torch.Tensor | None = None  # the device copy of `tokens`, as far as the last apply() made it
+    _sequences: torch.Tensor | None = None  # the device copy of `tokens`, as far as the last own step made it
 
     @classmethod
     def of(cls, device, request_id, prompt, gc, pipeline, max_length, streaming, extras, method) -> Request:
@@ -174,54 +173,26 @@ class Request:
             self._sequences = new if self._sequences is None else torch.cat((self._sequences, new), dim=-1)
         return self._sequences
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """One step of generate()'s loop on this request's rows alone, given their next-token logits [rows, V]:
-        processors, selector, stopping, then the new tokens and which rows go on read back in one transfer."""
-        p = self.pipeline
-        sequences = self.sequences
-        scores = logits.float()
-        if scores.shape[0] > 1 and scores.stride(0) == 0:
-            # A new request's rows share its prompt's logits (an expanded view): a processor may write into the
-            # scores it is given, so each row gets its own.
-            scores = scores.contiguous()
-        unfinished = to_device(self.unfinished, torch.bool, scores.device)
-        with observe_processors(self.observer) if self.observer is not None else contextlib.nullcontext():
-            scores = p.processors(sequences, scores)
-        check_scores(p.processors, scores, unfinished, sequences.shape[1])
-        # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary
-        # would fail the next shared forward for every request in it, or read out of bounds in a compiled step.
-        chosen = p.selector(sequences, scores)
-        if self.observer is not None:
-            self.observer(None, logits.float(), scores)
-        if self.logprobs:
-            logp = log_probs(scores[0])
-            self.token_logprobs.append(float(logp[chosen[0]]))
-            if self.top_logprobs:
-                values, ids = logp.topk(self.top_logprobs)
-                self.token_top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
-        tokens = torch.where(unfinished, chosen, self.pad)
-        self._sequences = torch.cat((sequences, tokens[:, None]), dim=-1)
-        unfinished = unfinished & ~p.stopping(self._sequences, scores)
-        new, going = torch.stack((tokens, unfinished.long())).tolist()
-        self._add(new)
-        self._going([bool(g) for g in going])
-
-    def accept(self, chosen) -> None:
-        """The next token of a request chosen together with others' (batching/sampler.py's Chosen: one row, stopping
-        declared as a length, EOS ids and stop strings, `together`), with its logprobs, and whether it ends there,
-        decided on the host."""
-        token, together = chosen.token, self.together
+    def take(self, chosen) -> None:
+        """Records the step's choice (batching/sampler.py's Chosen): each row's new token, the log-probabilities asked
+        for, and which rows go on; where the shared pass chose it (one row, stopping declared as a length, EOS ids
+        and stop strings: `together`), whether it ends there is decided here, on the host."""
         if self.logprobs:
             self.token_logprobs.append(chosen.logprob)
             if self.top_logprobs:
                 self.token_top_logprobs.append(chosen.top)
-        self._add([token])
-        ends = (
+        self._add(chosen.tokens)
+        if chosen.sequences is not None:
+            self._sequences = chosen.sequences
+        self._going(chosen.going if chosen.going is not None else [not self._ends_together()])
+
+    def _ends_together(self) -> bool:
+        together, token = self.together, self.tokens[0][-1]
+        return (
             token in together.eos
             or self.length >= together.length
             or any(c.ends_row(self.tokens[0]) for c in together.texts)
         )
-        self._going([not ends])
 
     def _add(self, tokens: list[int]) -> None:
         for row, token in zip(self.tokens, tokens):

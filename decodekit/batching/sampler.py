@@ -1,5 +1,8 @@
-"""The batch's sampler: the next token of many requests chosen in one pass over their stacked logits, and read back
-to the host in one transfer, the step's only synchronisation with the device for them.
+"""Choosing the next tokens of a continuous-batching step, one way: choose(requests, logits, race). The requests that
+can share a pass have their next token chosen in one pass over their stacked logits, read back to the host in one
+transfer, the step's only synchronisation with the device for them (sample_together); every other request is a group
+of one, its own step (own_step), as generate() runs that prompt alone. Either way a request gets a Chosen, which it
+records (Request.take).
 
 A request takes part where its step needs nothing of its own (together_key): one row, logits processors that all
 declare score_only (temperature, top-k, top-p, min-p, ...: each row's scores rewritten from that row alone), the
@@ -9,16 +12,17 @@ processors have equal keys (the same classes and settings) have them applied onc
 row is raced with the noise its request draws alone (selectors.race_rows), so a request gets the tokens its own step
 (Request.apply) would give. That own step runs every other request, and every request of a pass where a processor
 fails or some row's scores are unusable (NaN, -inf everywhere): the own step then says which processor or weight did
-it.
+it. That is the one fallback: whatever the shared pass cannot do, the requests' own steps do.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
-from ..core.processors import declares, log_probs, processor_key, unusable_rows
+from ..core.processors import check_scores, declares, log_probs, observe_processors, processor_key, unusable_rows
 from ..core.selectors import drawn_as, race_rows
 from ..registry.manager import failures_fail_the_request_alone
 from ..core.transfer import to_device
@@ -58,12 +62,101 @@ def together_key(request) -> Together | None:
 
 
 class Chosen(NamedTuple):
-    """A request's next token as the one pass chose it, with its log-probability and the most likely tokens' where
-    the request asked for them (logprobs, top_logprobs)."""
+    """A request's next tokens as its step chose them, one per row, with the log-probability and the most likely
+    tokens' of its first row where the request asked for them (logprobs, top_logprobs); which rows go on (None: the
+    request decides on the host from what it declares, `together`); and its sequences on the device with the new
+    tokens (an own step's, kept so the next one copies nothing)."""
 
-    token: int
+    tokens: list[int]
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    going: list[bool] | None = None
+    sequences: torch.Tensor | None = None
+
+    @property
+    def token(self) -> int:
+        return self.tokens[0]
+
+
+class ReadBack:
+    """What a step reads back to the host, in one transfer: tensors added by name, read back as lists by name (in
+    float64, where token ids are exact)."""
+
+    def __init__(self):
+        self._parts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._parts[name] = tensor.reshape(-1)
+
+    def read(self) -> dict[str, list[float]]:
+        host = torch.cat([part.double() for part in self._parts.values()]).tolist()
+        out, at = {}, 0
+        for name, part in self._parts.items():
+            out[name] = host[at : at + part.numel()]
+            at += part.numel()
+        return out
+
+
+def choose(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, Chosen | BaseException]:
+    """{request id: its Chosen} for every request of `requests` with logits: those that take part chosen together
+    (sample_together), every other one, and every one of a pass that could not be made, by its own step (own_step).
+    A request whose own step raises gets the exception instead: it fails alone. `race`: selectors.race_rows or its
+    compiled form (an exception of that one reaches the caller, which runs the step again with the eager race)."""
+    together = sample_together(requests, logits, race)
+    out: dict[str, Chosen | BaseException] = {}
+    for request in requests:
+        if request.id not in logits:
+            continue
+        if request.id in together:
+            out[request.id] = together[request.id]
+            continue
+        try:
+            with failures_fail_the_request_alone():
+                out[request.id] = own_step(request, logits[request.id])
+        except BaseException as error:  # the request's own code: SystemExit and the like end it alone
+            out[request.id] = error
+    return out
+
+
+def own_step(request, logits: torch.Tensor) -> Chosen:
+    """One step of generate()'s loop on `request`'s rows alone, given their next-token logits [rows, V]: processors,
+    selector, stopping; the new tokens, which rows go on and the asked log-probabilities read back in one transfer."""
+    p = request.pipeline
+    sequences = request.sequences
+    scores = logits.float()
+    if scores.shape[0] > 1 and scores.stride(0) == 0:
+        # A new request's rows share its prompt's logits (an expanded view): a processor may write into the scores it
+        # is given, so each row gets its own.
+        scores = scores.contiguous()
+    unfinished = to_device(request.unfinished, torch.bool, scores.device)
+    observed = observe_processors(request.observer) if request.observer is not None else contextlib.nullcontext()
+    with observed:
+        scores = p.processors(sequences, scores)
+    check_scores(p.processors, scores, unfinished, sequences.shape[1])
+    # A plugin's selector is checked every step (selectors.CheckedSelector): an id outside the vocabulary would fail
+    # the next shared forward for every request in it, or read out of bounds in a compiled step.
+    chosen = p.selector(sequences, scores)
+    if request.observer is not None:
+        request.observer(None, logits.float(), scores)
+    tokens = torch.where(unfinished, chosen, request.pad)
+    sequences = torch.cat((sequences, tokens[:, None]), dim=-1)
+    unfinished = unfinished & ~p.stopping(sequences, scores)
+    back = ReadBack()
+    back.add("tokens", tokens)
+    back.add("going", unfinished)
+    if request.logprobs:
+        logp = log_probs(scores[0])
+        back.add("logprob", logp[chosen[0]])
+        if request.top_logprobs:
+            values, ids = logp.topk(request.top_logprobs)
+            back.add("top values", values)
+            back.add("top ids", ids)
+    host = back.read()
+    step = Chosen([int(t) for t in host["tokens"]], going=[bool(g) for g in host["going"]], sequences=sequences)
+    if request.logprobs:
+        top = list(zip(map(int, host["top ids"]), host["top values"])) if request.top_logprobs else None
+        step = step._replace(logprob=host["logprob"][0], top=top)
+    return step
 
 
 def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> dict[str, Chosen]:
@@ -92,27 +185,33 @@ def sample_together(requests: list, logits: dict[str, torch.Tensor], race) -> di
         if len(sampled) == 1:  # raced as two equal rows: the compiled race, warmed up from two, would specialise to one
             at, keys, positions = at.expand(2), keys.expand(2), positions.expand(2, 1)
         tokens[at] = race(scores[at], keys[:, None], positions)
-    # Everything the host reads, in one float64 tensor (token ids are exact in it) read back at once.
-    parts = [tokens, unusable_rows(scores)]
+    back = ReadBack()
+    back.add("tokens", tokens)
+    back.add("unusable", unusable_rows(scores))
     asked = [i for i, r in enumerate(rows) if r.logprobs]
     top = max((rows[i].top_logprobs for i in asked), default=0)
     if asked:
         at = to_device(asked, torch.long, scores.device)
         logp = log_probs(scores[at])
-        parts.append(logp.gather(1, tokens[at, None])[:, 0])
+        back.add("logprobs", logp.gather(1, tokens[at, None])[:, 0])
         if top:
-            values, ids = logp.topk(top)
-            parts += [values.flatten(), ids.flatten()]
-    host = torch.cat([part.double() for part in parts]).tolist()
-    n, m = len(rows), len(asked)
-    if any(host[n : 2 * n]):
+            values, ids = logp.topk(top)  # [asked, top]: request j's at j * top
+            back.add("top values", values)
+            back.add("top ids", ids)
+    host = back.read()
+    if any(host["unusable"]):
         return {}
-    chosen = {r.id: Chosen(int(token)) for r, token in zip(rows, host[:n])}
-    for j, i in enumerate(asked):  # after the tokens and flags: the m logprobs, the m x top values, the m x top ids
-        r, values = rows[i], 2 * n + m + j * top
-        ids = values + m * top
-        best = [(int(t), v) for v, t in zip(host[values : values + r.top_logprobs], host[ids : ids + r.top_logprobs])]
-        chosen[r.id] = chosen[r.id]._replace(logprob=host[2 * n + j], top=best if r.top_logprobs else None)
+    chosen = {r.id: Chosen([int(token)]) for r, token in zip(rows, host["tokens"])}
+    for j, i in enumerate(asked):
+        r, first = rows[i], j * top
+        best = None
+        if r.top_logprobs:
+            ids, values = (
+                host["top ids"][first : first + r.top_logprobs],
+                host["top values"][first : first + r.top_logprobs],
+            )
+            best = [(int(t), v) for t, v in zip(ids, values)]
+        chosen[r.id] = chosen[r.id]._replace(logprob=host["logprobs"][j], top=best)
     return chosen
 
 

@@ -331,10 +331,10 @@ def _add_serve(sub, verbose) -> argparse.ArgumentParser:
     srv.add_argument("--warm-compile-cache", action="store_true", help=argparse.SUPPRESS)  # that other process
     srv.add_argument(
         "--paged-attention",
-        choices=["auto", "gathered", "flex"],
+        choices=["auto", "kernel", "gathered", "flex"],  # batching.compiled.ATTENTION (tests/test_cli.py checks)
         default="auto",
         help="how compiled decode steps attend over the paged cache: auto (decodekit's kernel on the CPU, gathered "
-        "blocks elsewhere), gathered, or flex (flex attention reading the blocks in place; GPUs only) "
+        "blocks elsewhere), kernel, gathered, or flex (flex attention reading the blocks in place; GPUs only) "
         "(default: auto)",
     )
     srv.set_defaults(func=cmd_serve)

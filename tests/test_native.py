@@ -1,4 +1,4 @@
-"""decodekit's own CPU kernels (kernels/native.py, cpu_kernels.cpp): products of a few rows and the decoder layer
+"""decodekit's own CPU kernels (kernels/native.py, kernels/csrc/): products of a few rows and the decoder layer
 stack of fixed-shape decode steps; results, errors, build cache, fallback."""
 
 import logging

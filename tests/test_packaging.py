@@ -47,7 +47,9 @@ def test_the_wheel_holds_what_runs_and_works_installed_on_its_own(tmp_path):
     wheel = next((tmp_path / "dist").glob("decodekit-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     needed = {
-        "decodekit/kernels/cpu_kernels.cpp",
+        "decodekit/kernels/csrc/kernels.cpp",
+        "decodekit/kernels/csrc/common.h",
+        "decodekit/kernels/csrc/blocks.cpp",
         "decodekit/templates/hub-repo/cookiecutter.json",
         "decodekit/templates/shared-snippets/hooks.py.j2",
         "decodekit/templates/hub-repo/{{cookiecutter.repo_name}}/.github/workflows/test.yml",

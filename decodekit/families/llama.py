@@ -194,7 +194,7 @@ class Block(nn.Module):
         return start, end
 
     def native_operands(self) -> tuple | None:
-        """(weights, scales, biases, norms) for decodekit::decode_layers (cpu_kernels.cpp), or None where a
+        """(weights, scales, biases, norms) for decodekit::decode_layers (kernels/csrc/decode_layers.cpp), or None where a
         linear layer's weight is not one it reads: plain float32/bfloat16, int8 interleaved (width % 32 == 0), or
         blocks (kernels/blocks.py)."""
         linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
@@ -480,7 +480,7 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(kept_positions(x, logits_to_keep)), past_key_values=cache)
 
     def bind_native_layers(self) -> int | None:
-        """Binds the layers' current weights to decodekit::decode_layers (cpu_kernels.cpp) and returns their
+        """Binds the layers' current weights to decodekit::decode_layers (kernels/csrc/decode_layers.cpp) and returns their
         handle, or None (releasing any earlier binding) where the C++ stack cannot run them: a weight it does
         not read, kernels not built, or autograd recording. generate(compile=True) calls it before every
         call's steps, so a step sees the weights as they are; a model compiled by hand on the fixed-shape path

@@ -1,5 +1,5 @@
 """The CPU speed paths, behind one interface: what this CPU can do (cpu.py), decodekit's C++ kernels (native.py,
-cpu_kernels.cpp), oneDNN-packed weights (packed.py), the linear layers that pick a product per call (linear.py),
+csrc/), oneDNN-packed weights (packed.py), the linear layers that pick a product per call (linear.py),
 int8 weights (quantize.py) and choices measured once per CPU (choices.py).
 
 The model families build their layers from Linear and Int8Linear; a model's StepHost (step_host.py) holds its compiled

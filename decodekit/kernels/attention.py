@@ -1,5 +1,5 @@
 """Causal attention of a prompt or a prompt chunk on CPU: decodekit::prefill_attention where it measured faster than
-the library's SDPA on this CPU (see cpu_kernels.cpp: each kv head's query heads stacked into one matmul). Its
+the library's SDPA on this CPU (see csrc/prefill_attention.cpp: each kv head's query heads stacked into one matmul). Its
 products run in float32, or on a CPU with AVX512-BF16 in bfloat16 pairs summed in float32: for bfloat16 models, and
 for int8 ones (quantize.py), whose weights' rounding outweighs that of bfloat16 attention many times over. For the
 same reason an int8 model's scores may be int8 products where the CPU has AVX512-VNNI (decodekit::
@@ -16,7 +16,7 @@ import torch
 from . import choices, cpu, native
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
-BF16_COLUMNS = 32  # kBf16Columns in cpu_kernels.cpp: the bfloat16 products need a head_dim multiple of it
+BF16_COLUMNS = 32  # kBf16Columns in csrc/prefill_attention.cpp: the bfloat16 products need a head_dim multiple of it
 INT8_QUADS = 4  # the int8 scores multiply four bytes at a time: a head_dim multiple of it (up to 256)
 
 

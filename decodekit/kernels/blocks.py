@@ -11,7 +11,7 @@ Two layouts, each one GGUF block format kept byte for byte:
   6-bit values have no exact q8 form at 32 weights a scale): they load dequantized, as other formats do.
 
 A row of K weights is K / 32 blocks, stored as a [out, K / 32 * 20] uint8 ("q4") or [out, K / 32 * 17] int16
-("q8") tensor: the dtype names the layout for decodekit's C++ kernels (cpu_kernels.cpp), which multiply rows by
+("q8") tensor: the dtype names the layout for decodekit's C++ kernels (csrc/blocks.cpp), which multiply rows by
 the blocks converted in registers, in float32, so every route computes the dequantized weight's product.
 `quantize="int4"` makes q4 blocks from float weights (safetensors, Hub models) with the rounding of the `gguf`
 package's own Q4_1 quantizer (quantize_rows makes q8 blocks as its Q8_0 quantizer does, for tests).

@@ -69,7 +69,7 @@ ROW_CLASSES = ((64, 32), (256, 128), (1024, 512))  # (up to rows, measured at); 
 TILED_DTYPES = (torch.float32, torch.bfloat16)  # weights decodekit::tiled_product takes (int8: quantize.py)
 DECODEKIT_ROUTES = ("tiles", "blocks", "wide_blocks")  # the routes through decodekit::tiled_product
 # The prompt routes of Linear.prompt_route and quantize.Int8Linear.prompt_route as the C++ prompt layers number
-# them (ProductRoute in cpu_kernels.cpp); an int8 weight whose columns are stored interleaved adds INTERLEAVED.
+# them (the routes of csrc/prompt_layers.cpp); an int8 weight whose columns are stored interleaved adds INTERLEAVED.
 PROMPT_ROUTES = {
     "library": 0,
     "packed": 1,

@@ -1,4 +1,4 @@
-"""decodekit's own CPU kernels (cpu_kernels.cpp): products of a few rows and the decoder layer stack of a
+"""decodekit's own CPU kernels (csrc/: kernels.cpp and a file per section it includes): products of a few rows and the decoder layer stack of a
 fixed-shape decode step.
 
 A batch-1 decode step multiplies one row by every weight matrix, and its speed is how fast the weights
@@ -38,12 +38,13 @@ from . import cpu
 
 logger = logging.getLogger("decodekit")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = Path(__file__).with_name("csrc")  # one .cpp per section, built as one translation unit
+SOURCE = SOURCES / "kernels.cpp"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 ENABLE_VARIABLE = "DECODEKIT_NATIVE_KERNELS"
 # Activation dtypes of decodekit::decode_layers, the C++ layer stack of a fixed-shape decode step.
 LAYER_DTYPES = (torch.float32, torch.bfloat16)
-MAX_ROWS = 16  # kMaxRows in cpu_kernels.cpp: decode steps of a few rows (beams, a batch) and short prompts
+MAX_ROWS = 16  # kMaxRows in csrc/common.h: decode steps of a few rows (beams, a batch) and short prompts
 
 # None: not tried yet; afterwards whether the operators are registered. Read inside compiled code, where
 # it is a constant: load() runs before torch.compile traces a step.
@@ -131,7 +132,8 @@ def _built_library() -> Path:
     command = [compiler, *FLAGS, abi, str(SOURCE)]
     command += [f"-I{path}" for path in cpp_extension.include_paths()]
     command += [f"-L{path}" for path in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, compiler, *FLAGS, abi]).encode()).hexdigest()
+    sources = [path.read_text() for path in sorted(SOURCES.iterdir()) if path.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\0".join([*sources, torch.__version__, compiler, *FLAGS, abi]).encode()).hexdigest()
     target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target

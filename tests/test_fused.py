@@ -439,11 +439,10 @@ def test_a_criterion_the_step_does_not_cover_keeps_the_call_eager_and_is_obeyed(
 
 
 def test_what_can_fuse_is_read_from_declarations():
-    from types import SimpleNamespace
 
     from decodekit.core.config import GenerationConfig
     from decodekit.core.fused_loop import min_length_of, supports_step, unfusable_reason
-    from decodekit.core.pipeline import last_position_logits
+    from decodekit.core.pipeline import Pipeline, last_position_logits
     from decodekit.core.penalties import MinLengthLogitsProcessor
     from decodekit.core.processors import processor_key
     from decodekit.core.warpers import TopKLogitsWarper
@@ -457,7 +456,7 @@ def test_what_can_fuse_is_read_from_declarations():
         eos, blocks_eos_until = [2], 9
 
     gc = GenerationConfig(eos_token_id=2)
-    pipeline = SimpleNamespace(
+    pipeline = Pipeline(
         processors=[TopKLogitsWarper(4), Banned()],
         selector=GreedySelector(),
         stopping=[],

@@ -185,3 +185,28 @@ def test_top_values_are_topk_values_ties_and_padding_included(vocab):
         scores[0, :5] = -math.inf
         for m in (1, 50, 100, 400):
             assert torch.equal(W.top_values(scores, m), torch.topk(scores, min(m, vocab)).values), (trial, m)
+
+
+def test_a_processors_declarations_are_read_one_way_into_one_record():
+    # core.processors.capabilities: the flags, the stage, the EOS ban and the key in one record, each read as an
+    # attribute of the object (its class's or its own); Pipeline.capabilities gives one per processor, in order.
+    from decodekit.core.pipeline import Pipeline
+
+    top_k = W.TopKLogitsWarper(4)
+    record = P.capabilities(top_k)
+    assert record.score_only and not record.host_mask and record.stage == "samplers"
+    assert record.key == P.processor_key(top_k) and record.blocks_eos_until is None and record.eos == frozenset()
+    banned = P.capabilities(N.MinLengthLogitsProcessor(9, [2, 3]))
+    assert banned.blocks_eos_until == 9 and banned.eos == {2, 3} and not banned.score_only
+
+    class OnTheObject:
+        def __call__(self, input_ids, scores):
+            return scores
+
+    own = OnTheObject()
+    own.score_only, own.stage = True, "post"
+    assert P.capabilities(own)[:4] == (True, False, False, "post")
+    own.score_only = "yes"  # only True declares
+    assert not P.capabilities(own).score_only
+    pipeline = Pipeline(processors=[top_k, own], selector=None, stopping=[], cache=None)
+    assert pipeline.capabilities == (record, P.capabilities(own))

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.processors import check_scores, declares, log_probs, observe_processors, processor_key, unusable_rows
+from ..core.processors import check_scores, log_probs, observe_processors, unusable_rows
 from ..core.selectors import drawn_as, race_rows
 from ..registry.manager import failures_fail_the_request_alone
 from ..core.transfer import to_device
@@ -46,7 +46,8 @@ def together_key(request) -> Together | None:
         return None
     if drawn_as(p.selector) not in ("argmax", "race"):
         return None
-    if not all(declares(processor, "score_only") for processor in p.processors):
+    declared = p.capabilities
+    if not all(d.score_only for d in declared):
         return None
     length, eos, texts = request.max_length, set(), []
     for criterion in p.stopping:
@@ -57,7 +58,7 @@ def together_key(request) -> Together | None:
             return None  # decided from something else (time, a plugin's rule): the request's own step
         length = min(length, at) if at is not None else length
         eos |= set(tokens or ())
-    keys = tuple(processor_key(processor) for processor in p.processors)
+    keys = tuple(d.key for d in declared)
     return Together(keys, length, frozenset(eos), tuple(texts))
 
 

@@ -13,7 +13,6 @@ import torch
 from .. import kernels
 from ..families.cache import StaticCache
 from .compile import FusedStep, step_options
-from .processors import declares, processor_key
 from .selectors import selector_declares
 
 logger = logging.getLogger("decodekit")
@@ -82,14 +81,14 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False, max_le
     if pipeline.next_token_logits.needs_hidden_states:
         return "the next-token logits need hidden states"
     eos = set(gc.eos_token_ids or ())
-    for p in pipeline.processors:
+    for p, declared in zip(pipeline.processors, pipeline.capabilities):
         name = getattr(p, "__qualname__", type(p).__name__)
-        if declares(p, "host_mask") and not takes_host_masks:
+        if declared.host_mask and not takes_host_masks:
             return f"the logits processor {name} computes a mask on the host every step, which this strategy's step does not take"
-        blocks = getattr(p, "blocks_eos_until", None)
-        if blocks is not None and set(getattr(p, "eos", ())) != eos:
+        blocks = declared.blocks_eos_until
+        if blocks is not None and declared.eos != eos:
             return f"the logits processor {name} bans other tokens than the call's EOS ids {sorted(eos)}"
-        if not (declares(p, "score_only") or declares(p, "host_mask") or blocks is not None):
+        if not (declared.score_only or declared.host_mask or blocks is not None):
             return (
                 f"the logits processor {name} may read the whole sequence "
                 "(one that reads only the scores can declare score_only = True: decodekit.core.processors.Processor)"
@@ -112,12 +111,18 @@ def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False, max_le
 
 def step_processors(pipeline) -> list:
     """The processors a fused step runs: those that read only the scores (min length is its EOS mask)."""
-    return [p for p in pipeline.processors if declares(p, "score_only")]
+    return [p for p, declared in zip(pipeline.processors, pipeline.capabilities) if declared.score_only]
 
 
-def processors_key(processors) -> tuple:
-    """What identifies a set of processors for reuse of a compiled step: each one's own key (processors.Processor)."""
-    return tuple(processor_key(p) for p in processors)
+def processors_key(pipeline) -> tuple:
+    """What identifies the processors a fused step runs (step_processors) for reuse of a compiled step: each one's
+    own key (processors.Processor)."""
+    return tuple(declared.key for declared in pipeline.capabilities if declared.score_only)
+
+
+def host_masks(pipeline) -> list:
+    """The processors whose effect is a mask computed on the host every step (host_mask): a step's input."""
+    return [p for p, declared in zip(pipeline.processors, pipeline.capabilities) if declared.host_mask]
 
 
 def _hashable(value):
@@ -221,5 +226,5 @@ def eos_tensor(gc, device) -> torch.Tensor:
 
 def min_length_of(pipeline) -> int:
     """The length before which the call's EOS ids are banned (what the processors declare as blocks_eos_until)."""
-    lengths = [getattr(p, "blocks_eos_until", None) for p in pipeline.processors]
+    lengths = [declared.blocks_eos_until for declared in pipeline.capabilities]
     return max([n for n in lengths if n is not None] or [0])

@@ -17,7 +17,7 @@ from .config import GenerationConfig, accepted_fields, add_plugin_fields, apply_
 from .limits import check_call_size
 from .outputs import loop_result
 from .pipeline import GenerationContext, Pipeline, build_pipeline
-from .processors import check_scores, declares
+from .processors import check_scores
 from .rows import Rows
 from .stack import stack_room
 
@@ -566,8 +566,8 @@ def run_callable(fn, model, input_ids, attention_mask, pipeline: Pipeline, gc, c
 def finish_processors(pipeline: Pipeline, result):
     """generate()'s result, after each processor that declares `finishes` has seen it (structured output reports
     rows cut off before their constraint allowed an end)."""
-    for processor in pipeline.processors:
-        if declares(processor, "finishes"):
+    for processor, declared in zip(pipeline.processors, pipeline.capabilities):
+        if declared.finishes:
             processor.finish(result)
     return result
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .processors import CAPABILITIES, STAGES, LogitsProcessorList, declares, stage_of
+from .processors import CAPABILITIES, STAGES, Capabilities, LogitsProcessorList, capabilities, declares, stage_of
 from .selectors import checked_selector
 from .stopping import StoppingCriteriaList
 
@@ -41,6 +41,12 @@ class Pipeline:
     stopping: StoppingCriteriaList
     cache: Any
     next_token_logits: Any = last_position_logits
+
+    @property
+    def capabilities(self) -> tuple[Capabilities, ...]:
+        """What each of its processors declares, in their order (core.processors.capabilities): what the fused step,
+        continuous batching and beam search read of them."""
+        return tuple(capabilities(p) for p in self.processors)
 
 
 def checked_cache(owner: str | None, cache):

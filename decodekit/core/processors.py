@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -126,6 +126,29 @@ def stage_of(processor) -> str:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} of {type(processor).__name__} is invalid; the stages are {STAGES}.")
     return stage
+
+
+class Capabilities(NamedTuple):
+    """What a processor declares (Processor), read one way (capabilities): the CAPABILITIES flags, its stage, the
+    length it bans its `eos` ids until where that is its whole effect (blocks_eos_until), and its key."""
+
+    score_only: bool
+    host_mask: bool
+    finishes: bool
+    stage: str
+    blocks_eos_until: int | None
+    eos: frozenset
+    key: tuple
+
+
+def capabilities(processor) -> Capabilities:
+    """`processor`'s declarations, each read as `declares` reads a flag: an attribute of the object (its class's or
+    its own). The fused step, continuous batching's shared pass, beam search and the pipeline read these records
+    (Pipeline.capabilities), never the attributes themselves."""
+    blocks = getattr(processor, "blocks_eos_until", None)
+    eos = frozenset(getattr(processor, "eos", ()) or ()) if blocks is not None else frozenset()
+    flags = (declares(processor, capability) for capability in CAPABILITIES)
+    return Capabilities(*flags, stage_of(processor), blocks, eos, processor_key(processor))
 
 
 def declares(processor, capability: str) -> bool:

@@ -26,7 +26,6 @@ from ..families.cache import reorder_rows
 from ..core.config import is_int
 from ..core.generate import forward_accepts, token_positions
 from ..core.outputs import GenerateBeamOutput
-from ..core.processors import declares
 from ..core.selectors import draw_key, race_noise
 from ..core.transfer import to_device
 from ..registry import hookimpl
@@ -36,6 +35,7 @@ from ..core.fused_loop import (
     eos_blocks,
     eos_tensor,
     host_block,
+    host_masks,
     min_length_of,
     processors_key,
     step_logits,
@@ -389,8 +389,8 @@ class FusedBeams(FusedLoop):
             f" in {G} groups" if G > 1 else ""
         )
         settings = (gc.length_penalty, gc.early_stopping, gc.diversity_penalty, len(gc.eos_token_ids))
-        masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [rows, V], not [V]
-        return (name, settings, processors_key(step_processors(pipeline)), masked)
+        masked = bool(host_masks(pipeline))  # eos_block is then [rows, V], not [V]
+        return (name, settings, processors_key(pipeline), masked)
 
     def make_step(self, model, cache, pipeline, gc):
         procs = step_processors(pipeline)
@@ -455,7 +455,7 @@ class FusedBeams(FusedLoop):
         no_block, block = eos_blocks(logp.shape[-1], gc.eos_token_ids, dev)
         min_length = min_length_of(pipeline)
         lengths = torch.tensor(max_length, device=dev), torch.tensor(T0, device=dev)
-        host = [p for p in pipeline.processors if declares(p, "host_mask")]
+        host = host_masks(pipeline)
         cur = T0 + 1
         # The step's length and cache slot advance on the device (as FusedTokens' slot does: no copy from the host
         # that would wait for the step before)

@@ -33,6 +33,7 @@ from ..core.fused_loop import (
     eos_blocks,
     eos_tensor,
     host_block,
+    host_masks,
     min_length_of,
     processors_key,
     step_logits,
@@ -42,7 +43,7 @@ from ..core.outputs import loop_result
 from ..core.rows import Rows
 from ..core.transfer import to_device
 from ..core.selectors import drawn_as, race
-from ..core.processors import declares, processor_key
+from ..core.processors import processor_key
 from ..registry import hookimpl
 
 logger = logging.getLogger("decodekit")
@@ -103,8 +104,8 @@ class FusedTokens(FusedLoop):
         drawn = drawn_as(pipeline.selector)
         name = {"race": "sampling", "argmax": "greedy"}.get(drawn, "a plugin's traceable selector")
         own = None if drawn else processor_key(pipeline.selector)  # traced as it is: its own object decides the code
-        masked = any(declares(p, "host_mask") for p in pipeline.processors)  # eos_block is then [B, V], not [V]
-        return (name, own, processors_key(step_processors(pipeline)), masked)
+        masked = bool(host_masks(pipeline))  # eos_block is then [B, V], not [V]
+        return (name, own, processors_key(pipeline), masked)
 
     def make_step(self, model, cache, pipeline, gc):
         procs = step_processors(pipeline)
@@ -145,7 +146,7 @@ class FusedTokens(FusedLoop):
             scores_out.append(first)
         min_length = min_length_of(pipeline)
         no_block, block = eos_blocks(first.shape[-1], eos, dev)
-        host = [p for p in pipeline.processors if declares(p, "host_mask")]
+        host = host_masks(pipeline)
         generated = [nxt]
         alive = [unfinished]
         progress.stream(nxt)

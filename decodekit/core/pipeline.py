@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .processors import CAPABILITIES, STAGES, Capabilities, LogitsProcessorList, capabilities, declares, stage_of
+from .processors import STAGES, Capabilities, LogitsProcessorList, capabilities
 from .selectors import checked_selector
 from .stopping import StoppingCriteriaList
 
@@ -91,8 +91,8 @@ def staged(contributions: list[tuple[str, Any]], plugin_order: list[str]) -> Log
 
 
 def declared_stages(owner: str, processors: list) -> list[int] | None:
-    """The stage (its index in STAGES) of each of `owner`'s processors, their declarations (stage and CAPABILITIES)
-    read here, inside the plugin guard: a declaration that raises or names no stage is the plugin's failure, as its
+    """The stage (its index in STAGES) of each of `owner`'s processors, their declarations (capabilities: stage,
+    flags, key) read here, inside the plugin guard: a declaration that raises or names no stage is the plugin's failure, as its
     hook raising would be (disabled, or raised naming it, by the host's policy; None: go on without it). For the
     processors passed to generate(), ValueError naming the argument."""
     from ..registry.manager import PluginError, described, host
@@ -100,9 +100,7 @@ def declared_stages(owner: str, processors: list) -> list[int] | None:
     stages = []
     for processor in processors:
         try:
-            stages.append(STAGES.index(stage_of(processor)))
-            for capability in CAPABILITIES:
-                declares(processor, capability)
+            stages.append(STAGES.index(capabilities(processor).stage))
         except Exception as error:  # a property of the plugin's raising anything
             what = (
                 f"{described('logits processor', processor, owner)}: its declarations cannot be read "

@@ -236,9 +236,8 @@ CACHED_ELEMENTS = 1 << 17
 
 def race_in_parts(scores: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """race_rows over a few rows at a time, for the eager race on the CPU: each of its dozen elementwise passes then
-    works in a core's cache instead of streaming [rows, V] temporaries through memory (32 rows of a 49,152-token
-    vocabulary: 8 ms instead of 23, and 14 drawn one row at a time). Compiled, the race is one fused pass and takes
-    every row at once."""
+    works in a core's cache instead of streaming [rows, V] temporaries through memory (faster than all rows at once
+    or one at a time: docs/performance.md). Compiled, the race is one fused pass and takes every row at once."""
     step = max(1, CACHED_ELEMENTS // scores.shape[-1])
     if scores.shape[0] <= step:
         return race_rows(scores, keys, positions)

@@ -222,7 +222,7 @@ def _copied(outputs):
 def step_options(compile_config: dict | None, device: torch.device) -> dict:
     """torch.compile's settings for a step on `device`: compile_config over fullgraph, static shapes and, on CUDA,
     mode="reduce-overhead". A batch-1 step of a small model is bound there by its kernel launches, which a CUDA graph
-    replay removes: on an H200 the default model's shape decoded 3.8x faster with it (docs/performance.md). A
+    replay removes (docs/performance.md, the CUDA tables). A
     compile_config with its own mode, backend or options keeps them (mode="default": no graphs)."""
     options = {"fullgraph": True, "dynamic": False}
     config = compile_config or {}

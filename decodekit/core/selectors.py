@@ -59,7 +59,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash on int32 tensors: a bijection in which every output bit depends on every input
     bit (xorshift-multiply with hash-prospector's constants). The shifts are masked to act as unsigned
     shifts; the products wrap modulo 2**32, as torch's int32 arithmetic does in eager and compiled code.
-    int32 rather than int64 because AVX2 has no int64 multiply: the int64 form took 2.5x as long."""
+    int32 rather than int64 because AVX2 has no int64 multiply (the int64 form was slower: docs/performance.md)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x21F0AAAD
     x = x ^ ((x >> 15) & 0x1FFFF)

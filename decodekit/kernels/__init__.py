@@ -55,8 +55,8 @@ def settle_routes(model, rows: int) -> None:
     """Makes now, outside any trace, the measured choices a step of `rows` rows reads: how a product of that many
     rows runs (linear.many_rows_route for float32 and bfloat16 weights, quantize.many_rows_route for int8). A
     trace cannot time anything, so a choice first asked for inside one is the fallback, compiled into the step for
-    good: continuous batching's float32 decode step of 32 rows multiplied by the library's matmul, 0.3-0.7x the
-    speed of the tiles this CPU had chosen, the lm_head the slowest."""
+    good (continuous batching's 32-row step then ran well below the tiles this CPU had chosen: docs/performance.md,
+    measurements behind the code's choices)."""
     if model.device.type != "cpu" or rows <= MAX_ROWS:
         return
     if getattr(model, "quantization", None) == "int8":

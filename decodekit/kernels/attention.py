@@ -33,9 +33,8 @@ def prompt_attention_route(keys: int, dtype: torch.dtype, int8: bool = False) ->
     rounding kernel is offered) and class of lengths (choices.py: prompt_attention_float32_512,
     prompt_attention_int8_2048, ...) on a prompt of 512 or 2,048 tokens through one layer of the default model's
     shape (9 query heads, 3 kv heads, head_dim 64). The dtypes are measured apart: SDPA computes in the model's
-    dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention 3-4x as fast as the float32
-    kernel; on the AVX512-BF16 bench machine without AMX the bfloat16 kernel ran 1.4-1.9x as fast as the float32
-    one."""
+    dtype, which on a CPU with bfloat16 matrix instructions (AMX) ran bfloat16 attention well ahead of the float32
+    kernel, and without AMX the bfloat16 kernel was ahead of the float32 one (docs/performance.md)."""
     size = 512 if keys <= SHORT_KEYS else 2048
     quantized = int8 and dtype == torch.float32
     narrowed = quantized and cpu.has("avx512_bf16")  # what bf16_kernel needs for float32 attention

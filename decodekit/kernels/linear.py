@@ -147,8 +147,8 @@ def onednn_packing() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
-# The row count oneDNN is told to lay a float32 weight out for: on the AVX512-BF16 EPYC a weight laid out for 4, 128,
-# 512 or 2,048 rows ran products of 128 to 2,048 rows alike (213-223 GFLOP/s), so one copy serves every prompt.
+# The row count oneDNN is told to lay a float32 weight out for: a weight laid out for 4, 128, 512 or 2,048 rows ran
+# products of 128 to 2,048 rows alike (docs/performance.md), so one copy serves every prompt.
 ONEDNN_ROWS_HINT = 128
 
 
@@ -183,7 +183,7 @@ def packed_weight(
     missing or the copy would pass the memory budget. Copies of each kind are held apart, in the module's __dict__, out
     of its state (HoldsPackedCopy): prompts of two classes of lengths may take two kinds (on the AVX512-BF16 EPYC held
     to AVX2, a bfloat16 model's 128-row products took the plain copy, its 512-row ones oneDNN's), and one copy
-    replaced by the other on every change of length made a prefill of 512 tokens 1.4x as long."""
+    replaced by the other on every change of length would be made again at every such prefill."""
     # An inference tensor keeps no version counter (changed in place only inside inference mode, its data pointer
     # stands for it).
     current = tuple((t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape)) for t in sources)
@@ -270,16 +270,16 @@ def many_rows_route(dtype: torch.dtype, rows: int) -> str:
                a bfloat16 tile converted to float32 into a buffer that stays in cache first;
     "blocks"   register blocks of 3 rows by 4 weight rows read the weights as stored, no packing (a bfloat16
                weight converted in registers): for a few dozen rows, which a packed tile would serve too few times;
-    "wide_blocks"  the same with AVX-512 (blocks of 4 rows, 16 lanes), offered where the CPU has it: on the AMX
-               bench machine 1.12x the best other route for a 32-row decode step's products, 1.13x at 16 rows;
+    "wide_blocks"  the same with AVX-512 (blocks of 4 rows, 16 lanes), offered where the CPU has it (it won on the
+               AMX bench machine; docs/performance.md);
     "library"  the library's threaded matmul; a bfloat16 weight converted whole on every call, a float32 copy of it
                written and read back through memory.
     An eager prompt's float32 product may take a faster route still: packed_route.
 
     The decode class's sample reads its weights from memory, as a step's products do (a model's layers overflow the
     last-level cache), going round copies of the layer that fill STEP_CACHE_MULTIPLE times it: measured on one layer
-    in cache, the AVX-512 blocks and the AVX2 ones ran alike at 32 rows on the AVX512-BF16 EPYC and the choice fell
-    either way, while from memory the AVX2 blocks ran 1.2-1.3x the AVX-512 ones."""
+    in cache, the AVX-512 and AVX2 blocks ran alike and the choice fell either way, while from memory the AVX2 ones
+    were faster on the AVX512-BF16 EPYC (docs/performance.md)."""
     from . import choices
 
     size = row_class(rows)
@@ -315,11 +315,9 @@ def packed_route(
     per dtype and class of prompt rows (over 64; choices.py: float32_packed_rows_128, ...) among the copies this torch
     can make.
     `problem(size)` gives a default-model-sized layer's [(rows, float32 weight)] and a call of the same products by
-    `other`. On the AMX bench machine MKL's packed products of float32 layers ran 1.24x the library's at 128 rows and
-    1.05x at 512; with that machine held to AVX2, bfloat16 layers ran 1.12x their tiles at 128 rows. On the
-    AVX512-BF16 EPYC oneDNN's products of float32 layers ran 205-221 GFLOP/s at 512 and 2,048 rows where MKL's matmul
-    ran 172-205 and decodekit's blocks 167-209 (its down projection 213-217 against 171-176). Compiled steps
-    (continuous batching's decode rows) keep the other route: a trace cannot make the copy."""
+    `other`. Which copy wins differs by CPU class (MKL's packed copies on the AMX machine, oneDNN's on the AVX512-BF16
+    EPYC: docs/performance.md). Compiled steps (continuous batching's decode rows) keep the other route: a trace
+    cannot make the copy."""
     from . import choices
 
     size = row_class(rows)

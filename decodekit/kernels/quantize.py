@@ -37,8 +37,8 @@ def one_row_int8(row: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
     Each 32-bit lane of a weight row holds four weights, the j-th of which multiplies the row's j-th
     quarter, so the loop inductor generates loads 32 weights and four contiguous slices of the row per
     AVX2 vector. Inductor's loop over plain int8 weights loads 8 at a time through a stack buffer (its
-    AVX2 partial load has no fast path) and ran at 1.4 GB/s, this one at 10-23 GB/s. The lanes come as
-    float32 for the same reason: only the float32 load takes the fast path (int32 ran at 4 GB/s).
+    AVX2 partial load has no fast path), several times slower (docs/performance.md). The lanes come as
+    float32 for the same reason: only the float32 load takes the fast path.
     """
     lanes = lanes.view(torch.int32)
     quarters = row.float().view(4, -1)

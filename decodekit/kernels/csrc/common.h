@@ -47,9 +47,8 @@ __attribute__((weak)) void cblas_sgemm_compute(int layout, int transa, int trans
 
 namespace {
 
-// How far ahead of the loads to prefetch. Measured on the bench machine, products of the default model's 120
-// layer weights against a plain read of memory: int8 0.66-0.73 of the read's speed at 1 KB, 0.85 at 3 KB
-// (0.81-0.85 at 4 KB, 0.62-0.67 at 8 KB); bfloat16 0.83 at 1 KB, 0.72-0.79 at 2 KB; float32 no difference.
+// How far ahead of the loads to prefetch: the distances at which products of the default model's layer weights came
+// nearest a plain read of memory, per weight format (docs/performance.md, measurements behind the code's choices).
 constexpr int64_t kPrefetchBytes = 1024;
 constexpr int64_t kInt8PrefetchBytes = 3072;
 constexpr int64_t kRowsPerTask = 16;

@@ -9,8 +9,8 @@ namespace {
 //
 // Written here because at batch 1 the step's time beyond reading the weights was mostly the cost of
 // calling things: inductor's step for the default model ran about ten kernels a layer, each an OpenMP
-// region and a call from its Python wrapper, and one call per layer here still cost about 29 us of
-// dispatch and region starts. The whole stack is one call and one parallel region: the threads share
+// region and a call from its Python wrapper, and even one call per layer here spent a measurable share of a token
+// on dispatch and region starts (docs/performance.md). The whole stack is one call and one parallel region: the threads share
 // each product's weight rows and the attention's heads, and wait at a barrier between the steps that
 // depend on each other; the small steps between (norms, rotary, cache writes) run on one thread. Values
 // are rounded to the activation dtype A where the model stores them (norm outputs, product outputs, the
@@ -332,8 +332,8 @@ at::Tensor decode_layers_as(const at::Tensor& x, const at::Tensor& cos, const at
 
 // Weights bound to a handle (bind_weights): a compiled step passes the handle, a constant of its graph,
 // where it would pass some 300 tensors on every call. Dynamo, AOT autograd and inductor's wrapper spend
-// time on every input of every call: in a toy graph, an operator taking 360 tensors cost 434 us a call
-// compiled against 52 us for one taking a handle. The caches stay arguments: they are written.
+// time on every input of every call (several times the call of an operator taking a handle: docs/performance.md).
+// The caches stay arguments: they are written.
 struct BoundWeights {
   std::vector<at::Tensor> weights;
   OptionalTensors scales, biases, norms;

@@ -124,10 +124,8 @@ at::Tensor split_product(const at::Tensor& rows, const at::Tensor& weight, const
   if (M >= threads * kOwnSplitMinRows && fits) {
     // A block of up to kOwnSplitRows for each thread at a time, split, multiplied (the library's int8 product runs on
     // the calling thread inside the region) and joined by that thread, with no wait for the others between: int8
-    // prefills of 512 and 2,048 tokens ran 1.08-1.16x and 1.05-1.09x faster so on the AMX bench machine than with
-    // the threads sharing each block's steps, as below (alternating processes, 3 rounds), and 1.00-1.05x with oneDNN
-    // held to VNNI without AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI). At 128 tokens (a block of 64 rows each)
-    // 1.12x on AMX (59.8-60.4 ms against 66.6-68.4, three pairs), within noise held to VNNI.
+    // prefills ran faster so than with the threads sharing each block's steps, as below, on AMX and no slower held
+    // to VNNI (docs/performance.md).
     const OwnBlocks own(M, kOwnSplitRows, threads);
     const int64_t block = own.rows;
     at::parallel_for(0, own.count, 1, [&](int64_t first, int64_t last) {

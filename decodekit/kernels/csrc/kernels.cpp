@@ -10,8 +10,7 @@
 // busy: one weight row at a time (one sequential stream per thread), four independent accumulators for one
 // row (an FMA chain of one would wait on its own latency) or one per row for several, each weight converted
 // once for all rows, and a software prefetch ahead of the loads. Inductor's loop for the same product keeps
-// two accumulators and reached 21 GB/s (bf16) and 17 GB/s (int8) on the 2-core AVX2 bench machine where
-// these reached 33 and 27 (native.py says how).
+// two accumulators and reads the weights markedly slower (docs/performance.md).
 //
 // One translation unit, built as one extension by native.py: the sections below share inline helpers and templates
 // (common.h and those of earlier sections), and torch's headers are parsed once rather than once a section.
@@ -24,6 +23,7 @@
 #include "decode_layers.cpp"
 #include "tiles.cpp"
 #include "mkl_packed.cpp"
+#include "softmax.cpp"
 #include "paged_attention.cpp"
 #include "prefill_attention.cpp"
 #include "elementwise.cpp"

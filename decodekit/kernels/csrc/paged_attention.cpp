@@ -17,8 +17,7 @@ namespace {
 // of 8, keys and values together, the query heads of a kv head together (each key and value vector loaded once for
 // them): a head's scores for a run folded into the head's running softmax, and the run's values added to the head's
 // output. The kernel before it scored position by position (a horizontal sum a head and position) and read keys and
-// values in two passes: 7-13 GB/s of the 28 a 2-core AVX512-BF16 EPYC's memory gives (30 layers' pools, blocks
-// scattered), where runs read 11-18. Runs of 16 with AVX-512 read no faster there (docs/performance.md).
+// values in two passes, well below what runs read; runs of 16 with AVX-512 read no faster (docs/performance.md).
 constexpr int kPagedRun = 8;
 
 template <typename A>
@@ -34,10 +33,9 @@ struct PagedTask {
 
 // The next run's key and value rows, prefetched a few lines at each of a run's steps: blocks sit anywhere in the pool,
 // so the hardware prefetcher loses the stream at every block boundary. Issued all at once, or a row a head, the
-// prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight): with runs of
-// 16 they read 14-17 GB/s, spread so about 19. Into L2 (T1) rather than L1: `perf` put a quarter of the kernel's
-// samples on the prefetch waiting for a free L1 miss slot; the AVX512-BF16 EPYC's L2 keeps more misses in flight, and
-// a 32-row step over 30 layers' pools ran 12-25% faster (in one process, alternating).
+// prefetches stalled the work they were meant to overlap (a core keeps only so many misses in flight). Into L2 (T1)
+// rather than L1: `perf` put a quarter of the kernel's samples on the prefetch waiting for a free L1 miss slot, and
+// L2 keeps more misses in flight (docs/performance.md).
 class RunPrefetch {
  public:
   template <typename A>

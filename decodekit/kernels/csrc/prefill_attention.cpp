@@ -17,9 +17,8 @@ void with_vector_count(int64_t count, Fn fn) {
 }
 
 // out[r][c] += sum_j p[r][j] v[j][c] for R rows and 16 C columns: each value row loaded once for the R rows, the
-// probabilities broadcast from their rows (no copy of either, where the library's matmul packs both first). Against
-// the library's matmul of the same blocks (AMD EPYC, AVX-512; paired runs of one layer's attention, 512 and 2,048
-// tokens and a 256-token chunk after 768): the float32 kernel 6-7% faster, the int8 one 2-14%.
+// probabilities broadcast from their rows (no copy of either, where the library's matmul packs both first): faster
+// than the library's matmul of the same blocks (docs/performance.md).
 template <int R, int C>
 DECODEKIT_AVX512 void add_weighted_values(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n, float* out,
                                           int64_t ldo) {

@@ -9,8 +9,8 @@ namespace {
 //
 // What Block computes for one unpadded prompt on CPU, float32 or bfloat16 rows (products and attention in float32),
 // by the kernels the Python layers call, in their order and rounding where they round, so the results are the same
-// bits; what goes is the Python between some twenty operations a layer (about 6 ms of a 128-token prefill of the
-// default model on the AMX bench machine). The cache stays with the caller: it
+// bits; what goes is the Python between some twenty operations a layer (docs/performance.md). The cache stays with
+// the caller: it
 // stores the keys and values prompt_layer_start returns and hands prompt_layer_end the keys and values to attend to.
 
 // The route of one product, as the Python layers take it for float32 rows (linear.Linear.prompt_route,

@@ -55,11 +55,10 @@ inline void to_float_interleaved(const int8_t* w, const float* scale, float* out
 // rows times kBlockWeights weight rows is twelve dot products at once, one accumulator each, in registers
 // (12 accumulators, 3 rows and a weight vector: the 16 AVX2 registers); the weight block stays in L1 while every
 // row of the tile's row range passes it, and the next weight blocks are prefetched while the first rows do.
-// Measured on the 2-core AVX2 bench machine, the default model's products of a decode step (30 layers and the
-// lm_head, weights from memory): 32 rows 1.2-1.3x the tiles in float32 and bfloat16, 1.1x at 64; behind them at
-// 512 rows (MKL's packed kernel runs nearer the peak there), so it is one more route that choices.py measures.
+// Ahead of the tiles for a few dozen rows and behind them for hundreds (MKL's packed kernel runs nearer the peak
+// there: docs/performance.md), so it is one more route that choices.py measures.
 constexpr int kBlockRows = 3, kBlockWeights = 4;
-constexpr int64_t kBlocksAhead = 2;          // weight blocks prefetched ahead (1-8 measured alike, 0 about 10% slower)
+constexpr int64_t kBlocksAhead = 2;          // weight blocks prefetched ahead (none was slower: docs/performance.md)
 constexpr int64_t kRowRangeBytes = 256 * 1024;  // rows (float32) that pass one weight block: within a core's L2
 
 inline __m128 horizontal_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {  // [sum a0, sum a1, sum a2, sum a3]
@@ -95,10 +94,9 @@ inline void block_dots(const float* x, const W* w, int64_t ld, int64_t len, floa
 
 // The same blocks with AVX-512 (`wide`, where the CPU has avx512f: choices.py offers it as its own route): 16
 // lanes a vector and 32 registers, so blocks of 4 rows by 4 weight rows (16 accumulators, 4 rows, a weight vector).
-// The kernels are built for AVX2 on every x86 CPU; these functions and the prompt attention's softmax below carry
-// the AVX-512 target and run only where `wide` was asked for and the CPU was checked. On the AMX bench machine
-// (AVX-512) the AVX2 blocks ran a 32-row decode step's products at 128 GFLOP/s, near what AVX2 allows on its two
-// cores.
+// The kernels are built for AVX2 on every x86 CPU; these functions and the attention's softmax (softmax.cpp) carry
+// the AVX-512 target and run only where `wide` was asked for and the CPU was checked: the AVX2 blocks run near what
+// AVX2 allows, so more lanes are what is left (docs/performance.md).
 constexpr int kWideRows = 4;
 
 #define DECODEKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -149,9 +147,8 @@ struct WideDots {
 
 // Rows [M, len] by NR weight rows (both of row stride ld), into out[:, 0:NR] (row stride ldo; added to it with
 // `add`): Dots::kRows rows at a time, then the rest. The bytes [next, end) (part of a weight block ahead) are
-// prefetched along the way, a share before each block of rows: issued all by the first block, a 32-row product of
-// weights read from memory ran at 138 GFLOP/s against 187 in cache on the AVX512-BF16 EPYC (more prefetches at once
-// than a core keeps in flight).
+// prefetched along the way, a share before each block of rows: issued all by the first block, they were more than a
+// core keeps in flight, and products of weights read from memory fell well behind the same in cache.
 template <typename Dots, int NR, typename W>
 void rows_by_weights(const float* x, int64_t M, const W* w, int64_t ld, int64_t len, float* out, int64_t ldo,
                      bool add, const char* next, const char* end) {
@@ -175,10 +172,9 @@ void rows_by_weights(const float* x, int64_t M, const W* w, int64_t ld, int64_t 
 
 // A block's columns are taken in panels of at most kPanelColumns. Whole, a long row did not fit the core's L1 with its
 // block: at K = 1,536 (the default model's down projection) the weight block (4 rows, 24 KB as float32) and a block
-// of rows (18 KB) were more than a 32 KB L1, and the prefetched blocks ahead pushed both out. Measured on the
-// AVX512-BF16 EPYC, 30 layers' weights read from memory, GFLOP/s: that product at 32 rows 114 -> 157-164 in
-// panels (the AVX-512 blocks 108 -> 125), at 128 and 512 rows 153-158 -> 176-183; products of K = 576 alike
-// whether split in two or not, so rows up to kPanelColumns stay whole.
+// of rows (18 KB) were more than a 32 KB L1, and the prefetched blocks ahead pushed both out. In panels those
+// products ran faster at every row count, and products of K = 576 alike whether split in two or not, so rows up to
+// kPanelColumns stay whole (docs/performance.md).
 constexpr int64_t kPanelColumns = 768;
 
 // The columns of one pass: K in equal panels of at most kPanelColumns (multiples of `lanes`), or whole.
@@ -192,10 +188,9 @@ inline int64_t panel_width(int64_t K, int64_t lanes) {
 // taken in panels (panel_width).
 // With AVX2, a bfloat16 weight block that kWidenFromRows rows or more pass is widened to float32 once, into a
 // buffer that stays in L1, rather than in registers by every block of rows: converted in registers, the AVX2 blocks
-// ran a bf16 weight at 0.90-0.93x float32's speed at 128-512 rows on the AVX512-BF16 EPYC, which kept a bf16
-// prefill behind float32's on AVX2; widened, 0.96-0.99x. Fewer rows (a decode step's 32) read the weight faster
-// as bf16 (1.08x float32 converted in registers, 1.00-1.04x widened), and so did the AVX-512 blocks at every row
-// count (1.03-1.18x in registers, 0.94-0.96x widened): those keep converting in registers.
+// kept a bf16 prefill behind float32's; widened, nearly level. Fewer rows (a decode step's 32) read the weight
+// faster as bf16 converted in registers, and so did the AVX-512 blocks at every row count: those keep converting in
+// registers (docs/performance.md).
 constexpr int64_t kWidenFromRows = 64;
 
 template <typename Dots, typename W>
@@ -262,7 +257,7 @@ void tiled_product_as(const at::Tensor& x, const W* w, const float* scales, int6
                       bool interleaved = false, bool blocks = false, bool wide = false) {
   const int64_t K = x.size(1);
   // Tiles of about kTileBytes as float32, as many as a multiple of the threads so that each gets the same rows:
-  // narrower tiles made thin products that ran at 0.7x the float32 matmul.
+  // narrower tiles made thin products well below the float32 matmul's speed.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t tiles = (N + std::max<int64_t>(16, kTileBytes / (4 * K)) - 1) / std::max<int64_t>(16, kTileBytes / (4 * K));
   tiles = (tiles + threads - 1) / threads * threads;

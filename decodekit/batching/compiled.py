@@ -124,6 +124,7 @@ class CompiledDecode:
         self.graphs = keys.device.type == "cuda" and replays_graphs(self.options)
         self.steps = 0  # decode steps this manager ran compiled (warm-up's included)
         self.host = kernels.StepHost.of(model)
+        self._key: tuple | None = None
         self._kept: KeptRows | None = None  # the previous step's rows on the device (_rows_state)
         self.scratch = cache.allocator.allocate(1)[0]  # where padding rows write; never read by a real row
         model.rotary.ensure(max_length, model.device, model.dtype)  # the compiled code cannot grow it
@@ -147,16 +148,12 @@ class CompiledDecode:
         """What decides this manager's compiled code: its step is kept by the model's StepHost under it, so a later
         manager with a cache of the same shape (another generate_batch call, say) reuses what an earlier one
         compiled. The step's guards check its arguments only (core.compile.argument_guards_only), so the pools'
-        shape is part of the key."""
-        pool = self.cache.keys[0]
-        return (
-            self.cache.block_size,
-            tuple(pool.shape),
-            pool.dtype,
-            pool.device,
-            self.route,
-            repr(sorted(self.options.items())),
-        )
+        shape is part of the key. Made once per route (every step asks for it)."""
+        if self._key is None or self._key[4] != self.route:
+            pool = self.cache.keys[0]
+            options = repr(sorted(self.options.items()))
+            self._key = (self.cache.block_size, tuple(pool.shape), pool.dtype, pool.device, self.route, options)
+        return self._key
 
     @property
     def broken(self) -> str | None:

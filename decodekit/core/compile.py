@@ -206,11 +206,15 @@ class FusedStep:
 
     def __call__(self, *args):
         """One step. Replayed as a CUDA graph, its outputs live in the graph's memory, which the next replay
-        overwrites: the loop keeps them (tokens, flags) or passes them back in, so they are copied out."""
+        overwrites: the loop keeps them (tokens, flags) or passes them back in, so they are copied out. After the
+        first that returns, `compiled_once`: a later failure is not the compiler's (StepHost.failed)."""
         if not self.graphs:
-            return self.step(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return _copied(self.step(*args))
+            out = self.step(*args)
+        else:
+            torch.compiler.cudagraph_mark_step_begin()
+            out = _copied(self.step(*args))
+        self.compiled_once = True
+        return out
 
 
 def _copied(outputs):

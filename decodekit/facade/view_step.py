@@ -182,7 +182,6 @@ class ViewCompile:
                 key = (rows, capacity, self.options_key, self.session.key)
                 self.host.failed("method decode", key, error, what, redo=step.compiles and not step.compiled_once)
                 return None
-            step.compiled_once = True
             step.mirror.written(cache, past)
         self.stepped = True
         return logits

@@ -482,7 +482,6 @@ class FusedBeams(FusedLoop):
                 *lengths,
                 eos_ids,
             )
-            fused.compiled_once = True
             searching.append(go)
             if scores_out is not None:
                 scores_out.append(logp.clone())

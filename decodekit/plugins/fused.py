@@ -170,7 +170,6 @@ class FusedTokens(FusedLoop):
             nxt, unfinished, scores = fused(
                 nxt[:, None], positions, slots, mask, eos_block, noise_key, unfinished, pad, eos_ids
             )
-            fused.compiled_once = True
             generated.append(nxt)
             alive.append(unfinished)
             if scores_out is not None:

@@ -5,6 +5,9 @@ Repos live in memory as a list of commits per repo id; tests add commits and the
   GET  /api/models/{repo}/tree/{rev}[/{path}]        the file tree (recursive)
   HEAD /{repo}/resolve/{rev}/{path}                  file metadata (commit, etag, size)
   GET  /{repo}/resolve/{rev}/{path}                  file content
+  GET  /api/models?filter=&search=&sort=&limit=       the listing: repos whose README's front matter has the tag
+                                                     (filter), whose id holds `search`, by `sort` (downloads,
+                                                     likes, lastModified: from `stats`), most first
 Every request is recorded, so tests can assert that a cached download made none.
 """
 
@@ -16,13 +19,20 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 
 class HubRepos:
     def __init__(self) -> None:
         self.commits: dict[str, list[tuple[str, dict[str, bytes]]]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.stats: dict[str, dict] = {}  # repo id -> downloads, likes, lastModified (ISO), as the listing gives them
+
+    def tags(self, repo_id: str) -> list[str]:
+        """The tags of the newest commit's README front matter (`tags:` as a YAML list of `- name` lines)."""
+        readme = self.commits[repo_id][-1][1].get("README.md", b"").decode()
+        front = re.match(r"---\n(.*?)\n---", readme, re.S)
+        return re.findall(r"^\s*-\s*(\S+)", front.group(1), re.M) if front else []
 
     def push(self, repo_id: str, files: dict[str, bytes]) -> str:
         """Adds a commit holding exactly `files`; returns its sha."""
@@ -74,8 +84,11 @@ def _handler(repos: HubRepos):
             self.do_GET()
 
         def do_GET(self):
-            path = unquote(urlparse(self.path).path)
+            url = urlparse(self.path)
+            path = unquote(url.path)
             repos.requests.append((self.command, path))
+            if path == "/api/models":
+                return self._listing(parse_qs(url.query))
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
             if m:
                 return self._info(m.group(1), m.group(2) or "main")
@@ -86,6 +99,27 @@ def _handler(repos: HubRepos):
             if m:
                 return self._file(m.group(1), m.group(2), m.group(3))
             self._send(404, b"not found", error="EntryNotFound")
+
+        def _listing(self, query):
+            wanted, words = query.get("filter", []), (query.get("search") or [""])[0].lower()
+            sort = (query.get("sort") or ["downloads"])[0]
+            found = [r for r in repos.commits if set(wanted) <= set(repos.tags(r)) and words in r.lower()]
+            found.sort(key=lambda r: repos.stats.get(r, {}).get(sort) or 0, reverse=True)
+            limit = int((query.get("limit") or [len(found)])[0])
+            self._json(
+                [
+                    {
+                        "id": r,
+                        "modelId": r,
+                        "private": False,
+                        "tags": repos.tags(r),
+                        "downloads": repos.stats.get(r, {}).get("downloads", 0),
+                        "likes": repos.stats.get(r, {}).get("likes", 0),
+                        "lastModified": repos.stats.get(r, {}).get("lastModified", "2026-01-01T00:00:00.000Z"),
+                    }
+                    for r in found[:limit]
+                ]
+            )
 
         def _commit(self, repo_id, revision):
             if repo_id not in repos.commits:

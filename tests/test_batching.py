@@ -1100,3 +1100,22 @@ def test_one_way_to_choose_groups_of_one_beside_the_shared_pass(model):
     back.add("ids", torch.tensor([[3, 2**40]]))
     back.add("flags", torch.tensor([True, False]))
     assert back.read() == {"ids": [3.0, float(2**40)], "flags": [1.0, 0.0]}
+
+
+def test_work_between_steps_runs_in_the_thread_that_steps(model):
+    # between_steps: what `decodekit serve` scores for echo runs where the steps run, between two of them; at once
+    # where no thread steps; its error reaches the caller; once the manager stops, nothing runs.
+    manager = model.init_continuous_batching(block_size=4)
+    here = threading.get_ident()
+    assert manager.between_steps(threading.get_ident).result(timeout=0) == here
+    manager.start()
+    try:
+        rid = manager.add_request([5, 6, 7], max_new_tokens=6)
+        assert manager.between_steps(threading.get_ident).result(timeout=PATIENCE) == manager._thread.ident != here
+        with pytest.raises(ZeroDivisionError):
+            manager.between_steps(lambda: 1 / 0).result(timeout=PATIENCE)
+        assert manager.get_result(rid, timeout=PATIENCE).sequences == alone(model, [5, 6, 7], max_new_tokens=6)
+    finally:
+        manager.stop(timeout=PATIENCE)
+    with pytest.raises(RuntimeError, match="the batching manager is stopping"):
+        manager.between_steps(threading.get_ident).result(timeout=0)

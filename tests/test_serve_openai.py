@@ -485,3 +485,67 @@ def test_every_response_model_validates_against_openais_own_types(chat):
         validated(ChatCompletion, data)
     for data in (piece, last, streamed_call):
         validated(ChatCompletionChunk, data)
+
+
+def prefix_logprobs(model, ids: list[int]) -> list[float]:
+    """Each token's logprob after the first, each from a forward over its own prefix alone (not the echo's code)."""
+    out = []
+    with torch.inference_mode():
+        for i in range(1, len(ids)):
+            logits = model(torch.tensor([ids[:i]]), use_cache=False).logits[0, -1].float()
+            out.append(float(torch.log_softmax(logits, -1)[ids[i]]))
+    return out
+
+
+def test_echo_returns_the_prompts_logprobs_with_nothing_generated(client, default_model):
+    # What evaluation harnesses ask for a loglikelihood: echo, logprobs, max_tokens 0 (OpenAI's legacy completions).
+    model, tok = default_model
+    prompt = "The capital of France is Paris"
+    ids = tok.encode(prompt)
+    reply = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = reply.choices[0]
+    assert choice.text == tok.decode(ids) and reply.usage.completion_tokens == 0
+    assert reply.usage.prompt_tokens == len(ids)
+    got = choice.logprobs
+    assert got.tokens == [tok.decode([t]) for t in ids]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx(prefix_logprobs(model, ids), abs=2e-4)
+    assert got.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    for value, top in zip(got.token_logprobs[1:], got.top_logprobs[1:]):
+        assert len(top) == 2 and max(top.values()) >= value - 1e-6
+    assert " Paris" in got.tokens and got.top_logprobs[got.tokens.index(" Paris")].get(" Paris") is not None
+
+
+def test_echo_puts_the_prompt_before_a_generated_completion(client, default_model):
+    _, tok = default_model
+    ids = tok.encode("The capital of France is")
+    plain = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=1)
+    echo = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    prompt_text = tok.decode(ids)
+    assert echo.choices[0].text == prompt_text + plain.choices[0].text
+    logprobs = echo.choices[0].logprobs
+    assert logprobs.tokens[len(ids) :] == plain.choices[0].logprobs.tokens
+    assert logprobs.token_logprobs[len(ids) :] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert logprobs.text_offset[len(ids)] == len(prompt_text)
+    text_only = client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert text_only.choices[0].text.startswith(prompt_text) and text_only.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("continuation", [" Paris", " banana"])
+def test_echo_answers_a_loglikelihood_as_evaluation_harnesses_read_it(client, default_model, continuation):
+    # lm-evaluation-harness's local-completions: the prompt is context + continuation as token ids, max_tokens 1,
+    # echo, logprobs 1; the continuation's logprobs are token_logprobs[len(context):-1], and it is greedy where each
+    # of its tokens is its position's most likely.
+    model, tok = default_model
+    context = tok.encode("The capital of France is")
+    whole = context + tok.encode(continuation)
+    reply = client.completions.create(model=NAME, prompt=whole, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    got = reply.choices[0].logprobs
+    values, tops = got.token_logprobs[len(context) : -1], got.top_logprobs[len(context) : -1]
+    expected = prefix_logprobs(model, whole)[len(context) - 1 :]
+    assert values == pytest.approx(expected, abs=2e-4) and len(values) == len(whole) - len(context)
+    with torch.inference_mode():
+        logits = model(torch.tensor([whole]), use_cache=False).logits[0, len(context) - 1 : -1]
+    greedy = bool((logits.argmax(-1) == torch.tensor(whole[len(context) :])).all())
+    assert all(v == max(top.values()) for v, top in zip(values, tops)) == greedy
+    assert greedy == (continuation == " Paris")  # the model's answer is greedy, the other is not

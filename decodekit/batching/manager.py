@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 import torch
@@ -140,6 +141,17 @@ def check_sizes(max_queue_size, block_size, max_batch_tokens, max_running, min_p
         raise ValueError(f"paged_attention={paged_attention!r} is invalid; expected one of {', '.join(ATTENTION)}.")
 
 
+def _settle(done: Future, work: Callable[[], Any], stopping: bool) -> None:
+    """`done` given work()'s result or exception (a RuntimeError where the manager is stopping: nothing runs)."""
+    if stopping:
+        done.set_exception(RuntimeError("the batching manager is stopping"))
+        return
+    try:
+        done.set_result(work())
+    except BaseException as error:  # the caller's work: its Future holds what it raised
+        done.set_exception(error)
+
+
 class ContinuousBatchingManager:
     """Schedules requests over one model; its steps run in run() or, after start(), in a background thread.
 
@@ -190,6 +202,7 @@ class ContinuousBatchingManager:
         self._compile_later: tuple[Callable[[], bool], Callable | None] | None = None
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
+        self._between: list[tuple[Callable[[], Any], Future]] = []  # work for the stepping thread (between_steps)
         self._cancels: set[str] = set()
         self._discard: set[str] = set()  # cancelled by a client that went away: nobody collects the result
         self.counts = {s.value: 0 for s in DONE}  # requests ended, by status
@@ -239,6 +252,9 @@ class ContinuousBatchingManager:
                 logger.exception("continuous batching stopped on an error")
             with self._cv:
                 incoming, self._incoming = self._incoming, []
+                between, self._between = self._between, []
+            for work, done in between:
+                _settle(done, work, stopping=True)
             for request in [*self.scheduler.running, *self.scheduler.waiting, *incoming]:
                 if interrupted:
                     self._end(request, RequestStatus.CANCELLED)
@@ -253,6 +269,20 @@ class ContinuousBatchingManager:
     def _on_sigint(self, signum, frame):
         self._interrupted = True  # so the KeyboardInterrupt below is not taken for a request's own
         raise KeyboardInterrupt
+
+    def between_steps(self, work: Callable[[], Any]) -> Future:
+        """Runs `work()` in the thread that runs the steps, between two of them (at once in the caller's thread where
+        no thread runs them), and returns a Future of its result: work on the model that must not run beside a step
+        (OpenMP's thread pools are the stepping thread's; a second thread's parallel regions would slow both), such
+        as a prompt's logprobs for `decodekit serve`'s echo."""
+        done: Future = Future()
+        with self._cv:
+            if self.is_running() and not self._stopping:
+                self._between.append((work, done))
+                self._cv.notify_all()
+                return done
+        _settle(done, work, self._stopping)
+        return done
 
     def is_running(self) -> bool:
         return self._owner is not None or (self._thread is not None and self._thread.is_alive())
@@ -447,7 +477,7 @@ class ContinuousBatchingManager:
     # ---- the steps ----
     def _loop_once(self) -> bool:
         with self._cv:
-            while not self._stopping and not self._incoming and not self._cancels and self.scheduler.idle:
+            while not (self._stopping or self._incoming or self._cancels or self._between) and self.scheduler.idle:
                 if self._until_idle:
                     return False
                 if self._compile_later is not None:
@@ -455,7 +485,10 @@ class ContinuousBatchingManager:
                 self._cv.wait(0.5)
             incoming, self._incoming = self._incoming, []
             cancels, self._cancels = self._cancels, set()
+            between, self._between = self._between, []
             stopping = self._stopping
+        for work, done in between:
+            _settle(done, work, stopping)
         if self._compile_later is not None and not stopping:
             if not self._compile_due() and not incoming and not cancels and self.scheduler.idle:
                 with self._cv:

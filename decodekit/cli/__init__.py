@@ -10,6 +10,7 @@ import sys
 
 from .arguments import CLIError, cli_names
 from .commands import cmd_completion, cmd_new
+from .discover import cmd_info, cmd_search
 from .config_file import with_config
 from .parser import build_parser
 from .terminal import interrupt_deferred, stopped
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace:
             os.environ["DECODEKIT_TRACE"] = "1"  # read when the plugin manager is made, after this
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-        if args.func not in (cmd_new, cmd_completion):  # the others load models or list plugins: torch, tokenizers...
+        if args.func not in (cmd_new, cmd_completion, cmd_search, cmd_info):  # the others load torch, tokenizers...
             with interrupt_deferred():
                 from .. import loading  # noqa: F401
         return args.func(args)

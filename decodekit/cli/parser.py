@@ -8,6 +8,7 @@ from .. import __version__
 from ..templates import TEMPLATES
 from .arguments import LLAMACPP_FLAGS
 from .commands import cmd_batch, cmd_chat, cmd_check, cmd_completion, cmd_download, cmd_generate, cmd_list, cmd_new
+from .discover import cmd_info, cmd_search
 from .serving import cmd_serve
 
 
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = _add_generate(sub, verbose)
     chat = _add_chat(sub, verbose)
     _add_list(sub, verbose)
+    _add_search(sub, verbose)
+    _add_info(sub, verbose)
     _add_new(sub, verbose)
     _add_check(sub, verbose)
     _add_download(sub, verbose)
@@ -153,6 +156,43 @@ def _add_list(sub, verbose) -> argparse.ArgumentParser:
     )
     lst.set_defaults(func=cmd_list)
     return lst
+
+
+def _add_search(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit search`."""
+    search = sub.add_parser(
+        "search",
+        parents=[verbose],
+        help="find custom_generate methods on the Hub",
+        description="List Hub repositories tagged custom_generate (matching QUERY where given), with their last "
+        "change, downloads, likes and their card's one-line summary. `decodekit info REPO` shows one before you "
+        "trust it.",
+    )
+    search.add_argument("query", nargs="?", help="words a repository's name must match")
+    search.add_argument(
+        "--sort", choices=["downloads", "likes", "updated"], default="downloads", help="the order (default: downloads)"
+    )
+    search.add_argument("--limit", type=_positive_int, default=20, help="at most this many (default: 20)")
+    search.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    search.set_defaults(func=cmd_search)
+    return search
+
+
+def _add_info(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit info`."""
+    info = sub.add_parser(
+        "info",
+        parents=[verbose],
+        help="show what a method is before trusting it",
+        description="Without running any of its code: whether the method is hooks or a whole loop and the arguments "
+        "it declares, its requirements and whether each is met here, every file with its size and sha256, the "
+        "revision a pin holds, its card's summary, and the command that runs it pinned.",
+    )
+    info.add_argument("method", metavar="REPO_OR_DIR", help="a Hub repo id (org/name) or a local directory")
+    info.add_argument("--revision", help="a Hub branch, tag or commit (default: main)")
+    info.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    info.set_defaults(func=cmd_info)
+    return info
 
 
 def _add_new(sub, verbose) -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ class HubUnreachable(OSError):
     """A Hub repo could not be fetched: no network, or offline mode without a cached copy."""
 
 
-def _unreachable(error: BaseException) -> bool:
+def unreachable(error: BaseException) -> bool:
+    """Whether `error` says the Hub could not be reached (no network, offline mode without a cached copy)."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if isinstance(error, LocalEntryNotFoundError):
@@ -40,7 +41,7 @@ def hub_download(repo_id: str, what: str = "model", downloading: bool = False):
     try:
         yield
     except Exception as error:
-        if not _unreachable(error):
+        if not unreachable(error):
             raise
         flag = "--method " if what == "method" else ""
         local = "a local directory" if what == "method" else "a local directory (or .gguf file)"

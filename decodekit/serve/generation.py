@@ -25,18 +25,10 @@ from .protocol import (
     chat_messages,
     completion_prompt,
 )
-from .responses import Answers, Usage
+from .echo import PromptScores, echoed, score_prompt
+from .responses import Answers, Usage, finite
 from .served import Served, error_response, tokens_within
 from .tools import ToolPlan, messages_with_tools, plan_tools
-
-
-# What a masked token's logprob reads as (OpenAI's floor): JSON has no -Infinity, and a browser's JSON.parse refuses it.
-MASKED_LOGPROB = -9999.0
-
-
-def finite(logprob: float) -> float:
-    """`logprob`, or the floor for a token a constraint or warper masked (-inf, or NaN: the comparison is false)."""
-    return logprob if logprob >= MASKED_LOGPROB else MASKED_LOGPROB
 
 
 def continued_chat_ids(tokenizer, messages: list[dict], body, template: dict | None = None) -> list[int]:
@@ -136,6 +128,9 @@ class Job:
         self.answers = Answers(self.chat, self.id, self.created, self.model)
         self.outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         self.prompt_ids: list[int] = []
+        self.echo = bool(getattr(body, "echo", False))
+        self.generates = getattr(body, "generates", True)
+        self.prompt_scores: PromptScores | None = None  # with echo and logprobs: the prompt's (echo.score_prompt)
 
     async def add(self, prompt_of) -> None:
         """The prompt's ids and add_request, in a worker thread: tokenizing a long prompt and the method's own
@@ -149,6 +144,10 @@ class Job:
             try:
                 self.prompt_ids = prompt_of()
                 self.eos = self.end_tokens()  # before add_request: its listener may be called at once
+                if self.echo and self.logprobs:
+                    self.prompt_scores = self.score_prompt()
+                if not self.generates:
+                    return None
                 self.manager.add_request(
                     self.prompt_ids, request_id=self.id, streaming=self.stream, listener=listener, **self.fields
                 )
@@ -179,6 +178,18 @@ class Job:
         error = await run_in_threadpool(add)
         if error is not None:
             raise error
+
+    def score_prompt(self) -> PromptScores:
+        """The prompt's logprobs for echo, computed between two of the batch's steps (ValueError for a prompt the
+        model's context cannot hold)."""
+        context = getattr(self.manager.model.config, "max_position_embeddings", None)
+        if context is not None and len(self.prompt_ids) > context:
+            raise ValueError(
+                f"The prompt has {len(self.prompt_ids)} tokens, past the model's context of {context} positions: "
+                "shorten it."
+            )
+        top = self.fields["top_logprobs"]
+        return self.manager.between_steps(lambda: score_prompt(self.manager.model, self.prompt_ids, top)).result()
 
     def end_tokens(self) -> set[int]:
         """The tokens that end a row: the request's eos_token_id (an id or a list of ids, as generate() takes it),
@@ -228,10 +239,19 @@ class Job:
             len(word(output.generated_tokens[:start])) if start else 0,
         )
 
+    def scored_only(self):
+        """The answer of an echo request of max_tokens 0: the prompt and its logprobs, nothing generated."""
+        text, logprobs = echoed(self.tokenizer, self.prompt_ids, self.prompt_scores, "", None)
+        choice = self.answers.choice(0, text, "length", logprobs, delta=False)
+        usage = Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=0, total_tokens=len(self.prompt_ids))
+        return self.answers.whole([choice], usage)
+
     def choice(self, index: int, text: str, reason: str | None, output: GenerationOutput, delta: bool, start: int = 0):
         logprobs = None
         if self.logprobs and output.logprobs is not None:
             logprobs = self.logprobs_of(output, start)
+        if self.echo:  # never streamed (protocol refuses it): the whole text and logprobs
+            text, logprobs = echoed(self.tokenizer, self.prompt_ids, self.prompt_scores, text, logprobs)
         calls = None
         if self.plan is not None and reason is not None:  # the whole text: its tool calls, if any, are parsed
             content, calls = self.plan.tool_calls(text)
@@ -242,6 +262,8 @@ class Job:
 
     # ---- answers ----
     async def respond(self, request: Request):
+        if not self.generates:
+            return JSONResponse(self.scored_only().out())
         if self.stream:
             return StreamingResponse(self.events(), media_type="text/event-stream")
         output = await self.final(request)

@@ -226,13 +226,38 @@ class GenerationRequest(SamplerFields):
 
 
 class CompletionRequest(GenerationRequest):
-    """/v1/completions: a prompt (text or token ids); logprobs is the number of alternatives shown (0..5)."""
+    """/v1/completions: a prompt (text or token ids); logprobs is the number of alternatives shown (0..5); echo puts
+    the prompt before the completion, with its tokens' logprobs where logprobs is given (the first token's null, as
+    OpenAI's legacy completions gave them), and with echo max_tokens may be 0: the prompt scored, nothing generated
+    (what evaluation harnesses ask for a loglikelihood)."""
 
     prompt: Any = None
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)
 
     def logprob_fields(self) -> dict[str, Any]:
         return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
+
+    @property
+    def generates(self) -> bool:
+        """Whether anything is generated (max_tokens=0 with echo: the prompt's logprobs only)."""
+        return not (self.echo and self.max_tokens == 0)
+
+    def to_fields(
+        self, settings: ServerSettings, plugins: set[str], vocab: int, eos: list[int], default_max_tokens: int
+    ) -> dict[str, Any]:
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest(
+                "max_tokens=0 is served with echo=true (the prompt's logprobs, nothing generated); expected an "
+                "integer >= 1 or echo=true.",
+                "max_tokens",
+            )
+        if self.echo and self.stream:
+            raise BadRequest("echo=true is served without stream; leave one of them out.", "echo")
+        if not self.generates:  # the fields are checked as a one-token request's: nothing runs them
+            return self.model_copy(update={"max_tokens": 1}).to_fields(settings, plugins, vocab, eos, 1)
+        return super().to_fields(settings, plugins, vocab, eos, default_max_tokens)
 
 
 class ChatCompletionRequest(GenerationRequest):

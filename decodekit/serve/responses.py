@@ -9,6 +9,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+# What a masked token's logprob reads as (OpenAI's floor): JSON has no -Infinity, and a browser's JSON.parse refuses it.
+MASKED_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """`logprob`, or the floor for a token a constraint or warper masked (-inf, or NaN: the comparison is false)."""
+    return logprob if logprob >= MASKED_LOGPROB else MASKED_LOGPROB
+
 
 class Shape(BaseModel):
     def out(self) -> dict[str, Any]:
@@ -38,9 +46,9 @@ class ChatLogprobs(Shape):
 
 class CompletionLogprobs(Shape):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing comes before
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
 
 
 class ToolFunction(Shape):

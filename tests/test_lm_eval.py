@@ -87,3 +87,40 @@ def test_a_local_task_gives_the_same_accuracy_as_lm_evals_hf_model(both, tmp_pat
     for a, b in zip(mine, reference):
         for (value, greedy), (want, want_greedy) in zip((x[0] for x in a["resps"]), (x[0] for x in b["resps"])):
             assert float(value) == pytest.approx(float(want), abs=1e-4) and bool(greedy) == bool(want_greedy)
+
+
+def test_lm_evals_own_api_client_against_decodekit_serve_gives_the_same_loglikelihoods(both, tmp_path):
+    # lm-eval's local-completions model (its client for OpenAI-style servers) asks decodekit serve for echo logprobs
+    # (token ids, echo, logprobs 1, max_tokens 1) and must get what DecodekitLM computes in process.
+    pytest.importorskip("fastapi", reason="decodekit serve needs decodekit[serve]")
+    from transformers import AutoTokenizer as HFTokenizer
+
+    from decodekit.serve import Server, ServerSettings
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    ours, _ = both
+    path = default_model_path()
+    HFTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path / "tokenizer")
+    manager = ours.model.init_continuous_batching(max_cache_bytes=64 * 2**20)
+    server = Server(manager, ours.tokenizer, ServerSettings(model_name="tiny"), port=0).start()
+    manager.start()
+    try:
+        client = LocalCompletionsAPI(
+            model="tiny",
+            base_url=f"{server.url}/v1/completions",
+            tokenizer=str(tmp_path / "tokenizer"),
+            tokenizer_backend="huggingface",
+            num_concurrent=1,
+            max_retries=1,
+        )
+        args = [
+            (f"The capital of {country} is", f" {choice}") for country, choices, _ in CAPITALS[:3] for choice in choices
+        ]
+        remote = client.loglikelihood(requests_of("loglikelihood", args))
+        local = ours.loglikelihood(requests_of("loglikelihood", args))
+    finally:
+        server.stop()
+        manager.stop()
+    for (value, greedy), (want, want_greedy), pair in zip(remote, local, args):
+        assert value == pytest.approx(want, abs=1e-4), pair
+        assert greedy == want_greedy, pair

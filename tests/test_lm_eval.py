@@ -124,3 +124,53 @@ def test_lm_evals_own_api_client_against_decodekit_serve_gives_the_same_loglikel
     for (value, greedy), (want, want_greedy), pair in zip(remote, local, args):
         assert value == pytest.approx(want, abs=1e-4), pair
         assert greedy == want_greedy, pair
+
+
+def local_tasks(folder) -> str:
+    """A multiple-choice task and a generation task over one local JSONL file, as lm-eval task YAML."""
+    data = folder / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"country": c, "choices": ch, "answer": a}) + "\n" for c, ch, a in CAPITALS))
+    source = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (folder / "capitals.yaml").write_text(
+        f"task: capitals\n{source}output_type: multiple_choice\n"
+        'doc_to_text: "The capital of {{country}} is"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        'target_delimiter: " "\nmetric_list:\n  - metric: acc\n'
+    )
+    (folder / "capitals_gen.yaml").write_text(
+        f"task: capitals_gen\n{source}output_type: generate_until\n"
+        'doc_to_text: "The capital of {{country}} is"\ndoc_to_target: "{{choices[answer]}}"\n'
+        'generation_kwargs:\n  until: [".", "\\n"]\n  max_gen_toks: 6\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "    ignore_case: true\n    ignore_punctuation: true\n"
+        'filter_list:\n  - name: first_word\n    filter:\n      - function: regex\n        regex_pattern: "(\\\\w+)"\n'
+        "      - function: take_first\n"
+    )
+    return str(folder)
+
+
+def test_decodekit_eval_compares_methods_in_one_table(tmp_path, capsys, monkeypatch):
+    from decodekit.cli import main
+    from methods import RECENT_TOKENS_BAN, write_method
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = local_tasks(tmp_path)
+    method = write_method(tmp_path / "ban", RECENT_TOKENS_BAN)
+    out = tmp_path / "out"
+    argv = ["eval", str(default_model_path()), "--tasks", "capitals,capitals_gen", "--include-path", tasks]
+    argv += ["--dtype", "float32", "--compare", f"greedy,{method}", "--arg", "ban_recent=true"]
+    assert main([*argv, "--trust-remote-code", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((out / "comparison.json").read_text())
+    assert {(r["task"], r["method"]) for r in rows} == {
+        (t, m) for t in ("capitals", "capitals_gen") for m in ("greedy", str(method))
+    }
+    generation = {r["method"]: r for r in rows if r["task"] == "capitals_gen"}
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mean_new_tokens"] <= 6 for r in generation.values())
+    choice = {r["method"]: r["value"] for r in rows if r["task"] == "capitals"}
+    assert choice["greedy"] == choice[str(method)]  # a loglikelihood is the model's own, whatever the method
+    assert "capitals_gen" in printed and "exact_match" in printed and "±" in printed
+    assert all(r["tokens_per_s"] is None for r in rows if r["task"] == "capitals")  # nothing generated there
+    assert (out / "results-capitals-greedy.json").is_file() and (out / "comparison.svg").read_text().startswith("<svg")
+    import xml.dom.minidom
+
+    xml.dom.minidom.parseString((out / "comparison.svg").read_text())  # a well-formed picture

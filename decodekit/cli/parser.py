@@ -9,6 +9,7 @@ from ..templates import TEMPLATES
 from .arguments import LLAMACPP_FLAGS
 from .commands import cmd_batch, cmd_chat, cmd_check, cmd_completion, cmd_download, cmd_generate, cmd_list, cmd_new
 from .discover import cmd_info, cmd_search
+from .evaluate import cmd_eval
 from .serving import cmd_serve
 
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_list(sub, verbose)
     _add_search(sub, verbose)
     _add_info(sub, verbose)
+    _add_eval(sub, verbose)
     _add_new(sub, verbose)
     _add_check(sub, verbose)
     _add_download(sub, verbose)
@@ -193,6 +195,33 @@ def _add_info(sub, verbose) -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of lines")
     info.set_defaults(func=cmd_info)
     return info
+
+
+def _add_eval(sub, verbose) -> argparse.ArgumentParser:
+    """`decodekit eval`."""
+    ev = sub.add_parser(
+        "eval",
+        parents=[verbose],
+        help="evaluate methods on lm-evaluation-harness tasks and compare them",
+        description="Run lm-evaluation-harness tasks with a method (and each of --compare) on MODEL and print one "
+        "table: per task the metric with its stderr, tokens/s and mean new tokens. Needs decodekit[eval].",
+    )
+    ev.add_argument("model", help="a local directory, a Hub repo id or a .gguf file")
+    ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
+    ev.add_argument("--method", help="the method for generation tasks: a Hub repo or a local directory")
+    ev.add_argument(
+        "--compare",
+        help="more methods on the same tasks, comma-separated: greedy (no method), a Hub repo or a directory",
+    )
+    ev.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="a method or config field")
+    ev.add_argument("--trust-remote-code", action="store_true", help="allow the methods' code to run")
+    ev.add_argument("--compile", action="store_true", help="run the methods' decode steps compiled")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16"], help="the weights' dtype (default: as the files hold)")
+    ev.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files (local tasks)")
+    ev.add_argument("--limit", type=float, help="documents per task (below 1: a fraction)")
+    ev.add_argument("--output", metavar="DIR", help="write lm-eval's results JSON per method and comparison.svg")
+    ev.set_defaults(func=cmd_eval)
+    return ev
 
 
 def _add_new(sub, verbose) -> argparse.ArgumentParser:

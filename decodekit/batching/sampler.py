@@ -10,7 +10,7 @@ built-in greedy or sampling selector, stopping criteria that all declare where t
 strings: decided on the host from the tokens) and no observer; its logprobs come from the same pass. Requests whose
 processors have equal keys (the same classes and settings) have them applied once, to their rows together, and each
 row is raced with the noise its request draws alone (selectors.race_rows), so a request gets the tokens its own step
-(Request.apply) would give. That own step runs every other request, and every request of a pass where a processor
+(own_step) would give. That own step runs every other request, and every request of a pass where a processor
 fails or some row's scores are unusable (NaN, -inf everywhere): the own step then says which processor or weight did
 it. That is the one fallback: whatever the shared pass cannot do, the requests' own steps do.
 """

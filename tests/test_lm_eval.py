@@ -58,11 +58,22 @@ def test_rolling_loglikelihoods_and_greedy_generations_equal_lm_evals(both):
     texts = [("The quick brown fox jumps over the lazy dog. " * 3,), ("Paris is the capital of France.",)]
     rolling = ours.loglikelihood_rolling(requests_of("loglikelihood_rolling", texts))
     assert rolling == pytest.approx(theirs.loglikelihood_rolling(requests_of("loglikelihood_rolling", texts)), abs=1e-3)
-    asks = [("The capital of France is", {"until": ["."], "max_gen_toks": 12, "do_sample": False})]
+    same = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
+    asks = [(f"The capital of {country} is", dict(same)) for country, _, _ in CAPITALS[:3]]
     asks += [("Q: What is 2 + 2?\nA:", {"until": ["\n"], "max_gen_toks": 8, "do_sample": False})]
-    assert ours.generate_until(requests_of("generate_until", asks)) == theirs.generate_until(
-        requests_of("generate_until", asks)
-    )
+    batches = []
+    model_class = type(ours.model)
+    generate_batch = model_class.generate_batch
+
+    def counted(model, prompts, **kw):
+        batches.append(len(prompts))
+        return generate_batch(model, prompts, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_class, "generate_batch", counted)
+        mine = ours.generate_until(requests_of("generate_until", asks))
+    assert mine == theirs.generate_until(requests_of("generate_until", asks))
+    assert batches == [3]  # the three of one setting in one continuous batch, the other alone
 
 
 def test_a_local_task_gives_the_same_accuracy_as_lm_evals_hf_model(both, tmp_path, monkeypatch):

@@ -7,7 +7,8 @@ continuation), no special tokens added, an empty context given the tokenizer's B
 scored from one forward over (context + continuation)[:-1], several requests a forward (padded on the right: a causal
 model's positions never see the padding after them). generate_until runs the method asked for (a Hub, local or
 callable method, a built-in strategy, with its arguments and the trust gate as everywhere else) on each request's
-context with the harness's stop strings and token budget.
+context with the harness's stop strings and token budget, requests of the same settings together through continuous
+batching where the method allows (no method or a hook-only one), one generate() each for a method that owns its loop.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class DecodekitLM(LM):
         bos = getattr(tokenizer, "bos_token_id", None)
         self.prefix_token_id = bos if bos is not None else self.eot_token_id
         self.new_tokens = self.generations = 0  # what generate_until generated: tokens and requests
+        self._batches: bool | None = None  # whether the method lets requests share a batch (_batchable)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DecodekitLM:
@@ -159,30 +161,65 @@ class DecodekitLM(LM):
     # --- generation ---------------------------------------------------------------------------------------------
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for request in requests:
-            context, options = request.args
-            options = dict(options or {})
-            until = options.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            budget = int(options.pop("max_gen_toks", 256))
-            ids = self.tok_encode(context)[-(self.max_length - budget) :]
-            kwargs: dict[str, Any] = {"max_new_tokens": budget, **self.method_args}
-            temperature = options.pop("temperature", None)
-            if options.pop("do_sample", False) or (temperature not in (None, 0, 0.0)):
-                kwargs.update(do_sample=True, temperature=float(temperature or 1.0))
-            if until:
-                kwargs.update(stop_strings=until, tokenizer=self.tokenizer)
-            if self.method is not None:
-                kwargs.update(custom_generate=self.method, trust_remote_code=self.trust_remote_code)
-            if self.compile:
-                kwargs["compile"] = True
+        """Each request's continuation up to its stop strings: requests that share their generation settings run
+        together through continuous batching (generate_batch) where the method lets them (no method, or a hook-only
+        one: the tokens each gets alone), else one generate() each (a method that owns its whole loop)."""
+        asks = [self._generation(request) for request in requests]
+        out: list[str | None] = [None] * len(asks)
+        groups: dict[tuple, list[int]] = {}
+        for i, (ids, kwargs, until) in enumerate(asks):
+            groups.setdefault((tuple(until), repr(sorted(kwargs.items(), key=lambda kv: kv[0]))), []).append(i)
+        for members in groups.values():
+            kwargs, until = asks[members[0]][1], asks[members[0]][2]
+            prompts = [asks[i][0] for i in members]
+            for i, new in zip(members, self._generated(prompts, kwargs)):
+                self.new_tokens += len(new)
+                self.generations += 1
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                cuts = [text.find(stop) for stop in until if stop and stop in text]
+                out[i] = text[: min(cuts)] if cuts else text
+        return out  # type: ignore[return-value]
+
+    def _generation(self, request) -> tuple[list[int], dict, list[str]]:
+        """(prompt ids, generate()'s keyword arguments, stop strings) of one generate_until request."""
+        context, options = request.args
+        options = dict(options or {})
+        until = options.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        budget = int(options.pop("max_gen_toks", 256))
+        ids = self.tok_encode(context)[-(self.max_length - budget) :]
+        kwargs: dict[str, Any] = {"max_new_tokens": budget, **self.method_args}
+        temperature = options.pop("temperature", None)
+        if options.pop("do_sample", False) or (temperature not in (None, 0, 0.0)):
+            kwargs.update(do_sample=True, temperature=float(temperature or 1.0))
+        if until:
+            kwargs["stop_strings"] = until
+        if self.method is not None:
+            kwargs.update(custom_generate=self.method, trust_remote_code=self.trust_remote_code)
+        if self.compile:
+            kwargs["compile"] = True
+        return ids, kwargs, until
+
+    def _generated(self, prompts: list[list[int]], kwargs: dict) -> list[list[int]]:
+        """The new tokens of each prompt, all through generate_batch where they can run together, else one by one."""
+        if len(prompts) > 1 and self._batchable():
+            outputs = self.model.generate_batch(prompts, progress_bar=False, tokenizer=self.tokenizer, **kwargs)
+            results = list(outputs.values())
+            if all(r.error is None for r in results):
+                return [r.generated_tokens for r in results]
+        new = []
+        for ids in prompts:
             prompt = torch.tensor([ids], device=self.model.device)
-            sequence = self.model.generate(prompt, **kwargs)
-            new = sequence[0, len(ids) :].tolist()
-            self.new_tokens += len(new)
-            self.generations += 1
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-            cuts = [text.find(stop) for stop in until if stop and stop in text]
-            out.append(text[: min(cuts)] if cuts else text)
-        return out
+            sequence = self.model.generate(prompt, tokenizer=self.tokenizer, **kwargs)
+            new.append(sequence[0, len(ids) :].tolist())
+        return new
+
+    def _batchable(self) -> bool:
+        """Whether the method lets requests share continuous batching's steps: no method, or a hook-only one."""
+        if self._batches is None:
+            self._batches = self.method is None
+            if isinstance(self.method, str):
+                from ..hub_loader.method import load_method
+
+                self._batches = load_method(self.method, self.trust_remote_code).generate is None
+        return self._batches

@@ -213,3 +213,22 @@ def test_explain_after_a_reply_cut_by_max_tokens_goes_on_with_that_reply(served,
     assert cut + json.loads(text)["chosen"]["text"] == longer["choices"][0]["message"]["content"]
     status, text = call(server, "/playground/step", {**body, "messages": MESSAGES})
     assert status == 400 and "continue_final_message needs the last message to be an assistant's" in text
+
+
+def test_methods_lists_the_cached_ones_with_their_facts_and_search_finds_the_hubs(served, hub, tmp_path):
+    # The playground lists, beside what it serves, the methods of this machine's Hub cache with `decodekit info`'s
+    # facts (not served: the operator chooses what runs), and finds the Hub's through `decodekit search`.
+    server, method = served
+    readme = "---\ntags:\n- custom_generate\n---\nBans one token, as a hook.\n"
+    sha = hub.repos.push_dir("acme/banner", write_method(tmp_path / "banner", HOOK_METHOD, readme=readme))
+    resolve("acme/banner")  # into the test's Hub cache, as a download would put it
+    status, text = call(server, "/playground/methods")
+    entries = {m["name"]: m for m in json.loads(text)["methods"]}
+    cached = entries["acme/banner"]
+    assert cached["kind"] == "cached" and "not among the methods the server was started with" in cached["refused"]
+    assert cached["facts"]["pin"] == sha and cached["facts"]["summary"] == "Bans one token, as a hook."
+    assert cached["facts"]["what"] == "hooks: decodekit_config_fields, decodekit_logits_processors"
+    assert entries[method]["facts"]["pin"] == resolve(method).revision and entries[method]["refused"] is None
+    status, text = call(server, "/playground/search?q=banner")
+    assert status == 200 and [r["id"] for r in json.loads(text)["results"]] == ["acme/banner"]
+    assert json.loads(text)["results"][0]["summary"] == "Bans one token, as a hook."

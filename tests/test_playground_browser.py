@@ -122,3 +122,36 @@ def test_chat_tokens_alternatives_and_a_step_explained_in_the_page(browser, serv
     wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#explanation .chosen-token"))
     chosen = json.loads(find(By.CSS_SELECTOR, "#explanation .chosen-token").text.removeprefix("chosen: "))
     assert reply + chosen == longer["choices"][0]["message"]["content"], (reply, chosen)
+
+
+def test_two_methods_side_by_side_and_a_methods_facts_in_the_page(browser, served):  # noqa: F811
+    server, allowed = served
+    wait = WebDriverWait(browser, 240)
+    find = browser.find_element
+    browser.get(server.url + "/")
+    find(By.ID, "api-key").send_keys(KEY, Keys.TAB)
+    wait.until(lambda b: find(By.ID, "status").text == "ready")
+    Select(find(By.ID, "method")).select_by_value(allowed)
+    facts = find(By.ID, "facts").text
+    assert "hooks: decodekit_config_fields, decodekit_logits_processors" in facts and "pin " in facts
+    Select(find(By.ID, "method")).select_by_value("")
+    find(By.ID, "temperature").send_keys("0")
+    find(By.ID, "max-tokens").clear()
+    find(By.ID, "max-tokens").send_keys("6")
+    find(By.ID, "message").send_keys("What is the capital of France?")
+    Select(find(By.ID, "compare-a")).select_by_value("")
+    Select(find(By.ID, "compare-b")).select_by_value(allowed)
+    find(By.ID, "compare").click()
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#comparison .timing")) == 2)
+    for side, name in (("a", "built-in generate"), ("b", allowed)):
+        timing = find(By.CSS_SELECTOR, f"#compare-out-{side} .timing").text
+        assert timing.startswith(f"{name}: ") and timing.endswith("ms/token"), timing
+        assert browser.find_elements(By.CSS_SELECTOR, f"#compare-out-{side} .token")
+    # With no banned token set, the method's tokens are the built-in's (greedy both).
+    texts = [
+        "".join(
+            t.get_attribute("textContent") for t in browser.find_elements(By.CSS_SELECTOR, f"#compare-out-{s} .token")
+        )
+        for s in "ab"
+    ]
+    assert texts[0] == texts[1] and "Paris" in texts[0]

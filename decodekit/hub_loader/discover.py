@@ -147,9 +147,13 @@ def _resolved(spec: str, revision: str | None):
 def describe_method(spec: str, revision: str | None = None) -> MethodInfo:
     """The facts of the method at `spec` (a Hub repo id, downloaded without its code running, or a local directory)
     and `revision`; nothing of it is imported or run."""
+    return facts_of(_resolved(spec, revision), str(spec))
+
+
+def facts_of(source, spec: str) -> MethodInfo:
+    """The facts of a method source already read into its snapshot (hub_loader.source.MethodSource)."""
     from ..registry.listing import describe_method_file
 
-    source = _resolved(spec, revision)
     method_dir = source.method_dir
     hooks, arguments, description = describe_method_file(method_dir / "generate.py")
     requirements = []
@@ -160,7 +164,7 @@ def describe_method(spec: str, revision: str | None = None) -> MethodInfo:
     readme = source.root / "README.md"
     summary = card_summary(readme.read_text(encoding="utf-8", errors="replace")) if readme.is_file() else ""
     return MethodInfo(
-        spec=str(spec),
+        spec=spec,
         kind=source.kind,
         loop="generate (whole loop)" in hooks,
         hooks=[h for h in hooks if h != "generate (whole loop)"],
@@ -171,3 +175,29 @@ def describe_method(spec: str, revision: str | None = None) -> MethodInfo:
         pin=source.revision,
         summary=summary,
     )
+
+
+def cached_methods() -> list[MethodInfo]:
+    """The facts of every method in this machine's Hub cache (each cached revision of a repo with
+    custom_generate/generate.py), read without running any of it."""
+    try:
+        from huggingface_hub import constants, scan_cache_dir
+
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except Exception:  # no cache yet, or an unreadable one: nothing cached
+        return []
+    from .source import from_directory
+
+    found = []
+    for repo in cache.repos:
+        if repo.repo_type != "model":
+            continue
+        for revision in repo.revisions:
+            root = Path(revision.snapshot_path)
+            if (root / METHOD_DIR / "generate.py").is_file():
+                try:
+                    source = from_directory(root, repo.repo_id, "hub", revision=revision.commit_hash)
+                except (OSError, ValueError):  # a method whose files cannot be read as a whole is not listed
+                    continue
+                found.append(facts_of(source, repo.repo_id))
+    return found

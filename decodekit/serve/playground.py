@@ -2,7 +2,9 @@
 the page reads beside /v1/chat/completions.
 
 GET  /playground/methods  the methods a request may choose (registered plugins, the operator's --method entries),
-                          each with the fields it declares and their defaults.
+                          each with the fields it declares and their defaults, and the methods of the machine's Hub
+                          cache (listed, not served); a method's `facts` are `decodekit info`'s.
+GET  /playground/search   Hub repositories tagged custom_generate (?q= words), as `decodekit search` finds them.
 POST /playground/step     a chat completions body; the next token explained: the model's raw top tokens, what each
                           logits processor of the call changed (its top tokens before and after), the final
                           distribution and the token chosen. A method author sees there what their method does.
@@ -63,8 +65,54 @@ def offered_methods(settings, plugins: set[str], infrastructure: frozenset) -> l
     for name, method in sorted(settings.methods.items()):
         with registered_for_call(method):
             own = dict(call_hooks("decodekit_config_fields")).get(method.plugin_name, {})
-        offered.append({"name": name, "kind": "method", **fillable(own), "refused": None})
+        offered.append(
+            {"name": name, "kind": "method", **fillable(own), "refused": None, "facts": facts(method.source)}
+        )
+    served = {entry["name"] for entry in offered} | {m.source.label for m in settings.methods.values()}
+    for info in cached_methods():  # listed with their facts; run only where the operator allowed them (--method)
+        if info.spec not in served:
+            served.add(info.spec)
+            offered.append(
+                {
+                    "name": info.spec,
+                    "kind": "cached",
+                    "fields": {},
+                    "forms": {},
+                    "refused": NOT_ALLOWED,
+                    "facts": facts_of_info(info),
+                }  # fmt: skip
+            )
     return offered
+
+
+# Why a method of the machine's Hub cache is listed but cannot be chosen.
+NOT_ALLOWED = (
+    "in this machine's Hub cache, not among the methods the server was started with (decodekit serve --method)"
+)
+
+
+def facts(source) -> dict:
+    """`decodekit info`'s facts of a served method's source (hub_loader/discover.py), for the page."""
+    from ..hub_loader.discover import facts_of
+
+    return facts_of_info(facts_of(source, source.label))
+
+
+def facts_of_info(info) -> dict:
+    return {
+        "what": "a whole decoding loop" if info.loop else "hooks: " + (", ".join(info.hooks) or "none"),
+        "arguments": info.arguments,
+        "requirements": [{"requirement": r, "met": met} for r, met in info.requirements],
+        "files": len(info.files),
+        "pin": info.pin,
+        "summary": info.summary or info.description,
+    }
+
+
+def cached_methods() -> list:
+    from ..hub_loader.discover import cached_methods as cached
+
+    return cached()
 
 
 def fillable(fields: dict) -> dict:
@@ -151,6 +199,19 @@ def router(served: Served) -> APIRouter:
         offered = await run_in_threadpool(offered_methods, served.settings, served.plugins(), INFRASTRUCTURE_PLUGINS)
         special = special_token_texts(served.tokenizer)
         return {"model": served.settings.model_name, "methods": offered, "special_tokens": special}
+
+    @routes.get("/playground/search")
+    async def search(request: Request):
+        """Hub repositories tagged custom_generate matching ?q= (decodekit search): found, not served (the server
+        runs only what its operator allowed)."""
+        from ..hub_loader.discover import search_methods
+
+        query = request.query_params.get("q") or None
+        try:
+            found = await run_in_threadpool(search_methods, query, "downloads", 10)
+        except (OSError, ValueError) as error:
+            return served.refused(BadRequest(f"search: {error}", "q", 502, "upstream_error"))
+        return {"results": [vars(item) for item in found]}
 
     @routes.post("/playground/step")
     async def step(request: Request):

@@ -30,8 +30,11 @@ def cmd_eval(args) -> int:
     tasks = [t for t in args.tasks.split(",") if t]
     methods = ([args.method] if args.method else []) + [m for m in (args.compare or "").split(",") if m]
     methods = list(dict.fromkeys(methods or [GREEDY]))
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    from ..loading.default import default_model_path
+
+    path = args.model or default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
     output = Path(args.output) if args.output else None
     rows: dict[tuple[str, str], dict] = {}  # (task, method) -> what that run gave
@@ -91,12 +94,16 @@ def comparison(rows: dict[tuple[str, str], dict], tasks: list[str]) -> list[dict
 
 
 def render(table: list[dict]) -> str:
-    lines = [f"{'task':<20} {'method':<28} {'metric':<12} {'value':>16} {'tokens/s':>9} {'new tokens':>10}"]
+    task = max([len("task"), *(len(r["task"]) for r in table)])
+    method = max([len("method"), *(len(r["method"]) for r in table)])
+    lines = [f"{'task':<{task}}  {'method':<{method}}  {'metric':<12} {'value':>16} {'tokens/s':>9} {'new tokens':>10}"]
     for r in table:
         value = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
         speed = f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-"
         new = f"{r['mean_new_tokens']:.1f}" if r["mean_new_tokens"] else "-"
-        lines.append(f"{r['task']:<20} {r['method'][:28]:<28} {r['metric']:<12} {value:>16} {speed:>9} {new:>10}")
+        lines.append(
+            f"{r['task']:<{task}}  {r['method']:<{method}}  {r['metric']:<12} {value:>16} {speed:>9} {new:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -106,7 +113,8 @@ def picture(table: list[dict]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in table))
     tasks = list(dict.fromkeys(r["task"] for r in table))
     bar, gap, height, left = 28, 24, 220, 40
-    width = left + len(tasks) * (len(methods) * bar + gap) + 220
+    group = max(len(methods) * bar, 7 * max(len(t) for t in tasks)) + gap  # room for the task's name beneath
+    width = left + len(tasks) * group + 220
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 60}" font-family="sans-serif">'
     ]
@@ -116,7 +124,7 @@ def picture(table: list[dict]) -> str:
         parts.append(f'<text x="4" y="{y + 4}" font-size="11">{value:.1f}</text>')
         parts.append(f'<line x1="{left - 4}" y1="{y}" x2="{width - 200}" y2="{y}" stroke="#ddd"/>')
     for t, task in enumerate(tasks):
-        x0 = left + t * (len(methods) * bar + gap)
+        x0 = left + t * group
         parts.append(f'<text x="{x0}" y="{height + 18}" font-size="12">{html.escape(task)}</text>')
         for m, method in enumerate(methods):
             row = next((r for r in table if r["task"] == task and r["method"] == method), None)
@@ -138,5 +146,33 @@ def picture(table: list[dict]) -> str:
             f'<rect x="{width - 190}" y="{y - 10}" width="12" height="12" fill="{colours[m % len(colours)]}"/>'
         )
         parts.append(f'<text x="{width - 172}" y="{y}" font-size="12">{html.escape(method)}</text>')
+    parts.append(speed_panel(table, methods, colours, height, width - 190 + 180))
     parts.append("</svg>")
+    return "\n".join(parts).replace(f'width="{width}"', f'width="{width + 300}"', 1)
+
+
+def speed_panel(table: list[dict], methods: list[str], colours: list[str], height: int, x0: float) -> str:
+    """The metric against tokens/s of each generating task and method: a point each in the method's colour (its task
+    in the point's title)."""
+    points = [r for r in table if r["tokens_per_s"]]
+    if not points:
+        return ""
+    fastest = max(r["tokens_per_s"] for r in points)
+    size = 240
+    parts = [
+        f'<g transform="translate({x0},0)">',
+        f'<line x1="0" y1="{height}" x2="{size}" y2="{height}" stroke="#333"/>',
+        f'<line x1="0" y1="20" x2="0" y2="{height}" stroke="#333"/>',
+        f'<text x="0" y="{height + 18}" font-size="11">tokens/s (0 to {fastest:.1f})</text>',
+        '<text x="0" y="12" font-size="11">metric against speed</text>',
+    ]
+    for r in points:
+        x = r["tokens_per_s"] / fastest * (size - 20)
+        y = height - max(0.0, min(1.0, float(r["value"]))) * (height - 20)
+        colour = colours[methods.index(r["method"]) % len(colours)]
+        parts.append(
+            f'<circle cx="{x}" cy="{y}" r="5" fill="{colour}"><title>{html.escape(r["method"])}: {r["task"]} '
+            f"{r['value']:.4f} at {r['tokens_per_s']:.1f} tokens/s</title></circle>"
+        )
+    parts.append("</g>")
     return "\n".join(parts)

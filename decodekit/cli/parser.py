@@ -206,7 +206,11 @@ def _add_eval(sub, verbose) -> argparse.ArgumentParser:
         description="Run lm-evaluation-harness tasks with a method (and each of --compare) on MODEL and print one "
         "table: per task the metric with its stderr, tokens/s and mean new tokens. Needs decodekit[eval].",
     )
-    ev.add_argument("model", help="a local directory, a Hub repo id or a .gguf file")
+    ev.add_argument(
+        "model",
+        nargs="?",
+        help="a local directory, a Hub repo id or a .gguf file (default: the embedded default model)",
+    )
     ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
     ev.add_argument("--method", help="the method for generation tasks: a Hub repo or a local directory")
     ev.add_argument(

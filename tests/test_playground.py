@@ -232,3 +232,16 @@ def test_methods_lists_the_cached_ones_with_their_facts_and_search_finds_the_hub
     status, text = call(server, "/playground/search?q=banner")
     assert status == 200 and [r["id"] for r in json.loads(text)["results"]] == ["acme/banner"]
     assert json.loads(text)["results"][0]["summary"] == "Bans one token, as a hook."
+
+
+def test_info_of_a_searched_method_reads_it_without_running_it(served, hub, tmp_path):
+    server, _ = served
+    readme = "---\ntags:\n- custom_generate\n---\nBans one token, as a hook.\n"
+    sha = hub.repos.push_dir("acme/shown", write_method(tmp_path / "shown", HOOK_METHOD, readme=readme))
+    status, text = call(server, "/playground/info?repo=acme/shown")
+    facts = json.loads(text)["facts"]
+    assert status == 200 and facts["pin"] == sha and facts["what"].startswith("hooks: ") and facts["files"] == 1
+    status, text = call(server, "/playground/info?repo=../etc")
+    assert status == 400 and "expected a Hub repo id 'org/name'" in text
+    status, text = call(server, "/playground/info?repo=acme/absent")
+    assert status == 502 and "neither a local directory nor a Hub repository" in text

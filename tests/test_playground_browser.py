@@ -155,3 +155,24 @@ def test_two_methods_side_by_side_and_a_methods_facts_in_the_page(browser, serve
         for s in "ab"
     ]
     assert texts[0] == texts[1] and "Paris" in texts[0]
+
+
+def test_searching_the_hub_and_a_results_facts_in_the_page(browser, served, hub, tmp_path):  # noqa: F811
+    from methods import HOOK_METHOD, write_method
+
+    server, _ = served
+    readme = "---\ntags:\n- custom_generate\n---\nBans one token, as a hook.\n"
+    sha = hub.repos.push_dir("acme/banner", write_method(tmp_path / "banner", HOOK_METHOD, readme=readme))
+    wait = WebDriverWait(browser, 120)
+    find = browser.find_element
+    browser.get(server.url + "/")
+    find(By.ID, "api-key").send_keys(KEY, Keys.TAB)
+    wait.until(lambda b: find(By.ID, "status").text == "ready")
+    find(By.ID, "search-query").send_keys("banner")
+    find(By.ID, "search").click()
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#search-results .search-result"))
+    result = find(By.CSS_SELECTOR, "#search-results .search-result")
+    assert "acme/banner" in result.text and "Bans one token, as a hook." in result.text
+    result.find_element(By.CSS_SELECTOR, "button.info").click()
+    wait.until(lambda b: "pin " in find(By.CSS_SELECTOR, "#search-results .search-result").text)
+    assert sha in find(By.CSS_SELECTOR, "#search-results .search-result").text

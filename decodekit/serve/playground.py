@@ -5,6 +5,7 @@ GET  /playground/methods  the methods a request may choose (registered plugins, 
                           each with the fields it declares and their defaults, and the methods of the machine's Hub
                           cache (listed, not served); a method's `facts` are `decodekit info`'s.
 GET  /playground/search   Hub repositories tagged custom_generate (?q= words), as `decodekit search` finds them.
+GET  /playground/info     `decodekit info`'s facts of a Hub method (?repo=), read without running it.
 POST /playground/step     a chat completions body; the next token explained: the model's raw top tokens, what each
                           logits processor of the call changed (its top tokens before and after), the final
                           distribution and the token chosen. A method author sees there what their method does.
@@ -212,6 +213,22 @@ def router(served: Served) -> APIRouter:
         except (OSError, ValueError) as error:
             return served.refused(BadRequest(f"search: {error}", "q", 502, "upstream_error"))
         return {"results": [vars(item) for item in found]}
+
+    @routes.get("/playground/info")
+    async def info(request: Request):
+        """`decodekit info`'s facts of ?repo= (a Hub repo id): its custom_generate/ and README downloaded into the
+        machine's Hub cache, nothing of it run; listed, not served."""
+        from ..hub_loader.discover import describe_method
+        from ..hub_loader.source import is_hub_id
+
+        repo = request.query_params.get("repo") or ""
+        if not is_hub_id(repo):
+            return served.refused(BadRequest(f"repo={repo!r} is invalid; expected a Hub repo id 'org/name'.", "repo"))
+        try:
+            found = await run_in_threadpool(describe_method, repo)
+        except (OSError, ValueError) as error:
+            return served.refused(BadRequest(f"info: {error}", "repo", 502, "upstream_error"))
+        return {"repo": repo, "facts": facts_of_info(found)}
 
     @routes.post("/playground/step")
     async def step(request: Request):

@@ -110,7 +110,7 @@ class DecodekitLM(LM):
                 else self.encode_pair(context, continuation)
             )
             pairs.append((context_ids, continuation_ids))
-        return self.score(pairs)
+        return self.score(pairs, disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each string's whole loglikelihood: windows of max_length tokens, each token scored once (the first
@@ -128,11 +128,15 @@ class DecodekitLM(LM):
             out.append(sum(value for value, _ in self.score(pairs)))
         return out
 
-    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    def score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = True) -> list[tuple[float, bool]]:
         """(sum of the continuation's logprobs, whether each of its tokens is its position's argmax) of each
-        (context ids, continuation ids), the longest first in batches of up to `batch` requests and BATCH_TOKENS."""
+        (context ids, continuation ids), the longest first in batches of up to `batch` requests and BATCH_TOKENS;
+        a progress bar over the requests unless `disable_tqdm`."""
+        from tqdm import tqdm
+
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        bar = tqdm(total=len(pairs), desc="decodekit: scoring requests", disable=disable_tqdm)
         at = 0
         while at < len(order):
             width = min(self.max_length, len(pairs[order[at]][0]) + len(pairs[order[at]][1]) - 1)
@@ -141,6 +145,8 @@ class DecodekitLM(LM):
             for index, result in zip(chunk, self._score_batch([pairs[i] for i in chunk])):
                 results[index] = result
             at += size
+            bar.update(len(chunk))
+        bar.close()
         return results  # type: ignore[return-value]
 
     def _score_batch(self, pairs) -> list[tuple[float, bool]]:
@@ -172,7 +178,7 @@ class DecodekitLM(LM):
         for members in groups.values():
             kwargs, until = asks[members[0]][1], asks[members[0]][2]
             prompts = [asks[i][0] for i in members]
-            for i, new in zip(members, self._generated(prompts, kwargs)):
+            for i, new in zip(members, self._generated(prompts, kwargs, not disable_tqdm)):
                 self.new_tokens += len(new)
                 self.generations += 1
                 text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -200,10 +206,10 @@ class DecodekitLM(LM):
             kwargs["compile"] = True
         return ids, kwargs, until
 
-    def _generated(self, prompts: list[list[int]], kwargs: dict) -> list[list[int]]:
+    def _generated(self, prompts: list[list[int]], kwargs: dict, progress: bool = False) -> list[list[int]]:
         """The new tokens of each prompt, all through generate_batch where they can run together, else one by one."""
         if len(prompts) > 1 and self._batchable():
-            outputs = self.model.generate_batch(prompts, progress_bar=False, tokenizer=self.tokenizer, **kwargs)
+            outputs = self.model.generate_batch(prompts, progress_bar=progress, tokenizer=self.tokenizer, **kwargs)
             results = list(outputs.values())
             if all(r.error is None for r in results):
                 return [r.generated_tokens for r in results]

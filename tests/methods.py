@@ -166,27 +166,10 @@ def decodekit_logits_processors(generation_config):
 
 
 # Reads the sequence: bans the two tokens it ends with (an engine adapter must pass the right ids in order).
-RECENT_TOKENS_BAN = '''
-"""Bans repeating either of the sequence's last two tokens."""
-from decodekit import hookimpl
-
-
-@hookimpl
-def decodekit_config_fields():
-    return {"ban_recent": False}
-
-
-@hookimpl
-def decodekit_logits_processors(generation_config):
-    if not generation_config.ban_recent:
-        return []
-
-    def ban(input_ids, scores):
-        scores[:, input_ids[0, -2:]] = -float("inf")
-        return scores
-
-    return [ban]
-'''
+# Bans repeating either of the sequence's last two tokens (ban_recent=true): docs/eval-example's method, one source.
+RECENT_TOKENS_BAN = (
+    Path(__file__).resolve().parents[1] / "docs" / "eval-example" / "ban-recent" / "custom_generate" / "generate.py"
+).read_text(encoding="utf-8")
 
 
 def write_method(

@@ -74,9 +74,9 @@ def test_the_layout_is_held_by_one_thread_and_if_free_never_waits(llama):
         assert free
 
 
-def test_a_session_refused_by_another_thread_stays_off_to_its_end(llama):
+def test_a_call_refused_by_another_thread_stays_off_to_its_end(llama):
     host = StepHost.of(llama)
-    session = host.session(llama.module)
+    hold = host.call_hold(llama.module)
     held = threading.Event()
     release = threading.Event()
 
@@ -88,12 +88,12 @@ def test_a_session_refused_by_another_thread_stays_off_to_its_end(llama):
     worker = threading.Thread(target=other)
     worker.start()
     held.wait()
-    assert session.hold(1) is None and session.refused
+    assert hold.hold(1) is None and hold.refused
     release.set()
     worker.join()
-    assert session.hold(1) is None  # one path for the whole call
-    session.close()
-    fresh = host.session(llama.module)
+    assert hold.hold(1) is None  # one path for the whole call
+    hold.close()
+    fresh = host.call_hold(llama.module)
     assert fresh.hold(1) is not None and fresh.held
     fresh.close()
     with host.if_free() as free:

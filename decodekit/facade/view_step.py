@@ -57,7 +57,7 @@ class MirroredStep(FusedStep):
 
 class ViewCompile:
     """The decode steps of one call of a method on a TransformersView: the torch.compile `options` of its steps
-    (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the call's session on the
+    (None: the same step, run eagerly: a method's tokens then do not depend on compile=), the call's hold on the
     model's StepHost (the weight layout it holds from its first step to its end) and the reasons a forward ran as the
     view's plain forward instead (logged once each, when compiling). The caches this call's steps mirrored are its
     own (`mirrors`), given memory of their own again at `close()`, when the method returns."""
@@ -67,7 +67,7 @@ class ViewCompile:
         # What the options add to a step's key, made once: decode() asks for its step at every token.
         self.options_key = None if options is None else tuple(sorted((k, repr(v)) for k, v in options.items()))
         self.host = kernels.StepHost.of(module)
-        self.session = self.host.session(module)
+        self.call_hold = self.host.call_hold(module)
         self.bound_rows: int | None = None
         self.mirrors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> the Mirror that holds it
         self.told: set[str] = set()
@@ -80,7 +80,7 @@ class ViewCompile:
                 mirror.release(cache)
                 mirror.step.mirror = None
         self.mirrors.clear()
-        self.session.close()
+        self.call_hold.close()
         self.bound_rows = None
         if self.several and not self.stepped and not self.told:
             self.tell(SEVERAL_TOKENS)
@@ -126,10 +126,10 @@ class ViewCompile:
         model's weights in that step's layout; None where it failed to compile before, where another thread's call
         holds the model's weight layout (refused once, the call runs the plain forward to its end: one path for all
         of its tokens) or on a thread the method started."""
-        refused = self.session.refused
-        layout = self.session.hold(rows)
+        refused = self.call_hold.refused
+        layout = self.call_hold.hold(rows)
         if layout is None:
-            if self.session.refused and not refused:
+            if self.call_hold.refused and not refused:
                 self.tell("another thread's call holds the model's weight layout for its own steps")
             return None
         if self.bound_rows != rows and self.module.device.type == "cpu":
@@ -179,7 +179,7 @@ class ViewCompile:
                 logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
             except torch._dynamo.exc.TorchDynamoException as error:
                 what = f"custom_generate {self.method}: a forward runs eagerly (not compiled): the step did not compile"
-                key = (rows, capacity, self.options_key, self.session.key)
+                key = (rows, capacity, self.options_key, self.call_hold.key)
                 self.host.failed("method decode", key, error, what, redo=step.compiles and not step.compiled_once)
                 return None
             step.mirror.written(cache, past)

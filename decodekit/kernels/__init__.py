@@ -3,7 +3,8 @@ csrc/), oneDNN-packed weights (packed.py), the linear layers that pick a product
 int8 weights (quantize.py) and choices measured once per CPU (choices.py).
 
 The model families build their layers from Linear and Int8Linear; a model's StepHost (step_host.py) holds its compiled
-steps and its weight layout, which a compiled step asks for through `step_layout`. Nothing here imports the rest of decodekit.
+steps and its weight layout: a compiled step holds the layout it asks for (`StepHost.layout`, which puts the weights in
+it through `step_layout`). Nothing here imports the rest of decodekit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from . import linear, native
 from .linear import Linear
 from .packed import pack_linears, plain_weights
 from .quantize import QUANTIZATIONS, Int8Linear, many_rows_route
-from .step_host import StepHost, StepSession
+from .step_host import StepHost, CallHold
 
 MAX_ROWS = native.MAX_ROWS
 # Compiled steps of up to this many rows on CPU multiply plain weights (the C++ layer stack and row products,
@@ -22,15 +23,9 @@ MAX_ROWS = native.MAX_ROWS
 PLAIN_WEIGHTS_ROWS = MAX_ROWS
 
 
-def step_layout(model, rows: int):
-    """Holds `model`'s weights in the layout a compiled step of `rows` rows runs fastest on, under its StepHost's
-    lock, for the duration (a context manager yielding the layout's key: step_layout_of)."""
-    return StepHost.of(model).layout(model, rows)
-
-
 @contextlib.contextmanager
-def step_layout_of(model, rows: int):
-    """The body of step_layout, for a caller that holds `model`'s StepHost lock: puts the weights in the layout a
+def step_layout(model, rows: int):
+    """For a caller that holds `model`'s StepHost lock (StepHost.layout, CallHold.hold): puts the weights in the layout a
     compiled step of `rows` rows runs fastest on, for the duration, and yields that layout's key (dtype, device,
     packed, quantization), part of the compiled step's own key.
 
@@ -80,7 +75,7 @@ __all__ = [
     "PLAIN_WEIGHTS_ROWS",
     "QUANTIZATIONS",
     "StepHost",
-    "StepSession",
+    "CallHold",
     "paged_step_ready",
     "settle_routes",
     "step_layout",

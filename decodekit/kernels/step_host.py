@@ -7,7 +7,7 @@ step fails, as the registry's PluginHost is the one holder of a call's plugins.
   function that makes the step; nothing is kept on the model's __dict__ or set on a step or a cache from outside.
 - **Layout.** A model holds one weight layout at a time (oneDNN-packed or plain linears, the weights bound to the C++
   layer stack), and changing it replaces the model's modules and bindings. Only a holder of the host's lock changes
-  it: a compiled call holds it for as long as it runs on the layout it chose (`layout`, `session`), and an eager
+  it: a compiled call holds it for as long as it runs on the layout it chose (`layout`, `call_hold`), and an eager
   forward or a continuous-batching step takes it only where it is free (`if_free`), else runs on the layout in force.
   So no thread changes the weights another thread's step or forward depends on.
 - **Fallback.** `failed` is the one policy for a step that raised: where the caller can still run the same work
@@ -133,11 +133,11 @@ class StepHost:
     @contextlib.contextmanager
     def layout(self, model, rows: int):
         """Holds `model`'s weights, under the lock, in the layout a compiled step of `rows` rows runs fastest on, for
-        the duration; yields that layout's key (kernels.step_layout says which). Another thread's call waits."""
-        from . import step_layout_of
+        the duration; yields that layout's key (kernels.step_layout puts them in it). Another thread's call waits."""
+        from . import step_layout
 
         with self.lock:
-            with step_layout_of(model, rows) as key:
+            with step_layout(model, rows) as key:
                 yield key
 
     @contextlib.contextmanager
@@ -151,15 +151,15 @@ class StepHost:
             if held:
                 self.lock.release()
 
-    def session(self, model) -> StepSession:
-        """A call's hold on this host (StepSession): close() it when the call ends."""
-        return StepSession(self, model)
+    def call_hold(self, model) -> CallHold:
+        """A call's hold on this host (CallHold): close() it when the call ends."""
+        return CallHold(self, model)
 
 
-class StepSession:
+class CallHold:
     """One call's hold on a model's StepHost for its duration: the layout it holds (taken at its first step, without
-    waiting: `hold` is False where another thread's call holds it, and the call then runs eagerly to its end) and
-    what the call keeps of its own while it runs (`own`: the view step's cache mirrors)."""
+    waiting: `hold` gives None where another thread's call holds it, and the call then runs eagerly to its end).
+    What else a call keeps while it runs is its own (the view step's cache mirrors: facade/view_step.ViewCompile)."""
 
     def __init__(self, host: StepHost, model):
         self.host, self.model = host, model
@@ -168,7 +168,6 @@ class StepSession:
         self.rows: int | None = None
         self.key = None
         self._layout = contextlib.ExitStack()
-        self.own: dict = {}
 
     def hold(self, rows: int):
         """The layout key for steps of `rows` rows, the layout held (changed where `rows` needs another); None where
@@ -182,10 +181,10 @@ class StepSession:
                 return None
             self.held = True
         if self.rows != rows:
-            from . import step_layout_of
+            from . import step_layout
 
             self._layout.close()
-            self.key = self._layout.enter_context(step_layout_of(self.model, rows))
+            self.key = self._layout.enter_context(step_layout(self.model, rows))
             self.rows = rows
         return self.key
 

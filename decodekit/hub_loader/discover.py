@@ -159,8 +159,8 @@ def facts_of(source, spec: str) -> MethodInfo:
     requirements = []
     if (method_dir / "requirements.txt").is_file():
         wanted = parse_requirements(read_requirements(method_dir / "requirements.txt", source.label))
-        unmet = unmet_requirements(wanted)
-        requirements = [(str(r), not any(line.startswith(f"{r} (") for line in unmet)) for r in wanted]
+        # Each one through the loader's own check: an extra's unmet dependency counts against its requirement.
+        requirements = [(str(r), not unmet_requirements([r])) for r in wanted]
     readme = source.root / "README.md"
     summary = card_summary(readme.read_text(encoding="utf-8", errors="replace")) if readme.is_file() else ""
     return MethodInfo(

@@ -37,6 +37,7 @@ def cmd_eval(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
     output = Path(args.output) if args.output else None
+    fields = parse_method_args(args.arg)  # the --arg fields, for every method but greedy
     rows: dict[tuple[str, str], dict] = {}  # (task, method) -> what that run gave
     for method in methods:
         for task in tasks:  # a task at a time: tokens/s and new tokens are each task's own
@@ -44,7 +45,7 @@ def cmd_eval(args) -> int:
                 model=model,
                 tokenizer=tokenizer,
                 method=None if method == GREEDY else method,
-                method_args=parse_method_args(args.arg) if method != GREEDY else {},
+                method_args=fields if method != GREEDY else {},
                 trust_remote_code=args.trust_remote_code,
                 compile=args.compile,
             )

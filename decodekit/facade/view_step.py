@@ -135,7 +135,7 @@ class ViewCompile:
         if self.bound_rows != rows and self.module.device.type == "cpu":
             self.module.bind_native_layers()  # after the layout for these rows is in force
         self.bound_rows = rows
-        key = (rows, capacity, self.options_key, layout)
+        key = self.step_key(rows, capacity)
 
         def make() -> MirroredStep:
             if self.options is not None:
@@ -148,6 +148,10 @@ class ViewCompile:
             return MirroredStep(self.module, rows, capacity, self.options)
 
         return self.host.step("method decode", key, make)
+
+    def step_key(self, rows: int, capacity: int) -> tuple:
+        """What the StepHost keeps this call's step for `rows` rows and `capacity` slots under (the layout held)."""
+        return (rows, capacity, self.options_key, self.call_hold.key)
 
     def mirror_of(self, cache) -> Mirror | None:
         """The Mirror that took `cache` into a step's buffers in this call, if any."""
@@ -179,7 +183,7 @@ class ViewCompile:
                 logits = step(input_ids.contiguous(), position_ids.contiguous(), slots, mask)
             except torch._dynamo.exc.TorchDynamoException as error:
                 what = f"custom_generate {self.method}: a forward runs eagerly (not compiled): the step did not compile"
-                key = (rows, capacity, self.options_key, self.call_hold.key)
+                key = self.step_key(rows, capacity)
                 self.host.failed("method decode", key, error, what, redo=step.compiles and not step.compiled_once)
                 return None
             step.mirror.written(cache, past)

@@ -109,9 +109,54 @@ def compare(logits_of, oracle_logits: dict, sequences, text_ids, stepwise: bool 
     }
 
 
+def requantized(source: Path, kind: str) -> Path:
+    """The trained weights of a GGUF file quantized again as `kind` (Q4_K_M, Q5_K_M, ...) by llama.cpp's own
+    quantizer (llama-cpp-python): written once to float32 with every metadata field copied, then quantized. A file of
+    K-quant types with a trained model's distributions, which the `gguf` package cannot write (it has no K-quant
+    quantizer); cached beside the llama.cpp bench's files."""
+    import gguf
+    import llama_cpp
+    from gguf.quants import dequantize
+
+    from decodekit.kernels.native import cache_dir
+
+    path = cache_dir() / "bench" / f"{source.stem}-{kind.lower()}.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
+    plain = path.with_suffix(".f32.partial")
+    writer = gguf.GGUFWriter(str(plain), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kinds = field.types
+        sub = kinds[-1] if kinds[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), kinds[0], sub_type=sub)
+    for tensor in reader.tensors:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape([int(n) for n in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
+    partial = path.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(plain).encode(), str(partial).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {plain} as {kind}")
+    plain.unlink()
+    partial.rename(path)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file", help="a GGUF file (default: the default model's)")
+    parser.add_argument(
+        "--requantize", metavar="KIND",
+        help="the file's trained weights quantized again as KIND (Q4_K_M, Q5_K_M, Q6_K) by llama.cpp's quantizer",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of the 20 prompts")
@@ -122,6 +167,8 @@ def main() -> int:
     from decodekit.loading.default import default_model_path
 
     path = Path(args.file) if args.file else default_model_path()
+    if args.requantize:
+        path = requantized(path, args.requantize)
     tok = AutoTokenizer.from_pretrained(path)
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype="float32")  # gguf's dequantize
     kept = AutoModelForCausalLM.from_pretrained(path)

@@ -125,11 +125,11 @@ _GGUF_PARTS = {
 
 
 # K-quant super-blocks of 256 weights: bytes each, and where their float16 scales sit (scale, minimum scale).
-K_QUANT_SCALES = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_SCALES = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 
 
 def random_k_quant(kind: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
-    """Random `kind` (Q4_K, Q6_K) rows [rows, width / 256 * bytes]: any bytes are valid values once the float16
+    """Random `kind` (Q4_K, Q5_K, Q6_K) rows [rows, width / 256 * bytes]: any bytes are valid values once the float16
     scales are set to small ones (0.001-0.02), so that the weights come out near the scale of a trained model's."""
     size, scales = K_QUANT_SCALES[kind]
     rng = np.random.default_rng(seed)

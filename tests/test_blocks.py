@@ -16,7 +16,7 @@ from decodekit.batching import RequestStatus
 from decodekit.kernels import blocks, choices, cpu, native
 from decodekit.kernels.blocks import BlockEmbedding, BlockLinear
 from decodekit.kernels.linear import Linear
-from decodekit.testing import write_tiny_gguf, write_tiny_model
+from decodekit.testing import random_k_quant, write_tiny_gguf, write_tiny_model
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 40, 3], [1, 17, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 2]]
 
@@ -31,7 +31,7 @@ def random_q4k(rows: int, width: int, seed: int = 0) -> np.ndarray:
     return raw
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_kept_types_convert_exactly(kind):
     weight = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32)
     raw = gguf_quantize(weight, Q[kind])
@@ -39,7 +39,8 @@ def test_kept_types_convert_exactly(kind):
     assert layout == blocks.KEPT_TYPES[kind]
     kept = blocks.as_stored(rows, layout)
     assert torch.equal(blocks.dequantize(kept), torch.from_numpy(gguf_dequantize(raw, Q[kind])))
-    assert kept.numel() * kept.element_size() <= 1.12 * raw.nbytes  # Q4_0's 18 bytes a block become 20
+    grown = {"Q4_0": 20 / 18, "Q5_0": 34 / 22}.get(kind, 1.0)  # bytes a block: Q4_0's become q4's, Q5_0's q8's
+    assert kept.numel() * kept.element_size() <= grown * raw.nbytes
 
 
 def test_q4k_converts_within_a_float16_rounding_of_its_scales():
@@ -54,9 +55,38 @@ def test_q4k_converts_within_a_float16_rounding_of_its_scales():
     assert not torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_k_quants_without_an_exact_form_are_rounded_within_half_a_q8_step(kind):
+    raw = random_k_quant(kind, 40, 512, seed=3)
+    oracle = torch.from_numpy(gguf_dequantize(raw, Q[kind]))
+    layout, rows = blocks.from_gguf(raw, kind)
+    got = blocks.dequantize(blocks.as_stored(rows, layout))
+    assert layout == "q8" and kind in blocks.REQUANTIZED and got.shape == oracle.shape
+    groups = oracle.reshape(40, -1, 32)
+    # Q8_0 rounds by its float32 scale and stores it as float16: half a step, and 127 values of the scale's rounding.
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    assert ((got.reshape(40, -1, 32) - groups).abs() <= step * (0.5 + 127 * 2.0**-11) + 1e-6).all()
+    assert (got != oracle).any()  # rounded, not copied
+
+
+def test_q4_blocks_become_q8_exactly_where_their_minimum_is_minus_eight_scales():
+    weight = torch.randn(24, 256)
+    q4_0 = blocks.as_stored(blocks.from_gguf(gguf_quantize(weight.numpy(), Q.Q4_0), "Q4_0")[1], "q4")
+    converted, exact = blocks.as_q8(q4_0)
+    assert exact and blocks.layout_of(converted) == "q8"
+    assert torch.equal(blocks.dequantize(converted), blocks.dequantize(q4_0))
+    q4_1 = blocks.quantize_rows(weight, "q4")
+    converted, exact = blocks.as_q8(q4_1)
+    assert not exact and blocks.layout_of(converted) == "q8"
+    step = blocks.dequantize(q4_1).abs().reshape(24, -1, 32).amax(-1, keepdim=True) / 127
+    error = (blocks.dequantize(converted) - blocks.dequantize(q4_1)).abs().reshape(24, -1, 32)
+    assert (error <= step * (0.5 + 127 * 2.0**-11) + 1e-6).all()
+
+
 def test_unkept_types_are_refused_by_name():
-    with pytest.raises(ValueError, match="Q6_K is not kept in blocks; kept: \\['Q4_0', 'Q4_1', 'Q4_K', 'Q8_0'\\]"):
-        blocks.from_gguf(np.zeros((1, 210), np.uint8), "Q6_K")
+    kept = "\\['Q4_0', 'Q4_1', 'Q4_K', 'Q5_0', 'Q5_K', 'Q6_K', 'Q8_0'\\]"
+    with pytest.raises(ValueError, match=f"Q3_K is not kept in blocks; kept: {kept}"):
+        blocks.from_gguf(np.zeros((1, 110), np.uint8), "Q3_K")
 
 
 LANES = [
@@ -147,9 +177,14 @@ def test_a_gguf_file_keeps_its_blocks_and_computes_what_its_dequantized_weights_
     module = kept.module
     assert module.quantization == "blocks" and module.dtype == torch.float32
     layers = dict(module.named_modules())
-    if name in ("mixed", "Q4_K_M"):  # v of another type: the fused qkv dequantized; ffn_down F16 / Q6_K: float
-        assert type(layers["layers.0.attn.qkv"]) is Linear and type(layers["layers.0.mlp.down"]) is Linear
+    if name in ("mixed", "Q4_K_M"):  # v q8 beside q4 q and k: the fused qkv in q8 blocks (exact from Q4_0)
+        qkv, down = layers["layers.0.attn.qkv"], layers["layers.0.mlp.down"]
+        assert type(qkv) is BlockLinear and blocks.layout_of(qkv.blocks) == "q8"
         assert type(layers["layers.0.mlp.gate_up"]) is BlockLinear
+        # ffn_down: F16 dequantized to float32 in "mixed", Q6_K rounded again as q8 blocks in "Q4_K_M"
+        assert type(down) is (Linear if name == "mixed" else BlockLinear)
+        if name == "Q4_K_M":
+            assert blocks.stored_bytes(module) <= 1.3 * file_bytes(files[name])  # q8 over Q6_K: 8.5 bits over 6.6
     else:
         assert isinstance(module.embed, BlockEmbedding) and type(module.lm_head) is BlockLinear
         assert all(
@@ -161,8 +196,12 @@ def test_a_gguf_file_keeps_its_blocks_and_computes_what_its_dequantized_weights_
     assert type(oracle.module.lm_head) is Linear
     for ids in PROMPTS:
         want, got = logits(oracle, ids), logits(kept, ids)
-        if name == "Q4_K_M":  # Q4_K's group scales rounded to float16 (blocks.py): close, not equal
-            assert float((got - want).norm() / want.norm()) < 2e-3
+        if name == "Q4_K_M":
+            # Q4_K's group scales rounded to float16, its Q6_K and its fused q and k rounded again as q8 blocks
+            # (blocks.py): close, not equal. Random K-quant groups span far wider ranges than a trained model's, so
+            # the rounding moves these logits more than a real file's (bench/bench_accuracy.py --requantize Q4_K_M).
+            assert float((got - want).norm() / want.norm()) < 6e-2  # 0.7-4.4% on these prompts
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
         else:
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max())
         call = dict(max_new_tokens=12, do_sample=False)

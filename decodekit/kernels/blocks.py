@@ -7,8 +7,12 @@ Two layouts, each one GGUF block format kept byte for byte:
   become q4 blocks with d and m the products of the super-block's and sub-block's scales, rounded to float16
   (relative error at most 2^-11 of a scale: a Q4_K weight moves by at most that fraction of its group's range).
 - "q8" (GGUF's Q8_0 block, 34 bytes for 32 weights): a float16 scale d, then 32 int8 values q; weight = d * q.
-  Q8_0 tensors are kept as read; Q6_K and Q5_K super-blocks are not converted (their 16-weight groups and
-  6-bit values have no exact q8 form at 32 weights a scale): they load dequantized, as other formats do.
+  Q8_0 tensors are kept as read; Q5_0's blocks (weight = d * (q - 16), q of 5 bits) become q8 blocks exactly.
+  Q6_K and Q5_K super-blocks (a Q4_K_M or Q5_K_M file's v and down projections) have no exact q8 form (Q6_K's
+  16-weight groups each have a scale, Q5_K's have a minimum): they are rounded again (REQUANTIZED), dequantized by
+  the `gguf` package and rounded as its Q8_0 quantizer rounds, a weight within half a q8 step of the file's (about
+  an eighth of a Q6_K step), in 8.5 bits a weight against float32's 32; `dtype="float32"` loads them exactly.
+Other types load dequantized to float32.
 
 A row of K weights is K / 32 blocks, stored as a [out, K / 32 * 20] uint8 ("q4") or [out, K / 32 * 17] int16
 ("q8") tensor: the dtype names the layout for decodekit's C++ kernels (csrc/blocks.cpp), which multiply rows by
@@ -34,7 +38,9 @@ logger = logging.getLogger("decodekit")
 BLOCK = 32
 LAYOUTS = {"q4": (torch.uint8, 20), "q8": (torch.int16, 34)}  # layout -> (stored dtype, bytes a block)
 # GGUF tensor types kept in blocks, and the layout each becomes.
-KEPT_TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8"}
+KEPT_TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q5_0": "q8", "Q8_0": "q8", "Q5_K": "q8", "Q6_K": "q8"}
+REQUANTIZED = frozenset({"Q5_K", "Q6_K"})  # kept types whose blocks are rounded again, not converted exactly
+_REQUANTIZED_ROWS = 1024  # rows dequantized at a time: a vocabulary's float32 copy never exists whole
 
 
 def layout_of(blocks: torch.Tensor) -> str:
@@ -77,6 +83,10 @@ def from_gguf(raw: np.ndarray, type_name: str) -> tuple[str, np.ndarray]:
         return "q4", out.reshape(rows, -1)
     if type_name == "Q4_K":
         return "q4", _q4_from_q4k(np.asarray(raw, dtype=np.uint8)).reshape(rows, -1)
+    if type_name == "Q5_0":
+        return "q8", _q8_from_q5_0(np.asarray(raw, dtype=np.uint8)).reshape(rows, -1)
+    if type_name in REQUANTIZED:
+        return "q8", _q8_rounded_again(raw, type_name)
     raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept: {sorted(KEPT_TYPES)}")
 
 
@@ -103,6 +113,49 @@ def _q4_from_q4k(raw: np.ndarray) -> np.ndarray:
         [scale.reshape(n, 8, 1).view(np.uint8), minimum.reshape(n, 8, 1).view(np.uint8), nibbles], axis=2
     )
     return out.reshape(n * 8, 20)
+
+
+def _q8_from_q5_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (22 bytes: float16 d, 32 high bits, 16 bytes of low nibbles; weight = d * (q - 16)) -> q8 blocks
+    [n, 34] of the same d and the values q - 16, exactly."""
+    blocks = raw.reshape(-1, 22)
+    high = blocks[:, 2:6].copy().view("<u4")  # bit i: weight i's fifth bit
+    qs = blocks[:, 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    values = (low | (bits << 4)) - 16
+    return np.concatenate([blocks[:, :2], values.astype(np.int8).view(np.uint8)], axis=1)
+
+
+def _q8_rounded_again(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """Rows of super-blocks of a REQUANTIZED type -> q8 blocks, a slice of rows at a time: each slice dequantized by
+    the `gguf` package and rounded as its Q8_0 quantizer rounds."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind = GGMLQuantizationType[type_name]
+    parts = [
+        quantize(dequantize(raw[start : start + _REQUANTIZED_ROWS], kind), GGMLQuantizationType.Q8_0)
+        for start in range(0, raw.shape[0], _REQUANTIZED_ROWS)
+    ]
+    return np.concatenate(parts).reshape(raw.shape[0], -1)
+
+
+def as_q8(kept: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Blocks of any layout as q8 blocks, and whether exactly: q8 as they are; q4 blocks whose minimum is -8 times
+    their scale (a Q4_0 file's) as the same scale and the values q - 8; any other q4 blocks rounded again (Q8_0's
+    rounding of their dequantized weights). For a fused q/k/v whose parts a file holds in two layouts."""
+    if layout_of(kept) == "q8":
+        return kept, True
+    raw = kept.view(torch.uint8).reshape(-1, 20)
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()
+    m = raw[:, 2:4].contiguous().view(torch.float16).float()
+    if not torch.equal(m, -8 * d):
+        return quantize_rows(dequantize(kept), "q8"), False
+    qs = raw[:, 4:]
+    values = (torch.cat([qs & 15, qs >> 4], dim=1).to(torch.int16) - 8).to(torch.int8)
+    out = torch.cat([raw[:, 0:2], values.view(torch.uint8)], dim=1)
+    return out.reshape(kept.shape[0], -1).view(torch.int16), True
 
 
 def quantize_rows(weight: torch.Tensor, layout: str) -> torch.Tensor:

@@ -51,6 +51,26 @@ class BlockWeight:
         return layout_of(self.data)
 
 
+_FUSED_GROUPS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+
+
+def _rounded_again(kept_types: dict[str, str]) -> list[str]:
+    """What of a file's kept tensors ({name: type}) is rounded again rather than converted exactly: the REQUANTIZED
+    types, and the q4 parts of a fused q/k/v or gate/up whose other parts are q8 (pretrained._rows stacks them as q8
+    blocks, exactly only where they come from Q4_0)."""
+    from ..kernels.blocks import KEPT_TYPES, REQUANTIZED
+
+    out = sorted({kind for kind in kept_types.values() if kind in REQUANTIZED})
+    groups: dict[tuple[str, str], set[str]] = {}
+    for name, kind in kept_types.items():
+        layer, _, part = name.removesuffix(".weight").removeprefix("blk.").partition(".")
+        if name.startswith("blk.") and part in _FUSED_GROUPS:
+            groups.setdefault((layer, _FUSED_GROUPS[part]), set()).add(kind)
+    mixed = {kind for kinds in groups.values() if len({KEPT_TYPES[k] for k in kinds}) > 1 for kind in kinds}
+    inexact = sorted(kind for kind in mixed if KEPT_TYPES[kind] == "q4" and kind != "Q4_0")
+    return out + [f"{kind} fused with q8 parts" for kind in inexact]
+
+
 def _field(reader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -133,8 +153,9 @@ class GGUFModel:
 
     def state_dict(self, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
         """The weights under Hugging Face parameter names, read one tensor at a time: dequantized to float32, or with
-        `keep_blocks` the matrices of a type kernels/blocks.py keeps (Q4_0, Q4_1, Q4_K, Q8_0) as BlockWeights, in
-        about the file's bytes; a matrix of another type is dequantized, with a log line naming the types."""
+        `keep_blocks` the matrices of a type kernels/blocks.py keeps (blocks.KEPT_TYPES) as BlockWeights, in about
+        the file's bytes; a matrix of another type is dequantized. Log lines name the types dequantized and those
+        rounded again."""
         from gguf.quants import dequantize
 
         from ..kernels import blocks
@@ -142,10 +163,12 @@ class GGUFModel:
         cfg = self.config()
         out: dict[str, torch.Tensor | BlockWeight] = {}
         dequantized: set[str] = set()
+        kept_types: dict[str, str] = {}  # tensor name -> type, of the tensors kept in blocks
         for t in self.reader.tensors:
             shape = [int(d) for d in reversed(t.shape)]
             kept = keep_blocks and len(shape) == 2 and t.tensor_type.name in blocks.KEPT_TYPES
             if kept:
+                kept_types[t.name] = t.tensor_type.name
                 w = np.asarray(t.data).reshape(shape[0], -1)  # rows of blocks, not yet copied out of the file's map
             else:
                 w = dequantize(t.data, t.tensor_type).reshape(shape)
@@ -173,6 +196,12 @@ class GGUFModel:
             else:
                 out[f"{name}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32))
             self._release_pages(int(t.data_offset), int(t.n_bytes))  # copied: the file's pages are not needed
+        rounded = _rounded_again(kept_types)
+        if rounded:
+            logger.info(
+                "%s: %s rounded again as q8 blocks, each weight within half a q8 step of the file's (dtype='float32' "
+                "loads them exactly)", self.path.name, ", ".join(sorted(rounded)),
+            )  # fmt: skip
         if dequantized:
             logger.info(
                 "%s: matrices of type %s are dequantized to float32 (kept in blocks: %s)",

@@ -94,11 +94,16 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def _rows(parts: list):
-    """Weight matrices stacked by rows (a fused q/k/v or gate/up): tensors, or BlockWeights of one layout, which
-    stack as their blocks; a mix is dequantized to float32 (a Q4_K_M file's Q6_K v beside Q4_K q and k)."""
+    """Weight matrices stacked by rows (a fused q/k/v or gate/up): tensors, or BlockWeights, which stack as their
+    blocks: of one layout as they are, of two (a Q4_K_M file's q8 v beside q4 q and k) as q8 blocks (blocks.as_q8:
+    exact for Q4_0's, else rounded again, which gguf_file's log line says); blocks beside floats: all float32."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, BlockWeight) for p in parts) and len({p.layout for p in parts}) == 1:
+    if all(isinstance(p, BlockWeight) for p in parts):
+        if len({p.layout for p in parts}) > 1:
+            from ..kernels.blocks import as_q8
+
+            parts = [BlockWeight(as_q8(p.data)[0], p.in_features) for p in parts]
         return BlockWeight(torch.cat([p.data for p in parts]), parts[0].in_features)
     return torch.cat([dequantize(p.data) if isinstance(p, BlockWeight) else p for p in parts])
 

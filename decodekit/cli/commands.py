@@ -175,6 +175,12 @@ def cmd_download(args) -> int:
 
 
 def cmd_list(args) -> int:
+    if args.models:
+        from ..loading.formats import local_models, render_models
+
+        models = local_models()
+        print(json.dumps([m.as_dict() for m in models], indent=2) if args.json else render_models(models))
+        return 0
     from ..registry.listing import all_records, render_json, render_table
 
     records = all_records()

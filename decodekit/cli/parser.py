@@ -144,10 +144,17 @@ def _add_list(sub, verbose) -> argparse.ArgumentParser:
     """`decodekit list`."""
     lst = sub.add_parser(
         "list",
-        help="show the installed decoders",
+        help="show the installed decoders (--models: the model files here)",
         description="Show every decoder decodekit can use: built-in strategies, installed plugin "
         "packages (with their errors, if they failed to load), plugins registered at run "
-        "time, and custom_generate methods already in the Hugging Face cache.",
+        "time, and custom_generate methods already in the Hugging Face cache. With --models, the model "
+        "files instead: their formats and their weights' bytes, in the files and as decodekit holds them.",
+    )
+    lst.add_argument(
+        "--models",
+        action="store_true",
+        help="list the model files here instead (the default model, GGUF and safetensors models in the Hugging "
+        "Face cache): their formats, and the weights' bytes in the files and as decodekit holds them",
     )
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst.add_argument(

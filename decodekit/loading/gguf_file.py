@@ -54,21 +54,32 @@ class BlockWeight:
 _FUSED_GROUPS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
 
 
-def _rounded_again(kept_types: dict[str, str]) -> list[str]:
-    """What of a file's kept tensors ({name: type}) is rounded again rather than converted exactly: the REQUANTIZED
-    types, and the q4 parts of a fused q/k/v or gate/up whose other parts are q8 (pretrained._rows stacks them as q8
-    blocks, exactly only where they come from Q4_0)."""
-    from ..kernels.blocks import KEPT_TYPES, REQUANTIZED
+def kept_layouts(kept_types: dict[str, str]) -> dict[str, str]:
+    """{tensor name: layout} of a file's tensors kept in blocks ({name: GGUF type}): their type's layout, but q8 for
+    every part of a fused q/k/v or gate/up whose parts have both (pretrained._rows stacks them as q8 blocks)."""
+    from ..kernels.blocks import KEPT_TYPES
 
-    out = sorted({kind for kind in kept_types.values() if kind in REQUANTIZED})
-    groups: dict[tuple[str, str], set[str]] = {}
-    for name, kind in kept_types.items():
+    layouts = {name: KEPT_TYPES[kind] for name, kind in kept_types.items()}
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in layouts:
         layer, _, part = name.removesuffix(".weight").removeprefix("blk.").partition(".")
         if name.startswith("blk.") and part in _FUSED_GROUPS:
-            groups.setdefault((layer, _FUSED_GROUPS[part]), set()).add(kind)
-    mixed = {kind for kinds in groups.values() if len({KEPT_TYPES[k] for k in kinds}) > 1 for kind in kinds}
-    inexact = sorted(kind for kind in mixed if KEPT_TYPES[kind] == "q4" and kind != "Q4_0")
-    return out + [f"{kind} fused with q8 parts" for kind in inexact]
+            groups.setdefault((layer, _FUSED_GROUPS[part]), []).append(name)
+    for names in groups.values():
+        if len({layouts[n] for n in names}) > 1:
+            layouts.update(dict.fromkeys(names, "q8"))
+    return layouts
+
+
+def _rounded_again(kept_types: dict[str, str]) -> list[str]:
+    """What of a file's kept tensors ({name: type}) is rounded again rather than converted exactly: the REQUANTIZED
+    types, and q4 types other than Q4_0 held as q8 blocks (kept_layouts)."""
+    from ..kernels.blocks import KEPT_TYPES, REQUANTIZED
+
+    layouts = kept_layouts(kept_types)
+    out = {kind for kind in kept_types.values() if kind in REQUANTIZED}
+    moved = {kind for name, kind in kept_types.items() if KEPT_TYPES[kind] != layouts[name] and kind != "Q4_0"}
+    return sorted(out) + [f"{kind} fused with q8 parts" for kind in sorted(moved)]
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

@@ -304,7 +304,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Initialised only off the meta device: under torch.device("meta") (how loading builds models) nn.Embedding's
+        # own initialisation imports torch's Python meta kernels, some 800 modules that then stay in the process.
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        if table.device.type != "meta":
+            nn.init.normal_(table)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

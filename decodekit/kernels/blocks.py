@@ -62,10 +62,12 @@ def as_stored(raw: np.ndarray, layout: str) -> torch.Tensor:
 
 
 def _mapped(array: np.ndarray) -> bool:
-    """Whether `array`'s bytes belong to a memory-mapped file (a GGUFReader's tensor data)."""
+    """Whether `array`'s bytes belong to a memory-mapped file (a GGUF file's tensor data)."""
     base = array
     while isinstance(base, np.ndarray) and not isinstance(base, np.memmap) and base.base is not None:
         base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer of a map (gguf_header)
+        base = base.obj
     return isinstance(base, (np.memmap, mmap.mmap))
 
 

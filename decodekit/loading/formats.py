@@ -50,12 +50,11 @@ class ModelFiles:
 
 def gguf_files(path: Path, name: str | None = None) -> ModelFiles:
     """A GGUF file's tensor types, bytes, and what the default load holds (see the module's docstring)."""
-    from gguf import GGUFReader
-
     from ..kernels.blocks import BLOCK, KEPT_TYPES, LAYOUTS
     from .gguf_file import kept_layouts
+    from .gguf_header import GGUFHeader
 
-    tensors = GGUFReader(str(path)).tensors
+    tensors = GGUFHeader(path).tensors
     kept = {t.name: t.tensor_type.name for t in tensors if len(t.shape) == 2 and t.tensor_type.name in KEPT_TYPES}
     layouts = kept_layouts(kept)
     out = ModelFiles(name or path.name, path, "GGUF")

@@ -82,9 +82,8 @@ def _rounded_again(kept_types: dict[str, str]) -> list[str]:
     return sorted(out) + [f"{kind} fused with q8 parts" for kind in sorted(moved)]
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(header, key: str, default: Any = None) -> Any:
+    return header.fields.get(key, default)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -116,26 +115,22 @@ class GGUFModel:
     """Everything decodekit reads from one GGUF file."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
+        from .gguf_header import GGUFHeader
 
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self.reader = GGUFReader(str(self.path))
-        self.arch = _field(self.reader, "general.architecture")
+        self.header = GGUFHeader(self.path)
+        self.arch = _field(self.header, "general.architecture")
         self.native = self.arch in _ARCHITECTURES
-        # The reader parses each string of the vocabulary into objects of its own (about 150 MB for the default
-        # model's 49,152 tokens and merges): read once here, as plain lists, and the parsed arrays let go.
         self._tokenizer = self._read_tokenizer_fields()
-        for key in [k for k, f in self.reader.fields.items() if k.startswith("tokenizer.") and len(f.data) > 1]:
-            del self.reader.fields[key]
 
     def config(self) -> dict[str, Any]:
         if not self.native:
             raise ValueError(
                 f"Unsupported GGUF architecture {self.arch!r} in {self.path.name}; decodekit reads {sorted(_ARCHITECTURES)}."
             )
-        r, a = self.reader, self.arch
+        r, a = self.header, self.arch
         heads = int(_field(r, f"{a}.attention.head_count"))
         hidden = int(_field(r, f"{a}.embedding_length"))
         names = {t.name for t in r.tensors}
@@ -175,7 +170,7 @@ class GGUFModel:
         out: dict[str, torch.Tensor | BlockWeight] = {}
         dequantized: set[str] = set()
         kept_types: dict[str, str] = {}  # tensor name -> type, of the tensors kept in blocks
-        for t in self.reader.tensors:
+        for t in self.header.tensors:
             shape = [int(d) for d in reversed(t.shape)]
             kept = keep_blocks and len(shape) == 2 and t.tensor_type.name in blocks.KEPT_TYPES
             if kept:
@@ -224,8 +219,8 @@ class GGUFModel:
         """Drops the pages of bytes [start, start + length) of the file that reading a tensor brought into the
         process's resident memory (the tensor is a copy now; a later read of the map faults them in again from the
         file), so that a load holds the model's bytes and one tensor of the file's, not the model's and the file's."""
-        mapped = getattr(self.reader.data, "_mmap", None)
-        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        mapped = self.header.map
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         first = start // mmap.PAGESIZE * mmap.PAGESIZE
         mapped.madvise(mmap.MADV_DONTNEED, first, min(start + length, len(mapped)) - first)
@@ -234,7 +229,7 @@ class GGUFModel:
         return dict(self._tokenizer)
 
     def _read_tokenizer_fields(self) -> dict[str, Any]:
-        r = self.reader
+        r = self.header
         return {
             "model": _field(r, "tokenizer.ggml.model"),
             "pre": _field(r, "tokenizer.ggml.pre"),

@@ -180,9 +180,42 @@ def speed_fields(args, timings, jobs, bound_ms: float) -> dict:
     return row
 
 
+def step_profile(module, runs: int) -> dict:
+    """Where a decode step's time goes: every matrix the step reads (the layers' and the lm_head's) multiplied by one
+    row, alone, as the step's products multiply it (decodekit's row_product, the same kernels), best of `runs`;
+    with the products' bytes, their rate, and a float32 matmul's peak (the prompt's products run in float32)."""
+    from decodekit.kernels.blocks import BlockLinear
+
+    layers = [m for m in module.modules() if isinstance(m, BlockLinear)]
+    rows = {id(m): torch.randn(1, m.in_features) for m in layers}
+
+    def products():
+        for m in layers:
+            torch.ops.decodekit.row_product(rows[id(m)], m.blocks)
+
+    with torch.inference_mode():
+        products()
+        best = min(_timed(products) for _ in range(runs))
+        a, b = torch.randn(512, 2048), torch.randn(2048, 8192)
+        torch.mm(a, b)
+        peak = 2 * 512 * 2048 * 8192 / min(_timed(lambda: torch.mm(a, b)) for _ in range(runs))
+    read = sum(m.blocks.numel() * m.blocks.element_size() for m in layers)
+    return {
+        "products_ms_per_token": round(1000 * best, 2),
+        "products_GBps": round(read / best / 1e9, 1),
+        "float32_matmul_GFLOPs": round(peak / 1e9, 1),
+    }
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def file_rows(args, name: str) -> dict:
     from decodekit import AutoModelForCausalLM
-    from decodekit.kernels.blocks import stored_bytes
+    from decodekit.kernels.blocks import BlockLinear, stored_bytes
     from gguf import GGUFReader
 
     path = file_path(name)
@@ -206,7 +239,12 @@ def file_rows(args, name: str) -> dict:
         "bandwidth_bound_ms_per_token": round(bound_ms, 2),
         "same_first_16_greedy_tokens": outputs["llama.cpp decode"][:first] == outputs["decodekit decode"][:first],
         **speed_fields(args, timings, jobs, bound_ms),
+        **step_profile(module, args.runs),
     }
+    # The prompt's products as a rate: two operations a layer weight a token (the 512-token prefill; the lm_head
+    # reads the last token only).
+    weights = sum(m.in_features * m.blocks.shape[0] for m in module.layers.modules() if isinstance(m, BlockLinear))
+    row["decodekit_prefill_512_GFLOPs"] = round(2 * weights * 512 / (row["decodekit_prefill_512_ms"] / 1000) / 1e9, 1)
     del llm, eager, compiled, module
     if not args.skip_memory:
         mem = {lib: resident_mb(lib, path, args.threads, 16) for lib in ("llama.cpp", "decodekit")}

@@ -75,10 +75,15 @@ class GGUFHeader:
             raise ValueError(f"{self.path.name}: GGUF version {version} is not read here; versions 2 and 3 are")
         self._at = 24
         self.fields: dict[str, Any] = {}
-        for _ in range(field_count):
-            key = self._string()
-            self.fields[key] = self._value(self._scalar("<I"))
-        table = [self._tensor_entry() for _ in range(tensor_count)]
+        try:
+            for _ in range(field_count):
+                key = self._string()
+                self.fields[key] = self._value(self._scalar("<I"))
+            table = [self._tensor_entry() for _ in range(tensor_count)]
+        except (struct.error, ValueError, OverflowError) as e:
+            raise ValueError(
+                f"{self.path.name}: the GGUF header is cut short or damaged at byte {self._at} ({e})"
+            ) from None
         alignment = int(self.fields.get("general.alignment", 32))
         start = -(-self._at // alignment) * alignment
         self.tensors = [self._tensor(start, *entry) for entry in table]
@@ -90,6 +95,8 @@ class GGUFHeader:
 
     def _string(self) -> str:
         length = self._scalar("<Q")
+        if self._at + length > len(self.map):
+            raise ValueError(f"a string of {length} bytes runs past the end of the file")
         text = self.map[self._at : self._at + length].decode("utf-8", errors="replace")
         self._at += length
         return text
@@ -103,12 +110,14 @@ class GGUFHeader:
                 return [self._string() for _ in range(count)]
             if item == _ARRAY:
                 return [self._value(_ARRAY) for _ in range(count)]
+            if item not in _SCALARS:
+                raise ValueError(f"unknown GGUF value type {item} in an array")
             dtype = np.dtype(_SCALARS[item][1])
             values = np.frombuffer(self.map, dtype, count, self._at).tolist()
             self._at += dtype.itemsize * count
             return values
         if kind not in _SCALARS:
-            raise ValueError(f"{self.path.name}: unknown GGUF value type {kind} at byte {self._at}")
+            raise ValueError(f"unknown GGUF value type {kind}")
         return self._scalar(_SCALARS[kind][0])
 
     def _tensor_entry(self) -> tuple:

@@ -258,7 +258,8 @@ def test_quantize_int4_keeps_a_checkpoint_in_q4_blocks(tmp_path):
     assert (error <= step[..., None] / 2 + 1e-3).all()
     want, got = logits(plain, PROMPTS[0]), logits(model, PROMPTS[0])
     assert (got - want).norm() / want.norm() < 0.2  # 4 bits a weight: close, not equal
-    with pytest.raises(ValueError, match=r"quantize='int3' is not supported; use one of \['int8', 'int4'\] or None"):
+    accepted = r"\['int8', 'int4', 'int4-g64', 'int4-g128'\]"
+    with pytest.raises(ValueError, match=rf"quantize='int3' is not supported; use one of {accepted} or None"):
         AutoModelForCausalLM.from_pretrained(path, quantize="int3")
 
 

@@ -180,6 +180,23 @@ def test_int8_weights_on_the_device_equal_int8_on_the_cpu(llama):
     assert torch.equal(dev.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
 
 
+@pytest.mark.parametrize("method", ["int4", "int4-g128"])
+def test_int4_weights_on_the_device_run_pytorchs_int4_kernel(tmp_path, method):
+    """quantize="int4..." on the device holds PyTorch's int4 layout (kernels/int4pack.py: tinygemm), whose logits
+    agree with the CPU's int4 model to bfloat16 activations' rounding; eager and compiled give the same tokens."""
+    from decodekit.kernels.int4pack import Int4PackLinear
+
+    path = write_tiny_model(tmp_path / "tiny", "llama", hidden_size=128, intermediate_size=256)
+    cpu = AutoModelForCausalLM.from_pretrained(path, quantize=method)
+    dev = AutoModelForCausalLM.from_pretrained(path, quantize=method, device=DEVICE)
+    assert type(dev.module.layers[0].mlp.down) is Int4PackLinear
+    want, got = cpu(PROMPT).logits, dev(PROMPT.to(DEVICE)).logits.cpu().float()
+    assert float((got - want).norm() / want.norm()) < 0.05
+    ids = PROMPT.to(DEVICE)
+    eager = dev.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(dev.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
+
+
 def test_a_model_moved_to_the_device_after_loading_generates_there(llama):
     model = AutoModelForCausalLM.from_pretrained(llama)
     want = model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)

@@ -66,7 +66,7 @@ def test_quantized_tiny_model_generates_and_rejects_unknown_methods(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, quantize="int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape == (1, 7)
-    with pytest.raises(ValueError, match=r"quantize='int2' is not supported; use one of \['int8', 'int4'\]"):
+    with pytest.raises(ValueError, match=r"quantize='int2' is not supported; use one of \['int8', 'int4', 'int4-g64'"):
         AutoModelForCausalLM.from_pretrained(path, quantize="int2")
 
 

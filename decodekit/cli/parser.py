@@ -460,9 +460,9 @@ def _model_flags(parser, generation: bool = True) -> None:
     )
     parser.add_argument(
         "--quantize",
-        choices=["int8", "int4"],
-        help="store linear weights as int8 (per channel) or int4 (blocks of 32, as GGUF's Q4_1): weight-only, "
-        "fewer bytes per token on CPU",
+        choices=["int8", "int4", "int4-g64", "int4-g128"],
+        help="store linear weights as int8 (per channel), int4 (groups of 32, as GGUF's Q4_1) or int4 in groups of "
+        "64 / 128 (PyTorch's int4 layout, bfloat16 activations): weight-only, fewer bytes per token",
     )
     parser.add_argument(
         "--threads",

@@ -235,7 +235,9 @@ _lanes_set: str | None = None  # the lanes block_lanes last set in the kernels (
 
 def weight_formats(module: nn.Module) -> dict[str, int]:
     """{format: bytes} of a module's weights as held, each tensor once: "q4 blocks", "q8 blocks", "int8" (with its
-    scales), or the dtype's name ("float32", "bfloat16", ...)."""
+    scales), "int4 groups of 64" (PyTorch's int4 layout, with its scales and zeros), or the dtype's name ("float32",
+    "bfloat16", ...)."""
+    from .int4pack import Int4PackLinear
     from .quantize import Int8Linear
 
     seen, formats = set(), {}
@@ -244,14 +246,18 @@ def weight_formats(module: nn.Module) -> dict[str, int]:
             kind = f"{layer.layout} blocks"
         elif isinstance(layer, Int8Linear):
             kind = "int8"
+        elif isinstance(layer, Int4PackLinear):
+            kind = f"int4 groups of {layer.group_size}"
         else:
             kind = None
         for t in [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]:
             if t is None or t.data_ptr() in seen or t.numel() == 0:
                 continue
             seen.add(t.data_ptr())
-            # A block layer's bias is float; an int8 layer's scales and column order count as its format.
-            held = kind == "int8" or (kind is not None and not t.is_floating_point())
+            # A block layer's bias is float; an int8 layer's scales and column order count as its format, and an int4
+            # layer's scales and zeros as its.
+            scales = kind is not None and kind.startswith("int4") and t is not layer.bias
+            held = kind == "int8" or scales or (kind is not None and not t.is_floating_point())
             name = kind if held else str(t.dtype).removeprefix("torch.")
             formats[name] = formats.get(name, 0) + t.numel() * t.element_size()
     return formats

@@ -22,7 +22,7 @@ from torch import nn
 from . import choices, native
 from .linear import HoldsPackedCopy, copied_route, one_row, packed_route, prompt_product, sample_layer
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "int4-g64", "int4-g128")
 
 
 def interleaved_columns(in_features: int) -> torch.Tensor:
@@ -266,18 +266,25 @@ def many_rows_route() -> str:
 
 def quantize(model: nn.Module, method: str) -> nn.Module:
     """Replaces every nn.Linear of `model` (lm_head included) in place; returns the model. "int8": Int8Linear
-    (per-channel scales); "int4": blocks.BlockLinear in q4 blocks of 32 (a scale and minimum each, as GGUF's Q4_1),
-    for layers whose input width is a multiple of 32 (the others stay as they are)."""
+    (per-channel scales); "int4": 4-bit groups of 32 with a scale and minimum each, as blocks.BlockLinear's q4 blocks
+    (GGUF's Q4_1) on CPU and as int4pack.Int4PackLinear (PyTorch's int4 layout) on CUDA; "int4-g64" / "int4-g128":
+    groups of 64 / 128 in PyTorch's int4 layout (int4pack.py: bfloat16 activations). Layers whose shape the format
+    does not take (input widths not a multiple of the group) stay as they are."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantize={method!r} is not supported; use one of {list(QUANTIZATIONS)} or None.")
+    from . import int4pack
     from .blocks import BLOCK, BlockLinear
     from .packed import linear_children, unpack_linears
 
+    group = int(method.partition("-g")[2] or BLOCK)
     unpack_linears(model)  # quantize from plain nn.Linear weights
     for parent, name, linear in linear_children(model):
+        cuda = linear.weight.device.type == "cuda"
         if method == "int8":
             setattr(parent, name, Int8Linear(linear))
-        elif linear.in_features % BLOCK == 0:
+        elif (group != BLOCK or cuda) and int4pack.fits(linear.out_features, linear.in_features, group):
+            setattr(parent, name, int4pack.Int4PackLinear.from_linear(linear, group))
+        elif group == BLOCK and not cuda and linear.in_features % BLOCK == 0:
             setattr(parent, name, BlockLinear.from_linear(linear, "q4"))
     model.quantization = method
     return model

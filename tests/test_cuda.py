@@ -197,6 +197,25 @@ def test_int4_weights_on_the_device_run_pytorchs_int4_kernel(tmp_path, method):
     assert torch.equal(dev.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
 
 
+def test_a_gguf_files_q4_blocks_load_on_the_device_in_pytorchs_int4_layout(tmp_path):
+    """A GGUF file loaded on the device keeps its 4-bit matrices as PyTorch's int4 groups of 32 (tinygemm), in
+    bfloat16; its logits agree with the CPU's blocks (float32) to bfloat16's rounding."""
+    from decodekit.kernels.int4pack import Int4PackLinear
+    from decodekit.testing import write_tiny_gguf
+
+    path = write_tiny_gguf(
+        tmp_path / "q4.gguf", "Q4_0", tie_word_embeddings=True, hidden_size=128, intermediate_size=256
+    )
+    cpu = AutoModelForCausalLM.from_pretrained(path)
+    dev = AutoModelForCausalLM.from_pretrained(path, device=DEVICE)
+    assert type(dev.module.layers[0].attn.qkv) is Int4PackLinear and dev.module.dtype == torch.bfloat16
+    want, got = cpu(PROMPT).logits, dev(PROMPT.to(DEVICE)).logits.cpu().float()
+    assert float((got - want).norm() / want.norm()) < 0.05
+    ids = PROMPT.to(DEVICE)
+    eager = dev.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(dev.generate(ids, max_new_tokens=16, eos_token_id=None, compile=True), eager)
+
+
 def test_a_model_moved_to_the_device_after_loading_generates_there(llama):
     model = AutoModelForCausalLM.from_pretrained(llama)
     want = model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)

@@ -13,7 +13,7 @@ from decodekit import AutoModelForCausalLM
 from decodekit.kernels import blocks, int4pack
 from decodekit.kernels.int4pack import Int4PackLinear
 from decodekit.kernels.linear import Linear
-from decodekit.testing import write_tiny_model
+from decodekit.testing import write_tiny_gguf, write_tiny_model
 
 
 def dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -94,3 +94,44 @@ def test_layers_whose_inputs_do_not_fit_the_group_stay_float(tmp_path):
     module = AutoModelForCausalLM.from_pretrained(path, quantize="int4-g64").module
     assert type(module.layers[0].attn.qkv) is Linear  # inputs 96 wide
     assert type(module.layers[0].mlp.down) is Int4PackLinear  # inputs 256 wide
+
+
+def test_q4_blocks_become_int4_groups_of_32_with_the_same_values(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize as gguf_quantize
+
+    weight = torch.randn(32, 128).numpy()
+    kept = blocks.as_stored(blocks.from_gguf(gguf_quantize(weight, Q.Q4_1), "Q4_1")[1], "q4")
+    q, scales_and_zeros = int4pack.from_blocks(kept)
+    exact = blocks.dequantize(kept)
+    # The values are the blocks'; the scale and zero are rounded to bfloat16 (2^-9 of each).
+    step = exact.reshape(32, -1, 32).abs().amax(-1, keepdim=True)
+    assert ((dequantized(q, scales_and_zeros, 32) - exact).reshape(32, -1, 32).abs() <= 2.0**-7 * step).all()
+    with pytest.raises(ValueError, match="only q4 blocks have an int4 form, not q8 blocks"):
+        int4pack.from_blocks(blocks.quantize_rows(torch.randn(16, 64), "q8"))
+
+
+def test_a_gguf_models_blocks_replaced_for_a_device_compute_near_them(tmp_path):
+    """What a GGUF file's blocks become on CUDA (replace_blocks), made here on the CPU, where the same layers run."""
+    path = write_tiny_gguf(
+        tmp_path / "q4.gguf", "Q4_1", embedding="Q8_0", types={"ffn_down": "Q8_0"}, hidden_size=128,
+        intermediate_size=256,
+    )  # fmt: skip
+    kept = AutoModelForCausalLM.from_pretrained(path)
+    converted = AutoModelForCausalLM.from_pretrained(path)
+    int4pack.replace_blocks(converted.module, "cpu")
+    converted.module.to(torch.bfloat16)
+    layers = dict(converted.module.named_modules())
+    assert type(layers["layers.0.attn.qkv"]) is Int4PackLinear and layers["layers.0.attn.qkv"].group_size == 32
+    assert type(layers["lm_head"]) is Int4PackLinear
+    down = layers["layers.0.mlp.down"]
+    assert type(down) is Linear and down.weight.dtype == torch.bfloat16  # q8: its weight in bfloat16
+    assert type(layers["embed"]) is blocks.BlockEmbedding
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    with torch.inference_mode():
+        want, got = kept(ids).logits.double(), converted(ids).logits.double()
+    assert float((got - want).norm() / want.norm()) < 0.03  # bfloat16 activations and scales
+    eager = converted.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(
+        converted.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, compile=True), eager
+    )

@@ -5,7 +5,9 @@ A weight [out, in] is 4-bit values q (0-15) in groups of `group_size` inputs (32
 bfloat16 scale and zero: weight = (q - 8) * scale + zero. The kernels take bfloat16 activations only (on CPU float32
 and float16 ones run a scalar loop), so a layer casts its input to bfloat16 and its output back. Used for:
 - `quantize="int4-g64"` / `"int4-g128"`: 4.5 / 4.25 bits a weight, against the q4 blocks' 5 (kernels/blocks.py);
-- `quantize="int4"` on CUDA (groups of 32), where decodekit's C++ block products do not run.
+- `quantize="int4"` on CUDA (groups of 32), where decodekit's C++ block products do not run;
+- a GGUF file's q4 blocks loaded on CUDA (replace_blocks): each block's float16 scale and minimum become the group's
+  scale and zero (m + 8 d), rounded to bfloat16.
 The packed layout differs per device, so a layer is packed on the device it is made for and cannot move (a model
 with such layers is loaded with the device it runs on).
 """
@@ -38,6 +40,48 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     minimum = zero.float() - 8 * scale.float()
     q = torch.round((groups - minimum[..., None]) / scale.float()[..., None]).clamp(0, 15)
     return q.to(torch.int32).reshape(out_features, in_features), _scales_and_zeros(scale, zero)
+
+
+def from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4 blocks [out, K / 32 * 20] (kernels/blocks.py) as (q, scales_and_zeros) of groups of 32: the same values,
+    each block's d and m as the scale d and the zero m + 8 d, rounded to bfloat16."""
+    from .blocks import layout_of
+
+    if layout_of(blocks) != "q4":
+        raise ValueError(f"only q4 blocks have an int4 form, not {layout_of(blocks)} blocks")
+    raw = blocks.view(torch.uint8).reshape(blocks.shape[0], -1, 20)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    m = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    qs = raw[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1).to(torch.int32)
+    return q, _scales_and_zeros(d.to(torch.bfloat16), (m + 8 * d).to(torch.bfloat16))
+
+
+def runs_on(device) -> bool:
+    """Whether a GGUF file's blocks load into this layout on `device`: on CUDA, where decodekit's block kernels do not
+    run and PyTorch's int4 kernel does."""
+    return device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def replace_blocks(module: nn.Module, device) -> None:
+    """A model's block layers (a GGUF file's, kernels/blocks.py) as layers that multiply fast on `device`: q4 layers
+    as Int4PackLinear (groups of 32), q8 layers as bfloat16 Linear layers of their dequantized weights; a block
+    embedding stays (a lookup dequantizes the rows it reads). The new layers are made on `device`."""
+    from .blocks import BlockLinear
+    from .linear import Linear
+
+    for name, layer in list(module.named_modules()):
+        if type(layer) is not BlockLinear:
+            continue
+        if layer.layout == "q4" and fits(layer.out_features, layer.in_features, 32):
+            replacement = Int4PackLinear(*from_blocks(layer.blocks), 32, layer.bias, device)
+        else:
+            replacement = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=device)
+            replacement.weight = nn.Parameter(layer.dequantized().to(device, torch.bfloat16), requires_grad=False)
+            if layer.bias is not None:
+                replacement.bias = nn.Parameter(layer.bias.detach().to(device), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, replacement)
 
 
 def _scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..facade import Model
 from ..facade.transformers_model import TRANSFORMERS_EXTRA
 from ..facade.transformers_model import installed as transformers_installed
 from ..families.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from ..kernels import int4pack
 from ..kernels.blocks import dequantize, kept_on
 from ..sizes import return_freed_memory
 from .files import check_backend, check_model_name, resolve_model_dir
@@ -302,14 +303,19 @@ def _load_natively(
     name_or_path, gguf_file, config_fields, revision, local_files_only, token, dtype, device, quantize, trust
 ) -> Model:
     """A Model over decodekit's own module, built from the files `from_pretrained` found (safetensors or GGUF)."""
-    # A GGUF file's quantized weights stay as the file holds them unless a dtype or another quantization is asked for.
-    keep_blocks = gguf_file is not None and dtype is None and quantize is None and kept_on(device)
+    # A GGUF file's quantized weights stay as the file holds them unless a dtype or another quantization is asked for:
+    # in their blocks on CPU, in PyTorch's int4 layout on CUDA (kernels/int4pack.py: bfloat16 activations there).
+    as_file = gguf_file is not None and dtype is None and quantize is None
+    int4_device = as_file and int4pack.runs_on(device)
+    keep_blocks = as_file and (int4_device or kept_on(device))
     model_dir, config, state, generation_config = _native_files(
         name_or_path, gguf_file, config_fields, revision, local_files_only, token, keep_blocks
     )
-    module = build_model(
-        config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), torch.device(device or "cpu")
-    )
+    built_on = torch.device("cpu" if int4_device else device or "cpu")
+    module = build_model(config, state, resolve_dtype(dtype, getattr(config, "torch_dtype", None)), built_on)
+    if int4_device:
+        int4pack.replace_blocks(module, device)
+        module = module.to(device=device, dtype=torch.bfloat16)
     module.name_or_path = str(name_or_path)
     return_freed_memory()  # what the load copied on the way (build_model let it go) is handed back
     if quantize is not None:

@@ -59,18 +59,11 @@ def supports_step(model, step: str) -> bool:
 
 
 def eager_steps_fused(model) -> bool:
-    """Whether a call of `model` without compile=True runs the fused step uncompiled: on CPU, a native model whose
-    weights are held quantized (GGUF blocks or int8), which never change layout (kernels/packed.py packs float
-    weights only), so holding the model's layout for a call takes nothing from another thread. The step runs the
-    layers in decodekit's C++ stack (decodekit::decode_layers) instead of the eager loop's Python layers, one call a
-    step instead of a dozen operators a layer. (Float weights would gain too, but their eager calls switch between
-    packed and plain layouts, which a call holding the layout would take from other threads' forwards: kept to the
-    eager loop until the layout has one owner.)"""
-    return (
-        model.device.type == "cpu"
-        and supports_step(model, "fused")
-        and getattr(model, "quantization", None) is not None
-    )
+    """Whether a call of `model` without compile=True runs the fused step uncompiled: on CPU, for a native model. The
+    step runs the layers in decodekit's C++ stack (decodekit::decode_layers) instead of the eager loop's Python
+    layers, one call a step instead of a dozen operators a layer. Such a call holds the model's layout (its
+    StepHost) for its length where no other thread holds it, and runs the eager loop where one does."""
+    return model.device.type == "cpu" and supports_step(model, "fused")
 
 
 def unfusable_reason(model, pipeline, gc, takes_host_masks: bool = False, max_length: int | None = None) -> str | None:
@@ -163,8 +156,14 @@ class FusedLoop:
                 logger.info("compile=True falls back to the eager loop: %s", reason)
             return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
         host = kernels.StepHost.of(model)
-        with host.layout(model, input_ids.shape[0]) as layout:
-            return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
+        if self.compiles:
+            with host.layout(model, input_ids.shape[0]) as layout:
+                return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
+        with host.if_free() as held:
+            if not held:  # another thread's call holds the layout: not waited for, the eager loop on the one in force
+                return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
+            with kernels.step_layout(model, input_ids.shape[0]) as layout:
+                return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
 
     def _fused(self, host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout):
         options = step_options(gc.compile_config, model.device) if self.compiles else None

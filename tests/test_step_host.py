@@ -113,3 +113,18 @@ def test_a_compiled_method_call_leaves_nothing_on_its_cache_and_gives_it_memory_
     buffers = {t.data_ptr() for t in (*step.cache.keys, *step.cache.values)}
     assert not buffers & {t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)}
     assert step.mirror is None and cache.get_seq_length() == 7
+
+
+def test_an_eager_call_runs_the_fused_step_where_the_layout_is_free_and_never_waits_for_it(llama):
+    ids = torch.tensor([[5, 9, 13, 2]])
+    host = StepHost.of(llama)
+    before = {key for key in host.steps("fused") if key[3] is None}
+    free = llama.generate(ids, max_new_tokens=6, do_sample=False)
+    assert {key for key in host.steps("fused") if key[3] is None} - before  # its uncompiled step, kept by the host
+    done = []
+    with host.if_free() as held:  # this thread holds the layout, as another call's step would
+        assert held
+        worker = threading.Thread(target=lambda: done.append(llama.generate(ids, max_new_tokens=6, do_sample=False)))
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive() and torch.equal(done[0], free)  # ran the eager loop: no wait, the same tokens

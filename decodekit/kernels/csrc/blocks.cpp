@@ -29,16 +29,18 @@ inline __m128 scale_and_minimum(const Q4Block& b) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
 }
 
+// A block's bytes widened straight from memory, then split into nibbles as 32-bit lanes: fewer shuffles than
+// splitting the bytes first (docs/performance.md). Bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high).
 inline void load_block(const Q4Block& b, __m256 w[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs)));
+  const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8)));
   const __m128 dm = scale_and_minimum(b);
   const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, mask)), d, m);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, mask)), d, m);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), d, m);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), d, m);
 }
 
 inline void load_block(const Q8Block& b, __m256 w[4]) {
@@ -95,12 +97,11 @@ void block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
 std::atomic<int> block_lanes{__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 16 : 8};
 
 DECODEKIT_BLOCKS512 inline void load_block16(const Q4Block& b, __m512 w[2]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)));
   const __m128 dm = scale_and_minimum(b);
   const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask))), d, m);
-  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))), d, m);
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), d, m);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
 }
 
 DECODEKIT_BLOCKS512 inline void load_block16(const Q8Block& b, __m512 w[2]) {
@@ -139,6 +140,82 @@ DECODEKIT_BLOCKS512 void wide_block_dots(const float* x, const B* w, int64_t K, 
     }
   }
   for (int m = 0; m < M; ++m) y[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// ---- One row by q4 blocks, factored: a block's sum of (d q + m) x is d sum(q x) + m sum(x), with the row's block
+// sums taken once a call (block_sums). A block's scaling is one product instead of a conversion of each of its
+// weights: fewer products a block, where these products are bound by their arithmetic (docs/performance.md).
+// The row's block sums, as (0, sum) pairs: a block's (d, m) times a pair puts m * sum in the second lane.
+void block_sums(const float* x, int64_t K, std::vector<float>& out) {
+  out.assign(K / kBlockSize * 2, 0.f);
+  for (int64_t b = 0; b < K / kBlockSize; ++b) {
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + kBlockSize * b), _mm256_loadu_ps(x + kBlockSize * b + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(x + kBlockSize * b + 16), _mm256_loadu_ps(x + kBlockSize * b + 24)));
+    out[2 * b + 1] = horizontal_sum(v);
+  }
+}
+
+inline __m128 minimum_share(const __m128 dm, const float* sums, __m128 minimums) {
+  return _mm_fmadd_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sums))), minimums);
+}
+
+inline void factored_block(const float* x, const float* sums, const Q4Block& w, __m256& acc, __m128& minimums) {
+  // Bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high); bytes 8-15 weights 8-15 and 24-31.
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs)));
+  const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8)));
+  __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, mask)), _mm256_loadu_ps(x));
+  __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, mask)), _mm256_loadu_ps(x + 8));
+  p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_loadu_ps(x + 16), p);
+  r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(x + 24), r);
+  const __m128 dm = scale_and_minimum(w);
+  acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_add_ps(p, r), acc);
+  minimums = minimum_share(dm, sums, minimums);
+}
+
+DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float* sums, const Q4Block& w, __m512& acc,
+                                                    __m128& minimums) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  const __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+  const __m128 dm = scale_and_minimum(w);
+  acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), p, acc);
+  minimums = minimum_share(dm, sums, minimums);
+}
+
+// Two accumulators over alternate blocks (a block's scaling waits on its products).
+inline float factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  __m128 m0 = _mm_setzero_ps(), m1 = m0;
+  const int64_t blocks = K / kBlockSize;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+    factored_block(x + kBlockSize * (b + 1), sums + 2 * (b + 1), w[b + 1], a1, m1);
+  }
+  if (b < blocks) factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+  return horizontal_sum(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m0, m1)));
+}
+
+DECODEKIT_BLOCKS512 float wide_factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  __m128 m0 = _mm_setzero_ps(), m1 = m0;
+  const int64_t blocks = K / kBlockSize;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    wide_factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+    wide_factored_block(x + kBlockSize * (b + 1), sums + 2 * (b + 1), w[b + 1], a1, m1);
+  }
+  if (b < blocks) wide_factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m0, m1)));
+}
+
+float any_factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+  if (block_lanes.load(std::memory_order_relaxed) == 16) return wide_factored_dot(x, sums, w, K);
+  return factored_dot(x, sums, w, K);
 }
 
 template <typename B>

@@ -176,8 +176,11 @@ inline void factored_block(const float* x, const float* sums, const Q4Block& w, 
 DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float* sums, const Q4Block& w, __m512& acc,
                                                     __m128& minimums) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  // A nibble's value looked up (vpermps reads an index's low 4 bits) rather than converted: the lookups go to other
+  // execution units than the products do.
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lo = _mm512_permutexvar_ps(bytes, iota);
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), iota);
   const __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
   const __m128 dm = scale_and_minimum(w);
   acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), p, acc);

@@ -243,7 +243,7 @@ class AutoModelForCausalLM:
         """`name_or_path`: a local directory, a Hub repo id or a .gguf file.
         `trust_remote_code` (True, or a revision to pin) lets a repo's custom_generate/ become model.generate (and,
         for the transformers backend, lets the repo's own modeling code run, as in transformers).
-        `quantize`: "int8" (native models store linear weights as int8 with per-channel scales: kernels/quantize.py)
+        `quantize`: "int8" (native models store linear weights as int8 with per-channel scales: kernels/quantize.py),
         "int4" (in GGUF's 4-bit blocks of 32 with a scale and a minimum each: kernels/blocks.py; PyTorch's int4
         layout on CUDA), or "int4-g64" / "int4-g128" (groups of 64 / 128 in PyTorch's int4 layout, bfloat16
         activations: kernels/int4pack.py).

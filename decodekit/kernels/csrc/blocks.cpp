@@ -232,8 +232,54 @@ void any_block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) 
   block_dots<M>(x, w, K, y, N);
 }
 
+// One row by q8 blocks, factored as the q4 one is: a block's sum of d q x is d sum(q x), its scale one product.
+inline __m256 q8_products(const float* x, const Q8Block& w) {
+  __m256 p = _mm256_setzero_ps(), r = p;
+  for (int j = 0; j < 4; j += 2) {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j))));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j + 8))));
+    p = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + 8 * j), p);
+    r = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + 8 * j + 8), r);
+  }
+  return _mm256_add_ps(p, r);
+}
+
+float q8_dot(const float* x, const Q8Block* w, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  const int64_t blocks = K / kBlockSize;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    a0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d)), q8_products(x + kBlockSize * b, w[b]), a0);
+    a1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b + 1].d)), q8_products(x + kBlockSize * (b + 1), w[b + 1]), a1);
+  }
+  if (b < blocks) a0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d)), q8_products(x + kBlockSize * b, w[b]), a0);
+  return horizontal_sum(_mm256_add_ps(a0, a1));
+}
+
+DECODEKIT_BLOCKS512 inline __m512 wide_q8_products(const float* x, const Q8Block& w) {
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs))));
+  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16))));
+  return _mm512_fmadd_ps(b, _mm512_loadu_ps(x + 16), _mm512_mul_ps(a, _mm512_loadu_ps(x)));
+}
+
+DECODEKIT_BLOCKS512 float wide_q8_dot(const float* x, const Q8Block* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  const int64_t blocks = K / kBlockSize;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
+    a0 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b].d)), wide_q8_products(x + kBlockSize * b, w[b]), a0);
+    a1 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b + 1].d)), wide_q8_products(x + kBlockSize * (b + 1), w[b + 1]), a1);
+  }
+  if (b < blocks) a0 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b].d)), wide_q8_products(x + kBlockSize * b, w[b]), a0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
 float dot(const float* x, const Q4Block* w, int64_t K) { return any_block_dot(x, w, K); }
-float dot(const float* x, const Q8Block* w, int64_t K) { return any_block_dot(x, w, K); }
+float dot(const float* x, const Q8Block* w, int64_t K) {
+  return block_lanes.load(std::memory_order_relaxed) == 16 ? wide_q8_dot(x, w, K) : q8_dot(x, w, K);
+}
 template <int M>
 void dots(const float* x, const Q4Block* w, int64_t K, float* y, int64_t N) { any_block_dots<M>(x, w, K, y, N); }
 template <int M>

@@ -72,6 +72,7 @@ def to_native(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        return_freed_memory()  # the last layer's parts, freed once fused, handed back before this layer's copies
         out[p + "attn.qkv.weight"] = _rows([s.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
         if config.qkv_bias:
             out[p + "attn.qkv.bias"] = torch.cat([s.pop(f"{attn}{n}_proj.bias") for n in "qkv"])

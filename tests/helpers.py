@@ -72,3 +72,18 @@ def chi_square_critical(df: int, z: float = 3.719) -> float:
         return 0.0
     a = 2.0 / (9.0 * df)
     return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def assert_continuous_batching_gives_each_alone(model, prompts, oracle=None, max_new_tokens=6):
+    """Greedy requests for `prompts` through `model`'s continuous batching finish with the tokens `oracle` (default:
+    the model itself) gives each prompt alone through generate."""
+    from decodekit.batching import RequestStatus
+
+    manager = model.init_continuous_batching(block_size=4)
+    ids = [manager.add_request(p, max_new_tokens=max_new_tokens, do_sample=False) for p in prompts]
+    manager.run(until_idle=True)
+    for prompt_ids, rid in zip(prompts, ids):
+        out = manager.get_result(rid, timeout=0)
+        assert out.status == RequestStatus.FINISHED, out.error
+        alone = (oracle or model).generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        assert out.sequences[0] == alone[0, len(prompt_ids) :].tolist()[: len(out.sequences[0])]

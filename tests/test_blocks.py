@@ -12,11 +12,11 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from decodekit import AutoModelForCausalLM
-from decodekit.batching import RequestStatus
 from decodekit.kernels import blocks, choices, cpu, native
 from decodekit.kernels.blocks import BlockEmbedding, BlockLinear
 from decodekit.kernels.linear import Linear
 from decodekit.testing import random_k_quant, write_tiny_gguf, write_tiny_model
+from helpers import assert_continuous_batching_gives_each_alone
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 40, 3], [1, 17, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 2]]
 
@@ -221,14 +221,7 @@ def test_compiled_batched_beam_and_sampled_calls_give_the_dequantized_files_toke
     want = oracle.generate(prompt, **sampled)
     torch.manual_seed(3)
     assert torch.equal(model.generate(prompt, **sampled), want)
-    manager = model.init_continuous_batching(block_size=4)
-    ids = [manager.add_request(p, max_new_tokens=6, do_sample=False) for p in PROMPTS]
-    manager.run(until_idle=True)
-    for prompt_ids, rid in zip(PROMPTS, ids):
-        out = manager.get_result(rid, timeout=0)
-        assert out.status == RequestStatus.FINISHED, out.error
-        alone = oracle.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(prompt_ids) :]
-        assert out.sequences[0] == alone.tolist()[: len(out.sequences[0])]
+    assert_continuous_batching_gives_each_alone(model, PROMPTS, oracle)
 
 
 def test_a_published_methods_loop_runs_on_blocks(files, tmp_path):

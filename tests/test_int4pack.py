@@ -14,6 +14,7 @@ from decodekit.kernels import blocks, int4pack
 from decodekit.kernels.int4pack import Int4PackLinear
 from decodekit.kernels.linear import Linear
 from decodekit.testing import write_tiny_gguf, write_tiny_model
+from helpers import assert_continuous_batching_gives_each_alone
 
 
 def dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -138,19 +139,10 @@ def test_a_gguf_models_blocks_replaced_for_a_device_compute_near_them(tmp_path):
 
 
 def test_beams_and_continuous_batching_run_on_int4_groups(tmp_path):
-    from decodekit.batching import RequestStatus
-
     path = write_tiny_model(tmp_path / "tiny", hidden_size=128, intermediate_size=256)
     model = AutoModelForCausalLM.from_pretrained(path, quantize="int4-g64")
     prompts = [[1, 5, 7, 9, 11], [1, 40, 3], [1, 17, 23, 29, 31, 37, 41, 43, 47, 53]]
     beams = dict(max_new_tokens=6, num_beams=3, do_sample=False)
     prompt = torch.tensor([prompts[0]])
     assert torch.equal(model.generate(prompt, **beams, compile=True), model.generate(prompt, **beams))
-    manager = model.init_continuous_batching(block_size=4)
-    ids = [manager.add_request(p, max_new_tokens=6, do_sample=False) for p in prompts]
-    manager.run(until_idle=True)
-    for prompt_ids, rid in zip(prompts, ids):
-        out = manager.get_result(rid, timeout=0)
-        assert out.status == RequestStatus.FINISHED, out.error
-        alone = model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
-        assert out.sequences[0] == alone[0, len(prompt_ids) :].tolist()[: len(out.sequences[0])]
+    assert_continuous_batching_gives_each_alone(model, prompts)

@@ -54,22 +54,6 @@ inline void load_block(const Q8Block& b, __m256 w[4]) {
 template <typename B>
 constexpr bool is_block = std::is_same_v<B, Q4Block> || std::is_same_v<B, Q8Block>;
 
-// A row by one weight row of blocks; two accumulators, as the four products of a block would else wait on each other.
-template <typename B>
-float block_dot(const float* x, const B* w, int64_t K) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  for (int64_t b = 0; b < K / kBlockSize; ++b, x += kBlockSize) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    __m256 q[4];
-    load_block(w[b], q);
-    a0 = _mm256_fmadd_ps(q[0], _mm256_loadu_ps(x), a0);
-    a1 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), a1);
-    a0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), a0);
-    a1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), a1);
-  }
-  return horizontal_sum(_mm256_add_ps(a0, a1));
-}
-
 // M rows (stride K) by one weight row of blocks, each block converted once for all rows.
 template <int M, typename B>
 void block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
@@ -112,19 +96,6 @@ DECODEKIT_BLOCKS512 inline void load_block16(const Q8Block& b, __m512 w[2]) {
   }
 }
 
-template <typename B>
-DECODEKIT_BLOCKS512 float wide_block_dot(const float* x, const B* w, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  for (int64_t b = 0; b < K / kBlockSize; ++b, x += kBlockSize) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    __m512 q[2];
-    load_block16(w[b], q);
-    a0 = _mm512_fmadd_ps(q[0], _mm512_loadu_ps(x), a0);
-    a1 = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), a1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
 template <int M, typename B>
 DECODEKIT_BLOCKS512 void wide_block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) {
   __m512 acc[M];
@@ -159,7 +130,10 @@ inline __m128 minimum_share(const __m128 dm, const float* sums, __m128 minimums)
   return _mm_fmadd_ps(dm, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sums))), minimums);
 }
 
-inline void factored_block(const float* x, const float* sums, const Q4Block& w, __m256& acc, __m128& minimums) {
+// Block b of the row (x at its first value): its products scaled into acc, its minimum's share (sums: the row's
+// block sums) into minimums.
+inline void factored_block(const float* x, const float* sums, int64_t b, const Q4Block& w, __m256& acc,
+                           __m128& minimums) {
   // Bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high); bytes 8-15 weights 8-15 and 24-31.
   const __m256i mask = _mm256_set1_epi32(0x0F);
   const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs)));
@@ -170,11 +144,11 @@ inline void factored_block(const float* x, const float* sums, const Q4Block& w, 
   r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), _mm256_loadu_ps(x + 24), r);
   const __m128 dm = scale_and_minimum(w);
   acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_add_ps(p, r), acc);
-  minimums = minimum_share(dm, sums, minimums);
+  minimums = minimum_share(dm, sums + 2 * b, minimums);
 }
 
-DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float* sums, const Q4Block& w, __m512& acc,
-                                                    __m128& minimums) {
+DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float* sums, int64_t b, const Q4Block& w,
+                                                    __m512& acc, __m128& minimums) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs)));
   // A nibble's value looked up (vpermps reads an index's low 4 bits) rather than converted: the lookups go to other
   // execution units than the products do.
@@ -184,46 +158,65 @@ DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float*
   const __m512 p = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
   const __m128 dm = scale_and_minimum(w);
   acc = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), p, acc);
-  minimums = minimum_share(dm, sums, minimums);
+  minimums = minimum_share(dm, sums + 2 * b, minimums);
 }
 
-// Two accumulators over alternate blocks (a block's scaling waits on its products).
-inline float factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+// A q8 block factored as the q4 one is: its sum of d q x is d sum(q x), the scale one product (no minimum, no sums).
+inline void factored_block(const float* x, const float*, int64_t, const Q8Block& w, __m256& acc, __m128&) {
+  __m256 p = _mm256_setzero_ps(), r = p;
+  for (int j = 0; j < 4; j += 2) {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j))));
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j + 8))));
+    p = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + 8 * j), p);
+    r = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + 8 * j + 8), r);
+  }
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w.d)), _mm256_add_ps(p, r), acc);
+}
+
+DECODEKIT_BLOCKS512 inline void wide_factored_block(const float* x, const float*, int64_t, const Q8Block& w,
+                                                    __m512& acc, __m128&) {
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs))));
+  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16))));
+  const __m512 p = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + 16), _mm512_mul_ps(a, _mm512_loadu_ps(x)));
+  acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w.d)), p, acc);
+}
+
+// One row by a row of blocks: two accumulators over alternate blocks (a block's scaling waits on its products).
+// `sums`: the row's block sums (block_sums) for q4 blocks; q8 blocks read none.
+template <typename B>
+float factored_dot(const float* x, const float* sums, const B* w, int64_t K) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   __m128 m0 = _mm_setzero_ps(), m1 = m0;
   const int64_t blocks = K / kBlockSize;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
-    factored_block(x + kBlockSize * (b + 1), sums + 2 * (b + 1), w[b + 1], a1, m1);
+    factored_block(x + kBlockSize * b, sums, b, w[b], a0, m0);
+    factored_block(x + kBlockSize * (b + 1), sums, b + 1, w[b + 1], a1, m1);
   }
-  if (b < blocks) factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+  if (b < blocks) factored_block(x + kBlockSize * b, sums, b, w[b], a0, m0);
   return horizontal_sum(_mm256_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m0, m1)));
 }
 
-DECODEKIT_BLOCKS512 float wide_factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+template <typename B>
+DECODEKIT_BLOCKS512 float wide_factored_dot(const float* x, const float* sums, const B* w, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   __m128 m0 = _mm_setzero_ps(), m1 = m0;
   const int64_t blocks = K / kBlockSize;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    wide_factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
-    wide_factored_block(x + kBlockSize * (b + 1), sums + 2 * (b + 1), w[b + 1], a1, m1);
+    wide_factored_block(x + kBlockSize * b, sums, b, w[b], a0, m0);
+    wide_factored_block(x + kBlockSize * (b + 1), sums, b + 1, w[b + 1], a1, m1);
   }
-  if (b < blocks) wide_factored_block(x + kBlockSize * b, sums + 2 * b, w[b], a0, m0);
+  if (b < blocks) wide_factored_block(x + kBlockSize * b, sums, b, w[b], a0, m0);
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm_cvtss_f32(_mm_movehdup_ps(_mm_add_ps(m0, m1)));
 }
 
-float any_factored_dot(const float* x, const float* sums, const Q4Block* w, int64_t K) {
+template <typename B>
+float any_factored_dot(const float* x, const float* sums, const B* w, int64_t K) {
   if (block_lanes.load(std::memory_order_relaxed) == 16) return wide_factored_dot(x, sums, w, K);
   return factored_dot(x, sums, w, K);
-}
-
-template <typename B>
-float any_block_dot(const float* x, const B* w, int64_t K) {
-  return block_lanes.load(std::memory_order_relaxed) == 16 ? wide_block_dot(x, w, K) : block_dot(x, w, K);
 }
 
 template <int M, typename B>
@@ -232,54 +225,7 @@ void any_block_dots(const float* x, const B* w, int64_t K, float* y, int64_t N) 
   block_dots<M>(x, w, K, y, N);
 }
 
-// One row by q8 blocks, factored as the q4 one is: a block's sum of d q x is d sum(q x), its scale one product.
-inline __m256 q8_products(const float* x, const Q8Block& w) {
-  __m256 p = _mm256_setzero_ps(), r = p;
-  for (int j = 0; j < 4; j += 2) {
-    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j))));
-    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qs + 8 * j + 8))));
-    p = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + 8 * j), p);
-    r = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + 8 * j + 8), r);
-  }
-  return _mm256_add_ps(p, r);
-}
-
-float q8_dot(const float* x, const Q8Block* w, int64_t K) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  const int64_t blocks = K / kBlockSize;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    a0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d)), q8_products(x + kBlockSize * b, w[b]), a0);
-    a1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b + 1].d)), q8_products(x + kBlockSize * (b + 1), w[b + 1]), a1);
-  }
-  if (b < blocks) a0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w[b].d)), q8_products(x + kBlockSize * b, w[b]), a0);
-  return horizontal_sum(_mm256_add_ps(a0, a1));
-}
-
-DECODEKIT_BLOCKS512 inline __m512 wide_q8_products(const float* x, const Q8Block& w) {
-  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs))));
-  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + 16))));
-  return _mm512_fmadd_ps(b, _mm512_loadu_ps(x + 16), _mm512_mul_ps(a, _mm512_loadu_ps(x)));
-}
-
-DECODEKIT_BLOCKS512 float wide_q8_dot(const float* x, const Q8Block* w, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  const int64_t blocks = K / kBlockSize;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + b) + kInt8PrefetchBytes, _MM_HINT_T0);
-    a0 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b].d)), wide_q8_products(x + kBlockSize * b, w[b]), a0);
-    a1 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b + 1].d)), wide_q8_products(x + kBlockSize * (b + 1), w[b + 1]), a1);
-  }
-  if (b < blocks) a0 = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(w[b].d)), wide_q8_products(x + kBlockSize * b, w[b]), a0);
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-float dot(const float* x, const Q4Block* w, int64_t K) { return any_block_dot(x, w, K); }
-float dot(const float* x, const Q8Block* w, int64_t K) {
-  return block_lanes.load(std::memory_order_relaxed) == 16 ? wide_q8_dot(x, w, K) : q8_dot(x, w, K);
-}
+float dot(const float* x, const Q8Block* w, int64_t K) { return any_factored_dot(x, nullptr, w, K); }
 template <int M>
 void dots(const float* x, const Q4Block* w, int64_t K, float* y, int64_t N) { any_block_dots<M>(x, w, K, y, N); }
 template <int M>

@@ -9,16 +9,14 @@ namespace {
 // or interleaved int8).
 template <typename W>
 void weight_rows(const float* x, int64_t M, const W* w, int64_t N, int64_t K, float* y, int64_t begin, int64_t end) {
-  if constexpr (std::is_same_v<W, Q4Block>) {
-    if (M == 1) {  // factored (blocks.cpp): the row's block sums once, for every weight row
+  if (M == 1) {
+    if constexpr (std::is_same_v<W, Q4Block>) {  // factored (blocks.cpp): the row's block sums once, for every row
       thread_local std::vector<float> sums;
       block_sums(x, K, sums);
       for (int64_t n = begin; n < end; ++n) y[n] = any_factored_dot(x, sums.data(), row_at(w, n, K), K);
-      return;
+    } else {
+      for (int64_t n = begin; n < end; ++n) y[n] = dot(x, row_at(w, n, K), K);
     }
-  }
-  if (M == 1) {
-    for (int64_t n = begin; n < end; ++n) y[n] = dot(x, row_at(w, n, K), K);
     return;
   }
   in_chunks(M, [&](int64_t split, auto first, auto rest) {

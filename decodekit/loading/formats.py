@@ -13,19 +13,6 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_SAFETENSORS_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-
 
 @dataclass
 class ModelFiles:

@@ -159,11 +159,12 @@ class FusedLoop:
         if self.compiles:
             with host.layout(model, input_ids.shape[0]) as layout:
                 return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
-        with host.if_free() as held:
-            if not held:  # another thread's call holds the layout: not waited for, the eager loop on the one in force
+        with host.layout_if_free(model, input_ids.shape[0]) as layout:
+            if (
+                layout is None
+            ):  # another thread's call holds the layout: not waited for, the eager loop on the one in force
                 return self.eager(model, input_ids, attention_mask, pipeline, gc, streamer, context)
-            with kernels.step_layout(model, input_ids.shape[0]) as layout:
-                return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
+            return self._fused(host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout)
 
     def _fused(self, host, model, input_ids, attention_mask, pipeline, gc, streamer, context, layout):
         options = step_options(gc.compile_config, model.device) if self.compiles else None

@@ -25,9 +25,9 @@ PLAIN_WEIGHTS_ROWS = MAX_ROWS
 
 @contextlib.contextmanager
 def step_layout(model, rows: int):
-    """For a caller that holds `model`'s StepHost lock (StepHost.layout, CallHold.hold): puts the weights in the layout a
-    compiled step of `rows` rows runs fastest on, for the duration, and yields that layout's key (dtype, device,
-    packed, quantization), part of the compiled step's own key.
+    """For a caller that holds `model`'s StepHost lock (StepHost.layout and layout_if_free, CallHold.hold): puts the
+    weights in the layout a compiled step of `rows` rows runs fastest on, for the duration, and yields that layout's
+    key (dtype, device, packed, quantization), part of the compiled step's own key.
 
     On CPU the kernels are loaded first (the traced products read whether they are there) and the routes for
     `rows` rows are measured (settle_routes). A step of up to PLAIN_WEIGHTS_ROWS rows runs on plain

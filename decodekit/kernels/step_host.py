@@ -141,6 +141,19 @@ class StepHost:
                 yield key
 
     @contextlib.contextmanager
+    def layout_if_free(self, model, rows: int):
+        """As `layout`, where no other thread holds the lock; else yields None at once, changing nothing (the caller
+        runs on the layout in force)."""
+        from . import step_layout
+
+        with self.if_free() as held:
+            if not held:
+                yield None
+                return
+            with step_layout(model, rows) as key:
+                yield key
+
+    @contextlib.contextmanager
     def if_free(self):
         """Yields True, holding the lock, where no other thread holds it; else False at once (the caller runs on the
         layout in force and changes nothing)."""
